@@ -1,0 +1,37 @@
+"""Tidal: elastic, fault-tolerant training on Ray Train + DeepSpeed, tracked in MLflow.
+
+The SDK. Importing it is cheap: torch, ray and deepspeed load only when a job runs.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from tidal.errors import CheckpointError, ClusterError, SpecError, TidalError
+from tidal.spec.job import JobSpec
+
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from tidal.launch.trainer import RunResult
+
+
+def run(spec: JobSpec, restart: bool = False) -> RunResult:
+    """Run `spec` to the end on the Ray cluster in RAY_ADDRESS, or on a local Ray instance.
+
+    Resumes from the job's latest complete checkpoint unless `restart` is true.
+    """
+    from tidal.launch.trainer import run as _run
+
+    return _run(spec, restart=restart)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "RunResult":
+        from tidal.launch.trainer import RunResult
+
+        return RunResult
+    raise AttributeError(name)
+
+
+__all__ = ["CheckpointError", "ClusterError", "JobSpec", "RunResult", "SpecError", "TidalError", "run"]

@@ -1,0 +1,3 @@
+from tidal.cli import main
+
+raise SystemExit(main())

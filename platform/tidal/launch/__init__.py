@@ -1,0 +1,1 @@
+"""The driver side: turns a JobSpec into a Ray Train run (imports ray, never torch)."""

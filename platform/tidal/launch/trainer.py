@@ -1,0 +1,178 @@
+"""run(spec): JobSpec -> ScalingConfig/RunConfig/FailureConfig/CheckpointConfig -> TorchTrainer.fit().
+
+The CLI, the SDK and the Ray Jobs entrypoint all end here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import ray
+from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchConfig, TorchTrainer
+
+from tidal import __version__
+from tidal.errors import CheckpointError, TidalError
+from tidal.spec.job import JobSpec
+from tidal.storage import JOB_FILE, RunDir, find_resume_point
+from tidal.tracking import mlflow as tracking
+from tidal.worker.device import dist_backend
+
+log = logging.getLogger("tidal")
+
+
+@dataclass
+class RunResult:
+    """What a finished job left behind."""
+
+    name: str
+    mlflow_run_id: str
+    tracking_uri: str
+    checkpoint_dir: str
+    metrics: dict[str, float] = field(default_factory=dict)
+    wall_s: float = 0.0
+
+    @property
+    def final_loss(self) -> float | None:
+        return self.metrics.get("loss")
+
+    def summary(self, spec: JobSpec) -> str:
+        m = self.metrics
+        lines = [
+            f"[tidal] job {self.name!r} finished in {self.wall_s:.0f}s",
+            f"  final loss      {m.get('loss', float('nan')):.4f}",
+            f"  throughput      {m.get('tokens_per_s', 0):,.0f} tokens/s, {m.get('samples_per_s', 0):,.1f} samples/s, "
+            f"MFU {100 * m.get('mfu', 0):.1f}% (last interval)",
+            f"  checkpoints     {self.checkpoint_dir}",
+            f"  MLflow run      {self.mlflow_run_id} in {self.tracking_uri}",
+            f"  open it with    {_safe_url(spec, self.mlflow_run_id)}",
+        ]
+        return "\n".join(lines)
+
+
+def run(spec: JobSpec, restart: bool = False) -> RunResult:
+    """Train `spec` to its last step, resuming from its latest complete checkpoint."""
+    t0 = time.time()
+    spec = spec.resolved()
+    run_dir = RunDir(spec.checkpoint.storage, spec.name)
+    if restart:
+        _set_aside(run_dir)
+    found = find_resume_point(spec)  # refuses an incompatible resume before any worker starts
+    job = run_dir.read_json(JOB_FILE) or {}
+    if job.get("fingerprint") != spec.fingerprint_hash():
+        job = {}  # a different job under the same name and no checkpoint: a new MLflow run
+    if found:
+        print(f"[tidal] resuming job {spec.name!r} from {found.name} (step {found.step}/{spec.train.steps}); "
+              "use --restart to start over", flush=True)
+
+    _connect_ray()
+    run_id = tracking.start_run(spec, job.get("mlflow_run_id"), _ray_tags(spec, run_dir))
+    run_dir.write_json(JOB_FILE, {"mlflow_run_id": run_id, "fingerprint": spec.fingerprint_hash(), "tidal_version": __version__})
+    print(f"[tidal] job {spec.name!r}: {_describe_scaling(spec)}; MLflow run {run_id}", flush=True)
+
+    trainer = _trainer(spec, run_id, run_dir)
+    ok = False
+    try:
+        trainer.fit()
+        ok = True
+    except ray.train.TrainingFailedError as e:
+        raise TidalError(f"job {spec.name!r} failed after {spec.failure.max_restarts} restart(s): {_root_cause(e)}\n"
+                         f"Its checkpoints are in {run_dir.path}; run the same command again to resume.") from e
+    finally:
+        left = tracking.flush_buffer(spec, run_id, run_dir.path) if _is_local(spec) else 0
+        if left:
+            print(f"[tidal] WARNING: {left} metric point(s) could not reach MLflow; they stay in "
+                  f"{run_dir.path}/{tracking.BUFFER_FILE} and are sent when this job runs again", flush=True)
+        tracking.end_run(spec, run_id, ok)
+    return RunResult(spec.name, run_id, spec.tracking.uri, run_dir.path, _final_metrics(spec, run_id), time.time() - t0)
+
+
+def _trainer(spec: JobSpec, run_id: str, run_dir: RunDir) -> TorchTrainer:
+    from tidal.worker.loop import train_loop
+
+    s = spec.scaling
+    scaling = ScalingConfig(
+        num_workers=(s.min_workers, s.max_workers) if spec.elastic else s.max_workers,
+        use_gpu=s.gpus_per_worker > 0,
+        resources_per_worker={"CPU": s.cpus_per_worker, **({"GPU": s.gpus_per_worker} if s.gpus_per_worker else {})},
+        **({"elastic_resize_monitor_interval_s": s.elastic_check_s} if spec.elastic else {}),
+    )
+    run_config = RunConfig(
+        name=spec.name,
+        storage_path=spec.checkpoint.storage,
+        failure_config=FailureConfig(max_failures=spec.failure.max_restarts),
+        checkpoint_config=CheckpointConfig(num_to_keep=spec.checkpoint.keep),
+        callbacks=[tracking.MlflowReporter(spec, run_id, run_dir.path if _is_local(spec) else None)],
+    )
+    return TorchTrainer(
+        train_loop,
+        train_loop_config={"spec": spec.model_dump(mode="json"), "mlflow_run_id": run_id},
+        scaling_config=scaling,
+        run_config=run_config,
+        torch_config=TorchConfig(backend=dist_backend(s.gpus_per_worker)),
+    )
+
+
+def _connect_ray() -> None:
+    if ray.is_initialized():
+        return
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        print(f"[tidal] connecting to the Ray cluster at {address}", flush=True)
+    else:
+        print("[tidal] no RAY_ADDRESS: starting a local Ray instance", flush=True)
+    ray.init(address=address or None, logging_level=logging.WARNING, log_to_driver=True)
+
+
+def _ray_tags(spec: JobSpec, run_dir: RunDir) -> dict[str, str]:
+    tags = {"tidal.run_dir": run_dir.path, "ray.run_name": spec.name}
+    job_id = os.environ.get("RAY_JOB_SUBMISSION_ID") or (ray.get_runtime_context().get_job_id() if ray.is_initialized() else None)
+    if job_id:
+        tags["ray.job_id"] = job_id
+    return tags
+
+
+def _set_aside(run_dir: RunDir) -> None:
+    """--restart: keep the old run folder under a new name rather than deleting anyone's work."""
+    if not run_dir.checkpoints() and run_dir.read_json(JOB_FILE) is None:
+        return
+    aside = f"{run_dir.path}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir.fs.move(run_dir.path, aside)
+    print(f"[tidal] --restart: previous checkpoints moved to {aside}", flush=True)
+
+
+def _final_metrics(spec: JobSpec, run_id: str) -> dict[str, float]:
+    try:
+        return tracking.last_metrics(spec, run_id)
+    except Exception as e:  # noqa: BLE001 - the job is done; a tracking outage must not hide that
+        log.warning("Could not read the final metrics from MLflow: %s", e)
+        return {}
+
+
+def _safe_url(spec: JobSpec, run_id: str) -> str:
+    try:
+        return tracking.run_url(spec, run_id)
+    except Exception:  # noqa: BLE001
+        return spec.tracking.uri
+
+
+def _describe_scaling(spec: JobSpec) -> str:
+    s = spec.scaling
+    workers = f"{s.min_workers}-{s.max_workers} (elastic)" if spec.elastic else str(s.max_workers)
+    device = f"{s.gpus_per_worker} GPU" if s.gpus_per_worker else "CPU"
+    return f"{workers} worker(s) x {s.cpus_per_worker:g} CPU, {device}, ZeRO-{spec.parallelism.zero_stage}, {spec.parallelism.precision}"
+
+
+def _is_local(spec: JobSpec) -> bool:
+    return "://" not in spec.checkpoint.storage
+
+
+def _root_cause(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[-1] if text else type(e).__name__
+
+
+__all__ = ["CheckpointError", "RunResult", "run"]

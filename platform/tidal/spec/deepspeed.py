@@ -1,0 +1,59 @@
+"""The DeepSpeed config, derived from the JobSpec (pure: no deepspeed import, so `validate` can print it)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tidal.spec.batch import grad_accum_steps
+from tidal.spec.job import JobSpec
+
+
+def ds_config(spec: JobSpec, world_size: int, on_gpu: bool, load_universal: bool = False) -> dict[str, Any]:
+    t, p = spec.train, spec.parallelism
+    zero: dict[str, Any] = {"stage": p.zero_stage}
+    if p.offload_optimizer == "cpu":
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": on_gpu}
+    return {
+        "train_batch_size": t.global_batch,
+        "train_micro_batch_size_per_gpu": t.micro_batch,
+        "gradient_accumulation_steps": grad_accum_steps(t.global_batch, t.micro_batch, world_size),
+        "gradient_clipping": t.grad_clip,
+        "zero_optimization": zero,
+        "bf16": {"enabled": p.precision == "bf16"},
+        "fp16": {"enabled": p.precision == "fp16", "loss_scale": 0, "initial_scale_power": 16},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": t.lr,
+                "betas": [0.9, 0.95],
+                "eps": 1e-8,
+                "weight_decay": t.weight_decay,
+                # Without a GPU DeepSpeed would JIT-compile a CPU FusedAdam (~50 s); torch's AdamW
+                # is as fast here. Offload needs DeepSpeed's own CPU Adam, so leave it alone then.
+                **({"torch_adam": True} if not on_gpu and p.offload_optimizer == "none" else {}),
+            },
+        },
+        "scheduler": _scheduler(spec),
+        "checkpoint": {"load_universal": load_universal},
+        "steps_per_print": 10**9,  # Tidal prints its own progress lines
+        "wall_clock_breakdown": False,
+    }
+
+
+def _scheduler(spec: JobSpec) -> dict[str, Any]:
+    t = spec.train
+    if t.schedule == "constant":
+        return {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 0.0, "warmup_max_lr": t.lr, "warmup_num_steps": max(t.warmup_steps, 1), "warmup_type": "linear"},
+        }
+    return {
+        "type": "WarmupCosineLR",
+        "params": {
+            "total_num_steps": t.steps,
+            "warmup_num_steps": max(t.warmup_steps, 1),
+            "warmup_min_ratio": 0.0,
+            "cos_min_ratio": t.min_lr_ratio,
+            "warmup_type": "linear",
+        },
+    }

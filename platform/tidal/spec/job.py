@@ -1,0 +1,218 @@
+"""JobSpec: the one typed description of a job. DeepSpeed, Ray and MLflow settings derive from it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tidal.errors import SpecError
+from tidal.spec.batch import bad_world_sizes
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$"
+
+
+class Part(BaseModel):
+    """Base of every spec section: unknown keys are errors, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSpec(Part):
+    """The built-in decoder-only GPT."""
+
+    n_layer: int = Field(4, ge=1, description="transformer blocks")
+    n_head: int = Field(4, ge=1, description="attention heads; must divide d_model")
+    d_model: int = Field(256, ge=8, description="hidden size")
+    vocab_size: int = Field(256, ge=2, description="tokens; 256 = byte-level text")
+    seq_len: int = Field(64, ge=2, description="tokens per training sequence")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+
+
+class DataSpec(Part):
+    source: str = Field(
+        "synthetic",
+        description="'synthetic' (a learnable task, no download) or a path to a .txt or .jsonl file",
+    )
+    text_field: str = Field("text", description="the key holding the text in .jsonl records")
+
+
+class TrainSpec(Part):
+    steps: int = Field(200, ge=1, description="optimizer steps in the whole job")
+    micro_batch: int = Field(8, ge=1, description="sequences per worker per forward pass")
+    global_batch: int = Field(32, ge=1, description="sequences per optimizer step, fixed at any world size")
+    lr: float = Field(3e-4, gt=0.0, le=1.0)
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="cosine floor as a fraction of lr")
+    warmup_steps: int = Field(20, ge=0)
+    schedule: Literal["cosine", "constant"] = "cosine"
+    weight_decay: float = Field(0.0, ge=0.0)
+    grad_clip: float = Field(1.0, ge=0.0, description="0 disables clipping")
+    seed: int = Field(0, ge=0)
+    log_every: int = Field(10, ge=1, description="steps between progress lines and MLflow points")
+
+
+class ParallelismSpec(Part):
+    zero_stage: Literal[0, 1, 2, 3] = 2
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    offload_optimizer: Literal["none", "cpu"] = "none"
+    activation_checkpointing: bool = False
+
+
+class ScalingSpec(Part):
+    min_workers: int = Field(2, ge=1)
+    max_workers: int = Field(2, ge=1)
+    cpus_per_worker: float = Field(1.0, gt=0.0)
+    gpus_per_worker: int = Field(0, ge=0, description="whole GPUs per worker; 0 trains on CPU")
+    elastic_check_s: float = Field(
+        60.0, gt=0.0, description="how often an elastic job looks for room to grow"
+    )
+
+
+class CheckpointSpec(Part):
+    every_steps: int = Field(50, ge=1)
+    keep: int = Field(3, ge=1, description="newest checkpoints kept")
+    storage: str = Field("./tidal-runs", description="a path every node shares, or a URI (s3://...)")
+
+
+class FailureSpec(Part):
+    max_restarts: int = Field(3, ge=-1, description="worker-group restarts allowed; -1 = unlimited")
+
+
+class TrackingSpec(Part):
+    uri: str = Field("sqlite:///mlflow.db", description="MLflow tracking URI")
+    experiment: str = Field("tidal", min_length=1)
+
+
+class JobSpec(Part):
+    """A training job. Load it with `JobSpec.from_yaml`, change it with `with_overrides`."""
+
+    name: str = Field("tidal-job", pattern=NAME_PATTERN, description="names the MLflow run and the checkpoint folder")
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    data: DataSpec = Field(default_factory=DataSpec)
+    train: TrainSpec = Field(default_factory=TrainSpec)
+    parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec)
+    scaling: ScalingSpec = Field(default_factory=ScalingSpec)
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    failure: FailureSpec = Field(default_factory=FailureSpec)
+    tracking: TrackingSpec = Field(default_factory=TrackingSpec)
+
+    def model_post_init(self, _context: Any) -> None:
+        problems = consistency_problems(self)
+        if problems:
+            raise SpecError(problems)
+
+    # --- constructors -------------------------------------------------------------------
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str], overrides: list[str] | None = None) -> JobSpec:
+        """Load a YAML job file; `overrides` are `a.b=value` strings applied on top."""
+        from tidal.spec.load import load_spec
+
+        return load_spec(path, overrides or [])
+
+    def with_overrides(self, overrides: Mapping[str, Any] | list[str]) -> JobSpec:
+        """A copy with dotted fields replaced, e.g. `{"train.lr": 1e-3}` or `["train.lr=1e-3"]`."""
+        from tidal.spec.load import apply_overrides, validate
+
+        data = apply_overrides(self.model_dump(mode="json"), overrides)
+        return validate(data, source="overrides")
+
+    # --- derived views ------------------------------------------------------------------
+    @property
+    def elastic(self) -> bool:
+        return self.scaling.min_workers != self.scaling.max_workers
+
+    def flat(self) -> dict[str, Any]:
+        """`section.key -> value`, the form MLflow params take."""
+        return _flatten(self.model_dump(mode="json"))
+
+    def resume_fingerprint(self) -> dict[str, Any]:
+        """Fields that must match between a checkpoint and the job resuming from it."""
+        keep = ("model.", "parallelism.zero_stage", "train.global_batch", "train.seed", "data.source")
+        return {k: v for k, v in self.flat().items() if k.startswith(keep)}
+
+    def fingerprint_hash(self) -> str:
+        blob = json.dumps(self.resume_fingerprint(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def resolved(self, base: str | os.PathLike[str] | None = None) -> JobSpec:
+        """Relative storage paths and SQLite URIs made absolute against `base` (default: cwd).
+
+        Workers run in other directories, so the driver resolves these once, at the edge.
+        """
+        base_dir = Path(base or os.getcwd())
+        storage = self.checkpoint.storage
+        if "://" not in storage:
+            storage = str((base_dir / storage).resolve())
+        uri = self.tracking.uri
+        if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+            uri = "sqlite:///" + str((base_dir / uri[len("sqlite:///"):]).resolve())
+        elif "://" not in uri:
+            uri = str((base_dir / uri).resolve())
+        source = self.data.source
+        if source != "synthetic" and "://" not in source:
+            source = str((base_dir / source).resolve())
+        return self.with_overrides(
+            {"checkpoint.storage": storage, "tracking.uri": uri, "data.source": source}
+        )
+
+
+def consistency_problems(spec: JobSpec) -> list[tuple[str, str]]:
+    """Checks that span several fields; each problem names the field to change."""
+    problems: list[tuple[str, str]] = []
+    m, s, t = spec.model, spec.scaling, spec.train
+    if m.d_model % m.n_head:
+        problems.append(("model.n_head", f"must divide model.d_model ({m.d_model}); got {m.n_head}"))
+    if s.min_workers > s.max_workers:
+        problems.append(
+            ("scaling.min_workers", f"{s.min_workers} is above scaling.max_workers ({s.max_workers}); "
+             "set min_workers <= max_workers")
+        )
+    else:
+        bad = bad_world_sizes(t.global_batch, t.micro_batch, s.min_workers, s.max_workers)
+        if bad:
+            ok = [g for g in range(t.micro_batch, 4 * t.global_batch + 1, t.micro_batch)
+                  if not bad_world_sizes(g, t.micro_batch, s.min_workers, s.max_workers)][:3]
+            problems.append(
+                ("train.global_batch",
+                 f"{t.global_batch} cannot stay fixed at world size(s) {bad}: it must be a multiple of "
+                 f"train.micro_batch ({t.micro_batch}) x each world size in "
+                 f"[{s.min_workers}, {s.max_workers}]; try global_batch {ok} or narrow the range")
+            )
+    if t.warmup_steps >= t.steps and t.steps > 1:
+        problems.append(("train.warmup_steps", f"{t.warmup_steps} must be below train.steps ({t.steps})"))
+    if spec.parallelism.precision == "fp16" and s.gpus_per_worker == 0:
+        problems.append(("parallelism.precision", "fp16 needs GPUs (scaling.gpus_per_worker >= 1); use fp32 or bf16 on CPU"))
+    problems += _data_problems(spec.data)
+    if spec.parallelism.offload_optimizer != "none" and spec.parallelism.zero_stage == 0:
+        problems.append(("parallelism.offload_optimizer", "needs parallelism.zero_stage 1, 2 or 3"))
+    return problems
+
+
+DATA_SUFFIXES = (".txt", ".jsonl")
+
+
+def _data_problems(data: DataSpec) -> list[tuple[str, str]]:
+    src = data.source
+    if src == "synthetic" or "://" in src:
+        return []
+    if not src.endswith(DATA_SUFFIXES):
+        return [("data.source", f"{src!r}: use 'synthetic' or a file ending in {', '.join(DATA_SUFFIXES)}")]
+    if not Path(src).is_file():
+        return [("data.source", f"file not found: {src} (relative paths are read from {os.getcwd()})")]
+    return []
+
+
+def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out

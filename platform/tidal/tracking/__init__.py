@@ -1,0 +1,1 @@
+"""MLflow tracking: one run per job, kept across restarts, each metric once per step."""

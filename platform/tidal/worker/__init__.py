@@ -1,0 +1,1 @@
+"""Code that runs inside each Ray Train worker (imports torch and deepspeed)."""

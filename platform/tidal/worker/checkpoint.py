@@ -1,0 +1,112 @@
+"""Save a DeepSpeed checkpoint through Ray Train, and restore it at any world size.
+
+Every rank saves its own files into a local folder, adds a manifest of them, and hands the
+folder to `ray.train.report`, which merges all ranks' folders into one on shared storage.
+Rank 0 also writes `tidal-state.json`: the step, the world size, the spec fingerprint and
+the MLflow run id. `tidal.storage` decides from those files which checkpoint is complete.
+
+Resizing: DeepSpeed ZeRO checkpoints only load at the world size that wrote them. For another
+size we convert once to DeepSpeed's universal format (`ds_to_universal`), which keeps the
+optimizer state, store it beside the original as `global_stepN_universal`, and load that.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray.train
+import torch.distributed as dist
+
+from tidal.errors import CheckpointError
+from tidal.storage import STATE_FILE, Found, checkpoint_dir_name, manifest_name
+
+log = logging.getLogger("tidal")
+
+
+@dataclass
+class TrainState:
+    """All a checkpoint needs beyond DeepSpeed's own files to continue exactly."""
+
+    step: int = 0
+    samples_seen: int = 0
+    tokens_seen: int = 0
+    world_size: int = 1
+    zero_stage: int = 0
+    mlflow_run_id: str | None = None
+    fingerprint: dict[str, Any] = field(default_factory=dict)
+
+
+def tag(step: int) -> str:
+    return f"global_step{step}"
+
+
+def save(engine: Any, state: TrainState, metrics: dict[str, Any]) -> None:
+    """Save on every rank and report to Ray Train (a collective: all ranks call it together)."""
+    rank = dist.get_rank()
+    local = Path(tempfile.mkdtemp(prefix="tidal-ckpt-"))
+    t0 = time.perf_counter()
+    engine.save_checkpoint(
+        str(local),
+        tag=tag(state.step),
+        # ds_to_universal refuses checkpoints without this key.
+        client_state={"tidal": asdict(state), "universal_checkpoint_info": {"universal_checkpoint_version": 0.4}},
+    )
+    if rank == 0:
+        (local / STATE_FILE).write_text(json.dumps(asdict(state), indent=2))
+    files = {str(p.relative_to(local)): p.stat().st_size for p in local.rglob("*") if p.is_file()}
+    # Written last and listing every file this rank wrote: its presence with matching sizes
+    # is what makes the checkpoint count as complete (see tidal.storage).
+    (local / manifest_name(rank)).write_text(json.dumps({"step": state.step, "files": files}))
+    save_s = time.perf_counter() - t0
+    size = sum(files.values())
+    metrics = {**metrics, "checkpoint_save_s": save_s, "checkpoint_bytes": size}
+    ray.train.report(
+        metrics,
+        checkpoint=ray.train.Checkpoint.from_directory(str(local)),
+        checkpoint_dir_name=checkpoint_dir_name(state.step),
+        delete_local_checkpoint_after_upload=True,
+    )
+    shutil.rmtree(local, ignore_errors=True)
+
+
+def restore(engine: Any, found: Found, world_size: int) -> TrainState:
+    """Load `found` into `engine`, converting it first if it was written at another world size."""
+    with ray.train.Checkpoint(found.path, filesystem=found.fs).as_directory() as local:
+        state = TrainState(**found.state)
+        step_tag = tag(state.step)
+        if state.world_size != world_size:
+            step_tag = _universal(local, step_tag)
+        load_path, client = engine.load_checkpoint(local, tag=step_tag, load_optimizer_states=True, load_lr_scheduler_states=True)
+    if load_path is None:
+        raise CheckpointError(f"DeepSpeed could not load {found.path} (tag {step_tag})")
+    return state
+
+
+def _universal(local: str, step_tag: str) -> str:
+    """Convert `local/step_tag` to universal form once (rank 0), cached beside it; returns its tag."""
+    out_tag = f"{step_tag}_universal"
+    out = Path(local) / out_tag
+    if dist.get_rank() == 0 and not out.exists():
+        t0 = time.perf_counter()
+        tmp = Path(local) / f".{out_tag}.partial"
+        shutil.rmtree(tmp, ignore_errors=True)
+        cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
+               "--input_folder", str(Path(local) / step_tag), "--output_folder", str(tmp),
+               "--num_extract_workers", "1", "--num_merge_workers", "1"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        if proc.returncode != 0:
+            raise CheckpointError(f"converting {step_tag} to a universal checkpoint failed:\n{proc.stderr[-3000:]}")
+        tmp.rename(out)  # the rename makes a half-written conversion invisible
+        log.warning("Resharding: converted %s to universal form in %.1fs", step_tag, time.perf_counter() - t0)
+    dist.barrier()
+    return out_tag

@@ -1,0 +1,90 @@
+"""Batches defined by global sample index, so what a step sees never depends on the world size.
+
+Step `s` (1-based) trains on samples `[(s-1)*B, s*B)` of a seeded order (B = global batch).
+Rank r takes its contiguous slice of those and splits it into gradient-accumulation
+micro-batches. A resumed or resized run therefore sees exactly the samples an undisturbed
+run would, and the data position is just the step number.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from tidal.spec.batch import rank_slice
+from tidal.spec.job import JobSpec
+
+MAX_STRIDE = 8
+
+
+class SyntheticTask:
+    """Sequences x[t+1] = (x[t] + k) mod V with a random start and a random stride k per sequence.
+
+    Learnable (a model must infer k from the context) and needs no download.
+    """
+
+    def __init__(self, vocab: int, seq_len: int, seed: int) -> None:
+        self.vocab, self.seq_len, self.seed = vocab, seq_len, seed
+
+    def samples(self, first: int, count: int) -> torch.Tensor:
+        """`count` sequences starting at global sample index `first` (always a step's start)."""
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + first)
+        start = torch.randint(0, self.vocab, (count, 1), generator=g)
+        stride = torch.randint(1, MAX_STRIDE + 1, (count, 1), generator=g)
+        t = torch.arange(self.seq_len + 1).unsqueeze(0)
+        return (start + stride * t) % self.vocab
+
+
+class TextWindows:
+    """Byte-level tokens of a .txt or .jsonl file, cut into windows, in a seeded order per epoch."""
+
+    def __init__(self, path: str, text_field: str, seq_len: int, seed: int) -> None:
+        raw = Path(path).read_bytes()
+        if path.endswith(".jsonl"):
+            lines = [json.loads(line)[text_field] for line in raw.decode().splitlines() if line.strip()]
+            raw = "\n".join(lines).encode()
+        tokens = torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()
+        n = (len(tokens) - 1) // seq_len
+        if n < 1:
+            raise ValueError(f"{path} holds {len(tokens)} bytes, fewer than one sequence of {seq_len + 1}")
+        self.windows = tokens[: n * seq_len + 1].unfold(0, seq_len + 1, seq_len)
+        self.seed = seed
+
+    def samples(self, first: int, count: int) -> torch.Tensor:
+        n = len(self.windows)
+        idx = torch.empty(count, dtype=torch.long)
+        for i in range(count):  # a sample's window depends only on its global index
+            epoch, j = divmod(first + i, n)
+            idx[i] = self._order(epoch)[j]
+        return self.windows[idx]
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        if getattr(self, "_epoch", None) != epoch:
+            self._epoch, self._perm = epoch, torch.randperm(len(self.windows), generator=torch.Generator().manual_seed(self.seed + epoch))
+        return self._perm
+
+
+class Batches:
+    """This rank's micro-batches for a given step."""
+
+    def __init__(self, spec: JobSpec, rank: int, world_size: int, device: torch.device) -> None:
+        m, t = spec.model, spec.train
+        self.source = (
+            SyntheticTask(m.vocab_size, m.seq_len, t.seed)
+            if spec.data.source == "synthetic"
+            else TextWindows(spec.data.source, spec.data.text_field, m.seq_len, t.seed)
+        )
+        self.global_batch, self.micro_batch = t.global_batch, t.micro_batch
+        self.part = rank_slice(t.global_batch, world_size, rank)
+        self.device = device
+
+    def for_step(self, step: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        # Every rank draws the step's whole batch and keeps its slice: the synthetic task draws
+        # a step's samples from one seeded stream, so slices must come from the same draw.
+        mine = self.source.samples((step - 1) * self.global_batch, self.global_batch)[self.part]
+        for chunk in mine.split(self.micro_batch):
+            chunk = chunk.to(self.device, non_blocking=True)
+            yield chunk[:, :-1], chunk[:, 1:]

@@ -1,0 +1,85 @@
+"""The per-worker training loop Ray Train runs. Reads top to bottom; its state is `TrainState`."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import ray.train
+import torch
+import torch.distributed as dist
+
+from tidal.spec.job import JobSpec
+from tidal.storage import find_resume_point
+from tidal.worker import checkpoint
+from tidal.worker.data import Batches
+from tidal.worker.device import torch_device
+from tidal.worker.engine import build_engine, param_count
+from tidal.worker.metrics import StepTimer, device_peak_flops, flops_per_token
+
+
+def train_loop(config: dict[str, Any]) -> None:
+    logging.getLogger("ray.train").setLevel(logging.WARNING)  # one line per report is our job
+    spec = JobSpec.model_validate(config["spec"])
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    device = torch_device()
+
+    found = find_resume_point(spec)
+    engine = build_engine(spec, world, device, load_universal=bool(found and found.state["world_size"] != world))
+    if found:
+        state = checkpoint.restore(engine, found, world)
+        if rank == 0:
+            was = state.world_size
+            resize = f", resharded from world size {was} to {world}" if was != world else ""
+            print(f"[tidal] resumed from {found.name} at step {state.step}/{spec.train.steps}{resize}", flush=True)
+    else:
+        state = checkpoint.TrainState()
+    state.world_size, state.zero_stage = world, spec.parallelism.zero_stage
+    state.mlflow_run_id, state.fingerprint = config.get("mlflow_run_id"), spec.resume_fingerprint()
+
+    batches = Batches(spec, rank, world, device)
+    t = spec.train
+    tokens_per_step = t.global_batch * spec.model.seq_len
+    flops_per_step = flops_per_token(param_count(engine), spec.model) * tokens_per_step
+    peak = world * device_peak_flops(torch.cuda.get_device_name() if device.type == "cuda" else "CPU", spec.parallelism.precision)
+    timer, loss_sum, loss_n = StepTimer(), torch.zeros(1), 0
+    saved_for_preemption = False
+
+    for step in range(state.step + 1, t.steps + 1):
+        torch.manual_seed(t.seed * 1_000_003 + step * 1_009 + rank)  # dropout depends on the step only
+        timer.start()
+        for tokens, targets in batches.for_step(step):
+            loss = engine(tokens, targets)
+            engine.backward(loss)
+            engine.step()
+            loss_sum += loss.detach().float().cpu()
+            loss_n += 1
+        timer.stop()
+        state.step, state.samples_seen = step, step * t.global_batch
+        state.tokens_seen = state.samples_seen * spec.model.seq_len
+
+        is_log = step % t.log_every == 0 or step == t.steps
+        # Ray warns when a node of this group is being drained or reclaimed. The check is a
+        # barrier across workers, so it runs at log steps only; a warning then costs one extra
+        # save and no lost step, provided the deadline leaves time for one save.
+        preempted = is_log and not saved_for_preemption and ray.train.get_preemption_info() is not None
+        saved_for_preemption |= preempted
+        is_ckpt = step % spec.checkpoint.every_steps == 0 or step == t.steps or preempted
+        if not (is_log or is_ckpt):
+            continue
+        dist.all_reduce(loss_sum)  # mean loss over ranks and micro-batches since the last report
+        step_s = timer.take()
+        metrics = {
+            "step": step, "loss": loss_sum.item() / (loss_n * world), "lr": engine.get_lr()[0],
+            "tokens_per_s": tokens_per_step / step_s, "samples_per_s": t.global_batch / step_s,
+            "step_time_s": step_s, "mfu": flops_per_step / step_s / peak, "world_size": world,
+        } if rank == 0 else {}
+        loss_sum.zero_()
+        loss_n = 0
+        if is_ckpt:
+            if preempted and rank == 0:
+                print(f"[tidal] preemption warning: saving an emergency checkpoint at step {step}", flush=True)
+            checkpoint.save(engine, state, {**metrics, "preempted": int(preempted)} if rank == 0 else {})
+        else:
+            ray.train.report(metrics)
