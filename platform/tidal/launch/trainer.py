@@ -9,10 +9,12 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import ray
-from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from tidal import __version__
 from tidal.errors import CheckpointError, TidalError
@@ -73,24 +75,32 @@ def run(spec: JobSpec, restart: bool = False) -> RunResult:
     run_dir.write_json(JOB_FILE, {"mlflow_run_id": run_id, "fingerprint": spec.fingerprint_hash(), "tidal_version": __version__})
     print(f"[tidal] job {spec.name!r}: {_describe_scaling(spec)}; MLflow run {run_id}", flush=True)
 
-    trainer = _trainer(spec, run_id, run_dir)
+    tracker = _start_tracker(spec, run_id, run_dir)
     ok = False
     try:
-        trainer.fit()
+        _trainer(spec, run_id, tracker).fit()
         ok = True
     except ray.train.TrainingFailedError as e:
         raise TidalError(f"job {spec.name!r} failed after {spec.failure.max_restarts} restart(s): {_root_cause(e)}\n"
                          f"Its checkpoints are in {run_dir.path}; run the same command again to resume.") from e
     finally:
-        left = tracking.flush_buffer(spec, run_id, run_dir.path) if _is_local(spec) else 0
+        latest, left = ray.get(tracker.close.remote())
+        ray.kill(tracker)
         if left:
             print(f"[tidal] WARNING: {left} metric point(s) could not reach MLflow; they stay in "
                   f"{run_dir.path}/{tracking.BUFFER_FILE} and are sent when this job runs again", flush=True)
         tracking.end_run(spec, run_id, ok)
-    return RunResult(spec.name, run_id, spec.tracking.uri, run_dir.path, _final_metrics(spec, run_id), time.time() - t0)
+    return RunResult(spec.name, run_id, spec.tracking.uri, run_dir.path, latest, time.time() - t0)
 
 
-def _trainer(spec: JobSpec, run_id: str, run_dir: RunDir) -> TorchTrainer:
+def _start_tracker(spec: JobSpec, run_id: str, run_dir: RunDir) -> Any:
+    """The MLflow tracker actor, pinned to this (the driver's) node, where a SQLite store lives."""
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    actor = ray.remote(num_cpus=0, scheduling_strategy=here)(tracking.Tracker)
+    return actor.remote(spec, run_id, run_dir.path if _is_local(spec) else None)
+
+
+def _trainer(spec: JobSpec, run_id: str, tracker: Any) -> TorchTrainer:
     from tidal.worker.loop import train_loop
 
     s = spec.scaling
@@ -105,11 +115,14 @@ def _trainer(spec: JobSpec, run_id: str, run_dir: RunDir) -> TorchTrainer:
         storage_path=spec.checkpoint.storage,
         failure_config=FailureConfig(max_failures=spec.failure.max_restarts),
         checkpoint_config=CheckpointConfig(num_to_keep=spec.checkpoint.keep),
-        callbacks=[tracking.MlflowReporter(spec, run_id, run_dir.path if _is_local(spec) else None)],
+        callbacks=[tracking.FailureNotifier(tracker)],
+        # Ray Train logs every report at INFO; Tidal prints its own progress, restart and
+        # checkpoint lines, so keep Ray's warnings and errors only.
+        logging_config=LoggingConfig(log_level="WARNING"),
     )
     return TorchTrainer(
         train_loop,
-        train_loop_config={"spec": spec.model_dump(mode="json"), "mlflow_run_id": run_id},
+        train_loop_config={"spec": spec.model_dump(mode="json"), "mlflow_run_id": run_id, "tracker": tracker},
         scaling_config=scaling,
         run_config=run_config,
         torch_config=TorchConfig(backend=dist_backend(s.gpus_per_worker)),
@@ -142,14 +155,6 @@ def _set_aside(run_dir: RunDir) -> None:
     aside = f"{run_dir.path}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir.fs.move(run_dir.path, aside)
     print(f"[tidal] --restart: previous checkpoints moved to {aside}", flush=True)
-
-
-def _final_metrics(spec: JobSpec, run_id: str) -> dict[str, float]:
-    try:
-        return tracking.last_metrics(spec, run_id)
-    except Exception as e:  # noqa: BLE001 - the job is done; a tracking outage must not hide that
-        log.warning("Could not read the final metrics from MLflow: %s", e)
-        return {}
 
 
 def _safe_url(spec: JobSpec, run_id: str) -> str:

@@ -1,10 +1,12 @@
-"""One MLflow run per job, kept across restarts and resizes, logged from the Ray Train controller.
+"""One MLflow run per job, kept across restarts and resizes, logged from one place.
 
-Ray 2.60 has no MLflow callback for Train V2 (its MLflowLoggerCallback is Tune-only), so the
-controller-side `ray.train.UserCallback` below is ours. It gets rank 0's metrics of every
-`ray.train.report`, logs each step once (a step replayed after a restart is skipped), prints
-the progress line, and never stops training when MLflow is unreachable: metrics wait in a
-buffer file in the run folder and are sent when the server answers again.
+Ray 2.60 has no MLflow integration for Train V2 (MLflowLoggerCallback is Tune-only), and
+`ray.train.report` is no channel for per-step metrics: each call blocks until the controller
+polls (every 2 s by default), so reporting every few steps would stall training. Instead rank 0
+sends its metrics, fire-and-forget, to a `Tracker` actor on the driver's node. The tracker logs
+each step once (a step replayed after a restart is skipped), prints the progress line, and never
+stops training when MLflow is unreachable: points wait in a buffer file in the run folder and
+are sent when the server answers again. `ray.train.report` is used for checkpoints only.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 import mlflow
 from mlflow.entities import Metric, Param, RunStatus
 from mlflow.tracking import MlflowClient
-from ray.train import Checkpoint, UserCallback
+from ray.train import UserCallback
 
 from tidal import __version__
 from tidal.spec.job import JobSpec
@@ -72,8 +74,8 @@ def run_url(spec: JobSpec, run_id: str) -> str:
     return f"mlflow ui --backend-store-uri {uri}   (then open http://127.0.0.1:5000, run {run_id})"
 
 
-class MlflowReporter(UserCallback):
-    """Runs in the Ray Train controller: logs rank 0's reports, prints progress, notes restarts."""
+class Tracker:
+    """Logs rank 0's metrics to MLflow once per step and prints progress (a Ray actor in a run)."""
 
     def __init__(self, spec: JobSpec, run_id: str, run_dir: str | None) -> None:
         self.spec, self.run_id = spec, run_id
@@ -81,36 +83,48 @@ class MlflowReporter(UserCallback):
         self.last_step: int | None = None  # highest step already in MLflow
         self.world_size: int | None = None
         self.restarts = 0
+        self.latest: dict[str, float] = {}
         self.t0 = time.time()
         self.first_step: int | None = None
         self._warned = False
 
-    # --- Ray Train hooks ---------------------------------------------------------------
-    def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Checkpoint | None) -> None:
-        m = metrics[0] if metrics else {}
-        if "step" not in m:
-            return
+    # --- called by rank 0 and by the controller callback ----------------------------------
+    def log(self, m: dict[str, Any]) -> None:
+        """Rank 0's metrics for one step (with `step`), printed and logged unless already logged."""
         step = int(m["step"])
-        self._note_resize(step, int(m.get("world_size", 0)))
-        print(self._progress_line(m), flush=True)
-        if checkpoint is not None:
-            print(f"[tidal] checkpoint step {step} -> {checkpoint.path} "
-                  f"({m.get('checkpoint_bytes', 0) / 2**20:.1f} MiB, saved in {m.get('checkpoint_save_s', 0):.2f}s)", flush=True)
+        if "loss" in m:
+            self._note_resize(step, int(m.get("world_size", 0)))
+            print(self._progress_line(m), flush=True)
+        if "checkpoint_bytes" in m:
+            print(f"[tidal] checkpoint at step {step}: {m['checkpoint_bytes'] / 2**20:.1f} MiB on rank 0, "
+                  f"written in {m.get('checkpoint_save_s', 0):.2f}s, training blocked {m.get('checkpoint_blocked_s', 0):.2f}s", flush=True)
         if self._already_logged(step):
             return  # a step replayed after a restart: MLflow already has it
+        self.latest.update({k: v for k, v in m.items() if isinstance(v, (int, float))})
         self.last_step = step
         values = {k: float(v) for k, v in m.items() if k not in NOT_METRICS and isinstance(v, (int, float))}
+        values["restarts"] = float(self.restarts)
         self._log({"step": step, "values": values, "ts": int(time.time() * 1000)})
 
-    def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
+    def note_failure(self, failures: dict[int, str]) -> None:
+        """The worker group failed; Ray restarts it from the latest registered checkpoint."""
         self.restarts += 1
-        for rank, exc in sorted(worker_exceptions.items()):
-            first = str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else type(exc).__name__
-            print(f"[tidal] worker rank {rank} failed: {first}", flush=True)
+        for rank, why in sorted(failures.items()):
+            print(f"[tidal] worker rank {rank} failed: {why}", flush=True)
         print(f"[tidal] restart {self.restarts}: the worker group restarts from the latest complete checkpoint "
               f"(last step reported: {self.last_step})", flush=True)
-        if self.last_step is not None:
-            self._log({"step": self.last_step, "values": {"restarts": float(self.restarts)}, "ts": int(time.time() * 1000)})
+
+    def close(self) -> tuple[dict[str, float], int]:
+        """(last values seen, points still unsent) after one more try to send the buffer."""
+        pending = self._read_buffer()
+        if pending:
+            try:
+                _send(self.spec, self.run_id, pending)
+                self._write_buffer([])
+                pending = []
+            except Exception:  # noqa: BLE001 - reported to the caller as points left
+                pass
+        return dict(self.latest), len(pending)
 
     # --- helpers ------------------------------------------------------------------------
     def _already_logged(self, step: int) -> bool:
@@ -167,18 +181,19 @@ class MlflowReporter(UserCallback):
             self.buffer.unlink(missing_ok=True)
 
 
-def flush_buffer(spec: JobSpec, run_id: str, run_dir: str) -> int:
-    """Send what a reporter left buffered (the driver calls this at the end). Returns points left."""
-    reporter = MlflowReporter(spec, run_id, run_dir)
-    pending = reporter._read_buffer()
-    if not pending:
-        return 0
-    try:
-        _send(spec, run_id, pending)
-    except Exception:  # noqa: BLE001
-        return len(pending)
-    reporter._write_buffer([])
-    return 0
+class FailureNotifier(UserCallback):
+    """Ray Train controller callback: tells the tracker when the worker group fails."""
+
+    def __init__(self, tracker: Any) -> None:
+        self.tracker = tracker
+
+    def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
+        self.tracker.note_failure.remote({r: _last_line(e) for r, e in worker_exceptions.items()})
+
+
+def _last_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[-1][:300] if text else type(e).__name__
 
 
 def _send(spec: JobSpec, run_id: str, entries: Iterable[dict[str, Any]]) -> None:

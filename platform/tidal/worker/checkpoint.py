@@ -50,8 +50,11 @@ def tag(step: int) -> str:
     return f"global_step{step}"
 
 
-def save(engine: Any, state: TrainState, metrics: dict[str, Any]) -> None:
-    """Save on every rank and report to Ray Train (a collective: all ranks call it together)."""
+def save(engine: Any, state: TrainState) -> dict[str, float]:
+    """Save on every rank and report to Ray Train (a collective: all ranks call it together).
+
+    Returns this rank's save time, time training was blocked, and bytes written.
+    """
     rank = dist.get_rank()
     local = Path(tempfile.mkdtemp(prefix="tidal-ckpt-"))
     t0 = time.perf_counter()
@@ -68,15 +71,15 @@ def save(engine: Any, state: TrainState, metrics: dict[str, Any]) -> None:
     # is what makes the checkpoint count as complete (see tidal.storage).
     (local / manifest_name(rank)).write_text(json.dumps({"step": state.step, "files": files}))
     save_s = time.perf_counter() - t0
-    size = sum(files.values())
-    metrics = {**metrics, "checkpoint_save_s": save_s, "checkpoint_bytes": size}
     ray.train.report(
-        metrics,
+        {"step": state.step},
         checkpoint=ray.train.Checkpoint.from_directory(str(local)),
         checkpoint_dir_name=checkpoint_dir_name(state.step),
         delete_local_checkpoint_after_upload=True,
     )
     shutil.rmtree(local, ignore_errors=True)
+    return {"checkpoint_save_s": save_s, "checkpoint_blocked_s": time.perf_counter() - t0,
+            "checkpoint_bytes": float(sum(files.values()))}
 
 
 def restore(engine: Any, found: Found, world_size: int) -> TrainState:

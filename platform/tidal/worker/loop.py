@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import ray.train
@@ -19,8 +18,8 @@ from tidal.worker.metrics import StepTimer, device_peak_flops, flops_per_token
 
 
 def train_loop(config: dict[str, Any]) -> None:
-    logging.getLogger("ray.train").setLevel(logging.WARNING)  # one line per report is our job
     spec = JobSpec.model_validate(config["spec"])
+    tracker = config["tracker"]
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = torch_device()
@@ -74,12 +73,12 @@ def train_loop(config: dict[str, Any]) -> None:
             "step": step, "loss": loss_sum.item() / (loss_n * world), "lr": engine.get_lr()[0],
             "tokens_per_s": tokens_per_step / step_s, "samples_per_s": t.global_batch / step_s,
             "step_time_s": step_s, "mfu": flops_per_step / step_s / peak, "world_size": world,
-        } if rank == 0 else {}
+        }
         loss_sum.zero_()
         loss_n = 0
         if is_ckpt:
             if preempted and rank == 0:
                 print(f"[tidal] preemption warning: saving an emergency checkpoint at step {step}", flush=True)
-            checkpoint.save(engine, state, {**metrics, "preempted": int(preempted)} if rank == 0 else {})
-        else:
-            ray.train.report(metrics)
+            metrics |= checkpoint.save(engine, state)
+        if rank == 0:
+            tracker.log.remote(metrics)  # fire and forget: tracking never blocks a step

@@ -1,0 +1,53 @@
+"""Shared fixtures. Ray-backed tests share one local Ray instance per module (starting one costs
+seconds); each test gets its own storage folder and MLflow SQLite file."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tidal.spec.job import JobSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# The Train controller polls workers this often; the default 2 s makes every test slower and
+# leaves a checkpoint unregistered if a worker dies within that window after reporting it.
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+
+def tiny_spec(tmp: Path, name: str = "tiny", **overrides: Any) -> JobSpec:
+    """A job that trains in a few seconds on 2 CPU workers; `overrides` use dotted keys."""
+    base = JobSpec(
+        name=name,
+        model={"n_layer": 2, "n_head": 2, "d_model": 64, "vocab_size": 64, "seq_len": 16},
+        train={"steps": 24, "micro_batch": 4, "global_batch": 16, "lr": 1e-2, "warmup_steps": 2, "log_every": 1},
+        parallelism={"zero_stage": 2},
+        scaling={"min_workers": 2, "max_workers": 2},
+        checkpoint={"every_steps": 8, "keep": 10, "storage": str(tmp / "runs")},
+        failure={"max_restarts": 2},
+        tracking={"uri": f"sqlite:///{tmp}/mlflow.db", "experiment": "tests"},
+    )
+    return base.with_overrides(overrides) if overrides else base
+
+
+@pytest.fixture(scope="module")
+def ray_local() -> Iterator[None]:
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    yield
+    ray.shutdown()
+
+
+def metric_history(spec: JobSpec, run_id: str, key: str) -> dict[int, float]:
+    """step -> value; fails the test if any step was logged twice."""
+    from mlflow.tracking import MlflowClient
+
+    hist = MlflowClient(spec.tracking.uri).get_metric_history(run_id, key)
+    steps = [m.step for m in hist]
+    assert len(steps) == len(set(steps)), f"{key}: steps logged more than once: {sorted(steps)}"
+    return {m.step: m.value for m in hist}
