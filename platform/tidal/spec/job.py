@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tidal.errors import SpecError
 from tidal.spec.batch import bad_world_sizes
@@ -32,6 +33,12 @@ class ModelSpec(Part):
     vocab_size: int = Field(256, ge=2, description="tokens; 256 = byte-level text")
     seq_len: int = Field(64, ge=2, description="tokens per training sequence")
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> ModelSpec:
+        if self.d_model % self.n_head:
+            raise ValueError(f"n_head: must divide model.d_model ({self.d_model}); got {self.n_head}")
+        return self
 
 
 class DataSpec(Part):
@@ -71,6 +78,13 @@ class ScalingSpec(Part):
     elastic_check_s: float = Field(
         60.0, gt=0.0, description="how often an elastic job looks for room to grow"
     )
+
+    @model_validator(mode="after")
+    def _range(self) -> ScalingSpec:
+        if self.min_workers > self.max_workers:
+            raise ValueError(f"min_workers: {self.min_workers} is above scaling.max_workers ({self.max_workers}); "
+                             "set min_workers <= max_workers")
+        return self
 
 
 class CheckpointSpec(Part):
@@ -164,25 +178,17 @@ class JobSpec(Part):
 def consistency_problems(spec: JobSpec) -> list[tuple[str, str]]:
     """Checks that span several fields; each problem names the field to change."""
     problems: list[tuple[str, str]] = []
-    m, s, t = spec.model, spec.scaling, spec.train
-    if m.d_model % m.n_head:
-        problems.append(("model.n_head", f"must divide model.d_model ({m.d_model}); got {m.n_head}"))
-    if s.min_workers > s.max_workers:
+    s, t = spec.scaling, spec.train
+    bad = bad_world_sizes(t.global_batch, t.micro_batch, s.min_workers, s.max_workers)
+    if bad:
+        unit = t.micro_batch * math.lcm(*range(s.min_workers, s.max_workers + 1))
+        near = sorted({unit * max(1, t.global_batch // unit), unit * -(-t.global_batch // unit)})
         problems.append(
-            ("scaling.min_workers", f"{s.min_workers} is above scaling.max_workers ({s.max_workers}); "
-             "set min_workers <= max_workers")
+            ("train.global_batch",
+             f"{t.global_batch} cannot stay fixed at world size(s) {bad}: it must be a multiple of "
+             f"train.micro_batch ({t.micro_batch}) x each world size in [{s.min_workers}, {s.max_workers}]; "
+             f"try global_batch {' or '.join(map(str, near))}, or narrow the scaling range")
         )
-    else:
-        bad = bad_world_sizes(t.global_batch, t.micro_batch, s.min_workers, s.max_workers)
-        if bad:
-            ok = [g for g in range(t.micro_batch, 4 * t.global_batch + 1, t.micro_batch)
-                  if not bad_world_sizes(g, t.micro_batch, s.min_workers, s.max_workers)][:3]
-            problems.append(
-                ("train.global_batch",
-                 f"{t.global_batch} cannot stay fixed at world size(s) {bad}: it must be a multiple of "
-                 f"train.micro_batch ({t.micro_batch}) x each world size in "
-                 f"[{s.min_workers}, {s.max_workers}]; try global_batch {ok} or narrow the range")
-            )
     if t.warmup_steps >= t.steps and t.steps > 1:
         problems.append(("train.warmup_steps", f"{t.warmup_steps} must be below train.steps ({t.steps})"))
     if spec.parallelism.precision == "fp16" and s.gpus_per_worker == 0:

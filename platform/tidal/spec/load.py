@@ -87,6 +87,12 @@ def _describe(err: Mapping[str, Any]) -> tuple[str, str]:
         hint = f"; did you mean '{guess[0]}'?" if guess else ""
         return path, f"unknown key{hint} Allowed here: {', '.join(allowed)}"
     msg = err["msg"]
+    if kind == "value_error":  # our section validators start their message with the field name
+        msg = msg.removeprefix("Value error, ")
+        field, sep, rest = msg.partition(": ")
+        if sep and field.isidentifier():
+            path, msg = f"{path}.{field}" if path else field, rest
+        return path, msg
     if kind == "literal_error":
         msg = msg.replace("Input should be", "must be one of:")
     if kind == "string_pattern_mismatch" and loc == ["name"]:
