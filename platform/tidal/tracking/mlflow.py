@@ -106,6 +106,10 @@ class Tracker:
         values["restarts"] = float(self.restarts)
         self._log({"step": step, "values": values, "ts": int(time.time() * 1000)})
 
+    def say(self, message: str) -> None:
+        """A line for the person watching: workers speak through here so it is printed once."""
+        print(f"[tidal] {message}", flush=True)
+
     def note_failure(self, failures: dict[int, str]) -> None:
         """The worker group failed; Ray restarts it from the latest registered checkpoint."""
         self.restarts += 1

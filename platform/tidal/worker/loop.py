@@ -31,7 +31,7 @@ def train_loop(config: dict[str, Any]) -> None:
         if rank == 0:
             was = state.world_size
             resize = f", resharded from world size {was} to {world}" if was != world else ""
-            print(f"[tidal] resumed from {found.name} at step {state.step}/{spec.train.steps}{resize}", flush=True)
+            tracker.say.remote(f"resumed from {found.name} at step {state.step}/{spec.train.steps}{resize}")
     else:
         state = checkpoint.TrainState()
     state.world_size, state.zero_stage = world, spec.parallelism.zero_stage
@@ -78,7 +78,7 @@ def train_loop(config: dict[str, Any]) -> None:
         loss_n = 0
         if is_ckpt:
             if preempted and rank == 0:
-                print(f"[tidal] preemption warning: saving an emergency checkpoint at step {step}", flush=True)
+                tracker.say.remote(f"preemption warning: saving an emergency checkpoint at step {step}")
             metrics |= checkpoint.save(engine, state)
         if rank == 0:
             tracker.log.remote(metrics)  # fire and forget: tracking never blocks a step

@@ -1,0 +1,57 @@
+"""Test helpers that touch real processes: find Ray workers we started, wait on MLflow progress."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import psutil
+from mlflow.tracking import MlflowClient
+from tidal.spec.job import JobSpec
+
+
+def our_processes(fragment: str, root: int | None = None) -> list[psutil.Process]:
+    """Descendants of `root` (default: this test process) whose command line contains `fragment`."""
+    procs = psutil.Process(root or os.getpid()).children(recursive=True)
+    out = []
+    for p in procs:
+        try:
+            if fragment in " ".join(p.cmdline()):
+                out.append(p)
+        except psutil.Error:
+            continue
+    return out
+
+
+def job_run_id(spec: JobSpec, timeout: float = 120) -> str:
+    """The MLflow run id a running job recorded in its run folder."""
+    path = Path(spec.checkpoint.storage) / spec.name / "tidal-job.json"
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if path.exists():
+            return json.loads(path.read_text())["mlflow_run_id"]
+        time.sleep(0.1)
+    raise TimeoutError(f"{path} never appeared")
+
+
+def wait_for_step(spec: JobSpec, step: int, timeout: float = 180) -> int:
+    """Block until MLflow shows `step` logged for the job; returns the highest step seen."""
+    run_id = job_run_id(spec, timeout)
+    client = MlflowClient(spec.tracking.uri)
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            seen = max((m.step for m in client.get_metric_history(run_id, "loss")), default=0)
+        except Exception:  # noqa: BLE001 - the store may be mid-creation
+            seen = 0
+        if seen >= step:
+            return seen
+        time.sleep(0.05)
+    raise TimeoutError(f"job {spec.name} never reached step {step}")
+
+
+def kill(proc: psutil.Process, sig: int = signal.SIGKILL) -> None:
+    proc.send_signal(sig)

@@ -1,0 +1,108 @@
+"""The driver dies mid-run; the same command resumes into the same MLflow run. Also: a truncated
+newest checkpoint is skipped, and a changed model is refused before any worker starts.
+
+Each `tidal run` here is its own process with its own local Ray instance, started in a new
+session so that killing it takes exactly the processes it started."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+from tidal.storage import RunDir
+
+from tests.conftest import metric_history, tiny_spec
+from tests.helpers import job_run_id, wait_for_step
+
+pytestmark = pytest.mark.slow
+
+LONG = {"train.steps": 60, "train.global_batch": 64, "checkpoint.every_steps": 10}
+
+
+def start(job: Path, *args: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("RAY_ADDRESS", None)
+    return subprocess.Popen([sys.executable, "-m", "tidal", "run", str(job), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+
+
+def kill_session(proc: subprocess.Popen) -> None:
+    """SIGKILL the driver and everything in its session (its Ray instance), then wait for them."""
+    members = [p for p in psutil.process_iter(["pid"]) if _sid(p.pid) == proc.pid]
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    psutil.wait_procs(members, timeout=30)
+
+
+def _sid(pid: int) -> int | None:
+    try:
+        return os.getsid(pid)
+    except OSError:
+        return None
+
+
+def finish(proc: subprocess.Popen, timeout: float = 300) -> str:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            kill_session(proc)
+    assert proc.returncode == 0, out[-5000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory) -> tuple:
+    tmp = tmp_path_factory.mktemp("driver")
+    spec = tiny_spec(tmp, name="driver-dies", **LONG)
+    path = tmp / "job.yaml"
+    path.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
+    return spec, path
+
+
+def test_driver_killed_then_rerun_resumes_same_mlflow_run(job):
+    spec, path = job
+    first = start(path)
+    try:
+        wait_for_step(spec, 25)
+    finally:
+        kill_session(first)
+    run_id = job_run_id(spec)
+    last = RunDir(spec.checkpoint.storage, spec.name).latest_complete()
+    assert last is not None and 20 <= last.step < 60
+
+    out = finish(start(path))
+    assert f"resuming job 'driver-dies' from checkpoint_{last.step:09d} (step {last.step}/60)" in out
+    assert json.loads((Path(spec.checkpoint.storage) / spec.name / "tidal-job.json").read_text())["mlflow_run_id"] == run_id
+    assert sorted(metric_history(spec, run_id, "loss")) == list(range(1, 61))
+
+
+def test_truncated_newest_checkpoint_is_skipped(job):
+    spec, path = job
+    run = RunDir(spec.checkpoint.storage, spec.name)
+    newest = Path(run.checkpoints()[0])
+    victim = max((p for p in newest.rglob("*.pt")), key=lambda p: p.stat().st_size)
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    previous = Path(run.checkpoints()[1]).name
+
+    out = finish(start(path, "--set", "train.steps=70"))
+    assert f"Skipping checkpoint {newest}" in out and "truncated" in out
+    assert f"resuming job 'driver-dies' from {previous}" in out
+    assert sorted(metric_history(spec, job_run_id(spec), "loss")) == list(range(1, 71))
+
+
+def test_changed_model_is_refused_before_training(job):
+    _, path = job
+    proc = subprocess.run([sys.executable, "-m", "tidal", "run", str(path), "--set", "model.d_model=128"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "model.d_model: 64 -> 128" in proc.stderr and "--restart" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "starting a local Ray instance" not in proc.stdout, "refused before any Ray process starts"

@@ -1,0 +1,76 @@
+"""Which checkpoint a resume picks: the newest complete one, never a half-written one."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+from tidal.errors import CheckpointError
+from tidal.spec.job import JobSpec
+from tidal.storage import STATE_FILE, RunDir, check_compatible, checkpoint_dir_name, manifest_name
+
+
+def fake_checkpoint(run: Path, step: int, world: int = 2, spec: JobSpec | None = None) -> Path:
+    d = run / checkpoint_dir_name(step)
+    (d / f"global_step{step}").mkdir(parents=True)
+    fp = (spec or JobSpec()).resume_fingerprint()
+    (d / STATE_FILE).write_text(json.dumps({"step": step, "world_size": world, "fingerprint": fp}))
+    for rank in range(world):
+        f = d / f"global_step{step}" / f"zero_pp_rank_{rank}_optim_states.pt"
+        f.write_bytes(b"x" * (100 + rank))
+        files = {str(f.relative_to(d)): f.stat().st_size}
+        if rank == 0:
+            files[STATE_FILE] = (d / STATE_FILE).stat().st_size
+        (d / manifest_name(rank)).write_text(json.dumps({"step": step, "files": files}))
+    return d
+
+
+def test_newest_complete_wins(tmp_path):
+    for s in (10, 20, 30):
+        fake_checkpoint(tmp_path / "job", s)
+    found = RunDir(str(tmp_path), "job").latest_complete()
+    assert found is not None and found.step == 30 and found.name == "checkpoint_000000030"
+
+
+def test_truncated_file_is_skipped_with_a_warning(tmp_path, caplog):
+    fake_checkpoint(tmp_path / "job", 10)
+    newest = fake_checkpoint(tmp_path / "job", 20)
+    victim = newest / "global_step20" / "zero_pp_rank_1_optim_states.pt"
+    victim.write_bytes(victim.read_bytes()[:50])
+    with caplog.at_level(logging.WARNING, logger="tidal"):
+        found = RunDir(str(tmp_path), "job").latest_complete()
+    assert found is not None and found.step == 10
+    assert "checkpoint_000000020" in caplog.text and "truncated" in caplog.text
+
+
+def test_missing_rank_manifest_is_incomplete(tmp_path):
+    fake_checkpoint(tmp_path / "job", 10)
+    newest = fake_checkpoint(tmp_path / "job", 20)
+    (newest / manifest_name(1)).unlink()
+    assert RunDir(str(tmp_path), "job").latest_complete().step == 10
+
+
+def test_missing_state_file_is_incomplete(tmp_path):
+    newest = fake_checkpoint(tmp_path / "job", 20)
+    (newest / STATE_FILE).unlink()
+    assert RunDir(str(tmp_path), "job").latest_complete() is None
+
+
+def test_no_run_folder_means_fresh_start(tmp_path):
+    assert RunDir(str(tmp_path), "never-ran").latest_complete() is None
+
+
+def test_changed_model_is_refused_naming_fields():
+    saved = {"step": 40, "fingerprint": JobSpec().resume_fingerprint()}
+    changed = JobSpec().with_overrides({"model.d_model": 128, "model.n_layer": 6})
+    with pytest.raises(CheckpointError) as e:
+        check_compatible(changed, saved)
+    assert "model.d_model: 256 -> 128" in str(e.value) and "model.n_layer: 4 -> 6" in str(e.value)
+    assert "--restart" in str(e.value)
+
+
+def test_longer_run_may_resume():
+    saved = {"step": 40, "fingerprint": JobSpec().resume_fingerprint()}
+    check_compatible(JobSpec().with_overrides({"train.steps": 1000, "train.lr": 1e-3}), saved)
