@@ -61,6 +61,9 @@ class TrainSpec(Part):
     grad_clip: float = Field(1.0, ge=0.0, description="0 disables clipping")
     seed: int = Field(0, ge=0)
     log_every: int = Field(10, ge=1, description="steps between progress lines and MLflow points")
+    stop_at: int | None = Field(
+        None, ge=1, description="end this launch after that step, with a checkpoint; the same job run again continues"
+    )
 
 
 class ParallelismSpec(Part):

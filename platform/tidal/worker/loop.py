@@ -45,7 +45,8 @@ def train_loop(config: dict[str, Any]) -> None:
     timer, loss_sum, loss_n = StepTimer(), torch.zeros(1), 0
     saved_for_preemption = False
 
-    for step in range(state.step + 1, t.steps + 1):
+    last = min(t.steps, t.stop_at or t.steps)
+    for step in range(state.step + 1, last + 1):
         torch.manual_seed(t.seed * 1_000_003 + step * 1_009 + rank)  # dropout depends on the step only
         timer.start()
         for tokens, targets in batches.for_step(step):
@@ -58,13 +59,13 @@ def train_loop(config: dict[str, Any]) -> None:
         state.step, state.samples_seen = step, step * t.global_batch
         state.tokens_seen = state.samples_seen * spec.model.seq_len
 
-        is_log = step % t.log_every == 0 or step == t.steps
+        is_log = step % t.log_every == 0 or step == last
         # Ray warns when a node of this group is being drained or reclaimed. The check is a
         # barrier across workers, so it runs at log steps only; a warning then costs one extra
         # save and no lost step, provided the deadline leaves time for one save.
         preempted = is_log and not saved_for_preemption and ray.train.get_preemption_info() is not None
         saved_for_preemption |= preempted
-        is_ckpt = step % spec.checkpoint.every_steps == 0 or step == t.steps or preempted
+        is_ckpt = step % spec.checkpoint.every_steps == 0 or step == last or preempted
         if not (is_log or is_ckpt):
             continue
         dist.all_reduce(loss_sum)  # mean loss over ranks and micro-batches since the last report
