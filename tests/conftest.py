@@ -17,6 +17,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # leaves a checkpoint unregistered if a worker dies within that window after reporting it.
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+os.environ.setdefault("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "0.5")  # default 5 s
+# After a node is lost Ray first retries at the old size until this times out (default 60 s).
+os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "20")
 
 
 def tiny_spec(tmp: Path, name: str = "tiny", **overrides: Any) -> JobSpec:

@@ -81,8 +81,10 @@ class Tracker:
         self.spec, self.run_id = spec, run_id
         self.buffer = Path(run_dir) / BUFFER_FILE if run_dir else None
         self.last_step: int | None = None  # highest step already in MLflow
-        self.world_size: int | None = None
-        self.restarts = 0
+        self.reported_step = 0  # highest step seen from rank 0 in this launch
+        self.failed_since_resume = False
+        # Fault counters, logged with every step so MLflow shows when each changed.
+        self.counters = {"restarts": 0.0, "resizes": 0.0, "steps_lost": 0.0, "max_steps_lost": 0.0}
         self.latest: dict[str, float] = {}
         self.t0 = time.time()
         self.first_step: int | None = None
@@ -92,8 +94,8 @@ class Tracker:
     def log(self, m: dict[str, Any]) -> None:
         """Rank 0's metrics for one step (with `step`), printed and logged unless already logged."""
         step = int(m["step"])
+        self.reported_step = max(self.reported_step, step)
         if "loss" in m:
-            self._note_resize(step, int(m.get("world_size", 0)))
             print(self._progress_line(m), flush=True)
         if "checkpoint_bytes" in m:
             print(f"[tidal] checkpoint at step {step}: {m['checkpoint_bytes'] / 2**20:.1f} MiB on rank 0, "
@@ -103,7 +105,7 @@ class Tracker:
         self.latest.update({k: v for k, v in m.items() if isinstance(v, (int, float))})
         self.last_step = step
         values = {k: float(v) for k, v in m.items() if k not in NOT_METRICS and isinstance(v, (int, float))}
-        values["restarts"] = float(self.restarts)
+        values.update(self.counters)
         self._log({"step": step, "values": values, "ts": int(time.time() * 1000)})
 
     def say(self, message: str) -> None:
@@ -111,12 +113,29 @@ class Tracker:
         print(f"[tidal] {message}", flush=True)
 
     def note_failure(self, failures: dict[int, str]) -> None:
-        """The worker group failed; Ray restarts it from the latest registered checkpoint."""
-        self.restarts += 1
+        """The worker group failed; Ray restarts it from the latest complete checkpoint."""
+        self.counters["restarts"] += 1
+        self.failed_since_resume = True
         for rank, why in sorted(failures.items()):
             print(f"[tidal] worker rank {rank} failed: {why}", flush=True)
-        print(f"[tidal] restart {self.restarts}: the worker group restarts from the latest complete checkpoint "
-              f"(last step reported: {self.last_step})", flush=True)
+        print(f"[tidal] restart {self.counters['restarts']:.0f}: restarting the worker group from the latest "
+              f"complete checkpoint (last step reached: {self.reported_step})", flush=True)
+
+    def resumed(self, checkpoint: str, step: int, old_world: int, world: int) -> None:
+        """A worker group (re)started from `checkpoint`: count the steps lost and any resize."""
+        self._already_logged(0)  # loads what MLflow holds, for a driver that was itself restarted
+        lost = max(0, max(self.reported_step, self.last_step or 0) - step)
+        self.counters["steps_lost"] += lost
+        self.counters["max_steps_lost"] = max(self.counters["max_steps_lost"], lost)
+        line = f"resumed from {checkpoint} at step {step}/{self.spec.train.steps}"
+        if lost:
+            line += f" ({lost} step(s) to redo)"
+        if old_world != world:
+            self.counters["resizes"] += 1
+            why = "after a failure" if self.failed_since_resume else "capacity changed"
+            line += f"; resized world size {old_world} -> {world} ({why}), checkpoint resharded"
+        self.failed_since_resume = False
+        self.say(line)
 
     def close(self) -> tuple[dict[str, float], int]:
         """(last values seen, points still unsent) after one more try to send the buffer."""
@@ -135,11 +154,6 @@ class Tracker:
         if self.last_step is None:
             self.last_step = _max_logged_step(self.spec, self.run_id)
         return step <= self.last_step
-
-    def _note_resize(self, step: int, world: int) -> None:
-        if self.world_size is not None and world and world != self.world_size:
-            print(f"[tidal] resized: world size {self.world_size} -> {world} at step {step}", flush=True)
-        self.world_size = world or self.world_size
 
     def _progress_line(self, m: dict[str, Any]) -> str:
         step, total = int(m["step"]), self.spec.train.steps

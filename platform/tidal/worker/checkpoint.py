@@ -82,13 +82,16 @@ def save(engine: Any, state: TrainState) -> dict[str, float]:
             "checkpoint_bytes": float(sum(files.values()))}
 
 
-def restore(engine: Any, found: Found, world_size: int) -> TrainState:
+def needs_reshard(state: dict[str, Any], world_size: int) -> bool:
+    """ZeRO 1-3 partition optimizer state by rank; stage 0 keeps it whole, so it loads anywhere."""
+    return int(state["world_size"]) != world_size and int(state["zero_stage"]) > 0
+
+
+def restore(engine: Any, found: Found, reshard: bool) -> TrainState:
     """Load `found` into `engine`, converting it first if it was written at another world size."""
     with ray.train.Checkpoint(found.path, filesystem=found.fs).as_directory() as local:
         state = TrainState(**found.state)
-        step_tag = tag(state.step)
-        if state.world_size != world_size:
-            step_tag = _universal(local, step_tag)
+        step_tag = _universal(local, tag(state.step)) if reshard else tag(state.step)
         load_path, client = engine.load_checkpoint(local, tag=step_tag, load_optimizer_states=True, load_lr_scheduler_states=True)
     if load_path is None:
         raise CheckpointError(f"DeepSpeed could not load {found.path} (tag {step_tag})")

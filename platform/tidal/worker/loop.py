@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import ray.train
@@ -25,13 +26,12 @@ def train_loop(config: dict[str, Any]) -> None:
     device = torch_device()
 
     found = find_resume_point(spec)
-    engine = build_engine(spec, world, device, load_universal=bool(found and found.state["world_size"] != world))
+    reshard = bool(found) and checkpoint.needs_reshard(found.state, world)
+    engine = build_engine(spec, world, device, load_universal=reshard)
     if found:
-        state = checkpoint.restore(engine, found, world)
+        state = checkpoint.restore(engine, found, reshard)
         if rank == 0:
-            was = state.world_size
-            resize = f", resharded from world size {was} to {world}" if was != world else ""
-            tracker.say.remote(f"resumed from {found.name} at step {state.step}/{spec.train.steps}{resize}")
+            tracker.resumed.remote(found.name, state.step, state.world_size, world)
     else:
         state = checkpoint.TrainState()
     state.world_size, state.zero_stage = world, spec.parallelism.zero_stage
@@ -61,9 +61,9 @@ def train_loop(config: dict[str, Any]) -> None:
 
         is_log = step % t.log_every == 0 or step == last
         # Ray warns when a node of this group is being drained or reclaimed. The check is a
-        # barrier across workers, so it runs at log steps only; a warning then costs one extra
-        # save and no lost step, provided the deadline leaves time for one save.
-        preempted = is_log and not saved_for_preemption and ray.train.get_preemption_info() is not None
+        # barrier across workers, so it runs at log steps only.
+        warning = ray.train.get_preemption_info() if is_log and not saved_for_preemption else None
+        preempted = warning is not None
         saved_for_preemption |= preempted
         is_ckpt = step % spec.checkpoint.every_steps == 0 or step == last or preempted
         if not (is_log or is_ckpt):
@@ -83,3 +83,16 @@ def train_loop(config: dict[str, Any]) -> None:
             metrics |= checkpoint.save(engine, state)
         if rank == 0:
             tracker.log.remote(metrics)  # fire and forget: tracking never blocks a step
+        if warning is not None:
+            _wait_for_reclaim(warning.deadline_ms)
+
+
+def _wait_for_reclaim(deadline_ms: int | None, margin_s: float = 30.0) -> None:
+    """After the emergency checkpoint, train no further until Ray tears the group down at the
+    deadline: steps trained now would be lost with the node. Ray then restarts the group on
+    other nodes from that checkpoint. Without a deadline, or if nothing happens, train on."""
+    if not deadline_ms:
+        return
+    until = deadline_ms / 1000 + margin_s
+    while time.time() < until:
+        time.sleep(0.2)

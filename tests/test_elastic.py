@@ -1,0 +1,130 @@
+"""Node loss, preemption and regrowth on a multi-node local cluster (one raylet per simulated node).
+
+The head has no CPUs, so Ray Train workers land on the 1-CPU worker nodes the tests add and remove.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import ray
+import tidal
+from ray.cluster_utils import Cluster
+from ray.core.generated import autoscaler_pb2
+
+from tests.conftest import metric_history, tiny_spec
+from tests.helpers import wait_for_step
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    c = Cluster(initialize_head=True, connect=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    yield c
+    ray.shutdown()
+    c.shutdown()
+
+
+def add_worker_node(c: Cluster):
+    node = c.add_node(num_cpus=1)
+    c.wait_for_nodes()
+    return node
+
+
+def drain(c: Cluster, node, seconds: float) -> None:
+    """What a cloud provider's reclaim notice does: drain the node with a deadline."""
+    gcs = ray._raylet.GcsClient(address=c.gcs_address)
+    accepted, why = gcs.drain_node(node.node_id, autoscaler_pb2.DrainNodeReason.DRAIN_NODE_REASON_PREEMPTION,
+                                   "test: spot reclaim", int((time.time() + seconds) * 1000))
+    assert accepted, why
+
+
+def run_in_background(spec) -> tuple[threading.Thread, dict]:
+    out: dict = {}
+
+    def target() -> None:
+        try:
+            out["result"] = tidal.run(spec)
+        except BaseException as e:  # noqa: BLE001 - surfaced by the test
+            out["error"] = e
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    return t, out
+
+
+def finished(t: threading.Thread, out: dict, timeout: float = 400):
+    t.join(timeout)
+    assert not t.is_alive(), "job did not finish"
+    if "error" in out:
+        raise out["error"]
+    return out["result"]
+
+
+def test_preemption_warning_saves_at_the_step_reached_and_loses_nothing(cluster, tmp_path):
+    a, b = add_worker_node(cluster), add_worker_node(cluster)
+    spec = tiny_spec(tmp_path, name="preempted", **{"train.steps": 400, "train.global_batch": 64, "checkpoint.every_steps": 100})
+    t, out = run_in_background(spec)
+    wait_for_step(spec, 30)
+    spare = add_worker_node(cluster)  # where the preempted worker will go
+    drain(cluster, a, seconds=8)
+    result = finished(t, out)
+
+    run_id = result.mlflow_run_id
+    assert sorted(metric_history(spec, run_id, "loss")) == list(range(1, 401))
+    lost = metric_history(spec, run_id, "max_steps_lost")
+    assert lost[400] == 0, "the emergency checkpoint was at the step reached"
+    ckpt_bytes = metric_history(spec, run_id, "checkpoint_bytes")
+    emergency = [s for s in ckpt_bytes if s % 100]
+    assert len(emergency) == 1 and 30 <= emergency[0] < 100, sorted(ckpt_bytes)
+    cluster.remove_node(a)
+    cluster.remove_node(spare)
+    del b
+
+
+def test_elastic_shrinks_on_node_loss_and_grows_back(cluster, tmp_path):
+    nodes = [n for n in cluster.worker_nodes]
+    while len(nodes) < 2:
+        nodes.append(add_worker_node(cluster))
+    every = 20
+    spec = tiny_spec(tmp_path, name="elastic", **{
+        "train.steps": 500, "train.global_batch": 64, "checkpoint.every_steps": every,
+        "scaling.min_workers": 1, "scaling.max_workers": 2, "scaling.elastic_check_s": 2,
+    })
+    t, out = run_in_background(spec)
+    wait_for_step(spec, 30)
+    cluster.remove_node(nodes[-1])
+    wait_for_world_size(spec, 1)
+    add_worker_node(cluster)
+    result = finished(t, out)
+
+    run_id = result.mlflow_run_id
+    loss = metric_history(spec, run_id, "loss")
+    world = metric_history(spec, run_id, "world_size")
+    assert sorted(loss) == list(range(1, 501)), "every step done, each logged once"
+    sizes = [world[s] for s in sorted(world)]
+    changes = [sizes[0]] + [b for a, b in zip(sizes, sizes[1:], strict=False) if a != b]
+    assert changes == [2, 1, 2], changes
+    assert metric_history(spec, run_id, "max_steps_lost")[500] <= every
+    assert metric_history(spec, run_id, "resizes")[500] == 2
+    steps = sorted(loss)
+    for s in steps[1:]:  # continuous: no jump back towards the initial loss after a resize
+        assert loss[s] < loss[1] * 0.9 or s < 20, (s, loss[s], loss[1])
+
+
+def wait_for_world_size(spec, size: int, timeout: float = 180) -> None:
+    from tests.helpers import job_run_id
+
+    client = __import__("mlflow").tracking.MlflowClient(spec.tracking.uri)
+    run_id = job_run_id(spec)
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        hist = client.get_metric_history(run_id, "world_size")
+        if hist and max(hist, key=lambda m: m.step).value == size:
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"world size never became {size}")
