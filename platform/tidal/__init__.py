@@ -13,6 +13,7 @@ from tidal.spec.job import JobSpec
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
+    from tidal.launch.jobs import Job
     from tidal.launch.trainer import RunResult
 
 
@@ -26,12 +27,27 @@ def run(spec: JobSpec, restart: bool = False) -> RunResult:
     return _run(spec, restart=restart)
 
 
+def submit(spec: JobSpec, address: str | None = None, working_dir: str = ".") -> Job:
+    """Submit `spec` to the Ray cluster at `address` (default: RAY_ADDRESS) through Ray Jobs.
+
+    `working_dir` is uploaded with the job (respecting .gitignore). Returns a `Job` to follow,
+    wait on, stop, and read metrics from.
+    """
+    from tidal.launch.jobs import submit as _submit
+
+    return _submit(spec, address, working_dir)
+
+
 def __getattr__(name: str) -> Any:
     if name == "RunResult":
         from tidal.launch.trainer import RunResult
 
         return RunResult
+    if name == "Job":
+        from tidal.launch.jobs import Job
+
+        return Job
     raise AttributeError(name)
 
 
-__all__ = ["CheckpointError", "ClusterError", "JobSpec", "RunResult", "SpecError", "TidalError", "run"]
+__all__ = ["CheckpointError", "ClusterError", "Job", "JobSpec", "RunResult", "SpecError", "TidalError", "run", "submit"]

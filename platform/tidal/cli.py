@@ -24,6 +24,11 @@ EPILOG = """examples:
   tidal validate jobs/quickstart.yaml --set scaling.max_workers=4 --deepspeed
   tidal run jobs/quickstart.yaml                      # local Ray, or the cluster in RAY_ADDRESS
   tidal run jobs/quickstart.yaml --set train.steps=50 --restart
+  tidal submit jobs/quickstart.yaml --address http://head:8265 --follow
+  tidal list --address http://head:8265; tidal logs ID --follow; tidal stop ID
+
+Cluster commands read the address from --address or RAY_ADDRESS, and the auth token from
+RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token, as Ray does.
 
 Set TIDAL_DEBUG=1 to see tracebacks behind error messages."""
 
@@ -37,13 +42,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.func(args) or 0
     except TidalError as e:
-        if os.environ.get("TIDAL_DEBUG") == "1":
-            traceback.print_exc()
-        print(f"error: {e}", file=sys.stderr)
+        print_error(e)
         return 2
     except KeyboardInterrupt:
         print("interrupted; run the same command again to resume from the latest checkpoint", file=sys.stderr)
         return 130
+
+
+def print_error(e: BaseException) -> None:
+    """The message only; the traceback too under TIDAL_DEBUG=1."""
+    if os.environ.get("TIDAL_DEBUG") == "1":
+        traceback.print_exception(e)
+    print(f"error: {e}", file=sys.stderr)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -61,7 +71,29 @@ def _parser() -> argparse.ArgumentParser:
 
     r = _command(sub, "run", _run, "run a job to the end (resumes from its latest checkpoint)")
     r.add_argument("--restart", action="store_true", help="start over: set the job's old checkpoints aside and open a new MLflow run")
+
+    s = _command(sub, "submit", _submit, "send a job to a Ray cluster through the Ray Jobs API")
+    _address(s)
+    s.add_argument("--working-dir", default=".", help="folder uploaded with the job (default: .; .gitignore respected)")
+    s.add_argument("--follow", action="store_true", help="print the job's output until it ends; exit non-zero unless it succeeds")
+
+    for name, func, help_ in (("status", _status, "show a submitted job's state and progress"),
+                              ("logs", _logs, "print a submitted job's output"),
+                              ("stop", _stop, "stop a submitted job")):
+        c = sub.add_parser(name, help=help_, description=help_)
+        c.add_argument("job_id", metavar="ID", help="the submission id `tidal submit` printed")
+        _address(c)
+        if name == "logs":
+            c.add_argument("--follow", action="store_true", help="keep printing until the job ends")
+        c.set_defaults(func=func)
+    ls = sub.add_parser("list", help="list Tidal jobs on a cluster with progress", description="list Tidal jobs on a cluster")
+    _address(ls)
+    ls.set_defaults(func=_list)
     return p
+
+
+def _address(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--address", default=None, help="Ray dashboard address, e.g. http://head:8265 (default: $RAY_ADDRESS)")
 
 
 def _command(sub: argparse._SubParsersAction, name: str, func: Callable[[argparse.Namespace], int | None], help: str) -> argparse.ArgumentParser:
@@ -97,6 +129,74 @@ def _run(args: argparse.Namespace) -> int:
     spec = _spec(args)
     result = run(spec, restart=args.restart)
     print(result.summary(spec.resolved()))
+    return 0
+
+
+def _submit(args: argparse.Namespace) -> int:
+    from tidal.launch.jobs import submit
+
+    spec = _spec(args)
+    if "://" not in spec.checkpoint.storage and not spec.checkpoint.storage.startswith("/"):
+        print(f"note: checkpoint.storage {spec.checkpoint.storage!r} is relative: on the cluster it lands inside the "
+              "job's temporary working dir. Use a path every node shares, or an s3:// URI, to keep checkpoints.")
+    job = submit(spec, args.address, args.working_dir)
+    print(f"submitted {spec.name!r} as {job.submission_id} to {job.address}")
+    print(f"  follow it:  tidal logs {job.submission_id} --follow --address {job.address}")
+    print(f"  stop it:    tidal stop {job.submission_id} --address {job.address}")
+    if not args.follow:
+        return 0
+    for chunk in job.follow():
+        print(chunk, end="", flush=True)
+    state = job.wait()
+    print(f"\njob {job.submission_id} {state}")
+    return 0 if state == "SUCCEEDED" else 1
+
+
+def _job(args: argparse.Namespace):  # noqa: ANN202 - lazy import keeps `tidal --help` fast
+    from tidal.launch.jobs import Job, connect
+
+    return Job(args.job_id, connect(args.address).get_address())
+
+
+def _status(args: argparse.Namespace) -> int:
+    job = _job(args)
+    p = job.progress()
+    line = f"{job.submission_id}: {job.status()}"
+    if p:
+        line += f" | step {p['step']}/{p['steps']} | loss {p['loss']:.4f} | {p['tokens_per_s']:,.0f} tok/s | world {p['world_size']}"
+    print(line)
+    return 0
+
+
+def _logs(args: argparse.Namespace) -> int:
+    job = _job(args)
+    if args.follow:
+        for chunk in job.follow():
+            print(chunk, end="", flush=True)
+    else:
+        print(job.logs(), end="")
+    return 0
+
+
+def _stop(args: argparse.Namespace) -> int:
+    job = _job(args)
+    print(f"{job.submission_id}: {'stop requested' if job.stop() else 'not running'}; now {job.status()}")
+    return 0
+
+
+def _list(args: argparse.Namespace) -> int:
+    from tidal.launch.jobs import list_jobs
+
+    rows = list_jobs(args.address)
+    if not rows:
+        print("no Tidal jobs on this cluster")
+        return 0
+    print(f"{'ID':<28} {'NAME':<20} {'STATUS':<10} {'STEP':>11} {'LOSS':>8} {'TOK/S':>10} {'WORLD':>5}")
+    for r in rows:
+        step = f"{r['step']}/{r['steps']}" if "step" in r else "-"
+        loss = f"{r['loss']:.4f}" if "loss" in r else "-"
+        tps = f"{r['tokens_per_s']:,.0f}" if "tokens_per_s" in r else "-"
+        print(f"{r['id']:<28} {r['name']:<20} {r['status']:<10} {step:>11} {loss:>8} {tps:>10} {r.get('world_size', '-'):>5}")
     return 0
 
 

@@ -233,3 +233,17 @@ def _hms(seconds: float) -> str:
         return "--:--"
     s = int(seconds)
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+
+
+def metrics_frame(spec: JobSpec, run_id: str) -> Any:
+    """Every metric of a run as a pandas DataFrame: one row per step, one column per metric."""
+    import pandas as pd
+
+    c = client(spec)
+    rows: dict[int, dict[str, float]] = {}
+    for key in c.get_run(run_id).data.metrics:
+        for m in c.get_metric_history(run_id, key):
+            rows.setdefault(m.step, {})[key] = m.value
+    frame = pd.DataFrame.from_dict(rows, orient="index").sort_index()
+    frame.index.name = "step"
+    return frame.reset_index()

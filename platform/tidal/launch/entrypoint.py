@@ -1,0 +1,28 @@
+"""What a submitted Ray job runs: decode the spec `tidal submit` shipped, then `run(spec)`."""
+
+from __future__ import annotations
+
+import base64
+import json
+import sys
+
+from tidal.cli import print_error
+from tidal.errors import TidalError
+from tidal.spec.load import validate
+
+
+def main(argv: list[str]) -> int:
+    try:
+        spec = validate(json.loads(base64.urlsafe_b64decode(argv[0])), source="submitted spec")
+        from tidal.launch.trainer import run
+
+        result = run(spec)
+    except TidalError as e:
+        print_error(e)
+        return 2
+    print(result.summary(spec.resolved()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,223 @@
+"""Ray Jobs: submit a Tidal job to a cluster, and follow, list or stop it (JobSubmissionClient).
+
+The job a cluster runs is `python -m tidal.launch.entrypoint <spec>`, which calls the same
+`run(spec)` as `tidal run`. Authentication follows Ray 2.60: the token comes from
+RAY_AUTH_TOKEN, the file in RAY_AUTH_TOKEN_PATH, or ~/.ray/auth_token, and is sent as a bearer
+header (Ray's own client sends it only when RAY_AUTH_MODE=token is set; we always do).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tidal.errors import ClusterError, TidalError
+from tidal.spec.job import JobSpec
+
+ALWAYS_EXCLUDE = [".git", ".venv", "venv", "__pycache__", "*.egg-info", ".ipynb_checkpoints",
+                  "tidal-runs", "mlruns", "mlartifacts", "mlflow.db", "*.db-journal", ".pytest_cache", ".ruff_cache"]
+PROGRESS = re.compile(r"\[tidal\] step (\d+)/(\d+) \| loss ([\d.naninf]+) \| ([\d,]+) tok/s .*?\| world (\d+)")
+MLFLOW_RUN = re.compile(r"MLflow run ([0-9a-f]{32})")
+TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
+
+
+def auth_token() -> str | None:
+    """The cluster token, found the way Ray finds it."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return os.environ["RAY_AUTH_TOKEN"].strip()
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or str(Path.home() / ".ray" / "auth_token")
+    try:
+        return Path(path).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def connect(address: str | None = None) -> Any:
+    """A JobSubmissionClient for `address` (default: RAY_ADDRESS), with the auth header set."""
+    from ray.job_submission import JobSubmissionClient
+
+    address = address or os.environ.get("RAY_ADDRESS")
+    if not address:
+        raise ClusterError("no cluster address: pass --address http://HEAD:8265 or set RAY_ADDRESS")
+    token = auth_token()
+    headers = {"Authorization": f"Bearer {token}"} if token else None
+    try:
+        return JobSubmissionClient(address, headers=headers)
+    except Exception as e:  # noqa: BLE001 - Ray raises bare ConnectionError/RuntimeError; translate them
+        raise _friendly(e, address, token) from None
+
+
+def _friendly(e: Exception, address: str, token: str | None) -> TidalError:
+    text = str(e)
+    if any(s in text for s in ("401", "403", "Unauthorized", "authentication", "Authentication")):
+        what = "no auth token was found" if token is None else "the cluster refused the auth token"
+        return ClusterError(
+            f"{address} requires Ray token authentication and {what}.\n"
+            "Copy the token from the head node (~/.ray/auth_token) and either set RAY_AUTH_TOKEN=<token>, "
+            "point RAY_AUTH_TOKEN_PATH at a file holding it, or save it to ~/.ray/auth_token."
+        )
+    if any(s in text for s in ("Connection refused", "Failed to connect", "Max retries", "ConnectionError")):
+        return ClusterError(f"cannot reach the Ray dashboard at {address}: is the head running, and is that its "
+                            "dashboard address (http://HEAD:8265)?")
+    return ClusterError(f"Ray Jobs API at {address}: {text.strip().splitlines()[-1] if text.strip() else type(e).__name__}")
+
+
+def upload_limit() -> int:
+    """Bytes Ray accepts for a working_dir: the dashboard's request cap and the GCS object cap."""
+    from ray._private import ray_constants
+    from ray._private.runtime_env.packaging import GCS_STORAGE_MAX_SIZE
+
+    return min(ray_constants.DASHBOARD_CLIENT_MAX_SIZE, GCS_STORAGE_MAX_SIZE)
+
+
+def working_dir_size(root: Path, excludes: list[str]) -> tuple[int, list[tuple[int, str]]]:
+    """Bytes Ray would upload from `root` (its own walk: .gitignore, .rayignore and `excludes`),
+    and the largest files, so a refusal can say what to exclude."""
+    from ray._private.runtime_env.packaging import _dir_travel, _get_excludes
+
+    files: list[tuple[int, str]] = []
+
+    def visit(p: Path) -> None:
+        if p.is_file() and not p.is_symlink():
+            files.append((p.stat().st_size, str(p.relative_to(root))))
+
+    _dir_travel(root, [_get_excludes(root, excludes)], visit, include_gitignore=True)
+    return sum(s for s, _ in files), sorted(files, reverse=True)[:5]
+
+
+@dataclass
+class Job:
+    """A Tidal job submitted to a Ray cluster (returned by `tidal.submit`)."""
+
+    submission_id: str
+    address: str
+    spec: JobSpec | None = None
+
+    def _client(self) -> Any:
+        return connect(self.address)
+
+    def status(self) -> str:
+        """PENDING, RUNNING, SUCCEEDED, FAILED or STOPPED."""
+        return str(self._client().get_job_status(self.submission_id).value)
+
+    def logs(self) -> str:
+        """Everything the job has printed so far."""
+        return self._client().get_job_logs(self.submission_id)
+
+    def follow(self) -> Iterator[str]:
+        """Yield the job's output as it comes, until the job ends."""
+        import asyncio
+
+        client = self._client()
+        agen = client.tail_job_logs(self.submission_id)
+        loop = asyncio.new_event_loop()
+        try:
+            while True:
+                try:
+                    yield loop.run_until_complete(agen.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:
+            loop.close()
+
+    def wait(self, timeout: float | None = None, poll_s: float = 1.0) -> str:
+        """Block until the job ends (or `timeout` seconds pass); returns its final status."""
+        deadline = None if timeout is None else time.time() + timeout
+        while (state := self.status()) not in TERMINAL:
+            if deadline is not None and time.time() > deadline:
+                raise TimeoutError(f"job {self.submission_id} still {state} after {timeout}s")
+            time.sleep(poll_s)
+        return state
+
+    def stop(self) -> bool:
+        """Ask the cluster to stop the job; True if it was running."""
+        return bool(self._client().stop_job(self.submission_id))
+
+    def progress(self) -> dict[str, Any]:
+        """The latest progress line: step, steps, loss, tokens/s, world size (empty before the first)."""
+        return parse_progress(self.logs())
+
+    def mlflow_run_id(self) -> str | None:
+        m = MLFLOW_RUN.search(self.logs())
+        return m.group(1) if m else None
+
+    def metrics(self) -> Any:
+        """A pandas DataFrame of the run's metrics from MLflow, one row per step."""
+        from tidal.tracking.mlflow import metrics_frame
+
+        if self.spec is None:
+            raise TidalError("this Job was not created by tidal.submit, so its tracking URI is unknown")
+        run_id = self.mlflow_run_id()
+        if run_id is None:
+            raise TidalError(f"job {self.submission_id} has not opened its MLflow run yet (status {self.status()})")
+        return metrics_frame(self.spec, run_id)
+
+
+def parse_progress(logs: str) -> dict[str, Any]:
+    found = PROGRESS.findall(logs)
+    if not found:
+        return {}
+    step, steps, loss, tps, world = found[-1]
+    return {"step": int(step), "steps": int(steps), "loss": float(loss), "tokens_per_s": float(tps.replace(",", "")),
+            "world_size": int(world)}
+
+
+def submit(spec: JobSpec, address: str | None = None, working_dir: str | os.PathLike[str] = ".",
+           submission_id: str | None = None) -> Job:
+    """Send `spec` to the cluster's Ray Jobs API; the cluster runs it with `tidal.run`."""
+    root = Path(working_dir).resolve()
+    excludes = ALWAYS_EXCLUDE + _inside(root, spec.checkpoint.storage)
+    size, largest = working_dir_size(root, excludes)
+    limit = upload_limit()
+    if size > limit:
+        biggest = "\n".join(f"  {s / 2**20:8.1f} MiB  {p}" for s, p in largest)
+        raise TidalError(
+            f"{root} holds {size / 2**20:.1f} MiB to upload, above Ray's {limit / 2**20:.0f} MiB limit for a "
+            f"job's working_dir. Largest files:\n{biggest}\nList big files or folders in .gitignore or "
+            ".rayignore, or keep data on shared storage and point data.source at it."
+        )
+    client = connect(address)
+    payload = base64.urlsafe_b64encode(json.dumps(spec.model_dump(mode="json")).encode()).decode()
+    env = {"PYTHONPATH": "platform"} if (root / "platform" / "tidal").is_dir() else {}
+    try:
+        sid = client.submit_job(
+            entrypoint=f"python -m tidal.launch.entrypoint {payload}",
+            runtime_env={"working_dir": str(root), "excludes": excludes, "env_vars": env},
+            submission_id=submission_id,
+            metadata={"tidal.job": spec.name, "tidal.steps": str(spec.train.steps)},
+        )
+    except Exception as e:  # noqa: BLE001 - translate Ray's HTTP errors into a message that says what to do
+        raise _friendly(e, address or os.environ.get("RAY_ADDRESS", ""), auth_token()) from None
+    return Job(sid, client.get_address(), spec)
+
+
+def list_jobs(address: str | None = None) -> list[dict[str, Any]]:
+    """Tidal jobs on the cluster, newest first, with their latest progress."""
+    client = connect(address)
+    rows = []
+    for info in client.list_jobs():
+        meta = info.metadata or {}
+        if "tidal.job" not in meta or not info.submission_id:
+            continue
+        progress = parse_progress(client.get_job_logs(info.submission_id))
+        rows.append({"id": info.submission_id, "name": meta["tidal.job"], "status": str(info.status.value),
+                     "start_time": info.start_time or 0, **progress})
+    return sorted(rows, key=lambda r: r["start_time"], reverse=True)
+
+
+def _inside(root: Path, storage: str) -> list[str]:
+    """Exclude the checkpoint folder when it lies inside the working dir."""
+    if "://" in storage:
+        return []
+    p = (root / storage).resolve()
+    try:
+        return [str(p.relative_to(root))]
+    except ValueError:
+        return []

@@ -1,0 +1,203 @@
+"""Submit from a laptop: a real head started here (`ray start --head`, token auth on), the Ray Jobs
+API through `tidal submit/status/logs/list/stop`, plain `ray job submit`, and the SDK notebook."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+from tidal.cli import main
+from tidal.errors import TidalError
+from tidal.launch.jobs import submit
+
+from tests.conftest import ROOT, tiny_spec
+
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def head(tmp_path_factory) -> Iterator[str]:
+    """A Ray head on 127.0.0.1 with its dashboard and token auth, stopped by killing its session."""
+    tmp = tmp_path_factory.mktemp("head")
+    token = secrets.token_hex(16)
+    port, dash = free_port(), free_port()
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={port}",
+         "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
+         "--num-cpus=2", f"--temp-dir={tmp}/ray", "--disable-usage-stats"],
+        env=env, stdout=(tmp / "head.log").open("w"), stderr=subprocess.STDOUT, start_new_session=True)  # noqa: SIM115 - lives as long as the head
+    address = f"http://127.0.0.1:{dash}"
+    old = {k: os.environ.get(k) for k in ("RAY_AUTH_TOKEN", "RAY_ADDRESS")}
+    os.environ["RAY_AUTH_TOKEN"] = token
+    try:
+        _wait_for_dashboard(address, proc, tmp / "head.log")
+        yield address
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        time.sleep(1)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # anything of that session still alive
+
+
+def _wait_for_dashboard(address: str, proc: subprocess.Popen, log: Path, timeout: float = 90) -> None:
+    from tidal.launch.jobs import connect
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"ray start exited: {log.read_text()[-3000:]}")
+        try:
+            connect(address).list_jobs()
+            return
+        except TidalError:
+            time.sleep(1)
+    raise TimeoutError(f"dashboard at {address} never answered: {log.read_text()[-3000:]}")
+
+
+def spec_file(tmp: Path, name: str, **overrides) -> tuple:
+    spec = tiny_spec(tmp, name=name, **overrides)
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
+    return spec, path
+
+
+def test_submit_follow_status_logs_list(head, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    _, path = spec_file(tmp_path, "submitted")
+    assert main(["submit", str(path), "--address", head, "--follow"]) == 0
+    out = capsys.readouterr().out
+    job_id = out.split("submitted 'submitted' as ")[1].split()[0]
+    assert "[tidal] step 24/24" in out and "SUCCEEDED" in out
+
+    assert main(["status", job_id, "--address", head]) == 0
+    assert "SUCCEEDED | step 24/24" in capsys.readouterr().out
+    assert main(["logs", job_id, "--address", head]) == 0
+    assert "finished in" in capsys.readouterr().out
+    assert main(["list", "--address", head]) == 0
+    listing = capsys.readouterr().out
+    assert job_id in listing and "submitted" in listing and "24/24" in listing
+
+
+def test_stop_a_running_job(head, tmp_path):
+    spec, _ = spec_file(tmp_path, "to-stop", **{"train.steps": 5000, "checkpoint.every_steps": 1000})
+    job = submit(spec, head, ROOT)
+    deadline = time.time() + 180
+    while not job.progress() and time.time() < deadline:
+        time.sleep(1)
+    assert job.progress()["step"] >= 1, "job never started training"
+    assert main(["stop", job.submission_id, "--address", head]) == 0
+    assert job.wait(timeout=120) == "STOPPED"
+
+
+def test_plain_ray_job_submit_runs_tidal(head, tmp_path):
+    """The README's `ray job submit ... -- tidal run jobs/quickstart.yaml`, made small with --set."""
+    env = {**os.environ, "RAY_AUTH_MODE": "token"}
+    cmd = [sys.executable, "-m", "ray.scripts.scripts", "job", "submit", "--address", head, "--working-dir", str(ROOT),
+           "--", "tidal", "run", "jobs/quickstart.yaml", "--set", "train.steps=10", "--set", "model.d_model=64",
+           "--set", "model.n_head=2"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "[tidal] job 'quickstart' finished" in proc.stdout
+    assert "succeeded" in proc.stdout.lower()
+
+
+def test_wrong_token_gets_a_friendly_message(head, monkeypatch, capsys):
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "not-the-token")
+    assert main(["list", "--address", head]) == 2
+    err = capsys.readouterr().err
+    assert "refused the auth token" in err and "RAY_AUTH_TOKEN" in err and "Traceback" not in err
+
+
+def test_missing_token_gets_a_friendly_message(head, monkeypatch, tmp_path, capsys):
+    monkeypatch.delenv("RAY_AUTH_TOKEN")
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "absent"))
+    assert main(["status", "whatever", "--address", head]) == 2
+    assert "no auth token was found" in capsys.readouterr().err
+
+
+def test_notebook_runs_against_the_head(head, tmp_path):
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(ROOT / "notebooks" / "quickstart.ipynb", as_version=4)
+    assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), "saved without outputs"
+    os.environ["TIDAL_ADDRESS"] = head
+    os.environ["TIDAL_STORAGE"] = str(tmp_path)
+    try:
+        NotebookClient(nb, timeout=600, kernel_name="python3",
+                       resources={"metadata": {"path": str(ROOT / "notebooks")}}).execute()
+    finally:
+        os.environ.pop("TIDAL_ADDRESS")
+        os.environ.pop("TIDAL_STORAGE")
+    table = "".join(o.get("data", {}).get("text/plain", "") for o in nb.cells[5].outputs)
+    rows = [line.split() for line in table.splitlines()[1:] if line.strip()]
+    assert rows, f"metrics frame is empty: {table!r}"
+    kinds = {o.get("output_type") for c in nb.cells for o in c.get("outputs", [])}
+    assert "error" not in kinds
+    images = [o for o in nb.cells[6].outputs if "image/png" in o.get("data", {})]
+    assert images, "no plot"
+
+
+def test_notebook_metrics_frame_shows_learning(head, tmp_path):
+    """The SDK path the notebook uses, asserted directly: job.metrics() rows, loss falling."""
+    spec = tiny_spec(tmp_path, name="sdk")
+    job = submit(spec, head, ROOT)
+    assert job.wait(timeout=400) == "SUCCEEDED", job.logs()[-3000:]
+    frame = job.metrics()
+    assert list(frame["step"]) == list(range(1, 25))
+    assert frame["loss"].iloc[-1] < 0.75 * frame["loss"].iloc[0]
+    assert {"tokens_per_s", "world_size", "mfu"} <= set(frame.columns)
+
+
+def test_upload_above_the_limit_is_refused_before_sending(tmp_path):
+    from tidal.launch.jobs import upload_limit
+
+    (tmp_path / "big.bin").write_bytes(os.urandom(upload_limit() + 1024))
+    (tmp_path / "small.txt").write_text("hi")
+    with pytest.raises(TidalError) as e:
+        # port 1 answers nothing: a connection attempt would fail differently
+        submit(tiny_spec(tmp_path, name="big"), "http://127.0.0.1:1", tmp_path)
+    assert "above Ray's 100 MiB limit" in str(e.value) and "big.bin" in str(e.value) and ".rayignore" in str(e.value)
+
+
+def test_gitignored_and_checkpoint_folders_do_not_count(tmp_path):
+    from tidal.launch.jobs import ALWAYS_EXCLUDE, working_dir_size
+
+    (tmp_path / ".gitignore").write_text("data/\n")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "huge.bin").write_bytes(b"x" * 10_000)
+    (tmp_path / "tidal-runs").mkdir()
+    (tmp_path / "tidal-runs" / "ckpt.pt").write_bytes(b"x" * 10_000)
+    (tmp_path / "train.py").write_text("print(1)\n")
+    size, largest = working_dir_size(tmp_path, ALWAYS_EXCLUDE)
+    names = {p for _, p in largest}
+    assert "train.py" in names and not any("huge" in n or "ckpt" in n for n in names)
+    assert size < 1000
