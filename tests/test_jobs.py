@@ -37,7 +37,9 @@ def head(tmp_path_factory) -> Iterator[str]:
     tmp = tmp_path_factory.mktemp("head")
     token = secrets.token_hex(16)
     port, dash = free_port(), free_port()
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
+    # The head's environment is the cluster's Python environment: `python` and `tidal` from this venv.
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token, "PATH": path}
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.Popen(
         [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={port}",
@@ -121,7 +123,7 @@ def test_plain_ray_job_submit_runs_tidal(head, tmp_path):
     """The README's `ray job submit ... -- tidal run jobs/quickstart.yaml`, made small with --set."""
     env = {**os.environ, "RAY_AUTH_MODE": "token"}
     cmd = [sys.executable, "-m", "ray.scripts.scripts", "job", "submit", "--address", head, "--working-dir", str(ROOT),
-           "--", "tidal", "run", "jobs/quickstart.yaml", "--set", "train.steps=10", "--set", "model.d_model=64",
+           "--", "tidal", "run", "jobs/quickstart.yaml", "--set", "train.steps=20", "--set", "model.d_model=64",
            "--set", "model.n_head=2"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

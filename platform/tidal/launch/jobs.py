@@ -111,21 +111,22 @@ class Job:
         """Everything the job has printed so far."""
         return self._client().get_job_logs(self.submission_id)
 
-    def follow(self) -> Iterator[str]:
-        """Yield the job's output as it comes, until the job ends."""
-        import asyncio
+    def follow(self, poll_s: float = 1.0) -> Iterator[str]:
+        """Yield the job's new output every `poll_s` seconds, until the job ends.
 
-        client = self._client()
-        agen = client.tail_job_logs(self.submission_id)
-        loop = asyncio.new_event_loop()
-        try:
-            while True:
-                try:
-                    yield loop.run_until_complete(agen.__anext__())
-                except StopAsyncIteration:
-                    return
-        finally:
-            loop.close()
+        Polls rather than tailing Ray's websocket: that needs an asyncio loop of its own,
+        which a Jupyter kernel (already running one) cannot give it.
+        """
+        client, seen = self._client(), 0
+        while True:
+            state = str(client.get_job_status(self.submission_id).value)  # before the logs: none missed
+            text = client.get_job_logs(self.submission_id)
+            if len(text) > seen:
+                yield text[seen:]
+                seen = len(text)
+            if state in TERMINAL:
+                return
+            time.sleep(poll_s)
 
     def wait(self, timeout: float | None = None, poll_s: float = 1.0) -> str:
         """Block until the job ends (or `timeout` seconds pass); returns its final status."""
