@@ -55,8 +55,13 @@ class RunResult:
         return "\n".join(lines)
 
 
-def run(spec: JobSpec, restart: bool = False) -> RunResult:
-    """Train `spec` to its last step, resuming from its latest complete checkpoint."""
+def run(spec: JobSpec, restart: bool = False, mlflow_tags: dict[str, str] | None = None,
+        callbacks: list[Any] | None = None) -> RunResult:
+    """Train `spec` to its last step, resuming from its latest complete checkpoint.
+
+    `mlflow_tags` are added to the job's MLflow run (e.g. `mlflow.parentRunId` for a sweep
+    trial); `callbacks` are extra Ray Train `UserCallback`s (e.g. Tune's report callback).
+    """
     t0 = time.time()
     spec = spec.resolved()
     run_dir = RunDir(spec.checkpoint.storage, spec.name)
@@ -71,14 +76,14 @@ def run(spec: JobSpec, restart: bool = False) -> RunResult:
               "use --restart to start over", flush=True)
 
     _connect_ray()
-    run_id = tracking.start_run(spec, job.get("mlflow_run_id"), _ray_tags(spec, run_dir))
+    run_id = tracking.start_run(spec, job.get("mlflow_run_id"), {**_ray_tags(spec, run_dir), **(mlflow_tags or {})})
     run_dir.write_json(JOB_FILE, {"mlflow_run_id": run_id, "fingerprint": spec.fingerprint_hash(), "tidal_version": __version__})
     print(f"[tidal] job {spec.name!r}: {_describe_scaling(spec)}; MLflow run {run_id}", flush=True)
 
     tracker = _start_tracker(spec, run_id, run_dir)
     ok = False
     try:
-        _trainer(spec, run_id, tracker).fit()
+        _trainer(spec, run_id, tracker, callbacks or []).fit()
         ok = True
     except ray.train.TrainingFailedError as e:
         raise TidalError(f"job {spec.name!r} failed after {spec.failure.max_restarts} restart(s): {_root_cause(e)}\n"
@@ -100,7 +105,7 @@ def _start_tracker(spec: JobSpec, run_id: str, run_dir: RunDir) -> Any:
     return actor.remote(spec, run_id, run_dir.path if _is_local(spec) else None)
 
 
-def _trainer(spec: JobSpec, run_id: str, tracker: Any) -> TorchTrainer:
+def _trainer(spec: JobSpec, run_id: str, tracker: Any, callbacks: list[Any]) -> TorchTrainer:
     from tidal.worker.loop import train_loop
 
     s = spec.scaling
@@ -115,7 +120,7 @@ def _trainer(spec: JobSpec, run_id: str, tracker: Any) -> TorchTrainer:
         storage_path=spec.checkpoint.storage,
         failure_config=FailureConfig(max_failures=spec.failure.max_restarts),
         checkpoint_config=CheckpointConfig(num_to_keep=spec.checkpoint.keep),
-        callbacks=[tracking.FailureNotifier(tracker)],
+        callbacks=[tracking.FailureNotifier(tracker), *callbacks],
         # Ray Train logs every report at INFO; Tidal prints its own progress, restart and
         # checkpoint lines, so keep Ray's warnings and errors only.
         logging_config=LoggingConfig(log_level="WARNING"),

@@ -81,6 +81,12 @@ class ScalingSpec(Part):
     elastic_check_s: float = Field(
         60.0, gt=0.0, description="how often an elastic job looks for room to grow"
     )
+    site: Literal["onprem", "cloud", "any"] = Field(
+        "any", description="where workers may run: nodes labelled tidal.io/site=onprem, =cloud, or either (on-prem first)"
+    )
+    burst_after_s: float = Field(
+        300.0, ge=0.0, description="with site 'any': how long to wait for on-prem room before asking for cloud nodes"
+    )
 
     @model_validator(mode="after")
     def _range(self) -> ScalingSpec:

@@ -50,10 +50,11 @@ def tag(step: int) -> str:
     return f"global_step{step}"
 
 
-def save(engine: Any, state: TrainState) -> dict[str, float]:
+def save(engine: Any, state: TrainState, metrics: dict[str, Any]) -> dict[str, float]:
     """Save on every rank and report to Ray Train (a collective: all ranks call it together).
 
-    Returns this rank's save time, time training was blocked, and bytes written.
+    `metrics` go with the checkpoint to Ray (and so to Ray Tune in a sweep). Returns this
+    rank's save time, time training was blocked, and bytes written.
     """
     rank = dist.get_rank()
     local = Path(tempfile.mkdtemp(prefix="tidal-ckpt-"))
@@ -72,7 +73,7 @@ def save(engine: Any, state: TrainState) -> dict[str, float]:
     (local / manifest_name(rank)).write_text(json.dumps({"step": state.step, "files": files}))
     save_s = time.perf_counter() - t0
     ray.train.report(
-        {"step": state.step},
+        {**metrics, "step": state.step},
         checkpoint=ray.train.Checkpoint.from_directory(str(local)),
         checkpoint_dir_name=checkpoint_dir_name(state.step),
         delete_local_checkpoint_after_upload=True,

@@ -80,7 +80,7 @@ def train_loop(config: dict[str, Any]) -> None:
         if is_ckpt:
             if preempted and rank == 0:
                 tracker.say.remote(f"preemption warning: saving an emergency checkpoint at step {step}")
-            metrics |= checkpoint.save(engine, state)
+            metrics |= checkpoint.save(engine, state, metrics)
         if rank == 0:
             tracker.log.remote(metrics)  # fire and forget: tracking never blocks a step
         if warning is not None:
