@@ -89,6 +89,15 @@ def _parser() -> argparse.ArgumentParser:
     ls = sub.add_parser("list", help="list Tidal jobs on a cluster with progress", description="list Tidal jobs on a cluster")
     _address(ls)
     ls.set_defaults(func=_list)
+
+    rn = sub.add_parser("runs", help="table of Tidal runs in MLflow; `runs compare RUN RUN ...` puts runs side by side",
+                        description="Tidal runs in MLflow: job, status, steps, final loss, tokens/s, MFU, world size, "
+                        "GPU-hours. `tidal runs compare RUN_ID RUN_ID ...` shows the params that differ and final metrics.")
+    rn.add_argument("rest", nargs="*", metavar="compare RUN_ID", help="`compare` followed by two or more run ids")
+    rn.add_argument("--uri", default=os.environ.get("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db"),
+                    help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or sqlite:///mlflow.db)")
+    rn.add_argument("--experiment", default=None, help="only this experiment")
+    rn.set_defaults(func=_runs)
     return p
 
 
@@ -197,6 +206,24 @@ def _list(args: argparse.Namespace) -> int:
         loss = f"{r['loss']:.4f}" if "loss" in r else "-"
         tps = f"{r['tokens_per_s']:,.0f}" if "tokens_per_s" in r else "-"
         print(f"{r['id']:<28} {r['name']:<20} {r['status']:<10} {step:>11} {loss:>8} {tps:>10} {r.get('world_size', '-'):>5}")
+    return 0
+
+
+def _runs(args: argparse.Namespace) -> int:
+    from tidal.tracking.runs import COLUMNS, compare, list_runs, table
+
+    if args.rest and args.rest[0] == "compare":
+        if len(args.rest) < 3:
+            raise TidalError("usage: tidal runs compare RUN_ID RUN_ID [RUN_ID ...]")
+        print(table(*compare(args.uri, args.rest[1:])))
+        return 0
+    if args.rest:
+        raise TidalError(f"unknown runs action {args.rest[0]!r}: use `tidal runs` or `tidal runs compare RUN_ID RUN_ID`")
+    rows = list_runs(args.uri, args.experiment)
+    if not rows:
+        print(f"no Tidal runs in {args.uri}")
+        return 0
+    print(table(list(COLUMNS), [[r[c] for c in COLUMNS] for r in rows]))
     return 0
 
 

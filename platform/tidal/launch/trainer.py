@@ -76,11 +76,12 @@ def run(spec: JobSpec, restart: bool = False, mlflow_tags: dict[str, str] | None
               "use --restart to start over", flush=True)
 
     _connect_ray()
-    run_id = tracking.start_run(spec, job.get("mlflow_run_id"), {**_ray_tags(spec, run_dir), **(mlflow_tags or {})})
+    tags = {**_ray_tags(spec, run_dir), **(mlflow_tags or {})}
+    run_id = _open_mlflow_run(spec, job.get("mlflow_run_id"), tags)
     run_dir.write_json(JOB_FILE, {"mlflow_run_id": run_id, "fingerprint": spec.fingerprint_hash(), "tidal_version": __version__})
     print(f"[tidal] job {spec.name!r}: {_describe_scaling(spec)}; MLflow run {run_id}", flush=True)
 
-    tracker = _start_tracker(spec, run_id, run_dir)
+    tracker = _start_tracker(spec, run_id, run_dir, tags)
     ok = False
     try:
         _trainer(spec, run_id, tracker, callbacks or []).fit()
@@ -89,23 +90,56 @@ def run(spec: JobSpec, restart: bool = False, mlflow_tags: dict[str, str] | None
         raise TidalError(f"job {spec.name!r} failed after {spec.failure.max_restarts} restart(s): {_root_cause(e)}\n"
                          f"Its checkpoints are in {run_dir.path}; run the same command again to resume.") from e
     finally:
-        latest, left = ray.get(tracker.close.remote())
-        ray.kill(tracker)
+        run_id, latest, left = _close_tracker(tracker, spec.tracking.flush_timeout_s)
         if left:
             print(f"[tidal] WARNING: {left} metric point(s) could not reach MLflow; they stay in "
                   f"{run_dir.path}/{tracking.BUFFER_FILE} and are sent when this job runs again", flush=True)
-        tracking.end_run(spec, run_id, ok)
-    return RunResult(spec.name, run_id, spec.tracking.uri, run_dir.path, latest, time.time() - t0)
+        if run_id:
+            _finish_mlflow_run(spec, run_id, ok, latest, time.time() - t0)
+    return RunResult(spec.name, run_id or "", spec.tracking.uri, run_dir.path, latest, time.time() - t0)
 
 
-def _start_tracker(spec: JobSpec, run_id: str, run_dir: RunDir) -> Any:
+def _close_tracker(tracker: Any, timeout_s: float) -> tuple[str | None, dict[str, float], int]:
+    """Stop the tracker, first giving an unreachable MLflow up to `timeout_s` to come back."""
+    run_id, latest, left = ray.get(tracker.close.remote())
+    deadline = time.time() + timeout_s
+    if left:
+        print(f"[tidal] {left} metric point(s) still wait for MLflow; retrying for up to {timeout_s:.0f}s", flush=True)
+    while left and time.time() < deadline:
+        time.sleep(2)
+        left = ray.get(tracker.flush.remote(force=True))
+    run_id = ray.get(tracker.close.remote())[0]
+    ray.kill(tracker)
+    return run_id, latest, left
+
+
+def _open_mlflow_run(spec: JobSpec, run_id: str | None, tags: dict[str, str]) -> str | None:
+    try:
+        return tracking.start_run(spec, run_id, tags)
+    except Exception as e:  # noqa: BLE001 - an unreachable tracking server must not stop training
+        print(f"[tidal] WARNING: MLflow at {spec.tracking.uri} is unreachable ({type(e).__name__}): training starts "
+              "anyway; the run is created and filled in when MLflow answers", flush=True)
+        return run_id
+
+
+def _finish_mlflow_run(spec: JobSpec, run_id: str, ok: bool, latest: dict[str, float], wall_s: float) -> None:
+    summary = {"job": spec.name, "status": "FINISHED" if ok else "FAILED", "wall_s": wall_s,
+               "gpu_hours": wall_s / 3600 * spec.scaling.gpus_per_worker * latest.get("world_size", 0), **latest}
+    try:
+        tracking.log_artifacts(spec, run_id, summary)
+    except Exception as e:  # noqa: BLE001 - artifacts are a convenience; the job's result stands
+        print(f"[tidal] WARNING: could not store the run's artifacts in MLflow: {e}", flush=True)
+    tracking.end_run(spec, run_id, ok)
+
+
+def _start_tracker(spec: JobSpec, run_id: str | None, run_dir: RunDir, tags: dict[str, str]) -> Any:
     """The MLflow tracker actor, pinned to this (the driver's) node, where a SQLite store lives."""
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     actor = ray.remote(num_cpus=0, scheduling_strategy=here)(tracking.Tracker)
-    return actor.remote(spec, run_id, run_dir.path if _is_local(spec) else None)
+    return actor.remote(spec, run_id, run_dir.path if _is_local(spec) else None, tags)
 
 
-def _trainer(spec: JobSpec, run_id: str, tracker: Any, callbacks: list[Any]) -> TorchTrainer:
+def _trainer(spec: JobSpec, run_id: str | None, tracker: Any, callbacks: list[Any]) -> TorchTrainer:
     from tidal.worker.loop import train_loop
 
     s = spec.scaling

@@ -81,6 +81,9 @@ class ScalingSpec(Part):
     elastic_check_s: float = Field(
         60.0, gt=0.0, description="how often an elastic job looks for room to grow"
     )
+    peak_tflops_per_worker: float | None = Field(
+        None, gt=0.0, description="peak TFLOP/s of one worker for MFU; default: a table by GPU model, or measured CPU cores"
+    )
     site: Literal["onprem", "cloud", "any"] = Field(
         "any", description="where workers may run: nodes labelled tidal.io/site=onprem, =cloud, or either (on-prem first)"
     )
@@ -109,6 +112,9 @@ class FailureSpec(Part):
 class TrackingSpec(Part):
     uri: str = Field("sqlite:///mlflow.db", description="MLflow tracking URI")
     experiment: str = Field("tidal", min_length=1)
+    flush_timeout_s: float = Field(
+        120.0, ge=0.0, description="at the end, how long to keep retrying an unreachable MLflow before leaving metrics buffered"
+    )
 
 
 class JobSpec(Part):

@@ -11,8 +11,10 @@ are sent when the server answers again. `ray.train.report` is used for checkpoin
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -25,8 +27,14 @@ from ray.train import UserCallback
 
 from tidal import __version__
 from tidal.spec.job import JobSpec
+from tidal.storage import JOB_FILE
 
 log = logging.getLogger("tidal")
+
+# MLflow's HTTP client retries a dead server for minutes by default (7 tries, doubling waits).
+# Tidal buffers and retries on its own schedule instead, so fail fast (user settings win).
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
 BUFFER_FILE = "tidal-mlflow-buffer.jsonl"
 NOT_METRICS = ("step", "preempted")
 
@@ -45,12 +53,19 @@ def start_run(spec: JobSpec, run_id: str | None, tags: dict[str, str]) -> str:
         except mlflow.exceptions.MlflowException:
             log.warning("MLflow run %s of this job is gone; starting a new one", run_id)
     exp = c.get_experiment_by_name(spec.tracking.experiment)
-    exp_id = exp.experiment_id if exp else c.create_experiment(spec.tracking.experiment)
+    exp_id = exp.experiment_id if exp else c.create_experiment(spec.tracking.experiment, _artifact_root(spec.tracking.uri))
     run = c.create_run(exp_id, run_name=spec.name, tags={"tidal.job": spec.name, "tidal.version": __version__, **tags})
     params = [Param(k, str(v)) for k, v in spec.flat().items()]
     for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
         c.log_batch(run.info.run_id, params=params[i : i + 100])
     return run.info.run_id
+
+
+def _artifact_root(uri: str) -> str | None:
+    """Beside a SQLite store, not in whatever directory the creating process ran in (./mlruns)."""
+    if uri.startswith("sqlite:///"):
+        return str(Path(uri[len("sqlite:///"):]).parent / "mlartifacts")
+    return None  # a server decides
 
 
 def end_run(spec: JobSpec, run_id: str, ok: bool) -> None:
@@ -75,11 +90,21 @@ def run_url(spec: JobSpec, run_id: str) -> str:
 
 
 class Tracker:
-    """Logs rank 0's metrics to MLflow once per step and prints progress (a Ray actor in a run)."""
+    """Logs rank 0's metrics to MLflow once per step and prints progress (a Ray actor in a run).
 
-    def __init__(self, spec: JobSpec, run_id: str, run_dir: str | None) -> None:
-        self.spec, self.run_id = spec, run_id
+    Points go to a buffer first (a file in the run folder when it is local, so a dead driver
+    loses none) and are sent in batches; while MLflow is unreachable the tracker keeps
+    buffering and retries every `retry_s` seconds. If MLflow was down when the job started,
+    the run itself is created on the first successful contact.
+    """
+
+    def __init__(self, spec: JobSpec, run_id: str | None, run_dir: str | None, tags: dict[str, str] | None = None,
+                 retry_s: float = 5.0) -> None:
+        self.spec, self.run_id, self.tags = spec, run_id, tags or {}
+        self.run_dir = run_dir
         self.buffer = Path(run_dir) / BUFFER_FILE if run_dir else None
+        self.pending: list[dict[str, Any]] = self._read_buffer()
+        self.retry_s, self.retry_at = retry_s, 0.0
         self.last_step: int | None = None  # highest step already in MLflow
         self.reported_step = 0  # highest step seen from rank 0 in this launch
         self.failed_since_resume = False
@@ -88,7 +113,8 @@ class Tracker:
         self.latest: dict[str, float] = {}
         self.t0 = time.time()
         self.first_step: int | None = None
-        self._warned = False
+        self.down_since: float | None = None
+        self.monitor = self._start_system_metrics()
 
     # --- called by rank 0 and by the controller callback ----------------------------------
     def log(self, m: dict[str, Any]) -> None:
@@ -106,7 +132,8 @@ class Tracker:
         self.last_step = step
         values = {k: float(v) for k, v in m.items() if k not in NOT_METRICS and isinstance(v, (int, float))}
         values.update(self.counters)
-        self._log({"step": step, "values": values, "ts": int(time.time() * 1000)})
+        self._add({"step": step, "values": values, "ts": int(time.time() * 1000)})
+        self.flush()
 
     def say(self, message: str) -> None:
         """A line for the person watching: workers speak through here so it is printed once."""
@@ -137,22 +164,70 @@ class Tracker:
         self.failed_since_resume = False
         self.say(line)
 
-    def close(self) -> tuple[dict[str, float], int]:
-        """(last values seen, points still unsent) after one more try to send the buffer."""
-        pending = self._read_buffer()
-        if pending:
-            try:
-                _send(self.spec, self.run_id, pending)
-                self._write_buffer([])
-                pending = []
-            except Exception:  # noqa: BLE001 - reported to the caller as points left
-                pass
-        return dict(self.latest), len(pending)
+    def flush(self, force: bool = False) -> int:
+        """Send buffered points unless MLflow failed less than `retry_s` ago; returns points left."""
+        if not self.pending or (not force and time.time() < self.retry_at):
+            return len(self.pending)
+        try:
+            self._ensure_run()
+            while self.pending:
+                chunk = _batch(self.pending)
+                _send(self.spec, self.run_id, chunk)
+                del self.pending[: len(chunk)]  # sent: never sent twice, even if a later batch fails
+        except Exception as e:  # noqa: BLE001 - any tracking failure must leave training running
+            self._rewrite_buffer()
+            self.retry_at = time.time() + self.retry_s
+            if self.down_since is None:
+                self.down_since = time.time()
+                print(f"[tidal] WARNING: MLflow at {self.spec.tracking.uri} is unreachable ({type(e).__name__}); "
+                      f"training continues and metrics wait in {self.buffer or 'memory'} until it is back", flush=True)
+            return len(self.pending)
+        if self.down_since is not None:
+            print(f"[tidal] MLflow is reachable again after {time.time() - self.down_since:.0f}s: "
+                  f"sent {len(self.pending)} buffered point(s)", flush=True)
+            self.down_since = None
+        self._rewrite_buffer()
+        return 0
+
+    def close(self) -> tuple[str | None, dict[str, float], int]:
+        """(MLflow run id, last values seen, points still unsent) after one more try to send."""
+        if self.monitor is not None:
+            # MLflow publishes a sample only after a full interval; keep a short run's samples too.
+            with contextlib.suppress(Exception):
+                self.monitor.publish_metrics(self.monitor.aggregate_metrics())
+            self.monitor.finish()
+        left = self.flush(force=True)
+        return self.run_id, dict(self.latest), left
 
     # --- helpers ------------------------------------------------------------------------
+    def _ensure_run(self) -> None:
+        """Create the MLflow run now if MLflow was unreachable when the job started."""
+        if self.run_id is None:
+            self.run_id = start_run(self.spec, None, self.tags)
+            if self.run_dir:
+                record_run_id(self.run_dir, self.run_id)
+            print(f"[tidal] MLflow run {self.run_id} created", flush=True)
+
+    def _start_system_metrics(self) -> Any:
+        """MLflow's system metrics (CPU, memory, GPU, disk, network) of the driver's node."""
+        if self.run_id is None:
+            return None
+        logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)
+        try:
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+            monitor = SystemMetricsMonitor(self.run_id, sampling_interval=10, resume_logging=True,
+                                           node_id="driver", tracking_uri=self.spec.tracking.uri)
+            monitor.start()
+            return monitor
+        except Exception as e:  # noqa: BLE001 - optional telemetry; say why it is missing
+            log.warning("MLflow system metrics are off: %s", e)
+            return None
+
     def _already_logged(self, step: int) -> bool:
         if self.last_step is None:
-            self.last_step = _max_logged_step(self.spec, self.run_id)
+            self.last_step = _max_logged_step(self.spec, self.run_id) if self.run_id else 0
+            self.last_step = max([self.last_step, *(e["step"] for e in self.pending)])
         return step <= self.last_step
 
     def _progress_line(self, m: dict[str, Any]) -> str:
@@ -166,37 +241,33 @@ class Tracker:
                 f"{m['samples_per_s']:,.1f} samples/s | MFU {100 * m['mfu']:.1f}% | world {m['world_size']} | "
                 f"elapsed {_hms(elapsed)} | ETA {_hms(eta)}")
 
-    def _log(self, entry: dict[str, Any]) -> None:
-        pending = [*self._read_buffer(), entry]
-        try:
-            _send(self.spec, self.run_id, pending)
-        except Exception as e:  # noqa: BLE001 - any tracking failure must leave training running
-            self._write_buffer(pending)
-            if not self._warned:
-                print(f"[tidal] WARNING: MLflow at {self.spec.tracking.uri} is unreachable ({type(e).__name__}); "
-                      f"training continues and metrics are kept in {self.buffer or 'memory'} until it is back", flush=True)
-                self._warned = True
+    def _add(self, entry: dict[str, Any]) -> None:
+        self.pending.append(entry)
+        if self.buffer is not None:
+            self.buffer.parent.mkdir(parents=True, exist_ok=True)
+            with self.buffer.open("a") as f:
+                f.write(json.dumps(entry) + "\n")
+
+    def _rewrite_buffer(self) -> None:
+        if self.buffer is None:
             return
-        if self._warned:
-            print(f"[tidal] MLflow is reachable again: sent {len(pending)} buffered point(s)", flush=True)
-            self._warned = False
-        self._write_buffer([])
+        if not self.pending:
+            self.buffer.unlink(missing_ok=True)
+            return
+        tmp = self.buffer.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(e) + "\n" for e in self.pending))
+        tmp.replace(self.buffer)
 
     def _read_buffer(self) -> list[dict[str, Any]]:
-        if self.buffer is None:
-            return getattr(self, "_mem", [])
-        if not self.buffer.exists():
+        if self.buffer is None or not self.buffer.exists():
             return []
         return [json.loads(line) for line in self.buffer.read_text().splitlines() if line.strip()]
 
-    def _write_buffer(self, entries: list[dict[str, Any]]) -> None:
-        if self.buffer is None:
-            self._mem = entries
-        elif entries:
-            self.buffer.parent.mkdir(parents=True, exist_ok=True)
-            self.buffer.write_text("".join(json.dumps(e) + "\n" for e in entries))
-        else:
-            self.buffer.unlink(missing_ok=True)
+
+def record_run_id(run_dir: str, run_id: str) -> None:
+    path = Path(run_dir) / JOB_FILE
+    job = json.loads(path.read_text()) if path.exists() else {}
+    path.write_text(json.dumps({**job, "mlflow_run_id": run_id}, indent=2))
 
 
 class FailureNotifier(UserCallback):
@@ -214,11 +285,20 @@ def _last_line(e: BaseException) -> str:
     return text.splitlines()[-1][:300] if text else type(e).__name__
 
 
+def _batch(entries: list[dict[str, Any]], limit: int = 1000) -> list[dict[str, Any]]:
+    """The longest prefix of whole steps within MLflow's 1000-metrics-per-batch limit."""
+    n = total = 0
+    for e in entries:
+        total += len(e["values"])
+        if total > limit and n:
+            break
+        n += 1
+    return entries[:n]
+
+
 def _send(spec: JobSpec, run_id: str, entries: Iterable[dict[str, Any]]) -> None:
     metrics = [Metric(k, v, e["ts"], e["step"]) for e in entries for k, v in e["values"].items()]
-    c = client(spec)
-    for i in range(0, len(metrics), 1000):  # MLflow's batch limit
-        c.log_batch(run_id, metrics=metrics[i : i + 1000], synchronous=True)
+    client(spec).log_batch(run_id, metrics=metrics, synchronous=True)
 
 
 def _max_logged_step(spec: JobSpec, run_id: str) -> int:
@@ -247,3 +327,42 @@ def metrics_frame(spec: JobSpec, run_id: str) -> Any:
     frame = pd.DataFrame.from_dict(rows, orient="index").sort_index()
     frame.index.name = "step"
     return frame.reset_index()
+
+
+def log_artifacts(spec: JobSpec, run_id: str, summary: dict[str, Any]) -> None:
+    """At the end of a run: the resolved spec, the DeepSpeed config, a JSON summary, and plots."""
+    import tempfile
+
+    import yaml
+
+    from tidal.spec.deepspeed import ds_config
+
+    c = client(spec)
+    on_gpu = spec.scaling.gpus_per_worker > 0
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp)
+        (d / "spec.yaml").write_text(yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False))
+        (d / "deepspeed_config.json").write_text(json.dumps(ds_config(spec, spec.scaling.max_workers, on_gpu), indent=2))
+        (d / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        _plots(metrics_frame(spec, run_id), d)
+        c.log_artifacts(run_id, str(d))
+
+
+def _plots(frame: Any, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on cluster nodes
+    import matplotlib.pyplot as plt
+
+    for name, cols, ylabel in (("loss.png", ["loss"], "loss"),
+                               ("throughput.png", ["tokens_per_s"], "tokens/s")):
+        present = [c for c in cols if c in frame]
+        if not present:
+            continue
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        for col in present:
+            ax.plot(frame["step"], frame[col], label=col)
+        ax.set(xlabel="step", ylabel=ylabel, title=ylabel)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=100)
+        plt.close(fig)

@@ -15,7 +15,7 @@ from tidal.worker import checkpoint
 from tidal.worker.data import Batches
 from tidal.worker.device import torch_device
 from tidal.worker.engine import build_engine, param_count
-from tidal.worker.metrics import StepTimer, device_peak_flops, flops_per_token
+from tidal.worker.metrics import PhaseClock, flops_per_token, resource_stats, worker_peak_flops
 
 
 def train_loop(config: dict[str, Any]) -> None:
@@ -40,22 +40,31 @@ def train_loop(config: dict[str, Any]) -> None:
     batches = Batches(spec, rank, world, device)
     t = spec.train
     tokens_per_step = t.global_batch * spec.model.seq_len
-    flops_per_step = flops_per_token(param_count(engine), spec.model) * tokens_per_step
-    peak = world * device_peak_flops(torch.cuda.get_device_name() if device.type == "cuda" else "CPU", spec.parallelism.precision)
-    timer, loss_sum, loss_n = StepTimer(), torch.zeros(1), 0
+    model_flops = flops_per_token(param_count(engine), spec.model)
+    flops_per_step = model_flops * tokens_per_step
+    s = spec.scaling
+    peak = world * worker_peak_flops(device, spec.parallelism.precision, s.cpus_per_worker, s.peak_tflops_per_worker)
+    clock, loss_sum, loss_n = PhaseClock(device), torch.zeros(1), 0
     saved_for_preemption = False
 
     last = min(t.steps, t.stop_at or t.steps)
     for step in range(state.step + 1, last + 1):
         torch.manual_seed(t.seed * 1_000_003 + step * 1_009 + rank)  # dropout depends on the step only
-        timer.start()
-        for tokens, targets in batches.for_step(step):
-            loss = engine(tokens, targets)
-            engine.backward(loss)
-            engine.step()
+        clock.start_step(sync=step % t.log_every == 0)
+        micro = batches.for_step(step)
+        while True:
+            with clock.phase("data_wait_s"):
+                batch = next(micro, None)
+            if batch is None:
+                break
+            with clock.phase("forward_backward_s"):
+                loss = engine(*batch)
+                engine.backward(loss)
+            with clock.phase("optimizer_s"):
+                engine.step()  # DeepSpeed steps the optimizer only at the accumulation boundary
             loss_sum += loss.detach().float().cpu()
             loss_n += 1
-        timer.stop()
+        clock.end_step()
         state.step, state.samples_seen = step, step * t.global_batch
         state.tokens_seen = state.samples_seen * spec.model.seq_len
 
@@ -69,11 +78,14 @@ def train_loop(config: dict[str, Any]) -> None:
         if not (is_log or is_ckpt):
             continue
         dist.all_reduce(loss_sum)  # mean loss over ranks and micro-batches since the last report
-        step_s = timer.take()
+        times = clock.take()
+        step_s = times["step_time_s"]
         metrics = {
             "step": step, "loss": loss_sum.item() / (loss_n * world), "lr": engine.get_lr()[0],
-            "tokens_per_s": tokens_per_step / step_s, "samples_per_s": t.global_batch / step_s,
-            "step_time_s": step_s, "mfu": flops_per_step / step_s / peak, "world_size": world,
+            "tokens_per_s": tokens_per_step / step_s, "tokens_per_s_per_worker": tokens_per_step / step_s / world,
+            "samples_per_s": t.global_batch / step_s, "mfu": flops_per_step / step_s / peak,
+            "world_size": world, "tokens_seen": state.tokens_seen, "model_flops_per_token": model_flops, **times,
+            **(resource_stats(device) if rank == 0 else {}),
         }
         loss_sum.zero_()
         loss_n = 0

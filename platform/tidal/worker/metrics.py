@@ -7,47 +7,96 @@ score and value products, which scale with context length T and have no paramete
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+
+import psutil
+import torch
 
 from tidal.spec.job import ModelSpec
 
 # Dense peak FLOP/s per device by precision. GPU figures are vendor specs without sparsity;
-# the CPU figure was measured with torch matmuls on 2 cores (see docs/benchmarks.md).
+# the CPU figures are per core, measured with torch matmuls on a 2-core machine (191 GFLOP/s
+# fp32 and 856 GFLOP/s bf16 for both cores; see docs/benchmarks.md).
 PEAK_FLOPS: dict[str, dict[str, float]] = {
     "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
     "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
     "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
     "L40S": {"bf16": 362e12, "fp16": 362e12, "fp32": 91.6e12},
-    "CPU": {"bf16": 856e9, "fp16": 856e9, "fp32": 191e9},
 }
+CPU_PEAK_PER_CORE = {"bf16": 428e9, "fp16": 428e9, "fp32": 95.5e9}
 
 
 def flops_per_token(n_params: int, model: ModelSpec) -> float:
     return 6.0 * n_params + 12.0 * model.n_layer * model.d_model * model.seq_len
 
 
-def device_peak_flops(device_name: str, precision: str) -> float:
-    for key, table in PEAK_FLOPS.items():
-        if key in device_name.upper():
-            return table[precision]
-    return PEAK_FLOPS["CPU"][precision]
+def worker_peak_flops(device: torch.device, precision: str, cpus: float, override_tflops: float | None) -> float:
+    """Peak FLOP/s of one worker: the spec's override, else the GPU's table entry, else its CPU cores."""
+    if override_tflops:
+        return override_tflops * 1e12
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device).upper()
+        for key, table in PEAK_FLOPS.items():
+            if key in name:
+                return table[precision]
+    return CPU_PEAK_PER_CORE[precision] * cpus
 
 
-class StepTimer:
-    """Wall time per optimizer step, averaged over the steps since the last `take()`."""
+class PhaseClock:
+    """Wall time per optimizer step, split into phases, averaged since the last `take()`.
 
-    def __init__(self) -> None:
-        self.total = 0.0
-        self.steps = 0
-        self._t0 = 0.0
+    On a GPU, kernels run asynchronously: phase times are only true if the device is synced at
+    each boundary, which costs a little, so `sync` is set only on steps that will be logged.
+    """
 
-    def start(self) -> None:
-        self._t0 = time.perf_counter()
+    PHASES = ("data_wait_s", "forward_backward_s", "optimizer_s")
 
-    def stop(self) -> None:
-        self.total += time.perf_counter() - self._t0
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.sync = False
+        self.totals = dict.fromkeys(self.PHASES, 0.0)
+        self.step_total, self.steps = 0.0, 0
+        self._step_t0 = 0.0
+
+    def start_step(self, sync: bool) -> None:
+        self.sync = sync and self.cuda
+        self._step_t0 = time.perf_counter()
+
+    def end_step(self) -> None:
+        self._barrier()
+        self.step_total += time.perf_counter() - self._step_t0
         self.steps += 1
 
-    def take(self) -> float:
-        mean = self.total / max(self.steps, 1)
-        self.total, self.steps = 0.0, 0
-        return mean
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        yield
+        self._barrier()
+        self.totals[name] += time.perf_counter() - t0
+
+    def take(self) -> dict[str, float]:
+        n = max(self.steps, 1)
+        out = {k: v / n for k, v in self.totals.items()} | {"step_time_s": self.step_total / n}
+        self.totals = dict.fromkeys(self.PHASES, 0.0)
+        self.step_total, self.steps = 0.0, 0
+        return out
+
+    def _barrier(self) -> None:
+        if self.sync:
+            torch.cuda.synchronize()
+
+
+def resource_stats(device: torch.device) -> dict[str, float]:
+    """Memory and utilization of this worker's host and device (rank 0 reports its own)."""
+    vm = psutil.virtual_memory()
+    stats = {
+        "host_memory_used_frac": vm.percent / 100,
+        "process_rss_gb": psutil.Process().memory_info().rss / 1e9,
+        "cpu_util_frac": psutil.cpu_percent(interval=None) / 100,
+    }
+    if device.type == "cuda":
+        stats["gpu_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+        with suppress(Exception):  # NVML (pynvml) missing: memory is still reported
+            stats["gpu_util_frac"] = torch.cuda.utilization(device) / 100
+    return stats

@@ -1,0 +1,133 @@
+"""What a run leaves in MLflow: per-step telemetry, artifacts, the `tidal runs` tables; and a real
+`mlflow server` killed mid-run and restarted without losing or duplicating a step."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import tidal
+from mlflow.tracking import MlflowClient
+from tidal.cli import main
+from tidal.spec.job import ModelSpec
+from tidal.worker.metrics import flops_per_token
+from tidal.worker.models import build_model
+
+from tests.conftest import metric_history, tiny_spec
+
+EXPECTED = ("loss", "lr", "tokens_per_s", "tokens_per_s_per_worker", "samples_per_s", "step_time_s", "data_wait_s",
+            "forward_backward_s", "optimizer_s", "mfu", "model_flops_per_token", "world_size", "restarts",
+            "steps_lost", "host_memory_used_frac", "process_rss_gb", "cpu_util_frac")
+
+
+def test_flops_formula_matches_a_hand_count():
+    cfg = ModelSpec(n_layer=2, n_head=2, d_model=8, vocab_size=10, seq_len=4)
+    d, v, t, n_layer = 8, 10, 4, 2
+    per_block = (2 * d) + (3 * d * d + 3 * d) + (d * d + d) + (2 * d) + (4 * d * d + 4 * d) + (4 * d * d + d)
+    n = v * d + t * d + n_layer * per_block + 2 * d  # embeddings, blocks, final norm; the head is tied
+    assert sum(p.numel() for p in build_model(cfg).parameters()) == n
+    assert flops_per_token(n, cfg) == 6 * n + 12 * n_layer * d * t
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_local")
+def test_run_leaves_metrics_artifacts_and_tables(tmp_path, capsys):
+    spec = tiny_spec(tmp_path, name="telemetry", **{"train.steps": 10, "train.log_every": 2})
+    run_id = tidal.run(spec).mlflow_run_id
+    for key in EXPECTED:
+        assert sorted(metric_history(spec, run_id, key)) == [2, 4, 6, 8, 10], key
+    assert sorted(metric_history(spec, run_id, "checkpoint_blocked_s")) == [8, 10]
+    c = MlflowClient(spec.tracking.uri)
+    assert any(k.startswith("system/") for k in c.get_run(run_id).data.metrics), "MLflow system metrics"
+    arts = {a.path for a in c.list_artifacts(run_id)}
+    assert arts >= {"spec.yaml", "deepspeed_config.json", "summary.json", "loss.png", "throughput.png"}
+    summary = json.loads(Path(c.download_artifacts(run_id, "summary.json", str(tmp_path))).read_text())
+    assert summary["status"] == "FINISHED" and summary["loss"] == pytest.approx(metric_history(spec, run_id, "loss")[10])
+
+    assert main(["runs", "--uri", spec.tracking.uri]) == 0
+    out = capsys.readouterr().out
+    assert "telemetry" in out and "10/10" in out and run_id in out
+    other = tidal.run(spec.with_overrides({"name": "telemetry-b", "train.lr": 5e-3})).mlflow_run_id
+    assert main(["runs", "compare", run_id, other, "--uri", spec.tracking.uri]) == 0
+    table = capsys.readouterr().out
+    assert "train.lr" in table and "0.005" in table and "final loss" in table and "model.d_model" not in table
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_mlflow_server(db: Path, port: int, log: Path) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+         "--backend-store-uri", f"sqlite:///{db}", "--default-artifact-root", str(db.parent / "artifacts")],
+        stdout=log.open("a"), stderr=subprocess.STDOUT, start_new_session=True)  # noqa: SIM115 - lives with the server
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+            return proc
+        if proc.poll() is not None:
+            raise RuntimeError(log.read_text()[-3000:])
+        time.sleep(0.3)
+    raise TimeoutError("mlflow server did not start")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_local")
+def test_tracking_server_outage_loses_nothing(tmp_path):
+    db, port, log = tmp_path / "server.db", free_port(), tmp_path / "server.log"
+    server = start_mlflow_server(db, port, log)
+    spec = tiny_spec(tmp_path, name="outage", **{"train.steps": 400, "checkpoint.every_steps": 100})
+    spec = spec.with_overrides({"tracking.uri": f"http://127.0.0.1:{port}"})
+    direct = spec.with_overrides({"tracking.uri": f"sqlite:///{db}"})  # read the store even while the server is down
+    buffer = Path(spec.checkpoint.storage) / spec.name / "tidal-mlflow-buffer.jsonl"
+    out: dict = {}
+    job = threading.Thread(target=lambda: out.setdefault("result", tidal.run(spec)), daemon=True)
+    job.start()
+    try:
+        _wait(lambda: _max_step(direct) >= 20, "the run to log step 20")
+        stop(server)
+        _wait(lambda: buffer.exists() and len(buffer.read_text().splitlines()) >= 30, "metrics to wait in the buffer")
+        server = start_mlflow_server(db, port, log)
+        job.join(timeout=400)
+        assert "result" in out, "job did not finish"
+    finally:
+        stop(server)
+    run_id = out["result"].mlflow_run_id
+    assert sorted(metric_history(direct, run_id, "loss")) == list(range(1, 401)), "every step exactly once"
+    assert not buffer.exists(), "the buffer was drained"
+
+
+def _max_step(spec) -> int:
+    c = MlflowClient(spec.tracking.uri)
+    with contextlib.suppress(Exception):
+        runs = c.search_runs([e.experiment_id for e in c.search_experiments()])
+        if runs:
+            return max((m.step for m in c.get_metric_history(runs[0].info.run_id, "loss")), default=0)
+    return 0
+
+
+def _wait(cond, what: str, timeout: float = 180) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if cond():
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"timed out waiting for {what}")
