@@ -74,3 +74,14 @@ def test_changed_model_is_refused_naming_fields():
 def test_longer_run_may_resume():
     saved = {"step": 40, "fingerprint": JobSpec().resume_fingerprint()}
     check_compatible(JobSpec().with_overrides({"train.steps": 1000, "train.lr": 1e-3}), saved)
+
+
+def test_quarantined_checkpoint_is_skipped(tmp_path):
+    from tidal.storage import quarantine
+
+    fake_checkpoint(tmp_path / "job", 10)
+    fake_checkpoint(tmp_path / "job", 20)
+    run = RunDir(str(tmp_path), "job")
+    quarantine(run.latest_complete(), RuntimeError("unpickling failed"))
+    found = run.latest_complete()
+    assert found is not None and found.step == 10

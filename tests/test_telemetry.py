@@ -15,14 +15,14 @@ import time
 from pathlib import Path
 
 import pytest
-import tidal
 from mlflow.tracking import MlflowClient
+
+import tidal
+from tests.conftest import metric_history, tiny_spec
 from tidal.cli import main
 from tidal.spec.job import ModelSpec
 from tidal.worker.metrics import flops_per_token
 from tidal.worker.models import build_model
-
-from tests.conftest import metric_history, tiny_spec
 
 EXPECTED = ("loss", "lr", "tokens_per_s", "tokens_per_s_per_worker", "samples_per_s", "step_time_s", "data_wait_s",
             "forward_backward_s", "optimizer_s", "mfu", "model_flops_per_token", "world_size", "restarts",

@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 
 import pytest
-import tidal
 from mlflow.tracking import MlflowClient
 
+import tidal
 from tests.conftest import metric_history, tiny_spec
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local")]

@@ -121,7 +121,7 @@ def _spec(args: argparse.Namespace) -> JobSpec:
 def _validate(args: argparse.Namespace) -> int:
     spec = _spec(args)
     print(f"# {args.spec}: valid")
-    print(yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False).rstrip())
+    print(yaml.safe_dump(spec.redacted(), sort_keys=False).rstrip())
     if args.deepspeed:
         from tidal.spec.deepspeed import ds_config
 

@@ -25,6 +25,7 @@ log = logging.getLogger("tidal")
 CKPT_RE = re.compile(r"^checkpoint_(\d{9})$")
 STATE_FILE = "tidal-state.json"  # written by rank 0: step, world size, fingerprint, MLflow run id
 JOB_FILE = "tidal-job.json"  # written by the driver at start: MLflow run id, fingerprint
+QUARANTINE_FILE = "tidal-quarantined.json"  # a checkpoint that failed to load; never tried again
 
 
 def checkpoint_dir_name(step: int) -> str:
@@ -96,6 +97,11 @@ class RunDir:
 def check_complete(fs: pafs.FileSystem, path: str) -> tuple[str | None, dict[str, Any]]:
     """(None, state) when complete, else (what is wrong, {})."""
     try:
+        with fs.open_input_stream(f"{path}/{QUARANTINE_FILE}") as f:
+            return f"quarantined after it failed to load ({json.loads(f.read()).get('error', '?')})", {}
+    except (FileNotFoundError, OSError, ValueError):
+        pass
+    try:
         with fs.open_input_stream(f"{path}/{STATE_FILE}") as f:
             state = json.loads(f.read())
         world_size = int(state["world_size"])
@@ -113,6 +119,13 @@ def check_complete(fs: pafs.FileSystem, path: str) -> tuple[str | None, dict[str
                 got = "missing" if info.type != pafs.FileType.File else f"{info.size} bytes"
                 return f"{name} is {got}, expected {size} bytes (truncated save)", {}
     return None, state
+
+
+def quarantine(found: Found, error: BaseException) -> None:
+    """Mark a checkpoint that failed to load so no resume picks it again (its files stay for a person)."""
+    with found.fs.open_output_stream(f"{found.path}/{QUARANTINE_FILE}") as f:
+        f.write(json.dumps({"error": f"{type(error).__name__}: {error}"[:500]}).encode())
+    log.warning("Quarantined %s: it failed to load (%s); the next attempt uses an older checkpoint.", found.path, error)
 
 
 def find_resume_point(spec: JobSpec) -> Found | None:

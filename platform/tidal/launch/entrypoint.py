@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import sys
 
 from tidal.cli import print_error
@@ -13,7 +14,9 @@ from tidal.spec.load import validate
 
 def main(argv: list[str]) -> int:
     try:
-        spec = validate(json.loads(base64.urlsafe_b64decode(argv[0])), source="submitted spec")
+        data = json.loads(base64.urlsafe_b64decode(argv[0]))
+        data["env"] = {k: os.environ.get(k, "") for k in data.get("env", {})}  # shipped as the job's env
+        spec = validate(data, source="submitted spec")
         from tidal.launch.trainer import run
 
         result = run(spec)

@@ -16,6 +16,7 @@ from tidal.errors import SpecError
 from tidal.spec.batch import bad_world_sizes
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$"
+REDACTED = "***"
 
 
 class Part(BaseModel):
@@ -107,6 +108,10 @@ class CheckpointSpec(Part):
 
 class FailureSpec(Part):
     max_restarts: int = Field(3, ge=-1, description="worker-group restarts allowed; -1 = unlimited")
+    step_timeout_s: float = Field(
+        900.0, ge=0.0, description="a worker with no finished step for this long (e.g. stuck in a collective) exits "
+        "so the group restarts from the last checkpoint; 0 disables. Armed after the first step"
+    )
 
 
 class TrackingSpec(Part):
@@ -129,6 +134,9 @@ class JobSpec(Part):
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     failure: FailureSpec = Field(default_factory=FailureSpec)
     tracking: TrackingSpec = Field(default_factory=TrackingSpec)
+    env: dict[str, str] = Field(
+        default_factory=dict, description="environment variables for the workers (credentials...); never logged or printed"
+    )
 
     def model_post_init(self, _context: Any) -> None:
         problems = consistency_problems(self)
@@ -156,8 +164,14 @@ class JobSpec(Part):
         return self.scaling.min_workers != self.scaling.max_workers
 
     def flat(self) -> dict[str, Any]:
-        """`section.key -> value`, the form MLflow params take."""
-        return _flatten(self.model_dump(mode="json"))
+        """`section.key -> value`, the form MLflow params take; `env` values redacted."""
+        return _flatten(self.redacted())
+
+    def redacted(self) -> dict[str, Any]:
+        """The spec as data with every `env` value replaced, for printing and tracking."""
+        data = self.model_dump(mode="json")
+        data["env"] = dict.fromkeys(data["env"], REDACTED)
+        return data
 
     def resume_fingerprint(self) -> dict[str, Any]:
         """Fields that must match between a checkpoint and the job resuming from it."""

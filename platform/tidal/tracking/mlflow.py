@@ -341,7 +341,7 @@ def log_artifacts(spec: JobSpec, run_id: str, summary: dict[str, Any]) -> None:
     on_gpu = spec.scaling.gpus_per_worker > 0
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
-        (d / "spec.yaml").write_text(yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False))
+        (d / "spec.yaml").write_text(yaml.safe_dump(spec.redacted(), sort_keys=False))
         (d / "deepspeed_config.json").write_text(json.dumps(ds_config(spec, spec.scaling.max_workers, on_gpu), indent=2))
         (d / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
         _plots(metrics_frame(spec, run_id), d)

@@ -28,7 +28,7 @@ import ray.train
 import torch.distributed as dist
 
 from tidal.errors import CheckpointError
-from tidal.storage import STATE_FILE, Found, checkpoint_dir_name, manifest_name
+from tidal.storage import STATE_FILE, Found, checkpoint_dir_name, manifest_name, quarantine
 
 log = logging.getLogger("tidal")
 
@@ -93,9 +93,15 @@ def restore(engine: Any, found: Found, reshard: bool) -> TrainState:
     with ray.train.Checkpoint(found.path, filesystem=found.fs).as_directory() as local:
         state = TrainState(**found.state)
         step_tag = _universal(local, tag(state.step)) if reshard else tag(state.step)
-        load_path, client = engine.load_checkpoint(local, tag=step_tag, load_optimizer_states=True, load_lr_scheduler_states=True)
-    if load_path is None:
-        raise CheckpointError(f"DeepSpeed could not load {found.path} (tag {step_tag})")
+        try:
+            load_path, _ = engine.load_checkpoint(local, tag=step_tag, load_optimizer_states=True, load_lr_scheduler_states=True)
+            if load_path is None:
+                raise CheckpointError(f"DeepSpeed found nothing to load under tag {step_tag}")
+        except Exception as e:
+            # Files of the right size that do not load (bit rot, a bad copy): quarantine it, and
+            # fail, so Ray restarts the group and the next attempt takes the previous checkpoint.
+            quarantine(found, e)
+            raise CheckpointError(f"checkpoint {found.path} failed to load and was quarantined: {e}") from e
     return state
 
 

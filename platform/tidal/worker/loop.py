@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -16,10 +17,12 @@ from tidal.worker.data import Batches
 from tidal.worker.device import torch_device
 from tidal.worker.engine import build_engine, param_count
 from tidal.worker.metrics import PhaseClock, flops_per_token, resource_stats, worker_peak_flops
+from tidal.worker.watchdog import StepWatchdog
 
 
 def train_loop(config: dict[str, Any]) -> None:
     spec = JobSpec.model_validate(config["spec"])
+    os.environ.update(spec.env)
     tracker = config["tracker"]
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
@@ -45,6 +48,7 @@ def train_loop(config: dict[str, Any]) -> None:
     s = spec.scaling
     peak = world * worker_peak_flops(device, spec.parallelism.precision, s.cpus_per_worker, s.peak_tflops_per_worker)
     clock, loss_sum, loss_n = PhaseClock(device), torch.zeros(1), 0
+    watchdog = StepWatchdog(spec.failure.step_timeout_s, rank, tracker)
     saved_for_preemption = False
 
     last = min(t.steps, t.stop_at or t.steps)
@@ -65,6 +69,7 @@ def train_loop(config: dict[str, Any]) -> None:
             loss_sum += loss.detach().float().cpu()
             loss_n += 1
         clock.end_step()
+        watchdog.beat(step)
         state.step, state.samples_seen = step, step * t.global_batch
         state.tokens_seen = state.samples_seen * spec.model.seq_len
 
@@ -93,9 +98,11 @@ def train_loop(config: dict[str, Any]) -> None:
             if preempted and rank == 0:
                 tracker.say.remote(f"preemption warning: saving an emergency checkpoint at step {step}")
             metrics |= checkpoint.save(engine, state, metrics)
+            watchdog.beat(step)
         if rank == 0:
             tracker.log.remote(metrics)  # fire and forget: tracking never blocks a step
         if warning is not None:
+            watchdog.pause()
             _wait_for_reclaim(warning.deadline_ms)
 
 

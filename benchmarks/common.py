@@ -1,0 +1,59 @@
+"""Helpers shared by the benchmarks: run a Tidal job in a subprocess, read MLflow, write the doc."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+from mlflow.tracking import MlflowClient
+
+from tidal.spec.job import JobSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "benchmarks.md"
+
+
+def write_spec(spec: JobSpec, path: Path) -> Path:
+    path.write_text(yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False))
+    return path
+
+
+def tidal_run(spec_path: Path, *args: str, timeout: float = 900) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run([sys.executable, "-m", "tidal", "run", str(spec_path), *args], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+    if proc.returncode:
+        raise RuntimeError(proc.stdout[-3000:] + proc.stderr[-3000:])
+    return proc.stdout
+
+
+def history(spec: JobSpec, run_id: str, key: str) -> dict[int, tuple[float, int]]:
+    """step -> (value, timestamp ms)."""
+    return {m.step: (m.value, m.timestamp) for m in MlflowClient(spec.tracking.uri).get_metric_history(run_id, key)}
+
+
+def latest_run_id(spec: JobSpec) -> str:
+    c = MlflowClient(spec.tracking.uri)
+    exp = c.get_experiment_by_name(spec.tracking.experiment)
+    runs = c.search_runs([exp.experiment_id], filter_string=f"tags.`tidal.job` = '{spec.name}'",
+                         order_by=["attributes.start_time DESC"], max_results=1)
+    return runs[0].info.run_id
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def update_doc(section: str, body: str) -> None:
+    """Replace (or append) `## section` in docs/benchmarks.md, keeping the other sections."""
+    text = DOC.read_text() if DOC.exists() else "# Benchmarks\n\nEvery figure below is a ratio or a time measured in one invocation on one machine; the command that produced it is given with it.\n"
+    head = f"## {section}"
+    parts = text.split("\n## ")
+    kept = [p for p in parts[1:] if not p.startswith(section)]
+    text = "\n## ".join([parts[0].rstrip() + "\n", *kept]).rstrip() + f"\n\n{head}\n\n{body.strip()}\n"
+    DOC.parent.mkdir(parents=True, exist_ok=True)
+    DOC.write_text(text)

@@ -1,0 +1,67 @@
+"""The baseline: the same model, data and DeepSpeed config as a Tidal job, trained by a bare loop
+under torchrun, with no Ray and no Tidal. Prints one JSON line with its timings.
+
+    torchrun --nproc-per-node 2 benchmarks/plain_deepspeed.py SPEC.yaml
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+from tidal.spec.deepspeed import ds_config
+from tidal.spec.load import load_spec
+from tidal.worker.data import Batches
+from tidal.worker.models import build_model
+
+WARMUP = 10  # steps left out of the timing: allocator, JIT and first-touch costs
+
+
+def main(path: str) -> None:
+    spec = load_spec(path)
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(spec.train.seed)
+    model = build_model(spec.model)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=ds_config(spec, world, on_gpu=False))
+    batches = Batches(spec, rank, world, torch.device("cpu"))
+    t_start = 0.0
+    for step in range(1, spec.train.steps + 1):
+        if step == WARMUP + 1:
+            dist.barrier()
+            t_start = time.perf_counter()
+        for tokens, targets in batches.for_step(step):
+            loss = engine(tokens, targets)
+            engine.backward(loss)
+            engine.step()
+    dist.barrier()
+    elapsed = time.perf_counter() - t_start
+    save_s = _torch_save_seconds(engine) if rank == 0 else 0.0
+    if rank == 0:
+        steps = spec.train.steps - WARMUP
+        print(json.dumps({"steps": steps, "seconds": elapsed, "step_s": elapsed / steps,
+                          "torch_save_s": save_s, "loss": loss.item()}), flush=True)
+
+
+def _torch_save_seconds(engine: object) -> float:
+    """A synchronous torch.save of this rank's model and optimizer state, fsynced: the naive baseline."""
+    path = f"/tmp/plain-ds-{os.getpid()}.pt"
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        torch.save({"model": engine.module.state_dict(), "optim": engine.optimizer.state_dict()}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    seconds = time.perf_counter() - t0
+    os.unlink(path)
+    return seconds
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,18 @@
+"""Chaos: five worker kills at seeded random times; the job finishes with an undisturbed run's losses."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.chaos import run_chaos
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local")]
+
+
+def test_five_faults_survived_with_exact_losses(tmp_path):
+    r = run_chaos(tmp_path, faults=5, steps=200, every=20, seed=0)
+    assert len(r["faults_injected"]) == 5
+    assert r["restarts"] >= 5
+    assert r["steps_done"], "every step done and logged exactly once"
+    assert r["max_steps_lost"] <= r["every_steps"]
+    assert r["max_rel_loss_diff"] < 1e-5
