@@ -11,8 +11,13 @@ from tidal.spec.job import JobSpec
 def ds_config(spec: JobSpec, world_size: int, on_gpu: bool, load_universal: bool = False) -> dict[str, Any]:
     t, p = spec.train, spec.parallelism
     zero: dict[str, Any] = {"stage": p.zero_stage}
-    if p.offload_optimizer == "cpu":
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": on_gpu}
+    if p.offload_optimizer != "none":
+        zero["offload_optimizer"] = _offload(p.offload_optimizer, p.nvme_path, on_gpu)
+    if p.offload_params != "none":
+        zero["offload_param"] = _offload(p.offload_params, p.nvme_path, on_gpu)
+    # Without a GPU there is nothing to offload from, and DeepSpeed's CPU Adam is a JIT build
+    # (about a minute); torch's AdamW does the same work there.
+    cpu_torch_adam = not on_gpu
     return {
         "train_batch_size": t.global_batch,
         "train_micro_batch_size_per_gpu": t.micro_batch,
@@ -28,13 +33,12 @@ def ds_config(spec: JobSpec, world_size: int, on_gpu: bool, load_universal: bool
                 "betas": [0.9, 0.95],
                 "eps": 1e-8,
                 "weight_decay": t.weight_decay,
-                # Without a GPU DeepSpeed would JIT-compile a CPU FusedAdam (~50 s); torch's AdamW
-                # is as fast here. Offload needs DeepSpeed's own CPU Adam, so leave it alone then.
-                **({"torch_adam": True} if not on_gpu and p.offload_optimizer == "none" else {}),
+                **({"torch_adam": True} if cpu_torch_adam else {}),
             },
         },
         "scheduler": _scheduler(spec),
         "checkpoint": {"load_universal": load_universal},
+        **({"zero_force_ds_cpu_optimizer": False} if cpu_torch_adam and p.offload_optimizer != "none" else {}),
         "steps_per_print": 10**9,  # Tidal prints its own progress lines
         "wall_clock_breakdown": False,
     }
@@ -57,3 +61,10 @@ def _scheduler(spec: JobSpec) -> dict[str, Any]:
             "warmup_type": "linear",
         },
     }
+
+
+def _offload(device: str, nvme_path: str | None, on_gpu: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {"device": device, "pin_memory": on_gpu}
+    if device == "nvme":
+        out["nvme_path"] = nvme_path
+    return out

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 import torch
 
 from tidal.spec.batch import rank_slice
@@ -38,14 +39,28 @@ class SyntheticTask:
         return (start + stride * t) % self.vocab
 
 
+def read_text(source: str, text_field: str) -> bytes:
+    """A .txt, .jsonl or .parquet file (local path or any pyarrow filesystem URI) as one byte string,
+    documents joined by newlines."""
+    fs, path = pafs.FileSystem.from_uri(source) if "://" in source else (pafs.LocalFileSystem(), source)
+    if source.endswith(".parquet"):
+        column = pq.read_table(path, columns=[text_field], filesystem=fs).column(text_field)
+        return "\n".join(column.to_pylist()).encode()
+    with fs.open_input_stream(path) as f:
+        raw = f.read()
+    if source.endswith(".jsonl"):
+        return "\n".join(json.loads(line)[text_field] for line in raw.decode().splitlines() if line.strip()).encode()
+    return raw
+
+
 class TextWindows:
-    """Byte-level tokens of a .txt or .jsonl file, cut into windows, in a seeded order per epoch."""
+    """Byte-level tokens of a text, jsonl or parquet source, cut into windows, in a seeded order
+    per epoch. Every rank reads the whole source and indexes it by global sample index, which is
+    what makes resume and resize exact (no sample repeated or skipped); the price is that the
+    tokenized source must fit in each worker's memory."""
 
     def __init__(self, path: str, text_field: str, seq_len: int, seed: int) -> None:
-        raw = Path(path).read_bytes()
-        if path.endswith(".jsonl"):
-            lines = [json.loads(line)[text_field] for line in raw.decode().splitlines() if line.strip()]
-            raw = "\n".join(lines).encode()
+        raw = read_text(path, text_field)
         tokens = torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()
         n = (len(tokens) - 1) // seq_len
         if n < 1:

@@ -29,4 +29,6 @@ def dist_backend(gpus_per_worker: int) -> str:
     With GPUs, gloo still carries any CPU tensors, and NCCL is only brought up for CUDA ones,
     so a node that declares GPUs it does not have still trains (on CPU, over gloo).
     """
-    return "cpu:gloo,cuda:nccl" if gpus_per_worker > 0 else "gloo"
+    import torch.distributed as dist  # the driver's torch; a CPU-only build has no NCCL to offer
+
+    return "cpu:gloo,cuda:nccl" if gpus_per_worker > 0 and dist.is_nccl_available() else "gloo"

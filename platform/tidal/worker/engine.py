@@ -18,11 +18,19 @@ logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
 
 def build_engine(spec: JobSpec, world_size: int, device: torch.device, load_universal: bool = False) -> Any:
     """A DeepSpeed engine over the spec's model, on the process group Ray Train set up."""
+    deepspeed.init_distributed()  # adopts the process group Ray Train created
     torch.manual_seed(spec.train.seed)  # identical initial weights on every rank and restart
-    model = build_model(spec.model, spec.parallelism.activation_checkpointing)
+    model = build_model(spec.model, _checkpoint_fn() if spec.parallelism.activation_checkpointing else None)
     config = ds_config(spec, world_size, on_gpu=device.type == "cuda", load_universal=load_universal)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     return engine
+
+
+def _checkpoint_fn() -> Any:
+    """DeepSpeed's activation checkpointing: torch's own recomputes blocks with ZeRO-3's
+    parameters already released, which silently trained on garbage (loss rose above uniform)."""
+    deepspeed.checkpointing.configure(None, partition_activations=False, checkpoint_in_cpu=False)
+    return deepspeed.checkpointing.checkpoint
 
 
 def param_count(engine: Any) -> int:

@@ -28,7 +28,11 @@ CPU_PEAK_PER_CORE = {"bf16": 428e9, "fp16": 428e9, "fp32": 95.5e9}
 
 
 def flops_per_token(n_params: int, model: ModelSpec) -> float:
-    return 6.0 * n_params + 12.0 * model.n_layer * model.d_model * model.seq_len
+    layers, width = model.n_layer, model.d_model
+    if isinstance(model.hf_config, dict):  # a Hugging Face model's shape lives in its config
+        layers = int(model.hf_config.get("num_hidden_layers", layers))
+        width = int(model.hf_config.get("hidden_size", width))
+    return 6.0 * n_params + 12.0 * layers * width * model.seq_len
 
 
 def worker_peak_flops(device: torch.device, precision: str, cpus: float, override_tflops: float | None) -> float:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from tidal.spec.job import ModelSpec
 
@@ -36,10 +37,12 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """`forward(tokens, targets)` returns the mean next-token cross-entropy."""
 
-    def __init__(self, cfg: ModelSpec, activation_checkpointing: bool = False) -> None:
+    def __init__(self, cfg: ModelSpec, checkpoint_fn: Callable[..., torch.Tensor] | None = None) -> None:
+        """`checkpoint_fn(block, x)` recomputes a block in backward instead of storing its
+        activations (activation checkpointing); None stores them."""
         super().__init__()
         self.cfg = cfg
-        self.activation_checkpointing = activation_checkpointing
+        self.checkpoint_fn = checkpoint_fn
         self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
@@ -52,8 +55,8 @@ class GPT(nn.Module):
         pos = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.tok(tokens) + self.pos(pos)
         for block in self.blocks:
-            if self.activation_checkpointing and self.training:
-                x = checkpoint(block, x, use_reentrant=False)
+            if self.checkpoint_fn is not None and self.training:
+                x = self.checkpoint_fn(block, x)
             else:
                 x = block(x)
         logits = self.head(self.ln_f(x))

@@ -1,0 +1,23 @@
+"""A user model for `model.builder: "tests.custom_model:build"` (the documented signature)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tidal.spec.job import ModelSpec
+
+
+class Bigram(nn.Module):
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.table = nn.Embedding(vocab, vocab)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.table(tokens)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def build(spec: ModelSpec) -> nn.Module:
+    return Bigram(spec.vocab_size)

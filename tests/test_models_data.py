@@ -1,0 +1,117 @@
+"""Models and data real jobs need: ZeRO-3 with offload, a Hugging Face model from a config, a
+user's own model, and text/jsonl/parquet sources whose samples do not depend on restarts."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+import tidal
+from tests.conftest import ROOT, metric_history, tiny_spec
+from tidal.cli import main
+from tidal.errors import SpecError
+from tidal.spec import JobSpec, load_spec
+from tidal.spec.load import validate
+from tidal.worker.data import Batches
+from tidal.worker.models import build_model
+
+HF_LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 16}
+_rng = random.Random(0)
+TEXT = ["".join(_rng.choice("abcdefghij klmnop") for _ in range(240)) for _ in range(60)]  # windows all differ
+
+
+def write_sources(tmp) -> dict[str, str]:
+    jsonl = tmp / "docs.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(TEXT)))
+    parquet = tmp / "docs.parquet"
+    pq.write_table(pa.table({"text": TEXT}), parquet)
+    return {"jsonl": str(jsonl), "parquet": str(parquet)}
+
+
+def test_validate_deepspeed_shows_offload(capsys):
+    assert main(["validate", str(ROOT / "jobs" / "tiny-zero3-offload.yaml"), "--deepspeed"]) == 0
+    out = capsys.readouterr().out
+    assert '"offload_optimizer": {' in out and '"device": "cpu"' in out and '"stage": 3' in out
+
+
+def test_offload_and_model_choices_are_checked():
+    with pytest.raises(SpecError, match="parallelism.offload_params"):
+        validate({"parallelism": {"zero_stage": 2, "offload_params": "cpu"}})
+    with pytest.raises(SpecError, match="parallelism.nvme_path"):
+        validate({"parallelism": {"zero_stage": 3, "offload_optimizer": "nvme"}})
+    with pytest.raises(SpecError) as e:
+        validate({"model": {"hf_config": HF_LLAMA, "builder": "a.b:c"}})
+    assert dict(e.value.problems)["model.builder"].startswith("choose one of")
+
+
+def test_user_builder_and_missing_builder():
+    model = build_model(JobSpec(model={"builder": "tests.custom_model:build", "vocab_size": 32}).model)
+    x = torch.randint(0, 32, (2, 8))
+    assert model(x, x).item() > 0
+    with pytest.raises(SpecError, match="cannot load"):
+        build_model(JobSpec(model={"builder": "tests.nowhere:build"}).model)
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_samples_depend_on_the_step_only(tmp_path, fmt):
+    """The samples of a step are the same at any world size and after any restart."""
+    src = write_sources(tmp_path)[fmt]
+    spec = JobSpec(model={"vocab_size": 256, "seq_len": 32}, data={"source": src},
+                   train={"global_batch": 16, "micro_batch": 4}, scaling={"min_workers": 1, "max_workers": 2})
+    cpu = torch.device("cpu")
+
+    def step_samples(world: int, step: int) -> list[tuple[int, ...]]:
+        rows = []
+        for rank in range(world):
+            for tokens, targets in Batches(spec, rank, world, cpu).for_step(step):
+                rows += [tuple(r) for r in torch.cat([tokens, targets[:, -1:]], 1).tolist()]
+        return rows
+
+    for step in (1, 7, 40):  # 40 is past the first epoch of this small source
+        assert step_samples(1, step) == step_samples(2, step)
+    epoch = [s for step in range(1, 8) for s in step_samples(2, step)]
+    assert len(set(epoch)) == len(epoch), "no window repeats within an epoch"
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_local")
+class TestTrains:
+    def test_zero3_with_cpu_offload(self, tmp_path, monkeypatch):
+        monkeypatch.chdir(tmp_path)
+        spec = load_spec(ROOT / "jobs" / "tiny-zero3-offload.yaml").with_overrides(
+            {"checkpoint.storage": str(tmp_path / "runs"), "tracking.uri": f"sqlite:///{tmp_path}/mlflow.db"})
+        loss = metric_history(spec, tidal.run(spec).mlflow_run_id, "loss")
+        plain = spec.with_overrides({"name": "no-offload", "parallelism.offload_optimizer": "none",
+                                     "parallelism.activation_checkpointing": False})
+        # Offload moves the optimizer and recomputation trades memory for time: neither may change the math.
+        assert metric_history(plain, tidal.run(plain).mlflow_run_id, "loss") == pytest.approx(loss, rel=1e-5)
+        assert loss[24] < 0.7 * loss[4]
+
+    def test_hugging_face_model_from_config(self, tmp_path):
+        spec = tiny_spec(tmp_path, name="hf", **{"model.hf_config": HF_LLAMA, "model.vocab_size": 256, "train.lr": 3e-3})
+        loss = metric_history(spec, tidal.run(spec).mlflow_run_id, "loss")
+        assert loss[24] < 0.8 * loss[1]
+
+    def test_parquet_job_resumes_with_the_same_samples(self, tmp_path):
+        src = write_sources(tmp_path)["parquet"]
+        common = {"data.source": src, "model.vocab_size": 256, "train.steps": 16, "checkpoint.every_steps": 4}
+        reference = tiny_spec(tmp_path, name="pq-steady", **common)
+        expected = metric_history(reference, tidal.run(reference).mlflow_run_id, "loss")
+        tidal.run(tiny_spec(tmp_path, name="pq-restarted", **common, **{"train.stop_at": 6}))
+        spec = tiny_spec(tmp_path, name="pq-restarted", **common)
+        got = metric_history(spec, tidal.run(spec).mlflow_run_id, "loss")
+        assert sorted(got) == list(range(1, 17))
+        for step in range(1, 17):  # resumed from step 4: steps 5-6 replayed on the same samples
+            assert got[step] == pytest.approx(expected[step], rel=1e-6), step
+
+    def test_jsonl_job_trains(self, tmp_path):
+        src = write_sources(tmp_path)["jsonl"]
+        spec = tiny_spec(tmp_path, name="jsonl", **{"data.source": src, "model.vocab_size": 256, "train.lr": 3e-3})
+        loss = metric_history(spec, tidal.run(spec).mlflow_run_id, "loss")
+        assert loss[24] < 0.8 * loss[1]
