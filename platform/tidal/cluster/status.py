@@ -1,0 +1,136 @@
+"""`tidal cluster status`: nodes by site with GPUs free/used, pending demand, and which jobs'
+Ray Train workers run on which nodes. Needs a connected Ray (`ray.init(address=...)`)."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+from tidal.cluster.burst import node_site
+
+TRAIN_WORKER_CLASS = "RayTrainWorker"
+
+
+@dataclass(frozen=True)
+class NodeLine:
+    node_id: str
+    site: str
+    ip: str
+    gpus_total: float
+    gpus_free: float
+    cpus_total: float
+    cpus_free: float
+
+
+def cluster_status() -> str:
+    """A few lines a person reads: sites, nodes, pending demand, training workers."""
+    nodes = node_lines()
+    workers = train_workers()
+    lines = [*format_sites(nodes), *format_demand(autoscaler_status()), *format_workers(workers, nodes)]
+    return "\n".join(lines)
+
+
+def node_lines() -> list[NodeLine]:
+    import ray
+    from ray._private.state import available_resources_per_node
+
+    free = available_resources_per_node()
+    out = []
+    for n in ray.nodes():
+        if not n.get("Alive"):
+            continue
+        total = n.get("Resources") or {}
+        avail = free.get(n["NodeID"], {})
+        out.append(NodeLine(n["NodeID"], node_site(total, n.get("Labels") or {}) or "unlabelled",
+                            n.get("NodeManagerAddress", "?"), total.get("GPU", 0.0), avail.get("GPU", 0.0),
+                            total.get("CPU", 0.0), avail.get("CPU", 0.0)))
+    return out
+
+
+def format_sites(nodes: list[NodeLine]) -> list[str]:
+    by_site: dict[str, list[NodeLine]] = defaultdict(list)
+    for n in nodes:
+        by_site[n.site].append(n)
+    lines = []
+    for site in sorted(by_site):
+        group = by_site[site]
+        gpus = sum(n.gpus_total for n in group)
+        used = gpus - sum(n.gpus_free for n in group)
+        lines.append(f"site {site}: {len(group)} node(s), GPUs {used:g} used / {gpus:g}")
+        for n in sorted(group, key=lambda n: n.node_id):
+            lines.append(f"  {_short(n.node_id)}  {n.ip:<15}  GPU {n.gpus_total - n.gpus_free:g}/{n.gpus_total:g} used"
+                         f"  CPU {n.cpus_total - n.cpus_free:g}/{n.cpus_total:g} used")
+    return lines or ["no live nodes"]
+
+
+def _short(node_id: str) -> str:
+    # Both ends: real ids differ at the start, the fake provider's simulated ones at the end.
+    return f"{node_id[:6]}..{node_id[-6:]}"
+
+
+def autoscaler_status() -> dict[str, Any]:
+    """The autoscaler's last report (what `ray status` prints from); {} without an autoscaler."""
+    from ray._private import ray_constants
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    raw = _internal_kv_get(ray_constants.DEBUG_AUTOSCALING_STATUS)
+    try:
+        return json.loads(raw) if raw else {}
+    except ValueError:
+        return {}
+
+
+def format_demand(status: dict[str, Any]) -> list[str]:
+    if not status:
+        return ["autoscaler: none reporting (a fixed cluster, or not started with --autoscaling-config)"]
+    report = status.get("autoscaler_report") or {}
+    load = status.get("load_metrics_report") or {}
+    lines = ["autoscaler:"]
+    launches = report.get("pending_launches") or {}
+    pending = [f"{count}x {kind}" for kind, count in launches.items()]
+    pending += [f"{kind} ({state})" for _ip, kind, state in report.get("pending_nodes") or []]
+    lines.append(f"  launching: {', '.join(pending) or 'nothing'}")
+    for key, title in (("resource_demand", "waiting tasks/actors"), ("pg_demand", "waiting placement groups"),
+                       ("request_demand", "requested (request_resources)")):
+        demand = load.get(key) or []
+        if demand:
+            lines.append(f"  {title}: " + "; ".join(f"{count}x {_bundle(shape)}" for shape, count in demand))
+    return lines
+
+
+def _bundle(shape: dict[str, float]) -> str:
+    return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(shape.items()) if not k.startswith("node:")) + "}"
+
+
+def train_workers() -> list[tuple[str, str]]:
+    """(job id, node id) of every live Ray Train worker."""
+    from ray.util.state import list_actors
+
+    actors = list_actors(filters=[("class_name", "=", TRAIN_WORKER_CLASS), ("state", "=", "ALIVE")],
+                         raise_on_missing_output=False)
+    return [(a.job_id, a.node_id) for a in actors if a.node_id]
+
+
+def train_workers_by_site() -> dict[str, int]:
+    """Live Ray Train workers per site (what BurstWatcher prints while a job runs)."""
+    sites = {n.node_id: n.site for n in node_lines()}
+    return dict(Counter(sites.get(node, "unknown") for _job, node in train_workers()))
+
+
+def format_workers(workers: list[tuple[str, str]], nodes: list[NodeLine]) -> list[str]:
+    if not workers:
+        return ["training workers: none running"]
+    sites = {n.node_id: n.site for n in nodes}
+    per_job: dict[str, Counter[str]] = defaultdict(Counter)
+    for job, node in workers:
+        per_job[job][f"{sites.get(node, 'unknown')}:{_short(node)}"] += 1
+    lines = ["training workers (Ray job id: workers per site:node):"]
+    for job, where in sorted(per_job.items()):
+        lines.append(f"  job {job}: " + ", ".join(f"{n} on {place}" for place, n in sorted(where.items())))
+    return lines
+
+
+__all__ = ["cluster_status", "format_demand", "format_sites", "format_workers", "train_workers",
+           "train_workers_by_site"]

@@ -1,0 +1,205 @@
+"""A real cloud burst on Ray's autoscaler, simulated on this machine.
+
+Ray's fake multi-node provider (cluster_configs/local-burst.yaml) runs one "on-prem" GPU node
+from the start. A job with `scaling.site: any` needs 2 GPU workers; after `burst_after_s`
+Tidal asks the autoscaler for cloud capacity, the autoscaler launches a "cloud" node, the job
+runs on both sites, and once it ends the idle cloud node is terminated.
+
+The head runs in its own session on its own ports and temp dir and is stopped by killing its
+processes (never `ray stop`, which would kill every Ray on the machine). Fake GPUs are logical:
+torch sees no CUDA, so the workers train on CPU with gloo.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.conftest import ROOT, metric_history, tiny_spec
+
+pytestmark = pytest.mark.slow
+
+IDLE_TIMEOUT_MIN = 0.1  # 6 s: the cloud node goes soon after the job ends
+MEMORY = 150 * 1024 * 1024  # object store per node: three raylets share a small machine
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout: float, every: float = 1.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def burst_config(port: int, node_ip: str) -> dict[str, Any]:
+    """The shipped local-burst config, with this head's GCS address and a short idle timeout."""
+    config = yaml.safe_load((ROOT / "cluster_configs" / "local-burst.yaml").read_text())
+    config["idle_timeout_minutes"] = IDLE_TIMEOUT_MIN
+    config["provider"]["gcs_address"] = f"{node_ip}:{port}"
+    types = config["available_node_types"]
+    types["cloud.gpu"]["max_workers"] = 1
+    for name in ("onprem.gpu", "cloud.gpu"):
+        types[name]["resources"]["object_store_memory"] = MEMORY
+    return config
+
+
+def descendants(pid: int) -> list[Any]:
+    import psutil
+
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+@pytest.fixture(scope="module")
+def burst_cluster() -> Iterator[str]:
+    """A head with the fake multi-node autoscaler; yields its GCS address."""
+    import ray
+
+    tmp = Path(tempfile.mkdtemp(prefix="tb-", dir="/tmp"))  # short: Ray's socket paths have a length limit
+    port, node_ip = free_port(), ray.util.get_node_ip_address()
+    config = tmp / "cluster.yaml"
+    config.write_text(yaml.safe_dump(burst_config(port, node_ip)))
+    token = secrets.token_hex(16)
+    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
+    env = {**os.environ, **auth, "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1"}
+    cmd = [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--disable-usage-stats",
+           f"--port={port}", f"--dashboard-port={free_port()}", f"--ray-client-server-port={free_port()}",
+           f"--dashboard-agent-listen-port={free_port()}", f"--temp-dir={tmp}",
+           f"--autoscaling-config={config}", "--num-cpus=1", "--num-gpus=0", f"--object-store-memory={MEMORY}",
+           f"--resources={json.dumps({'site_onprem': 1000})}", "--labels=tidal.io/site=onprem"]
+    log = open(tmp / "head.log", "w")  # noqa: SIM115 - closed in the teardown below
+    head = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    saved = {k: os.environ.get(k) for k in auth}
+    os.environ.update(auth)
+    _reload_token()
+    address = f"{node_ip}:{port}"
+    children: list[Any] = []
+    try:
+        wait_for("the head to accept connections", lambda: _connects(address), timeout=60)
+        children = descendants(head.pid)
+        yield address
+    finally:
+        ray.shutdown()
+        children += descendants(head.pid)
+        _stop(head, children)
+        log.close()
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+        _reload_token()
+        if os.environ.get("TIDAL_KEEP_TEST_CLUSTER_LOGS") != "1":
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _reload_token() -> None:
+    """This process caches the auth token it read first (e.g. ~/.ray/auth_token): re-read it."""
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
+def _connects(address: str) -> bool:
+    import ray
+
+    try:
+        ray.init(address=address, logging_level="WARNING")
+        return True
+    except ConnectionError:
+        return False
+
+
+def _stop(head: subprocess.Popen[bytes], children: list[Any]) -> None:
+    """SIGTERM the head's process group (ray start --block stops its own), then SIGKILL stragglers
+    that this test started: the fake nodes' raylets are the autoscaler's children."""
+    import psutil
+
+    try:
+        os.killpg(head.pid, signal.SIGTERM)
+        head.wait(timeout=30)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    for p in children:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(head.pid, signal.SIGKILL)
+
+
+def nodes_by_site() -> dict[str, int]:
+    import ray
+
+    from tidal.cluster.burst import node_site
+
+    counts: dict[str, int] = {}
+    for n in ray.nodes():
+        if n["Alive"] and n["Resources"].get("GPU"):
+            site = node_site(n["Resources"], n.get("Labels") or {}) or "?"
+            counts[site] = counts.get(site, 0) + 1
+    return counts
+
+
+def test_job_bursts_to_cloud_and_the_cloud_node_is_released(burst_cluster: str, tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str],
+                                                            monkeypatch: pytest.MonkeyPatch):
+    import torch.distributed as dist
+
+    import tidal
+
+    if not dist.is_nccl_available():
+        # worker/device.py picks "cpu:gloo,cuda:nccl" whenever GPUs are requested, and a CPU-only
+        # torch refuses that string ("Distributed package doesn't have NCCL built in"). Until
+        # dist_backend checks for NCCL, train the fake-GPU workers over plain gloo.
+        monkeypatch.setattr("tidal.launch.trainer.dist_backend", lambda gpus: "gloo")
+    from tidal.cluster.burst import burst_capacity, scaling_overrides
+    from tidal.cluster.status import cluster_status
+
+    # The on-prem GPU node (min_workers: 1) comes up by itself; no cloud node yet.
+    wait_for("the on-prem GPU node", lambda: nodes_by_site() == {"onprem": 1}, timeout=90)
+
+    spec = tiny_spec(tmp_path, "burst", **{"scaling.gpus_per_worker": 1, "scaling.site": "any",
+                                           "scaling.burst_after_s": 2.0, "train.steps": 16})
+    assert scaling_overrides(spec) == {"resources_per_worker": {"CPU": 1.0, "GPU": 1}}  # either site
+    t0 = time.monotonic()
+    with burst_capacity(spec) as watcher:
+        assert watcher is not None, "the fake cluster has an autoscaler and site resources: burst applies"
+        assert nodes_by_site() == {"onprem": 1, "cloud": 1}, "the autoscaler launched a cloud node"
+        result = tidal.run(spec)
+        status = cluster_status()
+    out = capsys.readouterr().out
+    print(out)
+    print(status)
+
+    assert len(metric_history(spec, result.mlflow_run_id, "loss")) == 16
+    assert "asking the autoscaler for 1 cloud worker slot(s)" in out
+    assert time.monotonic() - t0 >= spec.scaling.burst_after_s
+    assert {"onprem": 1, "cloud": 1} in watcher.placements, f"workers seen: {watcher.placements}"
+    assert "site cloud: 1 node(s)" in status and "site onprem:" in status
+
+    # Request withdrawn, job over: the idle cloud node is terminated; the on-prem node stays.
+    assert watcher.requested == 0
+    wait_for("the idle cloud node to be released", lambda: nodes_by_site() == {"onprem": 1}, timeout=90)

@@ -1,0 +1,319 @@
+"""Every shipped cluster config passes validation; broken variants fail with named messages; the
+placement policy's decisions as pure functions. No Ray is started here."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.conftest import ROOT, tiny_spec
+from tidal.cluster import SITE_LABEL
+from tidal.cluster.burst import (
+    SITE_SLIVER,
+    BurstWatcher,
+    SiteRoom,
+    cloud_request,
+    decide,
+    scaling_overrides,
+    site_room,
+    slots,
+)
+from tidal.cluster.cli import register
+from tidal.cluster.configs import check_kuberay, check_launcher, validate_cluster_config
+from tidal.cluster.status import format_demand, format_workers
+
+CONFIGS = sorted((ROOT / "cluster_configs").rglob("*.yaml"))
+LAUNCHER = [p for p in CONFIGS if "kuberay" not in p.parts]
+KUBERAY = ROOT / "cluster_configs" / "kuberay" / "raycluster.yaml"
+
+
+def load(path: Path) -> dict[str, Any]:
+    return yaml.safe_load(path.read_text())
+
+
+def wheres(problems: list[tuple[str, str]]) -> list[str]:
+    return [w for w, _ in problems]
+
+
+# --- every shipped config -------------------------------------------------------------------
+
+def test_all_expected_configs_exist():
+    names = {p.relative_to(ROOT / "cluster_configs").as_posix() for p in CONFIGS}
+    assert {"onprem.yaml", "aws-burst.yaml", "gcp-burst.yaml", "local-burst.yaml", "kuberay/raycluster.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_config_is_valid(path: Path):
+    assert validate_cluster_config(path) == []
+
+
+@pytest.mark.parametrize("path", [p for p in LAUNCHER if load(p)["provider"]["type"] != "local"], ids=lambda p: p.name)
+def test_every_node_type_has_site_label_and_resource(path: Path):
+    config = load(path)
+    for name, node in config["available_node_types"].items():
+        site = node["labels"][SITE_LABEL]
+        assert node["resources"][f"site_{site}"] > 0, name
+        if site == "cloud" and node["resources"].get("GPU"):
+            assert node.get("min_workers", 0) == 0, name
+
+
+def test_burst_configs_have_spot_and_on_demand_gpu_types():
+    for name in ("aws-burst.yaml", "gcp-burst.yaml"):
+        types = load(ROOT / "cluster_configs" / name)["available_node_types"]
+        markets = {n["labels"].get("tidal.io/market") for n in types.values() if n["resources"].get("GPU")}
+        assert markets == {"spot", "on-demand"}, name
+
+
+# --- broken variants: each names the node type and the key ----------------------------------
+
+def aws() -> dict[str, Any]:
+    return copy.deepcopy(load(ROOT / "cluster_configs" / "aws-burst.yaml"))
+
+
+L40S = "available_node_types.gpu.l40s.spot"
+
+
+def test_fractional_gpu_is_refused():
+    c = aws()
+    c["available_node_types"]["gpu.l40s.spot"]["resources"]["GPU"] = 0.5
+    problems = check_launcher(c)
+    assert f"{L40S}.resources.GPU" in wheres(problems)
+    assert any("whole number of GPUs" in m for _, m in problems)
+
+
+def test_min_above_max_is_refused():
+    c = aws()
+    c["available_node_types"]["gpu.l40s.spot"].update(min_workers=3, max_workers=2)
+    problems = check_launcher(c)
+    assert (f"{L40S}.min_workers", "3 is above max_workers (2); set min_workers <= max_workers") in problems
+
+
+def test_unknown_key_is_refused_by_rays_schema_with_a_suggestion():
+    c = aws()
+    c["available_node_types"]["gpu.l40s.spot"]["lables"] = {}
+    c["idle_timout_minutes"] = 3
+    problems = check_launcher(c)
+    assert len(problems) == 1  # jsonschema reports the first problem it meets
+    where, msg = problems[0]
+    assert "was unexpected" in msg and "Ray's cluster config schema" in msg
+    assert "did you mean" in msg
+
+
+def test_missing_resources_are_refused():
+    c = aws()
+    del c["available_node_types"]["gpu.l40s.spot"]["resources"]
+    problems = check_launcher(c)
+    assert f"{L40S}.resources" in wheres(problems)
+    assert any("'resources' is a required property" in m for _, m in problems)
+
+
+def test_missing_site_label_is_refused():
+    c = aws()
+    del c["available_node_types"]["gpu.l40s.spot"]["labels"]
+    problems = check_launcher(c)
+    assert wheres(problems) == [f"{L40S}.labels.{SITE_LABEL}"]
+    assert "onprem or cloud" in problems[0][1]
+
+
+def test_site_resource_must_match_the_label():
+    c = aws()
+    node = c["available_node_types"]["gpu.l40s.spot"]
+    node["resources"].pop("site_cloud")
+    node["resources"]["site_onprem"] = 1000
+    assert set(wheres(check_launcher(c))) == {f"{L40S}.resources.site_cloud", f"{L40S}.resources.site_onprem"}
+
+
+def test_cloud_gpu_type_must_start_at_zero():
+    c = aws()
+    c["available_node_types"]["gpu.l40s.spot"]["min_workers"] = 1
+    assert wheres(check_launcher(c)) == [f"{L40S}.min_workers"]
+
+
+@pytest.mark.parametrize("where", ["setup_commands", "worker_start_ray_commands"])
+def test_auth_disabled_is_refused(where: str):
+    c = aws()
+    c[where].append("export RAY_AUTH_MODE=disabled")
+    problems = check_launcher(c)
+    assert len(problems) == 1 and problems[0][0].startswith(where)
+    assert "keep token auth on" in problems[0][1]
+
+
+def test_storage_must_be_declared_and_shared():
+    c = aws()
+    del c["metadata"]
+    assert wheres(check_launcher(c)) == ["metadata.tidal.checkpoint_storage"]
+    onprem = load(ROOT / "cluster_configs" / "onprem.yaml")
+    onprem["initialization_commands"] = []  # the NFS mount is gone: /mnt/tidal is a local disk
+    problems = check_launcher(onprem)
+    assert wheres(problems) == ["metadata.tidal.checkpoint_storage"] and "no command mounts" in problems[0][1]
+
+
+def test_local_provider_declares_everything_on_ray_start_lines():
+    c = load(ROOT / "cluster_configs" / "onprem.yaml")
+    c["worker_start_ray_commands"] = ["ray start --address=$RAY_HEAD_IP:6379 --num-gpus=1.5"]
+    problems = check_launcher(c)
+    assert set(wheres(problems)) == {"worker_start_ray_commands.--num-gpus",
+                                     f"worker_start_ray_commands.--labels {SITE_LABEL}"}
+    c = load(ROOT / "cluster_configs" / "onprem.yaml")
+    c["available_node_types"] = {"x": {"resources": {}, "node_config": {}}}
+    assert "available_node_types" in wheres(check_launcher(c))
+
+
+def test_unreadable_files(tmp_path: Path):
+    (tmp_path / "a.yaml").write_text("just text")
+    assert wheres(validate_cluster_config(tmp_path / "a.yaml")) == ["<file>"]
+    assert wheres(validate_cluster_config(tmp_path / "missing.yaml")) == ["<file>"]
+
+
+# --- KubeRay ----------------------------------------------------------------------------------
+
+def test_kuberay_manifest_groups_carry_sites_and_bounds():
+    m = load(KUBERAY)
+    assert m["kind"] == "RayCluster" and m["spec"]["enableInTreeAutoscaling"] is True
+    sites = {}
+    for g in m["spec"]["workerGroupSpecs"]:
+        assert f"{SITE_LABEL}=" in g["rayStartParams"]["labels"]
+        sites[g["rayStartParams"]["labels"].split("=")[1]] = g
+        assert g["minReplicas"] <= g["replicas"] <= g["maxReplicas"]
+    assert set(sites) == {"onprem", "cloud"}
+    assert sites["cloud"]["minReplicas"] == 0
+
+
+def test_kuberay_broken_variants():
+    m = load(KUBERAY)
+    cloud = m["spec"]["workerGroupSpecs"][1]
+    cloud["minReplicas"], cloud["maxReplicas"] = 3, 2
+    cloud["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] = 0.5
+    del m["spec"]["workerGroupSpecs"][0]["rayStartParams"]["labels"]
+    m["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["env"] = [{"name": "RAY_AUTH_MODE", "value": "disabled"}]
+    got = set(wheres(check_kuberay(m)))
+    assert {"spec.workerGroupSpecs[cloud-gpu].minReplicas",
+            "spec.workerGroupSpecs[cloud-gpu].containers[ray-worker].resources.limits.nvidia.com/gpu",
+            f"spec.workerGroupSpecs[onprem-gpu].rayStartParams.labels {SITE_LABEL}"} <= got
+    assert any(w.startswith("spec.headGroupSpec.template") for w in got)  # the auth env
+
+
+# --- the CLI ----------------------------------------------------------------------------------
+
+def cli(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="tidal")
+    register(parser.add_subparsers())
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def test_cli_validate_ok_and_problems(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    assert cli(["cluster", "validate", *map(str, CONFIGS)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("ok  ") == len(CONFIGS)
+    c = aws()
+    c["available_node_types"]["gpu.l40s.spot"]["resources"]["GPU"] = 0.5
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(c))
+    assert cli(["cluster", "validate", str(bad)]) == 2
+    out = capsys.readouterr().out
+    assert f"{L40S}.resources.GPU:" in out and "Traceback" not in out
+
+
+def test_cluster_cli_does_not_import_ray():
+    code = ("import sys, argparse; from tidal.cluster.cli import register; "
+            "register(argparse.ArgumentParser().add_subparsers()); print('ray' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+
+
+# --- the placement policy (pure) ------------------------------------------------------------
+
+def test_pinned_sites_require_their_resource():
+    for site in ("onprem", "cloud"):
+        d = decide(site, 2, SiteRoom(), waited_s=0, burst_after_s=300, autoscaler=True)
+        assert (d.action, d.worker_resource, d.cloud_bundles) == ("run", f"site_{site}", 0)
+
+
+def test_any_prefers_onprem_when_it_has_room():
+    d = decide("any", 2, SiteRoom(onprem_free=4), waited_s=0, burst_after_s=300, autoscaler=True)
+    assert (d.action, d.worker_resource, d.cloud_bundles) == ("run", None, 0)
+    assert "on-prem has room" in d.reason
+
+
+def test_any_waits_then_bursts_for_the_missing_workers():
+    room = SiteRoom(onprem_free=1)
+    d = decide("any", 3, room, waited_s=10, burst_after_s=300, autoscaler=True)
+    assert d.action == "wait" and d.cloud_bundles == 0 and "290s" in d.reason
+    d = decide("any", 3, room, waited_s=300, burst_after_s=300, autoscaler=True)
+    assert (d.action, d.cloud_bundles) == ("burst", 2)
+
+
+def test_burst_request_covers_cloud_nodes_already_busy():
+    # The autoscaler sizes total capacity to a request: 2 busy cloud slots + 1 missing = 3.
+    d = decide("any", 2, SiteRoom(onprem_free=1, cloud_free=0, cloud_total=2), waited_s=5, burst_after_s=0, autoscaler=True)
+    assert (d.action, d.cloud_bundles) == ("burst", 3)
+
+
+def test_idle_cloud_capacity_is_used_without_waiting():
+    d = decide("any", 2, SiteRoom(onprem_free=1, cloud_free=1, cloud_total=1), waited_s=0, burst_after_s=300, autoscaler=True)
+    assert (d.action, d.cloud_bundles) == ("run", 0)
+
+
+def test_no_autoscaler_never_waits():
+    d = decide("any", 2, SiteRoom(), waited_s=0, burst_after_s=300, autoscaler=False)
+    assert (d.action, d.cloud_bundles) == ("run", 0) and "no autoscaler" in d.reason
+
+
+def test_scaling_overrides_and_cloud_request(tmp_path: Path):
+    spec = tiny_spec(tmp_path, **{"scaling.gpus_per_worker": 1, "scaling.site": "onprem"})
+    assert scaling_overrides(spec) == {"resources_per_worker": {"CPU": 1.0, "GPU": 1, "site_onprem": SITE_SLIVER}}
+    spec = tiny_spec(tmp_path, **{"scaling.site": "any"})
+    assert scaling_overrides(spec) == {"resources_per_worker": {"CPU": 1.0}}
+    bundles, selectors = cloud_request(tiny_spec(tmp_path, **{"scaling.gpus_per_worker": 1}), 2)
+    assert bundles == [{"CPU": 1.0, "GPU": 1, "site_cloud": SITE_SLIVER}] * 2
+    assert selectors == [{SITE_LABEL: "cloud"}] * 2
+
+
+def test_slots_and_site_room():
+    bundle = {"CPU": 1.0, "GPU": 1}
+    assert slots({"CPU": 4.0, "GPU": 2.0}, bundle) == 2
+    assert slots({"CPU": 0.5, "GPU": 2.0}, bundle) == 0
+    nodes = [
+        {"NodeID": "head", "Alive": True, "Resources": {"CPU": 1.0, "site_onprem": 1000.0}, "Labels": {}},
+        {"NodeID": "op", "Alive": True, "Resources": {"CPU": 2.0, "GPU": 2.0}, "Labels": {SITE_LABEL: "onprem"}},
+        {"NodeID": "cl", "Alive": True, "Resources": {"CPU": 1.0, "GPU": 1.0, "site_cloud": 1000.0}, "Labels": {}},
+        {"NodeID": "gone", "Alive": False, "Resources": {"CPU": 8.0, "GPU": 8.0, "site_cloud": 1.0}, "Labels": {}},
+        {"NodeID": "plain", "Alive": True, "Resources": {"CPU": 8.0, "GPU": 8.0}, "Labels": {}},
+    ]
+    available = {"head": {"CPU": 1.0}, "op": {"CPU": 1.0, "GPU": 1.0}, "cl": {"CPU": 0.0, "GPU": 0.0},
+                 "plain": {"CPU": 8.0, "GPU": 8.0}}
+    assert site_room(nodes, available, bundle) == SiteRoom(onprem_free=1, cloud_free=0, cloud_total=1)
+
+
+def test_watcher_waits_then_bursts_then_clears(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The controller loop with a fake clock and cluster: wait, burst, wait for launch, clear."""
+    spec = tiny_spec(tmp_path, **{"scaling.gpus_per_worker": 1, "scaling.burst_after_s": 3.0})
+    now = [0.0]
+    rooms = iter([SiteRoom(onprem_free=1)] * 5 + [SiteRoom(onprem_free=1, cloud_free=1, cloud_total=1)] * 10)
+    sent: list[list[dict[str, float]]] = []
+    w = BurstWatcher(spec, clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s))
+    monkeypatch.setattr(w, "room", lambda: next(rooms))
+    monkeypatch.setattr("ray.autoscaler.sdk.request_resources", lambda bundles, **_: sent.append(bundles))
+    d = w.wait_for_room()
+    assert d.action == "burst" and d.cloud_bundles == 1 and now[0] >= 3.0
+    assert sent and len(sent[0]) == 1 and sent[0][0]["site_cloud"] == SITE_SLIVER
+    w.clear()
+    assert sent[-1] == [] and w.requested == 0
+
+
+# --- status formatting (pure) ---------------------------------------------------------------
+
+def test_status_formatting():
+    status = {"autoscaler_report": {"pending_launches": {"cloud.gpu": 1}, "pending_nodes": []},
+              "load_metrics_report": {"pg_demand": [[{"GPU": 1.0, "CPU": 1.0}, 2]]}}
+    text = "\n".join(format_demand(status))
+    assert "1x cloud.gpu" in text and "2x {CPU: 1, GPU: 1}" in text
+    assert "none reporting" in format_demand({})[0]
+    assert format_workers([], []) == ["training workers: none running"]
