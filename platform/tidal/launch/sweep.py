@@ -1,0 +1,421 @@
+"""sweep(spec): a Ray Tune experiment whose trials are whole Tidal jobs, tracked under one MLflow parent run.
+
+- **A trial is a job.** Tune runs `_run_trial` once per trial; it calls `tidal.launch.trainer.run` on the
+  base spec with the trial's values, named `<name>-t<N>`: its own run folder and checkpoints under
+  `checkpoint.storage`, resume, restarts, and an MLflow child run (tag `mlflow.parentRunId`).
+- **Metrics reach Tune with checkpoints only.** Tidal's per-step metrics go to the Tracker actor; each
+  checkpoint's `ray.train.report` carries that step's metrics, and Ray's `TuneReportCallback` (a Train
+  callback) forwards them to Tune. So ASHA (`time_attr="step"`) decides at checkpoint steps: a sweep
+  can set `checkpoint_every` for its trials, and `grace_steps` defaults to that interval.
+- **Resources.** The trial function only drives its job; Train's workers ask for their own CPUs/GPUs.
+  The trial asks for no CPU (1 byte of memory: Tune refuses an empty request), so a 2-worker trial
+  fits a 2-CPU machine. Trials at once default to what the cluster holds at `max_workers` each.
+- **Resume.** Tune's experiment state lives at `<checkpoint.storage>/<name>-sweep`. Running the same
+  sweep again restores it (`Tuner.restore`): unfinished and failed trials rerun their function, whose
+  `run()` resumes from that trial's latest complete checkpoint and reopens its MLflow run.
+  `restart=True` sets the old experiment and trial folders aside (never deletes them) and starts over.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import math
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlflow
+import pyarrow.fs as pafs
+import ray
+import yaml
+from mlflow.entities import Metric, Param, RunStatus
+from mlflow.tracking import MlflowClient
+from ray import tune
+from ray.tune.schedulers import ASHAScheduler
+from ray.tune.search.basic_variant import BasicVariantGenerator
+
+from tidal import __version__
+from tidal.errors import SpecError, TidalError
+from tidal.launch.trainer import _connect_ray, run
+from tidal.spec.job import JobSpec
+from tidal.spec.sweep import Param as SweepParam
+from tidal.spec.sweep import SweepSpec, merged, trial_label
+from tidal.storage import RunDir
+
+SWEEP_FILE = "tidal-sweep.json"  # in the experiment folder: the MLflow parent run id and a fingerprint
+# Tune needs a non-empty resource request; one byte of memory reserves nothing that training needs.
+TRIAL_RESOURCES = {"memory": 1}
+
+
+@dataclass
+class SweepResult:
+    """What a finished sweep left behind.
+
+    `trials` (a pandas DataFrame) has one row per trial: `trial` (N of the job `<name>-t<N>`), `name`,
+    one column per swept field, `status` (completed, stopped_early or failed), `step` (the last
+    checkpoint step Tune saw: where ASHA stopped it), `loss` (and the sweep's metric: the last value
+    logged to the trial's MLflow run) and `mlflow_run_id`. `best_spec` is the exact spec of the best
+    completed trial; `best_metrics` are its run's latest MLflow metrics.
+    """
+
+    name: str
+    best_spec: JobSpec | None
+    best_metrics: dict[str, float]
+    trials: Any
+    parent_run_id: str
+    experiment_path: str
+    tracking_uri: str
+    metric: str = "loss"
+    mode: str = "min"
+    wall_s: float = 0.0
+    params: list[str] = field(default_factory=list)
+
+    @property
+    def best_trial(self) -> str | None:
+        return self.best_spec.name if self.best_spec else None
+
+    def summary(self) -> str:
+        lines = [f"[tidal] sweep {self.name!r}: {len(self.trials)} trial(s) in {self.wall_s:.0f}s", ""]
+        lines += [self.trials.to_string(index=False, float_format=lambda v: f"{v:.4g}"), ""]
+        if self.best_spec is None:
+            lines.append("no trial completed: see the errors above; run the same command again to resume")
+        else:
+            values = ", ".join(f"{k}={_get(self.best_spec, k)}" for k in self.params)
+            lines += [
+                f"best trial      {self.best_spec.name}: {self.metric} {self.best_metrics.get(self.metric, float('nan')):.4f} "
+                f"({self.mode}) with {values}",
+                "  its spec      logged as best_spec.yaml on the parent run; rename it to train it afresh",
+            ]
+        lines += [f"  MLflow        parent run {self.parent_run_id} in {self.tracking_uri}",
+                  f"  Tune state    {self.experiment_path}"]
+        return "\n".join(lines)
+
+
+def sweep(spec: JobSpec, params: dict[str, str] | list[str] | None = None, samples: int | None = None,
+          scheduler: str | None = None, metric: str | None = None, mode: str | None = None,
+          max_concurrent: int | None = None, grace_steps: int | None = None, restart: bool = False,
+          config: SweepSpec | None = None) -> SweepResult:
+    """Run `spec` once per trial with the swept fields drawn by Ray Tune; see the module docstring.
+
+    `config` is the spec's `sweep:` section (default: `spec.sweep` once JobSpec has one); the other
+    arguments, when given, override it; `params` are added to its params.
+    """
+    t0 = time.time()
+    cfg = merged(config or getattr(spec, "sweep", None), params, samples=samples, scheduler=scheduler,
+                 metric=metric, mode=mode, max_concurrent=max_concurrent, grace_steps=grace_steps)
+    if not cfg.params:
+        raise SpecError([("sweep.params", "nothing to sweep: add --param KEY=DIST (e.g. train.lr=loguniform:1e-4:1e-2) "
+                          "or a sweep.params section to the spec")])
+    base = _trial_base(spec, cfg)
+    _check_values(base, cfg.parsed())
+    _check_scheduler(base, cfg)
+    _connect_ray()
+    if cfg.scheduler == "asha":
+        _check_state_api()
+
+    exp_name = f"{base.name}-sweep"
+    exp_path = f"{base.checkpoint.storage.rstrip('/')}/{exp_name}"
+    folder = RunDir(base.checkpoint.storage, exp_name)
+    fingerprint = _fingerprint(base, cfg)
+    resuming = not restart and tune.Tuner.can_restore(exp_path)
+    state = folder.read_json(SWEEP_FILE) if resuming else None
+    if state and state.get("fingerprint") != fingerprint:
+        raise TidalError(f"the sweep in {exp_path} was started with another spec or other sweep settings. "
+                         "Run it with the original ones to resume it, or add --restart (restart=True) to start over "
+                         "(its trials are set aside, not deleted).")
+    if not resuming:
+        _set_aside(base)
+    parent = _open_parent(base, cfg, (state or {}).get("parent_run_id"))
+    folder.write_json(SWEEP_FILE, {"parent_run_id": parent, "fingerprint": fingerprint, "tidal_version": __version__})
+
+    trainable = tune.with_resources(
+        tune.with_parameters(_run_trial, base=base.model_dump(mode="json"), parent_run_id=parent), TRIAL_RESOURCES
+    )
+    if resuming:
+        print(f"[tidal] resuming sweep {base.name!r} from {exp_path}; use --restart to start over", flush=True)
+        tuner = tune.Tuner.restore(exp_path, trainable, resume_unfinished=True, resume_errored=True)
+    else:
+        tuner = _new_tuner(trainable, base, cfg, exp_name)
+    ok = False
+    try:
+        grid = tuner.fit()
+        ok = True
+    finally:
+        if not ok:
+            _end(base, parent, RunStatus.KILLED)
+    return _finish(grid, base, cfg, parent, exp_path, time.time() - t0)
+
+
+# --- before the sweep ---------------------------------------------------------------------
+def _trial_base(spec: JobSpec, cfg: SweepSpec) -> JobSpec:
+    """The spec every trial starts from: paths resolved here (trials run in Tune's folders), no sweep."""
+    base = spec.resolved()
+    if getattr(base, "sweep", None) is not None:
+        base = base.with_overrides({"sweep": None})  # a trial's MLflow params are its own, not the sweep's
+    if cfg.checkpoint_every:
+        base = base.with_overrides({"checkpoint.every_steps": cfg.checkpoint_every})
+    return base
+
+
+def _check_values(base: JobSpec, params: dict[str, SweepParam]) -> None:
+    """Fail before any trial starts if a value the sweep can draw makes an invalid job."""
+    for key, p in params.items():
+        for value in p.extremes():
+            try:
+                base.with_overrides({key: value, "name": f"{base.name}-t0"})
+            except SpecError as e:
+                why = "; ".join(f"{path}: {msg}" for path, msg in e.problems)
+                raise SpecError([(f"--param {key}", f"the value {value!r} from {p.expression()} makes an invalid job: {why}")]) from None
+
+
+def _check_scheduler(base: JobSpec, cfg: SweepSpec) -> None:
+    if cfg.scheduler != "asha":
+        return
+    grace = cfg.grace_steps or base.checkpoint.every_steps
+    if grace >= base.train.steps:
+        raise SpecError([("sweep.grace_steps", f"{grace} is not below train.steps ({base.train.steps}), so ASHA could never "
+                          "stop a trial: lower sweep.grace_steps or checkpoint more often (sweep.checkpoint_every)")])
+
+
+def _check_state_api() -> None:
+    """ASHA ends a trial by ending its Tune actor, which takes the trial's Train controller with it;
+    Ray Train's PlacementGroupCleaner then frees the trial's workers, but it notices the dead
+    controller only through Ray's State API (the dashboard). Without it those CPUs stay reserved
+    and the next trial waits forever: refuse up front instead."""
+    from ray.util.state import list_actors
+    from ray.util.state.exception import RayStateApiException
+
+    try:
+        list_actors(limit=1, timeout=10, raise_on_missing_output=False)
+    except (RayStateApiException, ConnectionError) as e:
+        raise TidalError("--scheduler asha needs Ray's State API (the dashboard) to free the workers of stopped "
+                         "trials, and this Ray cluster has none (started with include_dashboard=False or without "
+                         "ray[default]?). Start Ray with its dashboard, or sweep with --scheduler none.") from e
+
+
+def _last_step(base: JobSpec) -> int:
+    return min(base.train.steps, base.train.stop_at or base.train.steps)
+
+
+def _new_tuner(trainable: Any, base: JobSpec, cfg: SweepSpec, exp_name: str) -> tune.Tuner:
+    concurrent = cfg.max_concurrent or _default_concurrency(base)
+    scheduler = None
+    if cfg.scheduler == "asha":
+        # max_t one past the last step: ASHA stops a trial that reaches max_t, and a trial stopped at
+        # its final report is killed while its job closes its MLflow run. This way it ends by itself.
+        scheduler = ASHAScheduler(time_attr="step", max_t=_last_step(base) + 1, reduction_factor=cfg.reduction_factor,
+                                  grace_period=cfg.grace_steps or base.checkpoint.every_steps)
+    return tune.Tuner(
+        trainable,
+        param_space={k: _domain(p) for k, p in cfg.parsed().items()},
+        tune_config=tune.TuneConfig(
+            metric=cfg.metric, mode=cfg.mode, num_samples=cfg.samples, scheduler=scheduler,
+            # Tune ignores max_concurrent_trials when given a generator: the generator limits itself.
+            search_alg=BasicVariantGenerator(max_concurrent=concurrent, random_state=cfg.seed),
+        ),
+        # Train restarts failed workers itself (failure.max_restarts); a trial that still fails is
+        # retried when the sweep runs again.
+        run_config=tune.RunConfig(name=exp_name, storage_path=base.checkpoint.storage,
+                                  failure_config=tune.FailureConfig(max_failures=0)),
+    )
+
+
+def _domain(p: SweepParam) -> Any:
+    if p.kind == "choice":
+        return tune.choice(list(p.values))
+    if p.kind == "grid":
+        return tune.grid_search(list(p.values))
+    if p.kind == "uniform":
+        return tune.uniform(p.low, p.high)
+    if p.kind == "loguniform":
+        return tune.loguniform(p.low, p.high)
+    return tune.randint(p.low, p.high)
+
+
+def _default_concurrency(base: JobSpec) -> int:
+    """Trials whose workers all fit the cluster at once, each at max_workers (at least one)."""
+    s = base.scaling
+    need = {"CPU": s.max_workers * s.cpus_per_worker}
+    if s.gpus_per_worker:
+        need["GPU"] = float(s.max_workers * s.gpus_per_worker)
+    have = ray.cluster_resources()
+    fits = max(1, min(int(have.get(r, 0.0) // n) for r, n in need.items()))
+    print(f"[tidal] sweep: {fits} trial(s) at a time (each needs {_resources(need)}; the cluster has "
+          f"{_resources({r: have.get(r, 0.0) for r in need})}); set max_concurrent to change it", flush=True)
+    return fits
+
+
+def _set_aside(base: JobSpec) -> None:
+    """A fresh sweep: move an old experiment and old trial folders of this name out of the way."""
+    storage = base.checkpoint.storage
+    fs, root = pafs.FileSystem.from_uri(storage) if "://" in storage else (pafs.LocalFileSystem(), storage)
+    mine = re.compile(rf"^{re.escape(base.name)}-(sweep|t\d+)$")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for info in fs.get_file_info(pafs.FileSelector(root.rstrip("/"), allow_not_found=True)):
+        if info.type == pafs.FileType.Directory and mine.match(info.base_name):
+            fs.move(info.path, f"{info.path}.replaced-{stamp}")
+            print(f"[tidal] fresh sweep: moved {info.path} to {info.path}.replaced-{stamp}", flush=True)
+
+
+def _fingerprint(base: JobSpec, cfg: SweepSpec) -> str:
+    """What must not change between a sweep and its resume (concurrency may)."""
+    blob = {"base": base.model_dump(mode="json"), "sweep": cfg.model_dump(exclude={"max_concurrent"})}
+    return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# --- one trial (runs in a Tune trial actor) -----------------------------------------------
+def _run_trial(config: dict[str, Any], base: dict[str, Any], parent_run_id: str) -> None:
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    index = trial_label(tune.get_context().get_trial_id())
+    spec = trial_spec(base, config, index)
+    tags = {"mlflow.parentRunId": parent_run_id, "tidal.sweep": base["name"], "tidal.trial": index}
+    run(spec, mlflow_tags=tags, callbacks=[TuneReportCallback()])
+
+
+def trial_spec(base: dict[str, Any], values: dict[str, Any], index: str) -> JobSpec:
+    """The job one trial runs: the base spec with its values, named `<name>-t<index>`."""
+    return JobSpec.model_validate(base).with_overrides({**values, "name": f"{base['name']}-t{index}"})
+
+
+# --- after the sweep ----------------------------------------------------------------------
+def _finish(grid: Any, base: JobSpec, cfg: SweepSpec, parent: str, exp_path: str, wall_s: float) -> SweepResult:
+    import pandas as pd
+
+    client = MlflowClient(base.tracking.uri)
+    children = _children(client, base, parent)
+    results = list(grid)
+    # Values from Tune's config, not from the DataFrame, whose numpy scalars pydantic may refuse.
+    configs = {trial_label(str(r.metrics.get("trial_id", ""))): r.config or {} for r in results}
+    rows = [_row(r, base, cfg, children) for r in results]
+    trials = pd.DataFrame(rows).sort_values("trial", key=lambda c: c.map(_sort_key)).reset_index(drop=True)
+    best = _best(trials, cfg)
+    best_spec, best_metrics = None, {}
+    if best is not None:
+        best_spec = trial_spec(base.model_dump(mode="json"), configs[str(best["trial"])], str(best["trial"]))
+        child = children.get(str(best["trial"]))
+        best_metrics = dict(child.data.metrics) if child else {cfg.metric: float(best[cfg.metric])}
+    _close_children(client, trials, children)
+    _close_parent(client, base, cfg, parent, trials, best_spec, best_metrics)
+    return SweepResult(base.name, best_spec, best_metrics, trials, parent, exp_path, base.tracking.uri,
+                       cfg.metric, cfg.mode, wall_s, list(cfg.params))
+
+
+def _row(result: Any, base: JobSpec, cfg: SweepSpec, children: dict[str, Any]) -> dict[str, Any]:
+    m = result.metrics or {}
+    index = trial_label(str(m.get("trial_id", "")))
+    child = children.get(index)
+    last = _last_step(base)
+    step = m.get("step")
+    if result.error is not None:
+        status = "failed"
+    elif step is not None and int(step) >= last:
+        status = "completed"
+    else:
+        status = "stopped_early"  # ASHA ended it at a checkpoint step
+    row: dict[str, Any] = {"trial": int(index) if index.isdigit() else index, "name": f"{base.name}-t{index}"}
+    row.update({k: (result.config or {}).get(k) for k in cfg.params})
+    row.update({"status": status, "step": int(step) if step is not None else None})
+    for key in dict.fromkeys(["loss", cfg.metric]):
+        # MLflow holds the last logged step; Tune only the last checkpoint step.
+        value = child.data.metrics.get(key) if child else None
+        row[key] = value if value is not None else m.get(key, math.nan)
+    row["mlflow_run_id"] = child.info.run_id if child else None
+    return row
+
+
+def _best(trials: Any, cfg: SweepSpec) -> Any:
+    """The best completed trial by `metric`: a trial stopped early is judged at an earlier step."""
+    pool = trials[(trials["status"] == "completed") & trials[cfg.metric].notna()]
+    if pool.empty:
+        return None
+    i = pool[cfg.metric].idxmin() if cfg.mode == "min" else pool[cfg.metric].idxmax()
+    return pool.loc[i]
+
+
+def _children(client: MlflowClient, base: JobSpec, parent: str) -> dict[str, Any]:
+    """trial index -> its MLflow child run (the newest, should a trial have more than one)."""
+    exp = client.get_experiment_by_name(base.tracking.experiment)
+    if exp is None:
+        return {}
+    runs = client.search_runs([exp.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent}'",
+                              order_by=["attributes.start_time ASC"], max_results=10_000)
+    return {r.data.tags.get("tidal.trial", ""): r for r in runs}
+
+
+def _close_children(client: MlflowClient, trials: Any, children: dict[str, Any]) -> None:
+    """Tune ends a stopped trial by killing its actor, so its run never closed itself: close it here."""
+    for _, row in trials.iterrows():
+        child = children.get(str(row["trial"]))
+        if child is None:
+            continue
+        client.set_tag(child.info.run_id, "tidal.sweep_status", row["status"])
+        if row["status"] == "stopped_early" and child.info.status == "RUNNING":
+            client.set_terminated(child.info.run_id, RunStatus.to_string(RunStatus.KILLED))
+
+
+# --- the MLflow parent run ----------------------------------------------------------------
+def _open_parent(base: JobSpec, cfg: SweepSpec, run_id: str | None) -> str:
+    """Reopen the sweep's parent run when resuming, else create it with the sweep settings as params."""
+    client = MlflowClient(base.tracking.uri)
+    if run_id:
+        try:
+            client.update_run(run_id, status=RunStatus.to_string(RunStatus.RUNNING))
+            return run_id
+        except mlflow.exceptions.MlflowException:
+            print(f"[tidal] WARNING: the sweep's MLflow parent run {run_id} is gone; starting a new one", flush=True)
+    exp = client.get_experiment_by_name(base.tracking.experiment)
+    exp_id = exp.experiment_id if exp else client.create_experiment(base.tracking.experiment)
+    tags = {"tidal.sweep": base.name, "tidal.sweep_role": "parent", "tidal.version": __version__}
+    run_id = client.create_run(exp_id, run_name=f"{base.name}-sweep", tags=tags).info.run_id
+    settings = {f"sweep.{k}": v for k, v in cfg.model_dump(exclude={"params"}).items()}
+    settings |= {f"sweep.params.{k}": v for k, v in cfg.params.items()}
+    client.log_batch(run_id, params=[Param(k, str(v)) for k, v in settings.items()])
+    client.log_text(run_id, yaml.safe_dump(base.redacted(), sort_keys=False), "base_spec.yaml")
+    return run_id
+
+
+def _close_parent(client: MlflowClient, base: JobSpec, cfg: SweepSpec, parent: str, trials: Any,
+                  best_spec: JobSpec | None, best_metrics: dict[str, float]) -> None:
+    counts = trials["status"].value_counts()
+    values = {"trials": float(len(trials))}
+    values |= {f"trials_{s}": float(counts.get(s, 0)) for s in ("completed", "stopped_early", "failed")}
+    if best_spec is not None:
+        values |= {f"best_{k}": float(v) for k, v in best_metrics.items() if k in (cfg.metric, "loss")}
+        client.set_tag(parent, "tidal.best_trial", best_spec.name)
+        client.log_text(parent, yaml.safe_dump(best_spec.redacted(), sort_keys=False), "best_spec.yaml")
+    now = int(time.time() * 1000)
+    client.log_batch(parent, metrics=[Metric(k, v, now, 0) for k, v in values.items()])
+    buf = io.StringIO()
+    trials.to_csv(buf, index=False)
+    client.log_text(parent, buf.getvalue(), "trials.csv")
+    summary = {"metric": cfg.metric, "mode": cfg.mode, "best_trial": best_spec.name if best_spec else None,
+               "best_metrics": best_metrics, "trials": json.loads(trials.to_json(orient="records"))}
+    client.log_dict(parent, summary, "summary.json")
+    _end(base, parent, RunStatus.FINISHED)
+
+
+def _end(base: JobSpec, run_id: str, status: int) -> None:
+    try:
+        MlflowClient(base.tracking.uri).set_terminated(run_id, RunStatus.to_string(status))
+    except mlflow.exceptions.MlflowException as e:  # tracking must never turn a finished sweep into a crash
+        print(f"[tidal] WARNING: could not close the sweep's MLflow run {run_id}: {e}", flush=True)
+
+
+# --- small helpers ------------------------------------------------------------------------
+def _get(spec: JobSpec, dotted: str) -> Any:
+    return spec.flat().get(dotted)
+
+
+def _sort_key(v: Any) -> tuple[int, Any]:
+    return (0, v) if isinstance(v, int) else (1, str(v))
+
+
+def _resources(r: dict[str, float]) -> str:
+    return ", ".join(f"{v:g} {k}" for k, v in r.items())
+
+
+__all__ = ["SweepResult", "sweep", "trial_spec"]
