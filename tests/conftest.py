@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from tidal.spec.job import JobSpec
 
 ROOT = Path(__file__).resolve().parents[1]

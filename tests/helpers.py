@@ -10,6 +10,7 @@ from pathlib import Path
 
 import psutil
 from mlflow.tracking import MlflowClient
+
 from tidal.spec.job import JobSpec
 
 

@@ -16,10 +16,10 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
-from tidal.storage import RunDir
 
 from tests.conftest import metric_history, tiny_spec
 from tests.helpers import job_run_id, wait_for_step
+from tidal.storage import RunDir
 
 pytestmark = pytest.mark.slow
 

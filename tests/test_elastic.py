@@ -11,10 +11,10 @@ from collections.abc import Iterator
 
 import pytest
 import ray
-import tidal
 from ray.cluster_utils import Cluster
 from ray.core.generated import autoscaler_pb2
 
+import tidal
 from tests.conftest import metric_history, tiny_spec
 from tests.helpers import wait_for_step
 

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from tests.conftest import ROOT, tiny_spec
 from tidal.cli import main
 from tidal.errors import TidalError
 from tidal.launch.jobs import submit
-
-from tests.conftest import ROOT, tiny_spec
 
 pytestmark = pytest.mark.slow
 

@@ -4,8 +4,8 @@ the losses after each resize equal those of a run that never resized."""
 from __future__ import annotations
 
 import pytest
-import tidal
 
+import tidal
 from tests.conftest import metric_history, tiny_spec
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local")]

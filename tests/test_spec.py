@@ -7,13 +7,13 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import ROOT
 from tidal.cli import main
 from tidal.errors import SpecError
 from tidal.spec import JobSpec, load_spec
 from tidal.spec.batch import bad_world_sizes, grad_accum_steps
 from tidal.spec.deepspeed import ds_config
-
-from tests.conftest import ROOT
 
 JOBS = sorted((ROOT / "jobs").glob("*.yaml"))
 

@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 
 import pytest
+
 from tidal.errors import CheckpointError
 from tidal.spec.job import JobSpec
 from tidal.storage import STATE_FILE, RunDir, check_compatible, checkpoint_dir_name, manifest_name

@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from tidal.launch.jobs import Job
+    from tidal.launch.sweep import SweepResult
     from tidal.launch.trainer import RunResult
 
 
@@ -38,11 +39,29 @@ def submit(spec: JobSpec, address: str | None = None, working_dir: str = ".") ->
     return _submit(spec, address, working_dir)
 
 
+def sweep(spec: JobSpec, params: dict[str, str] | list[str] | None = None, samples: int | None = None,
+          scheduler: str | None = None, metric: str | None = None, mode: str | None = None,
+          max_concurrent: int | None = None, restart: bool = False) -> SweepResult:
+    """Run `spec` once per trial of a Ray Tune sweep; resumes an interrupted sweep unless `restart`.
+
+    `params` are `"train.lr=loguniform:1e-4:1e-2"`-style strings (or a dict key -> distribution);
+    each trial is a full Tidal job and a child MLflow run of the sweep's parent run.
+    """
+    from tidal.launch.sweep import sweep as _sweep
+
+    return _sweep(spec, params=params, samples=samples, scheduler=scheduler, metric=metric, mode=mode,
+                  max_concurrent=max_concurrent, restart=restart)
+
+
 def __getattr__(name: str) -> Any:
     if name == "RunResult":
         from tidal.launch.trainer import RunResult
 
         return RunResult
+    if name == "SweepResult":
+        from tidal.launch.sweep import SweepResult
+
+        return SweepResult
     if name == "Job":
         from tidal.launch.jobs import Job
 
@@ -50,4 +69,5 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(name)
 
 
-__all__ = ["CheckpointError", "ClusterError", "Job", "JobSpec", "RunResult", "SpecError", "TidalError", "run", "submit"]
+__all__ = ["CheckpointError", "ClusterError", "Job", "JobSpec", "RunResult", "SpecError", "SweepResult", "TidalError",
+           "run", "submit", "sweep"]

@@ -15,7 +15,9 @@ from collections.abc import Callable, Sequence
 
 import yaml
 
+from tidal.cluster.cli import register as register_cluster
 from tidal.errors import TidalError
+from tidal.launch.sweep_cli import register as register_sweep
 from tidal.spec.job import JobSpec
 from tidal.spec.load import load_spec
 
@@ -24,8 +26,11 @@ EPILOG = """examples:
   tidal validate jobs/quickstart.yaml --set scaling.max_workers=4 --deepspeed
   tidal run jobs/quickstart.yaml                      # local Ray, or the cluster in RAY_ADDRESS
   tidal run jobs/quickstart.yaml --set train.steps=50 --restart
+  tidal sweep jobs/quickstart.yaml --param train.lr=loguniform:1e-4:1e-2 --samples 8 --scheduler asha
   tidal submit jobs/quickstart.yaml --address http://head:8265 --follow
   tidal list --address http://head:8265; tidal logs ID --follow; tidal stop ID
+  tidal runs; tidal runs compare RUN_ID RUN_ID
+  tidal cluster validate cluster_configs/*.yaml
 
 Cluster commands read the address from --address or RAY_ADDRESS, and the auth token from
 RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token, as Ray does.
@@ -72,6 +77,8 @@ def _parser() -> argparse.ArgumentParser:
     r = _command(sub, "run", _run, "run a job to the end (resumes from its latest checkpoint)")
     r.add_argument("--restart", action="store_true", help="start over: set the job's old checkpoints aside and open a new MLflow run")
 
+    register_sweep(sub)
+
     s = _command(sub, "submit", _submit, "send a job to a Ray cluster through the Ray Jobs API")
     _address(s)
     s.add_argument("--working-dir", default=".", help="folder uploaded with the job (default: .; .gitignore respected)")
@@ -98,6 +105,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or sqlite:///mlflow.db)")
     rn.add_argument("--experiment", default=None, help="only this experiment")
     rn.set_defaults(func=_runs)
+    register_cluster(sub)
     return p
 
 

@@ -17,6 +17,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from tidal import __version__
+from tidal.cluster import burst
 from tidal.errors import CheckpointError, TidalError
 from tidal.spec.job import JobSpec
 from tidal.storage import JOB_FILE, RunDir, find_resume_point
@@ -84,7 +85,8 @@ def run(spec: JobSpec, restart: bool = False, mlflow_tags: dict[str, str] | None
     tracker = _start_tracker(spec, run_id, run_dir, tags)
     ok = False
     try:
-        _trainer(spec, run_id, tracker, callbacks or []).fit()
+        with burst.burst_capacity(spec):  # site "any": on-prem first, cloud nodes after burst_after_s
+            _trainer(spec, run_id, tracker, callbacks or []).fit()
         ok = True
     except ray.train.TrainingFailedError as e:
         raise TidalError(f"job {spec.name!r} failed after {spec.failure.max_restarts} restart(s): {_root_cause(e)}\n"
@@ -146,7 +148,7 @@ def _trainer(spec: JobSpec, run_id: str | None, tracker: Any, callbacks: list[An
     scaling = ScalingConfig(
         num_workers=(s.min_workers, s.max_workers) if spec.elastic else s.max_workers,
         use_gpu=s.gpus_per_worker > 0,
-        resources_per_worker={"CPU": s.cpus_per_worker, **({"GPU": s.gpus_per_worker} if s.gpus_per_worker else {})},
+        **burst.scaling_overrides(spec),  # resources per worker, with the site's resource when pinned
         **({"elastic_resize_monitor_interval_s": s.elastic_check_s} if spec.elastic else {}),
     )
     run_config = RunConfig(

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tidal.errors import SpecError
 from tidal.spec.batch import bad_world_sizes
+from tidal.spec.sweep import SweepSpec
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$"
 REDACTED = "***"
@@ -26,7 +27,10 @@ class Part(BaseModel):
 
 
 class ModelSpec(Part):
-    """The built-in decoder-only GPT."""
+    """The built-in decoder-only GPT (n_layer...seq_len), or a Hugging Face causal LM, or your own.
+
+    `seq_len` and `vocab_size` also shape the data for every kind of model.
+    """
 
     n_layer: int = Field(4, ge=1, description="transformer blocks")
     n_head: int = Field(4, ge=1, description="attention heads; must divide d_model")
@@ -34,10 +38,22 @@ class ModelSpec(Part):
     vocab_size: int = Field(256, ge=2, description="tokens; 256 = byte-level text")
     seq_len: int = Field(64, ge=2, description="tokens per training sequence")
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    hf_config: dict[str, Any] | str | None = Field(
+        None, description="a Hugging Face causal LM built from this config (a dict, or a path to a config dir/JSON); no download"
+    )
+    hf_pretrained: str | None = Field(None, description="a local directory with Hugging Face pretrained weights")
+    builder: str | None = Field(
+        None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
+        description="'pkg.module:function' returning an nn.Module whose forward(tokens, targets) returns the loss; "
+        "called as function(model_spec)",
+    )
 
     @model_validator(mode="after")
-    def _heads_divide_width(self) -> ModelSpec:
-        if self.d_model % self.n_head:
+    def _one_model(self) -> ModelSpec:
+        chosen = [k for k in ("hf_config", "hf_pretrained", "builder") if getattr(self, k)]
+        if len(chosen) > 1:
+            raise ValueError(f"{chosen[1]}: choose one of hf_config, hf_pretrained or builder (got {', '.join(chosen)})")
+        if not chosen and self.d_model % self.n_head:
             raise ValueError(f"n_head: must divide model.d_model ({self.d_model}); got {self.n_head}")
         return self
 
@@ -45,9 +61,9 @@ class ModelSpec(Part):
 class DataSpec(Part):
     source: str = Field(
         "synthetic",
-        description="'synthetic' (a learnable task, no download) or a path to a .txt or .jsonl file",
+        description="'synthetic' (a learnable task, no download), or a .txt, .jsonl or .parquet file: a path or a URI (s3://...)",
     )
-    text_field: str = Field("text", description="the key holding the text in .jsonl records")
+    text_field: str = Field("text", description="the field holding the text in .jsonl records and .parquet rows")
 
 
 class TrainSpec(Part):
@@ -70,7 +86,9 @@ class TrainSpec(Part):
 class ParallelismSpec(Part):
     zero_stage: Literal[0, 1, 2, 3] = 2
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    offload_optimizer: Literal["none", "cpu"] = "none"
+    offload_optimizer: Literal["none", "cpu", "nvme"] = Field("none", description="ZeRO-Offload of optimizer state")
+    offload_params: Literal["none", "cpu", "nvme"] = Field("none", description="ZeRO-3 parameter offload")
+    nvme_path: str | None = Field(None, description="a fast local disk for nvme offload, on every node")
     activation_checkpointing: bool = False
 
 
@@ -134,6 +152,7 @@ class JobSpec(Part):
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     failure: FailureSpec = Field(default_factory=FailureSpec)
     tracking: TrackingSpec = Field(default_factory=TrackingSpec)
+    sweep: SweepSpec | None = Field(None, description="run this job as a Ray Tune sweep with `tidal sweep`")
     env: dict[str, str] = Field(
         default_factory=dict, description="environment variables for the workers (credentials...); never logged or printed"
     )
@@ -223,12 +242,19 @@ def consistency_problems(spec: JobSpec) -> list[tuple[str, str]]:
     if spec.parallelism.precision == "fp16" and s.gpus_per_worker == 0:
         problems.append(("parallelism.precision", "fp16 needs GPUs (scaling.gpus_per_worker >= 1); use fp32 or bf16 on CPU"))
     problems += _data_problems(spec.data)
-    if spec.parallelism.offload_optimizer != "none" and spec.parallelism.zero_stage == 0:
+    if spec.data.source != "synthetic" and spec.model.vocab_size < 256:
+        problems.append(("model.vocab_size", f"text is tokenized to bytes, so it needs at least 256; got {spec.model.vocab_size}"))
+    par = spec.parallelism
+    if par.offload_optimizer != "none" and par.zero_stage == 0:
         problems.append(("parallelism.offload_optimizer", "needs parallelism.zero_stage 1, 2 or 3"))
+    if par.offload_params != "none" and par.zero_stage != 3:
+        problems.append(("parallelism.offload_params", "parameter offload needs parallelism.zero_stage 3"))
+    if "nvme" in (par.offload_optimizer, par.offload_params) and not par.nvme_path:
+        problems.append(("parallelism.nvme_path", "nvme offload needs a path to a fast local disk on every node"))
     return problems
 
 
-DATA_SUFFIXES = (".txt", ".jsonl")
+DATA_SUFFIXES = (".txt", ".jsonl", ".parquet")
 
 
 def _data_problems(data: DataSpec) -> list[tuple[str, str]]:

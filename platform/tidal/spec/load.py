@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -108,7 +109,10 @@ def _model_at(loc: list[str]) -> type[BaseModel] | None:
     for part in loc:
         field = model.model_fields.get(part)
         ann = getattr(field, "annotation", None)
-        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+        # `Section | None` fields: look through the Optional to the section's model
+        candidates = [a for a in typing.get_args(ann) if isinstance(a, type)] if typing.get_args(ann) else [ann]
+        models = [a for a in candidates if isinstance(a, type) and issubclass(a, BaseModel)]
+        if not models:
             return None
-        model = ann
+        model = models[0]
     return model
