@@ -18,7 +18,6 @@ import difflib
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
@@ -198,28 +197,11 @@ def validate_sweep(data: Mapping[str, Any], source: str | None = None) -> SweepS
 
 
 def load_sweep_section(path: str | os.PathLike[str], overrides: list[str] | None = None) -> tuple[JobSpec, SweepSpec | None]:
-    """A YAML job file -> (its JobSpec, its `sweep:` section or None). `--set sweep.samples=8` works too.
+    """A YAML job file -> (its JobSpec, its `sweep:` section or None). `--set sweep.samples=8` works too."""
+    from tidal.spec.load import load_spec
 
-    Until JobSpec has a `sweep` field the section is taken out before JobSpec validates the rest
-    (JobSpec forbids unknown keys); once it has one, `spec.sweep` is returned.
-    """
-    from tidal.spec.job import JobSpec
-    from tidal.spec.load import apply_overrides, load_spec, validate
-
-    if "sweep" in JobSpec.model_fields:
-        spec = load_spec(path, overrides or [])
-        return spec, getattr(spec, "sweep", None)
-    p = Path(path)
-    data = _read_yaml(p)
-    data = apply_overrides(data, overrides or [])
-    section = data.pop("sweep", None)
-    spec = validate(data, source=str(p))
-    if section is None:
-        return spec, None
-    if not isinstance(section, Mapping):
-        raise SpecError([("sweep", f"must be a mapping of settings (params, samples, ...), got {type(section).__name__}")],
-                        source=str(p))
-    return spec, validate_sweep(section, source=str(p))
+    spec = load_spec(path, overrides or [])
+    return spec, spec.sweep
 
 
 def trial_label(trial_id: str) -> str:
@@ -285,18 +267,6 @@ def _fields() -> tuple[dict[str, Any], list[str]]:
 
     walk(JobSpec, "")
     return leaves, [s for s in sections if s not in NOT_SWEEPABLE]
-
-
-def _read_yaml(p: Path) -> dict[str, Any]:
-    if not p.is_file():
-        raise SpecError([("", f"job file not found: {p}")], source=str(p))
-    try:
-        data = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise SpecError([("", f"not valid YAML: {e}")], source=str(p)) from None
-    if not isinstance(data, dict):
-        raise SpecError([("", f"the top level must be a mapping of sections, got {type(data).__name__}")], source=str(p))
-    return data
 
 
 def _describe(err: Mapping[str, Any]) -> tuple[str, str]:
