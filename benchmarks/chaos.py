@@ -49,13 +49,15 @@ def run_chaos(tmp: Path, faults: int, steps: int, every: int, seed: int) -> dict
     # Fault k lands at a random step in the k-th slice of the run, so faults spread over it.
     targets = sorted(rng.randrange(k * steps // (faults + 1) + 5, (k + 1) * steps // (faults + 1)) for k in range(1, faults + 1))
     injected: list[int] = []
+    kill_times: list[tuple[float, int]] = []  # (wall time of the kill, highest step logged by then)
 
     def inject() -> None:
         for step in targets:
-            wait_for_step(spec, step, timeout=600)
+            seen = wait_for_step(spec, step, timeout=600)
             workers = our_processes("RayTrainWorker")
             if workers:
                 kill(rng.choice(workers))
+                kill_times.append((time.time(), seen))
                 injected.append(step)
             time.sleep(1.0)
 
@@ -69,6 +71,7 @@ def run_chaos(tmp: Path, faults: int, steps: int, every: int, seed: int) -> dict
     loss = metric_history(spec, run_id, "loss")
     step_time = metric_history(spec, run_id, "step_time_s")
     return {
+        "recovery_s": _recovery_seconds(spec, run_id, kill_times),
         "faults_planned": targets, "faults_injected": injected, "restarts": int(metric_history(spec, run_id, "restarts")[steps]),
         "steps_lost": int(metric_history(spec, run_id, "steps_lost")[steps]),
         "max_steps_lost": int(metric_history(spec, run_id, "max_steps_lost")[steps]),
@@ -76,6 +79,20 @@ def run_chaos(tmp: Path, faults: int, steps: int, every: int, seed: int) -> dict
         "max_rel_loss_diff": max(abs(loss[s] - expected[s]) / abs(expected[s]) for s in expected),
         "useful_s": sum(step_time.values()), "wall_s": wall, "steps": steps,
     }
+
+
+def _recovery_seconds(spec: JobSpec, run_id: str, kills: list[tuple[float, int]]) -> list[float]:
+    """Per fault: seconds from the kill to the first step beyond what was reached before it
+    (restart, reload and the replay of the steps lost)."""
+    from mlflow.tracking import MlflowClient
+
+    logged = {m.step: m.timestamp / 1000 for m in MlflowClient(spec.tracking.uri).get_metric_history(run_id, "loss")}
+    out = []
+    for t_kill, seen in kills:
+        after = [ts for step, ts in logged.items() if step > seen and ts > t_kill]
+        if after:
+            out.append(round(min(after) - t_kill, 1))
+    return out
 
 
 def report(r: dict[str, Any], command: str) -> str:
@@ -94,6 +111,7 @@ exercised by `tests/test_elastic.py`; a frozen worker (SIGSTOP) by the watchdog 
 | steps lost in all / at most per fault | {r['steps_lost']} / {r['max_steps_lost']} (checkpoint interval {r['every_steps']}) |
 | every step done and logged once | {r['steps_done']} |
 | largest relative difference of a step's loss vs an undisturbed run | {r['max_rel_loss_diff']:.2e} |
+| kill to new progress, per fault (restart + reload + replay) | {r['recovery_s']} s |
 | effective training time (useful step time / wall time) | {r['useful_s']:.1f} s / {r['wall_s']:.1f} s = {r['useful_s'] / r['wall_s']:.1%} |
 
 Wall time includes starting Ray, building the DeepSpeed engines and each restart (about 10-20 s on this machine),

@@ -1,0 +1,102 @@
+"""Time from losing a node to training again at the smaller world size (elastic 1-2 workers),
+on a local multi-node cluster (`ray.cluster_utils.Cluster`, one raylet per simulated node), with
+Ray's default timeouts unless they are set in the environment.
+
+    python benchmarks/node_loss.py      # adds a section to docs/benchmarks.md
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import ray
+from mlflow.tracking import MlflowClient
+from ray.cluster_utils import Cluster
+
+import tidal
+from benchmarks.common import update_doc
+from tidal.spec.job import JobSpec
+
+
+def main() -> None:
+    cluster = Cluster(initialize_head=True, connect=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    nodes = [cluster.add_node(num_cpus=1) for _ in range(2)]
+    cluster.wait_for_nodes()
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            tmp = Path(d)
+            spec = JobSpec(
+                name="node-loss",
+                model={"n_layer": 2, "n_head": 2, "d_model": 64, "vocab_size": 64, "seq_len": 16},
+                train={"steps": 3000, "micro_batch": 4, "global_batch": 64, "lr": 1e-2, "log_every": 1},
+                scaling={"min_workers": 1, "max_workers": 2, "elastic_check_s": 3600},
+                checkpoint={"every_steps": 20, "storage": str(tmp / "runs")},
+                tracking={"uri": f"sqlite:///{tmp}/mlflow.db", "experiment": "bench"},
+            )
+            threading.Thread(target=tidal.run, args=(spec,), daemon=True).start()
+            client = MlflowClient(spec.tracking.uri)
+            run_id = _wait_run(client)
+            _wait(lambda: _last(client, run_id, "world_size") is not None and _last(client, run_id, "loss")[0] >= 30)
+            t_loss = time.time()
+            cluster.remove_node(nodes[1])
+            _wait(lambda: _first_at_size(client, run_id, 1, t_loss) is not None, timeout=600)
+            seconds = _first_at_size(client, run_id, 1, t_loss) - t_loss
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    timeout = os.environ.get("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "60 (default)")
+    body = f"""Command: `python benchmarks/node_loss.py` ({time.strftime('%Y-%m-%d')}, 2-core CPU machine)
+
+An elastic job (1-2 workers, tiny GPT, ZeRO-2, checkpoint every 20 steps) on two simulated 1-CPU nodes; one node
+is removed mid-run. Time from the removal to the first new step logged at world size 1: **{seconds:.0f} s**
+(`RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S` = {timeout}).
+
+Most of it is Ray's: after the failure, Train V2 first tries to restart the group at its old size and gives up only
+when that start times out, then starts at the size that fits; resharding the checkpoint (universal conversion) and
+reloading take a few seconds of it. Lower `RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S` on clusters where a lost node
+does not come back quickly (the tests use 20 s).
+"""
+    update_doc("Node loss: time to train again at the smaller size", body)
+    print(body)
+
+
+def _wait_run(client: MlflowClient, timeout: float = 300) -> str:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        exp = client.get_experiment_by_name("bench")
+        runs = client.search_runs([exp.experiment_id]) if exp else []
+        if runs:
+            return runs[0].info.run_id
+        time.sleep(0.5)
+    raise TimeoutError("no MLflow run")
+
+
+def _last(client: MlflowClient, run_id: str, key: str) -> tuple[int, float] | None:
+    hist = client.get_metric_history(run_id, key)
+    if not hist:
+        return None
+    m = max(hist, key=lambda m: m.step)
+    return m.step, m.value
+
+
+def _first_at_size(client: MlflowClient, run_id: str, size: int, after: float) -> float | None:
+    times = [m.timestamp / 1000 for m in client.get_metric_history(run_id, "world_size")
+             if m.value == size and m.timestamp / 1000 > after]
+    return min(times) if times else None
+
+
+def _wait(cond, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if cond():
+            return
+        time.sleep(0.3)
+    raise TimeoutError("condition not met")
+
+
+if __name__ == "__main__":
+    main()
