@@ -23,7 +23,9 @@ from tidal.storage import RunDir
 
 pytestmark = pytest.mark.slow
 
-LONG = {"train.steps": 60, "train.global_batch": 64, "checkpoint.every_steps": 10}
+# Long enough that the driver is surely still training when the test kills it at step 25.
+STEPS = 300
+LONG = {"train.steps": STEPS, "train.global_batch": 64, "checkpoint.every_steps": 10}
 
 
 def start(job: Path, *args: str) -> subprocess.Popen:
@@ -76,12 +78,12 @@ def test_driver_killed_then_rerun_resumes_same_mlflow_run(job):
         kill_session(first)
     run_id = job_run_id(spec)
     last = RunDir(spec.checkpoint.storage, spec.name).latest_complete()
-    assert last is not None and 20 <= last.step < 60
+    assert last is not None and 20 <= last.step < STEPS
 
     out = finish(start(path))
-    assert f"resuming job 'driver-dies' from checkpoint_{last.step:09d} (step {last.step}/60)" in out
+    assert f"resuming job 'driver-dies' from checkpoint_{last.step:09d} (step {last.step}/{STEPS})" in out
     assert json.loads((Path(spec.checkpoint.storage) / spec.name / "tidal-job.json").read_text())["mlflow_run_id"] == run_id
-    assert sorted(metric_history(spec, run_id, "loss")) == list(range(1, 61))
+    assert sorted(metric_history(spec, run_id, "loss")) == list(range(1, STEPS + 1))
 
 
 def test_truncated_newest_checkpoint_is_skipped(job):
@@ -92,10 +94,10 @@ def test_truncated_newest_checkpoint_is_skipped(job):
     victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
     previous = Path(run.checkpoints()[1]).name
 
-    out = finish(start(path, "--set", "train.steps=70"))
+    out = finish(start(path, "--set", f"train.steps={STEPS + 10}"))
     assert f"Skipping checkpoint {newest}" in out and "truncated" in out
     assert f"resuming job 'driver-dies' from {previous}" in out
-    assert sorted(metric_history(spec, job_run_id(spec), "loss")) == list(range(1, 71))
+    assert sorted(metric_history(spec, job_run_id(spec), "loss")) == list(range(1, STEPS + 11))
 
 
 def test_changed_model_is_refused_before_training(job):
