@@ -103,14 +103,14 @@ def run(spec: JobSpec, restart: bool = False, mlflow_tags: dict[str, str] | None
 
 def _close_tracker(tracker: Any, timeout_s: float) -> tuple[str | None, dict[str, float], int]:
     """Stop the tracker, first giving an unreachable MLflow up to `timeout_s` to come back."""
-    run_id, latest, left = ray.get(tracker.close.remote())
-    deadline = time.time() + timeout_s
+    left = ray.get(tracker.flush.remote(force=True))
     if left:
         print(f"[tidal] {left} metric point(s) still wait for MLflow; retrying for up to {timeout_s:.0f}s", flush=True)
+    deadline = time.time() + timeout_s
     while left and time.time() < deadline:
         time.sleep(2)
         left = ray.get(tracker.flush.remote(force=True))
-    run_id = ray.get(tracker.close.remote())[0]
+    run_id, latest, left = ray.get(tracker.close.remote())
     ray.kill(tracker)
     return run_id, latest, left
 
