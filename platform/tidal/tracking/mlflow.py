@@ -108,6 +108,7 @@ class Tracker:
         self.last_step: int | None = None  # highest step already in MLflow
         self.reported_step = 0  # highest step seen from rank 0 in this launch
         self.failed_since_resume = False
+        self.world_size: int | None = None
         # Fault counters, logged with every step so MLflow shows when each changed.
         self.counters = {"restarts": 0.0, "resizes": 0.0, "steps_lost": 0.0, "max_steps_lost": 0.0}
         self.latest: dict[str, float] = {}
@@ -121,6 +122,7 @@ class Tracker:
         """Rank 0's metrics for one step (with `step`), printed and logged unless already logged."""
         step = int(m["step"])
         self.reported_step = max(self.reported_step, step)
+        self._note_world_size(step, int(m.get("world_size", 0)))
         if "loss" in m:
             print(self._progress_line(m), flush=True)
         if "checkpoint_bytes" in m:
@@ -158,11 +160,18 @@ class Tracker:
         if lost:
             line += f" ({lost} step(s) to redo)"
         if old_world != world:
+            line += f"; checkpoint written at world size {old_world} resharded for {world}"
+        self.say(line)
+
+    def _note_world_size(self, step: int, world: int) -> None:
+        """Count every change of world size, whether or not a checkpoint was there to resume from."""
+        if world and self.world_size and world != self.world_size:
             self.counters["resizes"] += 1
             why = "after a failure" if self.failed_since_resume else "capacity changed"
-            line += f"; resized world size {old_world} -> {world} ({why}), checkpoint resharded"
-        self.failed_since_resume = False
-        self.say(line)
+            self.say(f"resized: world size {self.world_size} -> {world} ({why}), training again at step {step}")
+        if world and world != self.world_size:
+            self.failed_since_resume = False
+        self.world_size = world or self.world_size
 
     def flush(self, force: bool = False) -> int:
         """Send buffered points unless MLflow failed less than `retry_s` ago; returns points left."""
