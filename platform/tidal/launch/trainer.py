@@ -18,7 +18,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from tidal import __version__
 from tidal.cluster import burst
-from tidal.errors import CheckpointError, TidalError
+from tidal.errors import TidalError
 from tidal.spec.job import JobSpec
 from tidal.storage import JOB_FILE, RunDir, find_resume_point
 from tidal.tracking import mlflow as tracking
@@ -221,4 +221,4 @@ def _root_cause(e: BaseException) -> str:
     return text[-1] if text else type(e).__name__
 
 
-__all__ = ["CheckpointError", "RunResult", "run"]
+__all__ = ["RunResult", "run"]

@@ -27,7 +27,7 @@ from ray.train import UserCallback
 
 from tidal import __version__
 from tidal.spec.job import JobSpec
-from tidal.storage import JOB_FILE
+from tidal.storage import JOB_FILE, RunDir
 
 log = logging.getLogger("tidal")
 
@@ -274,9 +274,10 @@ class Tracker:
 
 
 def record_run_id(run_dir: str, run_id: str) -> None:
-    path = Path(run_dir) / JOB_FILE
-    job = json.loads(path.read_text()) if path.exists() else {}
-    path.write_text(json.dumps({**job, "mlflow_run_id": run_id}, indent=2))
+    """Put a late-created run id into the job file, atomically like every other job-file write."""
+    folder = Path(run_dir)
+    job_dir = RunDir(str(folder.parent), folder.name)
+    job_dir.write_json(JOB_FILE, {**(job_dir.read_json(JOB_FILE) or {}), "mlflow_run_id": run_id})
 
 
 class FailureNotifier(UserCallback):
