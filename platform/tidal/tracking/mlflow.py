@@ -3,10 +3,14 @@
 Ray 2.60 has no MLflow integration for Train V2 (MLflowLoggerCallback is Tune-only), and
 `ray.train.report` is no channel for per-step metrics: each call blocks until the controller
 polls (every 2 s by default), so reporting every few steps would stall training. Instead rank 0
-sends its metrics, fire-and-forget, to a `Tracker` actor on the driver's node. The tracker logs
-each step once (a step replayed after a restart is skipped), prints the progress line, and never
-stops training when MLflow is unreachable: points wait in a buffer file in the run folder and
-are sent when the server answers again. `ray.train.report` is used for checkpoints only.
+sends its metrics, fire-and-forget, to a `Tracker` actor on the driver's node. The tracker
+appends each step to a buffer file in the run folder, sends the buffer to MLflow in batches,
+logs each step once (a step replayed after a restart is skipped), prints the progress line, and
+never stops training when MLflow is unreachable: points wait in the buffer until it answers.
+Before a checkpoint is saved, rank 0 waits until the tracker has buffered every step up to it:
+a checkpoint that becomes the resume point must not leave metrics behind in a dead driver's
+queue (they would never be logged, since training resumes after them).
+`ray.train.report` is used for checkpoints only.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import contextlib
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -93,20 +98,24 @@ class Tracker:
     """Logs rank 0's metrics to MLflow once per step and prints progress (a Ray actor in a run).
 
     Points go to a buffer first (a file in the run folder when it is local, so a dead driver
-    loses none) and are sent in batches; while MLflow is unreachable the tracker keeps
-    buffering and retries every `retry_s` seconds. If MLflow was down when the job started,
-    the run itself is created on the first successful contact.
+    loses none); a sender thread sends them in batches every `send_every_s` seconds, so no call
+    from a worker ever waits on MLflow. While MLflow is unreachable the tracker keeps buffering
+    and retries every `retry_s` seconds. If MLflow was down when the job started, the run itself
+    is created on the first successful contact.
     """
 
     def __init__(self, spec: JobSpec, run_id: str | None, run_dir: str | None, tags: dict[str, str] | None = None,
-                 retry_s: float = 5.0) -> None:
+                 retry_s: float = 5.0, send_every_s: float = 1.0) -> None:
         self.spec, self.run_id, self.tags = spec, run_id, tags or {}
         self.run_dir = run_dir
         self.buffer = Path(run_dir) / BUFFER_FILE if run_dir else None
         self.pending: list[dict[str, Any]] = self._read_buffer()
+        self.lock = threading.Lock()  # guards `pending` and the buffer file against the sender
+        self.sending = threading.Lock()  # one sender at a time: the thread, or the driver's final flush
         self.retry_s, self.retry_at = retry_s, 0.0
         self.last_step: int | None = None  # highest step already in MLflow
         self.reported_step = 0  # highest step seen from rank 0 in this launch
+        self.last_checkpoint_step: int | None = None  # highest step with checkpoint metrics in MLflow
         self.failed_since_resume = False
         self.world_size: int | None = None
         # Fault counters, logged with every step so MLflow shows when each changed.
@@ -116,26 +125,37 @@ class Tracker:
         self.first_step: int | None = None
         self.down_since: float | None = None
         self.monitor = self._start_system_metrics()
+        self.stopped = threading.Event()
+        self.sender = threading.Thread(target=self._send_every, args=(send_every_s,), daemon=True, name="mlflow-sender")
+        self.sender.start()
 
     # --- called by rank 0 and by the controller callback ----------------------------------
     def log(self, m: dict[str, Any]) -> None:
-        """Rank 0's metrics for one step (with `step`), printed and logged unless already logged."""
+        """Rank 0's metrics for one step (with `step`), printed and logged unless already logged.
+
+        When this returns the step is in the buffer file, so waiting on the call makes it durable.
+        """
         step = int(m["step"])
         self.reported_step = max(self.reported_step, step)
         self._note_world_size(step, int(m.get("world_size", 0)))
         if "loss" in m:
             print(self._progress_line(m), flush=True)
-        if "checkpoint_bytes" in m:
-            print(f"[tidal] checkpoint at step {step}: {m['checkpoint_bytes'] / 2**20:.1f} MiB on rank 0, "
-                  f"written in {m.get('checkpoint_save_s', 0):.2f}s, training blocked {m.get('checkpoint_blocked_s', 0):.2f}s", flush=True)
         if self._already_logged(step):
             return  # a step replayed after a restart: MLflow already has it
         self.latest.update({k: v for k, v in m.items() if isinstance(v, (int, float))})
         self.last_step = step
-        values = {k: float(v) for k, v in m.items() if k not in NOT_METRICS and isinstance(v, (int, float))}
-        values.update(self.counters)
-        self._add({"step": step, "values": values, "ts": int(time.time() * 1000)})
-        self.flush()
+        self._add(step, {**_values(m), **self.counters})
+
+    def checkpointed(self, step: int, m: dict[str, float]) -> None:
+        """A checkpoint at `step` is saved: say so and log its size and timings at that step."""
+        print(f"[tidal] checkpoint at step {step}: {m['checkpoint_bytes'] / 2**20:.1f} MiB on rank 0, "
+              f"written in {m['checkpoint_save_s']:.2f}s, training blocked {m['checkpoint_blocked_s']:.2f}s", flush=True)
+        self.latest.update(m)
+        if self.last_checkpoint_step is None:
+            self.last_checkpoint_step = _max_logged_step(self.spec, self.run_id, "checkpoint_bytes") if self.run_id else 0
+        if step > self.last_checkpoint_step:  # a checkpoint saved again after a restart is logged once
+            self.last_checkpoint_step = step
+            self._add(step, _values(m))
 
     def say(self, message: str) -> None:
         """A line for the person watching: workers speak through here so it is printed once."""
@@ -174,32 +194,44 @@ class Tracker:
         self.world_size = world or self.world_size
 
     def flush(self, force: bool = False) -> int:
-        """Send buffered points unless MLflow failed less than `retry_s` ago; returns points left."""
-        if not self.pending or (not force and time.time() < self.retry_at):
-            return len(self.pending)
+        """Send buffered points unless MLflow failed less than `retry_s` ago (`force` tries now);
+        returns the points left unsent."""
+        with self.sending:
+            return self._flush(force)
+
+    def _flush(self, force: bool) -> int:
+        with self.lock:
+            todo = list(self.pending)
+        if not todo or (not force and time.time() < self.retry_at):
+            return len(todo)
+        sent = 0
         try:
             self._ensure_run()
-            while self.pending:
-                chunk = _batch(self.pending)
+            while sent < len(todo):
+                chunk = _batch(todo[sent:])
                 _send(self.spec, self.run_id, chunk)
-                del self.pending[: len(chunk)]  # sent: never sent twice, even if a later batch fails
+                sent += len(chunk)
         except Exception as e:  # noqa: BLE001 - any tracking failure must leave training running
-            self._rewrite_buffer()
             self.retry_at = time.time() + self.retry_s
             if self.down_since is None:
                 self.down_since = time.time()
                 print(f"[tidal] WARNING: MLflow at {self.spec.tracking.uri} is unreachable ({type(e).__name__}); "
                       f"training continues and metrics wait in {self.buffer or 'memory'} until it is back", flush=True)
-            return len(self.pending)
-        if self.down_since is not None:
+        finally:
+            with self.lock:
+                del self.pending[:sent]  # sent: never sent twice (log() only appends behind them)
+                self._rewrite_buffer()
+                left = len(self.pending)
+        if self.down_since is not None and sent == len(todo):
             print(f"[tidal] MLflow is reachable again after {time.time() - self.down_since:.0f}s: "
-                  f"sent {len(self.pending)} buffered point(s)", flush=True)
+                  f"sent {sent} buffered point(s)", flush=True)
             self.down_since = None
-        self._rewrite_buffer()
-        return 0
+        return left
 
     def close(self) -> tuple[str | None, dict[str, float], int]:
         """(MLflow run id, last values seen, points still unsent) after one more try to send."""
+        self.stopped.set()
+        self.sender.join()
         if self.monitor is not None:
             # MLflow publishes a sample only after a full interval; keep a short run's samples too.
             with contextlib.suppress(Exception):
@@ -209,6 +241,10 @@ class Tracker:
         return self.run_id, dict(self.latest), left
 
     # --- helpers ------------------------------------------------------------------------
+    def _send_every(self, seconds: float) -> None:
+        while not self.stopped.wait(seconds):
+            self.flush()
+
     def _ensure_run(self) -> None:
         """Create the MLflow run now if MLflow was unreachable when the job started."""
         if self.run_id is None:
@@ -236,7 +272,8 @@ class Tracker:
     def _already_logged(self, step: int) -> bool:
         if self.last_step is None:
             self.last_step = _max_logged_step(self.spec, self.run_id) if self.run_id else 0
-            self.last_step = max([self.last_step, *(e["step"] for e in self.pending)])
+            with self.lock:
+                self.last_step = max([self.last_step, *(e["step"] for e in self.pending)])
         return step <= self.last_step
 
     def _progress_line(self, m: dict[str, Any]) -> str:
@@ -250,12 +287,14 @@ class Tracker:
                 f"{m['samples_per_s']:,.1f} samples/s | MFU {100 * m['mfu']:.1f}% | world {m['world_size']} | "
                 f"elapsed {_hms(elapsed)} | ETA {_hms(eta)}")
 
-    def _add(self, entry: dict[str, Any]) -> None:
-        self.pending.append(entry)
-        if self.buffer is not None:
-            self.buffer.parent.mkdir(parents=True, exist_ok=True)
-            with self.buffer.open("a") as f:
-                f.write(json.dumps(entry) + "\n")
+    def _add(self, step: int, values: dict[str, float]) -> None:
+        entry = {"step": step, "values": values, "ts": int(time.time() * 1000)}
+        with self.lock:
+            self.pending.append(entry)
+            if self.buffer is not None:
+                self.buffer.parent.mkdir(parents=True, exist_ok=True)
+                with self.buffer.open("a") as f:
+                    f.write(json.dumps(entry) + "\n")
 
     def _rewrite_buffer(self) -> None:
         if self.buffer is None:
@@ -311,9 +350,13 @@ def _send(spec: JobSpec, run_id: str, entries: Iterable[dict[str, Any]]) -> None
     client(spec).log_batch(run_id, metrics=metrics, synchronous=True)
 
 
-def _max_logged_step(spec: JobSpec, run_id: str) -> int:
+def _values(m: dict[str, Any]) -> dict[str, float]:
+    return {k: float(v) for k, v in m.items() if k not in NOT_METRICS and isinstance(v, (int, float))}
+
+
+def _max_logged_step(spec: JobSpec, run_id: str, key: str = "loss") -> int:
     try:
-        return max((m.step for m in client(spec).get_metric_history(run_id, "loss")), default=0)
+        return max((m.step for m in client(spec).get_metric_history(run_id, key)), default=0)
     except Exception:  # noqa: BLE001 - unreachable: nothing known to be logged yet
         return 0
 

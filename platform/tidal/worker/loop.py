@@ -94,13 +94,19 @@ def train_loop(config: dict[str, Any]) -> None:
         }
         loss_sum.zero_()
         loss_n = 0
-        if is_ckpt:
-            if preempted and rank == 0:
-                tracker.say.remote(f"preemption warning: saving an emergency checkpoint at step {step}")
-            metrics |= checkpoint.save(engine, state, metrics)
-            watchdog.beat(step)
-        if rank == 0:
+        if rank == 0 and not is_ckpt:
             tracker.log.remote(metrics)  # fire and forget: tracking never blocks a step
+        if is_ckpt:
+            if rank == 0:
+                if preempted:
+                    tracker.say.remote(f"preemption warning: saving an emergency checkpoint at step {step}")
+                # Wait until every step up to this one is buffered on the driver's node: once the
+                # checkpoint exists, training never redoes them, so a dead driver must not lose them.
+                ray.get(tracker.log.remote(metrics))
+            saved = checkpoint.save(engine, state, metrics)
+            watchdog.beat(step)
+            if rank == 0:
+                tracker.checkpointed.remote(step, saved)
         if warning is not None:
             watchdog.pause()
             _wait_for_reclaim(warning.deadline_ms)
