@@ -93,6 +93,31 @@ class TestTrains:
         assert metric_history(plain, tidal.run(plain).mlflow_run_id, "loss") == pytest.approx(loss, rel=1e-5)
         assert loss[24] < 0.7 * loss[4]
 
+    def test_pipeline_matches_the_whole_model_and_resumes_exactly(self, tmp_path, monkeypatch):
+        monkeypatch.chdir(tmp_path)
+        pipe = load_spec(ROOT / "jobs" / "tiny-pipeline.yaml").with_overrides(
+            {"checkpoint.storage": str(tmp_path / "runs"), "tracking.uri": f"sqlite:///{tmp_path}/mlflow.db",
+             "train.log_every": 1})
+        loss = metric_history(pipe, tidal.run(pipe).mlflow_run_id, "loss")
+        whole = pipe.with_overrides({"name": "whole", "parallelism.pipeline_stages": 1, "scaling.min_workers": 1,
+                                     "scaling.max_workers": 1})
+        reference = metric_history(whole, tidal.run(whole).mlflow_run_id, "loss")
+        # Same weights, same batch: splitting the model into stages changes where it runs, not the math.
+        assert loss[1] == pytest.approx(reference[1], rel=1e-6)
+        assert loss == pytest.approx(reference, rel=1e-4)
+        assert loss[24] < 0.7 * loss[1], (loss[1], loss[24])
+
+        # 2 stages x 2 replicas (4 workers on 2 CPUs): replicas split each global batch like data parallelism.
+        wide = pipe.with_overrides({"name": "pipe-2x2", "train.steps": 8, "scaling.min_workers": 4,
+                                    "scaling.max_workers": 4, "scaling.cpus_per_worker": 0.5})
+        wide_loss = metric_history(wide, tidal.run(wide).mlflow_run_id, "loss")
+        assert wide_loss[1] == pytest.approx(reference[1], rel=1e-6)
+
+        # Stopped at step 10 (a checkpoint), then run again: it continues exactly where it stopped.
+        tidal.run(pipe.with_overrides({"name": "pipe-resumed", "train.stop_at": 10}))
+        resumed = pipe.with_overrides({"name": "pipe-resumed"})
+        assert metric_history(resumed, tidal.run(resumed).mlflow_run_id, "loss") == pytest.approx(loss, rel=1e-6)
+
     def test_hugging_face_model_from_config(self, tmp_path):
         spec = tiny_spec(tmp_path, name="hf", **{"model.hf_config": HF_LLAMA, "model.vocab_size": 256})
         loss = metric_history(spec, tidal.run(spec).mlflow_run_id, "loss")

@@ -28,7 +28,8 @@ def test_every_shipped_job_validates(path, monkeypatch):
     spec = load_spec(path)
     for world in {spec.scaling.min_workers, spec.scaling.max_workers}:
         cfg = ds_config(spec, world, on_gpu=spec.scaling.gpus_per_worker > 0)
-        assert cfg["train_batch_size"] == cfg["train_micro_batch_size_per_gpu"] * world * cfg["gradient_accumulation_steps"]
+        replicas = spec.parallelism.data_parallel_size(world)
+        assert cfg["train_batch_size"] == cfg["train_micro_batch_size_per_gpu"] * replicas * cfg["gradient_accumulation_steps"]
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -154,3 +155,37 @@ def test_cli_help_lists_commands(capsys):
         main(["--help"])
     out = capsys.readouterr().out
     assert "validate" in out and "run" in out and "TIDAL_DEBUG" in out
+
+
+PIPE = "parallelism: {pipeline_stages: 2, zero_stage: 1}\nmodel: {n_layer: 2}\n"
+
+
+def test_pipeline_job_validates_and_shows_its_pipeline(capsys):
+    assert main(["validate", str(ROOT / "jobs/tiny-pipeline.yaml"), "--deepspeed"]) == 0
+    out = capsys.readouterr().out
+    assert '"stages": 2' in out and '"gradient_accumulation_steps": 4' in out  # 16 / (4 x 1 replica)
+
+
+def test_pipeline_refuses_zero_2_and_3(tmp_path):
+    p = problems(tmp_path, PIPE + "scaling: {min_workers: 2, max_workers: 2}", ["parallelism.zero_stage=3"])
+    assert "ZeRO stage 0 or 1" in p["parallelism.zero_stage"]
+
+
+def test_pipeline_refuses_an_elastic_range_or_a_split_replica(tmp_path):
+    for scaling in ("{min_workers: 2, max_workers: 4}", "{min_workers: 3, max_workers: 3}"):
+        p = problems(tmp_path, PIPE + f"scaling: {scaling}")
+        assert "min_workers = max_workers = replicas x 2" in p["scaling.min_workers"], scaling
+
+
+def test_pipeline_refuses_models_it_cannot_split(tmp_path):
+    p = problems(tmp_path, PIPE + "scaling: {min_workers: 2, max_workers: 2}", ["model.hf_config={model_type: llama}"])
+    assert "only the built-in GPT" in p["parallelism.pipeline_stages"]
+    p = problems(tmp_path, PIPE + "scaling: {min_workers: 4, max_workers: 4}", ["parallelism.pipeline_stages=4"])
+    assert "at least 4 layers" in p["parallelism.pipeline_stages"]
+
+
+def test_pipeline_batch_counts_replicas_not_workers(tmp_path):
+    # 4 workers = 2 stages x 2 replicas: 24 is a multiple of micro_batch 4 x 2 replicas, though not of 4 x 4 workers.
+    load_spec(write(tmp_path, PIPE + "scaling: {min_workers: 4, max_workers: 4}\ntrain: {global_batch: 24, micro_batch: 4}"))
+    p = problems(tmp_path, PIPE + "scaling: {min_workers: 4, max_workers: 4}\ntrain: {global_batch: 20, micro_batch: 4}")
+    assert "data-parallel replicas (2 = 4 workers / 2 stages)" in p["train.global_batch"]

@@ -86,3 +86,13 @@ def test_quarantined_checkpoint_is_skipped(tmp_path):
     quarantine(run.latest_complete(), RuntimeError("unpickling failed"))
     found = run.latest_complete()
     assert found is not None and found.step == 10
+
+
+def test_pipeline_checkpoint_is_refused_at_another_world_size():
+    pipe = {"parallelism.pipeline_stages": 2, "parallelism.zero_stage": 1, "model.n_layer": 2}
+    written = JobSpec().with_overrides({**pipe, "scaling.min_workers": 2, "scaling.max_workers": 2})
+    saved = {"step": 40, "world_size": 2, "fingerprint": written.resume_fingerprint()}
+    check_compatible(written, saved)
+    with pytest.raises(CheckpointError) as e:
+        check_compatible(written.with_overrides({"scaling.min_workers": 4, "scaling.max_workers": 4}), saved)
+    assert "written by 2" in str(e.value) and "scaling.min_workers = scaling.max_workers = 2" in str(e.value)

@@ -145,3 +145,10 @@ def check_compatible(spec: JobSpec, state: dict[str, Any]) -> None:
             f"since its checkpoints were written:\n  " + "\n  ".join(diffs)
             + "\nRestore them, pick another job name, or start over with `tidal run --restart`."
         )
+    stages, written = spec.parallelism.pipeline_stages, state.get("world_size")
+    if stages > 1 and written != spec.scaling.max_workers:
+        raise CheckpointError(
+            f"cannot resume pipeline job {spec.name!r} from step {state.get('step')} with {spec.scaling.max_workers} "
+            f"workers: its checkpoints were written by {written}, and pipeline checkpoints load only at the world size "
+            f"that wrote them. Set scaling.min_workers = scaling.max_workers = {written}, or start over with `tidal run --restart`."
+        )

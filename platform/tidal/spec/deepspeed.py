@@ -21,7 +21,7 @@ def ds_config(spec: JobSpec, world_size: int, on_gpu: bool, load_universal: bool
     return {
         "train_batch_size": t.global_batch,
         "train_micro_batch_size_per_gpu": t.micro_batch,
-        "gradient_accumulation_steps": grad_accum_steps(t.global_batch, t.micro_batch, world_size),
+        "gradient_accumulation_steps": grad_accum_steps(t.global_batch, t.micro_batch, p.data_parallel_size(world_size)),
         "gradient_clipping": t.grad_clip,
         "zero_optimization": zero,
         "bf16": {"enabled": p.precision == "bf16"},
@@ -39,6 +39,7 @@ def ds_config(spec: JobSpec, world_size: int, on_gpu: bool, load_universal: bool
         "scheduler": _scheduler(spec),
         "checkpoint": {"load_universal": load_universal},
         **({"zero_force_ds_cpu_optimizer": False} if cpu_torch_adam and p.offload_optimizer != "none" else {}),
+        **({"pipeline": _pipeline(spec)} if p.pipeline_stages > 1 else {}),
         "steps_per_print": 10**9,  # Tidal prints its own progress lines
         "wall_clock_breakdown": False,
     }
@@ -61,6 +62,13 @@ def _scheduler(spec: JobSpec) -> dict[str, Any]:
             "warmup_type": "linear",
         },
     }
+
+
+def _pipeline(spec: JobSpec) -> dict[str, Any]:
+    """Shown by `tidal validate --deepspeed`; the engine reads the same fields from the spec."""
+    p = spec.parallelism
+    return {"stages": p.pipeline_stages, "partition": p.pipeline_partition,
+            "activation_checkpoint_interval": int(p.activation_checkpointing)}
 
 
 def _offload(device: str, nvme_path: str | None, on_gpu: bool) -> dict[str, Any]:

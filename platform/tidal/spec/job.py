@@ -90,6 +90,17 @@ class ParallelismSpec(Part):
     offload_params: Literal["none", "cpu", "nvme"] = Field("none", description="ZeRO-3 parameter offload")
     nvme_path: str | None = Field(None, description="a fast local disk for nvme offload, on every node")
     activation_checkpointing: bool = False
+    pipeline_stages: int = Field(
+        1, ge=1, description="split the built-in GPT into this many DeepSpeed pipeline stages, one worker each; "
+        "world size = stages x data-parallel replicas"
+    )
+    pipeline_partition: Literal["parameters", "uniform"] = Field(
+        "parameters", description="how layers go to stages: balanced by parameter count, or by layer count"
+    )
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """Replicas of the model: each pipeline spans `pipeline_stages` workers."""
+        return world_size // self.pipeline_stages
 
 
 class ScalingSpec(Part):
@@ -194,7 +205,8 @@ class JobSpec(Part):
 
     def resume_fingerprint(self) -> dict[str, Any]:
         """Fields that must match between a checkpoint and the job resuming from it."""
-        keep = ("model.", "parallelism.zero_stage", "train.global_batch", "train.seed", "data.source")
+        keep = ("model.", "parallelism.zero_stage", "parallelism.pipeline_stages", "train.global_batch", "train.seed",
+                "data.source")
         return {k: v for k, v in self.flat().items() if k.startswith(keep)}
 
     def fingerprint_hash(self) -> str:
@@ -227,8 +239,13 @@ def consistency_problems(spec: JobSpec) -> list[tuple[str, str]]:
     """Checks that span several fields; each problem names the field to change."""
     problems: list[tuple[str, str]] = []
     s, t = spec.scaling, spec.train
-    bad = bad_world_sizes(t.global_batch, t.micro_batch, s.min_workers, s.max_workers)
-    if bad:
+    problems += _pipeline_problems(spec)
+    stages = spec.parallelism.pipeline_stages
+    bad = bad_world_sizes(t.global_batch, t.micro_batch, s.min_workers // stages, s.max_workers // stages)
+    if stages > 1 and bad:
+        problems.append(("train.global_batch", f"{t.global_batch} must be a multiple of train.micro_batch ({t.micro_batch}) "
+                         f"x data-parallel replicas ({s.max_workers // stages} = {s.max_workers} workers / {stages} stages)"))
+    elif bad:
         unit = t.micro_batch * math.lcm(*range(s.min_workers, s.max_workers + 1))
         near = sorted({unit * max(1, t.global_batch // unit), unit * -(-t.global_batch // unit)})
         problems.append(
@@ -251,6 +268,31 @@ def consistency_problems(spec: JobSpec) -> list[tuple[str, str]]:
         problems.append(("parallelism.offload_params", "parameter offload needs parallelism.zero_stage 3"))
     if "nvme" in (par.offload_optimizer, par.offload_params) and not par.nvme_path:
         problems.append(("parallelism.nvme_path", "nvme offload needs a path to a fast local disk on every node"))
+    return problems
+
+
+def _pipeline_problems(spec: JobSpec) -> list[tuple[str, str]]:
+    par, s, m = spec.parallelism, spec.scaling, spec.model
+    n = par.pipeline_stages
+    if n == 1:
+        return []
+    problems: list[tuple[str, str]] = []
+    if par.zero_stage > 1:
+        problems.append(("parallelism.zero_stage", f"{par.zero_stage} cannot shard a pipeline: DeepSpeed runs pipeline "
+                         "stages with ZeRO stage 0 or 1 only; set zero_stage 1, or pipeline_stages 1"))
+    if (par.offload_optimizer, par.offload_params) != ("none", "none"):
+        problems.append(("parallelism.pipeline_stages", "offload is not supported with pipeline stages in Tidal; "
+                         "use ZeRO-3 with offload (pipeline_stages 1) to fit a model that does not fit in memory"))
+    if m.hf_config is not None or m.hf_pretrained is not None or m.builder:
+        problems.append(("parallelism.pipeline_stages", "only the built-in GPT can be split into pipeline stages; "
+                         "train a Hugging Face or custom model with ZeRO-3 instead (pipeline_stages 1)"))
+    elif m.n_layer < n:
+        problems.append(("parallelism.pipeline_stages", f"{n} stages need at least {n} layers; model.n_layer is {m.n_layer}"))
+    if s.min_workers != s.max_workers or s.max_workers % n:
+        problems.append(("scaling.min_workers", f"a pipeline job needs a fixed world size that is a multiple of "
+                         f"parallelism.pipeline_stages ({n}): Ray Train's elastic range may pick any size in "
+                         f"[{s.min_workers}, {s.max_workers}], which would split a pipeline; set min_workers = "
+                         f"max_workers = replicas x {n}"))
     return problems
 
 

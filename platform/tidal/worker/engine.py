@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any
 
 import deepspeed
 import torch
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
 from tidal.spec.deepspeed import ds_config
 from tidal.spec.job import JobSpec
-from tidal.worker.models import build_model
+from tidal.worker.models import build_model, gpt
 
 # DeepSpeed logs every config key at INFO on every rank; keep its warnings only.
 logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
@@ -20,10 +22,53 @@ def build_engine(spec: JobSpec, world_size: int, device: torch.device, load_univ
     """A DeepSpeed engine over the spec's model, on the process group Ray Train set up."""
     deepspeed.init_distributed()  # adopts the process group Ray Train created
     torch.manual_seed(spec.train.seed)  # identical initial weights on every rank and restart
-    model = build_model(spec.model, _checkpoint_fn() if spec.parallelism.activation_checkpointing else None)
+    ckpt = _checkpoint_fn() if spec.parallelism.activation_checkpointing else None
+    model = _pipeline(spec) if spec.parallelism.pipeline_stages > 1 else build_model(spec.model, ckpt)
     config = ds_config(spec, world_size, on_gpu=device.type == "cuda", load_universal=load_universal)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    params = [p for p in model.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=config)
     return engine
+
+
+def _pipeline(spec: JobSpec) -> PipelineModule:
+    """The built-in GPT as DeepSpeed pipeline stages; every stage builds only its own layers.
+
+    Layer seeds match `gpt.GPT`'s, so the pipeline starts from the same weights as the whole
+    model; the output head is the token embedding again (tied across the first and last stage).
+    """
+    p, cfg = spec.parallelism, spec.model
+    # DeepSpeed broadcasts the tied embedding in place at start-up, which torch flags in every
+    # backward; the gradients are right (the pipeline's losses equal the whole model's, tested).
+    warnings.filterwarnings("ignore", message="c10d::broadcast_: an autograd kernel was not registered")
+    specs: list[LayerSpec] = [
+        TiedLayerSpec("tok", cls, *args) if cls is gpt.TokenEmbedding else LayerSpec(cls, *args)
+        for cls, args in gpt.layers(cfg)
+    ]
+    specs.append(TiedLayerSpec("tok", gpt.TokenEmbedding, cfg, forward_fn=gpt.lm_head))
+    return PipelineModule(specs, num_stages=p.pipeline_stages, loss_fn=gpt.lm_loss, seed_layers=True,
+                          seed_fn=_seed_layer, base_seed=spec.train.seed, partition_method=p.pipeline_partition,
+                          activation_checkpoint_interval=int(p.activation_checkpointing),
+                          # Recompute blocks only: the embedding's input is token ids, which carry
+                          # no gradient, so a recomputed embedding would cut the backward pass.
+                          checkpointable_layers=["Block"])
+
+
+def _seed_layer(seed: Any) -> None:
+    # DeepSpeed's default seeds Python's `random` too, which refuses the numpy integer that
+    # partition_method="parameters" produces for the layer index.
+    torch.manual_seed(int(seed))
+
+
+def is_pipeline(engine: Any) -> bool:
+    return hasattr(engine, "train_batch")
+
+
+def data_parallel_rank(engine: Any, rank: int, world_size: int) -> tuple[int, int]:
+    """(replica index, replicas): the slice of each global batch this worker feeds. The stages
+    of one pipeline replica read the same slice (the first its inputs, the last its targets)."""
+    if not is_pipeline(engine):
+        return rank, world_size
+    return engine.grid.get_data_parallel_id(), engine.grid.get_data_parallel_world_size()
 
 
 def _checkpoint_fn() -> Any:
@@ -33,8 +78,11 @@ def _checkpoint_fn() -> Any:
     return deepspeed.checkpointing.checkpoint
 
 
-def param_count(engine: Any) -> int:
+def param_count(engine: Any, spec: JobSpec) -> int:
     """Parameters of the whole model (ZeRO-3 shards them; ds_numel is the full size)."""
+    if is_pipeline(engine):  # a stage holds only its layers: count the whole model, without memory
+        with torch.device("meta"):
+            return sum(p.numel() for p in gpt.GPT(spec.model, seed=0).parameters())
     seen: set[int] = set()
     total = 0
     for p in engine.module.parameters():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import ray.train
@@ -15,7 +16,7 @@ from tidal.storage import find_resume_point
 from tidal.worker import checkpoint
 from tidal.worker.data import Batches
 from tidal.worker.device import torch_device
-from tidal.worker.engine import build_engine, param_count
+from tidal.worker.engine import build_engine, data_parallel_rank, is_pipeline, param_count
 from tidal.worker.metrics import PhaseClock, flops_per_token, resource_stats, worker_peak_flops
 from tidal.worker.watchdog import StepWatchdog
 
@@ -40,10 +41,10 @@ def train_loop(config: dict[str, Any]) -> None:
     state.world_size, state.zero_stage = world, spec.parallelism.zero_stage
     state.mlflow_run_id, state.fingerprint = config.get("mlflow_run_id"), spec.resume_fingerprint()
 
-    batches = Batches(spec, rank, world, device)
+    batches = Batches(spec, *data_parallel_rank(engine, rank, world), device)
     t = spec.train
     tokens_per_step = t.global_batch * spec.model.seq_len
-    model_flops = flops_per_token(param_count(engine), spec.model)
+    model_flops = flops_per_token(param_count(engine, spec), spec.model)
     flops_per_step = model_flops * tokens_per_step
     s = spec.scaling
     peak = world * worker_peak_flops(device, spec.parallelism.precision, s.cpus_per_worker, s.peak_tflops_per_worker)
@@ -55,19 +56,9 @@ def train_loop(config: dict[str, Any]) -> None:
     for step in range(state.step + 1, last + 1):
         torch.manual_seed(t.seed * 1_000_003 + step * 1_009 + rank)  # dropout depends on the step only
         clock.start_step(sync=step % t.log_every == 0)
-        micro = batches.for_step(step)
-        while True:
-            with clock.phase("data_wait_s"):
-                batch = next(micro, None)
-            if batch is None:
-                break
-            with clock.phase("forward_backward_s"):
-                loss = engine(*batch)
-                engine.backward(loss)
-            with clock.phase("optimizer_s"):
-                engine.step()  # DeepSpeed steps the optimizer only at the accumulation boundary
-            loss_sum += loss.detach().float().cpu()
-            loss_n += 1
+        loss, n = _train_step(engine, batches.for_step(step), clock)
+        loss_sum += loss
+        loss_n += n
         clock.end_step()
         watchdog.beat(step)
         state.step, state.samples_seen = step, step * t.global_batch
@@ -110,6 +101,26 @@ def train_loop(config: dict[str, Any]) -> None:
         if warning is not None:
             watchdog.pause()
             _wait_for_reclaim(warning.deadline_ms)
+
+
+def _train_step(engine: Any, micro: Iterator[tuple[torch.Tensor, torch.Tensor]], clock: PhaseClock) -> tuple[torch.Tensor, int]:
+    """One optimizer step over this worker's micro-batches: (sum of their losses, how many)."""
+    if is_pipeline(engine):  # DeepSpeed's schedule runs all micro-batches and the optimizer step
+        with clock.phase("forward_backward_s"):
+            return engine.train_batch(data_iter=micro).detach().float().cpu(), 1
+    total, n = torch.zeros(1), 0
+    while True:
+        with clock.phase("data_wait_s"):
+            batch = next(micro, None)
+        if batch is None:
+            return total, n
+        with clock.phase("forward_backward_s"):
+            loss = engine(*batch)
+            engine.backward(loss)
+        with clock.phase("optimizer_s"):
+            engine.step()  # DeepSpeed steps the optimizer only at the accumulation boundary
+        total += loss.detach().float().cpu()
+        n += 1
 
 
 def _wait_for_reclaim(deadline_ms: int | None, margin_s: float = 30.0) -> None:

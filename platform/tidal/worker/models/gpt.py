@@ -23,6 +23,7 @@ class Block(nn.Module):
             nn.Linear(cfg.d_model, 4 * cfg.d_model), nn.GELU(), nn.Linear(4 * cfg.d_model, cfg.d_model)
         )
         self.dropout = cfg.dropout
+        self.apply(_init)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
@@ -34,33 +35,71 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+class TokenEmbedding(nn.Embedding):
+    """Token embeddings; the output head reuses their weight (tied, as in GPT-2)."""
+
+    def __init__(self, cfg: ModelSpec) -> None:
+        super().__init__(cfg.vocab_size, cfg.d_model)
+        _init(self)
+
+
+class PositionEmbedding(nn.Module):
+    """Adds a learned embedding of each position to the token embeddings."""
+
+    def __init__(self, cfg: ModelSpec) -> None:
+        super().__init__()
+        self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
+        _init(self.pos)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.pos(torch.arange(x.shape[1], device=x.device))
+
+
+def layers(cfg: ModelSpec) -> list[tuple[type[nn.Module], tuple]]:
+    """The model as a sequence of (class, args), shared by `GPT` and its pipeline form.
+
+    Layer i is built right after `torch.manual_seed(seed + i)`, as DeepSpeed's PipelineModule
+    does with `seed_layers=True`: a pipeline stage, which builds only its own layers, then gets
+    exactly the weights the whole model has. The head is not listed: it is layer 0, tied.
+    """
+    return [(TokenEmbedding, (cfg,)), (PositionEmbedding, (cfg,)),
+            *[(Block, (cfg,))] * cfg.n_layer, (nn.LayerNorm, (cfg.d_model,))]
+
+
+def lm_head(tok: TokenEmbedding, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, tok.weight)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+
+
 class GPT(nn.Module):
     """`forward(tokens, targets)` returns the mean next-token cross-entropy."""
 
-    def __init__(self, cfg: ModelSpec, checkpoint_fn: Callable[..., torch.Tensor] | None = None) -> None:
+    def __init__(self, cfg: ModelSpec, checkpoint_fn: Callable[..., torch.Tensor] | None = None,
+                 seed: int | None = None) -> None:
         """`checkpoint_fn(block, x)` recomputes a block in backward instead of storing its
-        activations (activation checkpointing); None stores them."""
+        activations (activation checkpointing); None stores them. `seed` defaults to torch's."""
         super().__init__()
         self.cfg = cfg
         self.checkpoint_fn = checkpoint_fn
-        self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.ln_f = nn.LayerNorm(cfg.d_model)
-        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self.head.weight = self.tok.weight  # tied, as in GPT-2
-        self.apply(_init)
+        seed = torch.initial_seed() if seed is None else seed
+        built = []
+        for i, (cls, args) in enumerate(layers(cfg)):
+            torch.manual_seed(seed + i)
+            built.append(cls(*args))
+        self.tok, self.pos, *blocks, self.ln_f = built
+        self.blocks = nn.ModuleList(blocks)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(tokens.shape[1], device=tokens.device)
-        x = self.tok(tokens) + self.pos(pos)
+        x = self.pos(self.tok(tokens))
         for block in self.blocks:
             if self.checkpoint_fn is not None and self.training:
                 x = self.checkpoint_fn(block, x)
             else:
                 x = block(x)
-        logits = self.head(self.ln_f(x))
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+        return lm_loss(lm_head(self.tok, self.ln_f(x)), targets)
 
 
 def _init(m: nn.Module) -> None:
