@@ -189,3 +189,15 @@ def test_pipeline_batch_counts_replicas_not_workers(tmp_path):
     load_spec(write(tmp_path, PIPE + "scaling: {min_workers: 4, max_workers: 4}\ntrain: {global_batch: 24, micro_batch: 4}"))
     p = problems(tmp_path, PIPE + "scaling: {min_workers: 4, max_workers: 4}\ntrain: {global_batch: 20, micro_batch: 4}")
     assert "data-parallel replicas (2 = 4 workers / 2 stages)" in p["train.global_batch"]
+
+
+def test_streaming_needs_a_file_and_no_pipeline(tmp_path):
+    p = problems(tmp_path, "data: {streaming: true}")
+    assert "streams a file source" in p["data.streaming"]
+    p = problems(tmp_path, PIPE + "scaling: {min_workers: 2, max_workers: 2}\ndata: {streaming: true, epochs: 1}")
+    assert "same samples" in p["data.streaming"]
+
+
+def test_epochs_apply_to_streams_only(tmp_path):
+    p = problems(tmp_path, "data: {epochs: 2}")
+    assert "data.streaming true" in p["data.epochs"]

@@ -12,7 +12,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
+from ray.train import (
+    CheckpointConfig,
+    DataConfig,
+    FailureConfig,
+    LoggingConfig,
+    RunConfig,
+    ScalingConfig,
+)
 from ray.train.torch import TorchConfig, TorchTrainer
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -161,12 +168,23 @@ def _trainer(spec: JobSpec, run_id: str | None, tracker: Any, callbacks: list[An
         # checkpoint lines, so keep Ray's warnings and errors only.
         logging_config=LoggingConfig(log_level="WARNING"),
     )
+    streaming: dict[str, Any] = {}
+    if spec.data.streaming:
+        from ray.data import ExecutionOptions
+
+        from tidal.worker.stream import StreamSource
+
+        # Called at every worker-group start, so a restarted group streams only what is left.
+        # In order, so that an epoch every worker has moved past is known to be done.
+        streaming = {"datasets": {"train": StreamSource(spec)},
+                     "dataset_config": DataConfig(execution_options=ExecutionOptions(preserve_order=True))}
     return TorchTrainer(
         train_loop,
         train_loop_config={"spec": spec.model_dump(mode="json"), "mlflow_run_id": run_id, "tracker": tracker},
         scaling_config=scaling,
         run_config=run_config,
         torch_config=TorchConfig(backend=dist_backend(s.gpus_per_worker)),
+        **streaming,
     )
 
 

@@ -64,6 +64,14 @@ class DataSpec(Part):
         description="'synthetic' (a learnable task, no download), or a .txt, .jsonl or .parquet file: a path or a URI (s3://...)",
     )
     text_field: str = Field("text", description="the field holding the text in .jsonl records and .parquet rows")
+    streaming: bool = Field(
+        False, description="stream the source through Ray Data, sharded over the workers, for data larger than a "
+        "worker's memory; false: every worker reads it whole (exact order at any world size)"
+    )
+    epochs: int | None = Field(
+        None, ge=1, description="with streaming: passes over the source, after which the job ends (train.steps is "
+        "then an upper bound); default: as many as train.steps needs"
+    )
 
 
 class TrainSpec(Part):
@@ -262,6 +270,13 @@ def consistency_problems(spec: JobSpec) -> list[tuple[str, str]]:
     if spec.data.source != "synthetic" and spec.model.vocab_size < 256:
         problems.append(("model.vocab_size", f"text is tokenized to bytes, so it needs at least 256; got {spec.model.vocab_size}"))
     par = spec.parallelism
+    if spec.data.streaming and spec.data.source == "synthetic":
+        problems.append(("data.streaming", "streams a file source; set data.source to a .txt, .jsonl or .parquet file"))
+    if spec.data.epochs and not spec.data.streaming:
+        problems.append(("data.epochs", "applies to streamed sources; set data.streaming true, or set train.steps instead"))
+    if spec.data.streaming and par.pipeline_stages > 1:
+        problems.append(("data.streaming", "pipeline stages of one replica must read the same samples, which a "
+                         "sharded stream cannot give; set data.streaming false"))
     if par.offload_optimizer != "none" and par.zero_stage == 0:
         problems.append(("parallelism.offload_optimizer", "needs parallelism.zero_stage 1, 2 or 3"))
     if par.offload_params != "none" and par.zero_stage != 3:

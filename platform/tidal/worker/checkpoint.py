@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,7 @@ class TrainState:
     world_size: int = 1
     zero_stage: int = 0
     mlflow_run_id: str | None = None
+    data_ended: bool = False  # a stream of data.epochs passes ran out: the job is done
     fingerprint: dict[str, Any] = field(default_factory=dict)
 
 
@@ -50,11 +52,13 @@ def tag(step: int) -> str:
     return f"global_step{step}"
 
 
-def save(engine: Any, state: TrainState, metrics: dict[str, Any]) -> dict[str, float]:
+def save(engine: Any, state: TrainState, metrics: dict[str, Any],
+         save_data_position: Callable[[Path], None] | None = None) -> dict[str, float]:
     """Save on every rank and report to Ray Train (a collective: all ranks call it together).
 
-    `metrics` go with the checkpoint to Ray (and so to Ray Tune in a sweep). Returns this
-    rank's save time, time training was blocked, and bytes written.
+    `metrics` go with the checkpoint to Ray (and so to Ray Tune in a sweep);
+    `save_data_position(folder)`, a collective too, adds the data stream's position. Returns
+    this rank's save time, time training was blocked, and bytes written.
     """
     rank = dist.get_rank()
     local = Path(tempfile.mkdtemp(prefix="tidal-ckpt-"))
@@ -65,6 +69,8 @@ def save(engine: Any, state: TrainState, metrics: dict[str, Any]) -> dict[str, f
         # ds_to_universal refuses checkpoints without this key.
         client_state={"tidal": asdict(state), "universal_checkpoint_info": {"universal_checkpoint_version": 0.4}},
     )
+    if save_data_position is not None:
+        save_data_position(local)
     if rank == 0:
         (local / STATE_FILE).write_text(json.dumps(asdict(state), indent=2))
     files = {str(p.relative_to(local)): p.stat().st_size for p in local.rglob("*") if p.is_file()}

@@ -41,7 +41,13 @@ def train_loop(config: dict[str, Any]) -> None:
     state.world_size, state.zero_stage = world, spec.parallelism.zero_stage
     state.mlflow_run_id, state.fingerprint = config.get("mlflow_run_id"), spec.resume_fingerprint()
 
-    batches = Batches(spec, *data_parallel_rank(engine, rank, world), device)
+    if spec.data.streaming:
+        # Imported here: it imports Ray Data, which other jobs do not need.
+        from tidal.worker.stream import StreamBatches
+
+        batches: Any = StreamBatches(spec, world, device, found)
+    else:
+        batches = Batches(spec, *data_parallel_rank(engine, rank, world), device)
     t = spec.train
     tokens_per_step = t.global_batch * spec.model.seq_len
     model_flops = flops_per_token(param_count(engine, spec), spec.model)
@@ -52,7 +58,7 @@ def train_loop(config: dict[str, Any]) -> None:
     watchdog = StepWatchdog(spec.failure.step_timeout_s, rank, tracker)
     saved_for_preemption = False
 
-    last = min(t.steps, t.stop_at or t.steps)
+    last = state.step if state.data_ended else min(t.steps, t.stop_at or t.steps)
     for step in range(state.step + 1, last + 1):
         torch.manual_seed(t.seed * 1_000_003 + step * 1_009 + rank)  # dropout depends on the step only
         clock.start_step(sync=step % t.log_every == 0)
@@ -64,13 +70,15 @@ def train_loop(config: dict[str, Any]) -> None:
         state.step, state.samples_seen = step, step * t.global_batch
         state.tokens_seen = state.samples_seen * spec.model.seq_len
 
-        is_log = step % t.log_every == 0 or step == last
+        data_ended = state.data_ended = getattr(batches, "ended", False)  # a stream of data.epochs ran out
+        final = step == last or data_ended
+        is_log = step % t.log_every == 0 or final
         # Ray warns when a node of this group is being drained or reclaimed. The check is a
         # barrier across workers, so it runs at log steps only.
         warning = ray.train.get_preemption_info() if is_log and not saved_for_preemption else None
         preempted = warning is not None
         saved_for_preemption |= preempted
-        is_ckpt = step % spec.checkpoint.every_steps == 0 or step == last or preempted
+        is_ckpt = step % spec.checkpoint.every_steps == 0 or final or preempted
         if not (is_log or is_ckpt):
             continue
         dist.all_reduce(loss_sum)  # mean loss over ranks and micro-batches since the last report
@@ -94,13 +102,19 @@ def train_loop(config: dict[str, Any]) -> None:
                 # Wait until every step up to this one is buffered on the driver's node: once the
                 # checkpoint exists, training never redoes them, so a dead driver must not lose them.
                 ray.get(tracker.log.remote(metrics))
-            saved = checkpoint.save(engine, state, metrics)
+            saved = checkpoint.save(engine, state, metrics, getattr(batches, "save_position", None))
             watchdog.beat(step)
             if rank == 0:
                 tracker.checkpointed.remote(step, saved)
         if warning is not None:
             watchdog.pause()
             _wait_for_reclaim(warning.deadline_ms)
+        if data_ended and step < last:
+            if rank == 0:
+                passes = f"{spec.data.epochs} epoch(s)" if spec.data.epochs else "the epochs estimated from its size"
+                tracker.say.remote(f"the data stream ended after step {step} ({passes} of {spec.data.source}); "
+                                   "the job ends here")
+            break
 
 
 def _train_step(engine: Any, micro: Iterator[tuple[torch.Tensor, torch.Tensor]], clock: PhaseClock) -> tuple[torch.Tensor, int]:
