@@ -54,7 +54,7 @@ def run_chaos(tmp: Path, faults: int, steps: int, every: int, seed: int) -> dict
     def inject() -> None:
         for step in targets:
             seen = wait_for_step(spec, step, timeout=600)
-            workers = our_processes("RayTrainWorker")
+            workers = _workers_within(our_processes, 60)  # none while a restarted group is starting
             if workers:
                 kill(rng.choice(workers))
                 kill_times.append((time.time(), seen))
@@ -79,6 +79,13 @@ def run_chaos(tmp: Path, faults: int, steps: int, every: int, seed: int) -> dict
         "max_rel_loss_diff": max(abs(loss[s] - expected[s]) / abs(expected[s]) for s in expected),
         "useful_s": sum(step_time.values()), "wall_s": wall, "steps": steps,
     }
+
+
+def _workers_within(find: Any, timeout_s: float) -> list[Any]:
+    deadline = time.time() + timeout_s
+    while not (workers := find("RayTrainWorker")) and time.time() < deadline:
+        time.sleep(0.2)
+    return workers
 
 
 def _recovery_seconds(spec: JobSpec, run_id: str, kills: list[tuple[float, int]]) -> list[float]:

@@ -105,7 +105,7 @@ class Tracker:
     """
 
     def __init__(self, spec: JobSpec, run_id: str | None, run_dir: str | None, tags: dict[str, str] | None = None,
-                 retry_s: float = 5.0, send_every_s: float = 1.0) -> None:
+                 retry_s: float = 5.0, send_every_s: float = 0.5) -> None:
         self.spec, self.run_id, self.tags = spec, run_id, tags or {}
         self.run_dir = run_dir
         self.buffer = Path(run_dir) / BUFFER_FILE if run_dir else None
