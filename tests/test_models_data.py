@@ -24,7 +24,8 @@ from tidal.spec.load import validate
 from tidal.storage import RunDir
 from tidal.worker.data import Batches
 from tidal.worker.models import build_model
-from tidal.worker.stream import read_seen
+from tidal.worker.stream import pack, read_seen
+from tidal.worker.tokens import encode
 
 HF_LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
             "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 16}
@@ -52,7 +53,48 @@ def write_stream_sources(tmp) -> dict[str, str]:
 
 
 def window_id(doc: str) -> int:
-    return int.from_bytes(hashlib.blake2b((doc + "\n").encode(), digest_size=8).digest(), "little", signed=True)
+    tokens = np.frombuffer((doc + "\n").encode(), dtype=np.uint8).astype(np.int32)
+    return int.from_bytes(hashlib.blake2b(tokens.tobytes(), digest_size=8).digest(), "little", signed=True)
+
+
+WORDS = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
+COUNTING = [" ".join(WORDS[(i + k) % 10] for k in range(60)) for i in range(40)]  # learnable: counting in words
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory) -> str:
+    """A small BPE tokenizer trained here and saved like any Hugging Face tokenizer (no download)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(TEXT + COUNTING, trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "</s>"]))
+    path = tmp_path_factory.mktemp("tok") / "tokenizer"
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>").save_pretrained(path)
+    return str(path)
+
+
+def test_a_hugging_face_tokenizer_feeds_both_data_paths(tmp_path, tokenizer):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer)
+    assert encode(["abc def", "ghi"], tokenizer).tolist() == [
+        *tok("abc def")["input_ids"], tok.eos_token_id, *tok("ghi")["input_ids"], tok.eos_token_id]
+    spec = JobSpec(model={"vocab_size": 128, "seq_len": 16}, data={"source": write_sources(tmp_path)["jsonl"],
+                   "tokenizer": tokenizer}, train={"global_batch": 8, "micro_batch": 4}, scaling={"min_workers": 1, "max_workers": 1})
+    windows = torch.cat([x for x, _ in Batches(spec, 0, 1, torch.device("cpu")).for_step(1)])
+    assert windows.max() < len(tok) and windows.shape == (8, 16)
+    packed = pack({"text": np.array(TEXT[:4])}, "text", 16, epoch=0, tokenizer=tokenizer)
+    assert packed["tokens"].max() < len(tok) and len(set(packed["id"].tolist())) == len(packed["id"])
+
+
+def test_a_vocabulary_smaller_than_the_tokenizer_is_refused_before_training(tmp_path, tokenizer):
+    spec = tiny_spec(tmp_path, **{"data.source": write_sources(tmp_path)["jsonl"], "data.tokenizer": tokenizer,
+                                  "model.vocab_size": 64})
+    with pytest.raises(SpecError) as e:
+        tidal.run(spec)
+    assert "model.vocab_size" in str(e.value) and "64 is below the 120 tokens of data.tokenizer" in str(e.value)
 
 
 def trained_on(spec: JobSpec, result: tidal.RunResult) -> list[int]:
@@ -171,6 +213,15 @@ class TestTrains:
             assert max(metric_history(spec, result.mlflow_run_id, "restarts").values()) >= 1, "no restart happened"
             assert trained_on(spec, result) == expected, fmt
             assert sorted(metric_history(spec, result.mlflow_run_id, "loss")) == list(range(1, len(DOCS) // 16 + 1))
+
+    def test_streamed_jsonl_with_a_hugging_face_tokenizer_trains(self, tmp_path, tokenizer):
+        source = tmp_path / "counting.jsonl"
+        source.write_text("".join(json.dumps({"text": d}) + "\n" for d in COUNTING))
+        spec = tiny_spec(tmp_path, name="tok", **{"data.source": str(source), "data.streaming": True,
+                                                  "data.tokenizer": tokenizer, "model.vocab_size": 128,
+                                                  "scaling.cpus_per_worker": 0.5})
+        loss = metric_history(spec, tidal.run(spec).mlflow_run_id, "loss")
+        assert sorted(loss) == list(range(1, 25)) and loss[24] < 0.5 * loss[1], (loss[1], loss[24])
 
     def test_hugging_face_model_from_config(self, tmp_path):
         spec = tiny_spec(tmp_path, name="hf", **{"model.hf_config": HF_LLAMA, "model.vocab_size": 256})

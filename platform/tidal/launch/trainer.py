@@ -25,10 +25,11 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from tidal import __version__
 from tidal.cluster import burst
-from tidal.errors import TidalError
+from tidal.errors import SpecError, TidalError
 from tidal.spec.job import JobSpec
 from tidal.storage import JOB_FILE, RunDir, find_resume_point
 from tidal.tracking import mlflow as tracking
+from tidal.worker import tokens
 from tidal.worker.device import dist_backend
 
 log = logging.getLogger("tidal")
@@ -75,6 +76,7 @@ def run(spec: JobSpec, restart: bool = False, mlflow_tags: dict[str, str] | None
     run_dir = RunDir(spec.checkpoint.storage, spec.name)
     if restart:
         _set_aside(run_dir)
+    _check_vocab(spec)
     found = find_resume_point(spec)  # refuses an incompatible resume before any worker starts
     job = run_dir.read_json(JOB_FILE) or {}
     if job.get("fingerprint") != spec.fingerprint_hash():
@@ -106,6 +108,16 @@ def run(spec: JobSpec, restart: bool = False, mlflow_tags: dict[str, str] | None
         if run_id:
             _finish_mlflow_run(spec, run_id, ok, latest, time.time() - t0)
     return RunResult(spec.name, run_id or "", spec.tracking.uri, run_dir.path, latest, time.time() - t0)
+
+
+def _check_vocab(spec: JobSpec) -> None:
+    """A tokenizer with more tokens than the model's embedding would fail deep inside a worker."""
+    if spec.data.tokenizer is None:
+        return
+    size = tokens.vocab_size(spec.data.tokenizer)
+    if size > spec.model.vocab_size:
+        raise SpecError([("model.vocab_size", f"{spec.model.vocab_size} is below the {size} tokens of data.tokenizer "
+                          f"({spec.data.tokenizer}); set model.vocab_size: {size} or more")])
 
 
 def _close_tracker(tracker: Any, timeout_s: float) -> tuple[str | None, dict[str, float], int]:

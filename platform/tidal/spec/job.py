@@ -64,6 +64,10 @@ class DataSpec(Part):
         description="'synthetic' (a learnable task, no download), or a .txt, .jsonl or .parquet file: a path or a URI (s3://...)",
     )
     text_field: str = Field("text", description="the field holding the text in .jsonl records and .parquet rows")
+    tokenizer: str | None = Field(
+        None, description="a Hugging Face tokenizer directory (save_pretrained output) readable on every node; "
+        "nothing is downloaded. Default: bytes, a vocabulary of 256"
+    )
     streaming: bool = Field(
         False, description="stream the source through Ray Data, sharded over the workers, for data larger than a "
         "worker's memory; false: every worker reads it whole (exact order at any world size)"
@@ -214,7 +218,7 @@ class JobSpec(Part):
     def resume_fingerprint(self) -> dict[str, Any]:
         """Fields that must match between a checkpoint and the job resuming from it."""
         keep = ("model.", "parallelism.zero_stage", "parallelism.pipeline_stages", "train.global_batch", "train.seed",
-                "data.source")
+                "data.source", "data.tokenizer")
         return {k: v for k, v in self.flat().items() if k.startswith(keep)}
 
     def fingerprint_hash(self) -> str:
@@ -238,8 +242,11 @@ class JobSpec(Part):
         source = self.data.source
         if source != "synthetic" and "://" not in source:
             source = str((base_dir / source).resolve())
+        tokenizer = self.data.tokenizer
+        if tokenizer is not None and "://" not in tokenizer:
+            tokenizer = str((base_dir / tokenizer).resolve())
         return self.with_overrides(
-            {"checkpoint.storage": storage, "tracking.uri": uri, "data.source": source}
+            {"checkpoint.storage": storage, "tracking.uri": uri, "data.source": source, "data.tokenizer": tokenizer}
         )
 
 
@@ -267,7 +274,7 @@ def consistency_problems(spec: JobSpec) -> list[tuple[str, str]]:
     if spec.parallelism.precision == "fp16" and s.gpus_per_worker == 0:
         problems.append(("parallelism.precision", "fp16 needs GPUs (scaling.gpus_per_worker >= 1); use fp32 or bf16 on CPU"))
     problems += _data_problems(spec.data)
-    if spec.data.source != "synthetic" and spec.model.vocab_size < 256:
+    if spec.data.source != "synthetic" and spec.data.tokenizer is None and spec.model.vocab_size < 256:
         problems.append(("model.vocab_size", f"text is tokenized to bytes, so it needs at least 256; got {spec.model.vocab_size}"))
     par = spec.parallelism
     if spec.data.streaming and spec.data.source == "synthetic":
@@ -315,6 +322,11 @@ DATA_SUFFIXES = (".txt", ".jsonl", ".parquet")
 
 
 def _data_problems(data: DataSpec) -> list[tuple[str, str]]:
+    tok = data.tokenizer
+    if tok is not None and data.source == "synthetic":
+        return [("data.tokenizer", "tokenizes text sources; the synthetic task has its own tokens")]
+    if tok is not None and "://" not in tok and not Path(tok).is_dir():
+        return [("data.tokenizer", f"directory not found: {tok} (a Hugging Face tokenizer saved with save_pretrained)")]
     src = data.source
     if src == "synthetic" or "://" in src:
         return []

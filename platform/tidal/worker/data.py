@@ -17,6 +17,7 @@ import torch
 
 from tidal.spec.batch import rank_slice
 from tidal.spec.job import JobSpec
+from tidal.worker.tokens import encode
 
 MAX_STRIDE = 8
 
@@ -39,32 +40,30 @@ class SyntheticTask:
         return (start + stride * t) % self.vocab
 
 
-def read_text(source: str, text_field: str) -> bytes:
-    """A .txt, .jsonl or .parquet file (local path or any pyarrow filesystem URI) as one byte string,
-    documents joined by newlines."""
+def read_docs(source: str, text_field: str) -> list[str]:
+    """The documents of a .txt (one: the whole file), .jsonl or .parquet file (a local path or any
+    pyarrow filesystem URI)."""
     fs, path = pafs.FileSystem.from_uri(source) if "://" in source else (pafs.LocalFileSystem(), source)
     if source.endswith(".parquet"):
-        column = pq.read_table(path, columns=[text_field], filesystem=fs).column(text_field)
-        return "\n".join(column.to_pylist()).encode()
+        return pq.read_table(path, columns=[text_field], filesystem=fs).column(text_field).to_pylist()
     with fs.open_input_stream(path) as f:
-        raw = f.read()
+        raw = f.read().decode()
     if source.endswith(".jsonl"):
-        return "\n".join(json.loads(line)[text_field] for line in raw.decode().splitlines() if line.strip()).encode()
-    return raw
+        return [json.loads(line)[text_field] for line in raw.splitlines() if line.strip()]
+    return [raw]
 
 
 class TextWindows:
-    """Byte-level tokens of a text, jsonl or parquet source, cut into windows, in a seeded order
-    per epoch. Every rank reads the whole source and indexes it by global sample index, which is
-    what makes resume and resize exact (no sample repeated or skipped); the price is that the
-    tokenized source must fit in each worker's memory."""
+    """Tokens of a text, jsonl or parquet source, cut into windows, in a seeded order per epoch.
+    Every rank reads the whole source and indexes it by global sample index, which is what makes
+    resume and resize exact (no sample repeated or skipped); the price is that the tokenized
+    source must fit in each worker's memory (`data.streaming` lifts that)."""
 
-    def __init__(self, path: str, text_field: str, seq_len: int, seed: int) -> None:
-        raw = read_text(path, text_field)
-        tokens = torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()
+    def __init__(self, path: str, text_field: str, seq_len: int, seed: int, tokenizer: str | None = None) -> None:
+        tokens = torch.from_numpy(encode(read_docs(path, text_field), tokenizer)).long()
         n = (len(tokens) - 1) // seq_len
         if n < 1:
-            raise ValueError(f"{path} holds {len(tokens)} bytes, fewer than one sequence of {seq_len + 1}")
+            raise ValueError(f"{path} holds {len(tokens)} tokens, fewer than one sequence of {seq_len + 1}")
         self.windows = tokens[: n * seq_len + 1].unfold(0, seq_len + 1, seq_len)
         self.seed = seed
 
@@ -90,7 +89,7 @@ class Batches:
         self.source = (
             SyntheticTask(m.vocab_size, m.seq_len, t.seed)
             if spec.data.source == "synthetic"
-            else TextWindows(spec.data.source, spec.data.text_field, m.seq_len, t.seed)
+            else TextWindows(spec.data.source, spec.data.text_field, m.seq_len, t.seed, spec.data.tokenizer)
         )
         self.global_batch, self.micro_batch = t.global_batch, t.micro_batch
         self.part = rank_slice(t.global_batch, world_size, rank)

@@ -35,21 +35,27 @@ import torch.distributed as dist
 from tidal.errors import TidalError
 from tidal.spec.job import JobSpec
 from tidal.storage import Found, find_resume_point
+from tidal.worker.tokens import encode
 
 SEEN_FILE = "tidal-data-seen.npz"
 
 
-def pack(batch: dict[str, np.ndarray], text_field: str, seq_len: int, epoch: int) -> dict[str, np.ndarray]:
-    """Documents -> byte tokens, each document ending in a newline, cut into windows of seq_len+1.
+def pack(batch: dict[str, np.ndarray], text_field: str, seq_len: int, epoch: int,
+         tokenizer: str | None) -> dict[str, np.ndarray]:
+    """Documents -> tokens (each document ending in a separator) cut into windows of seq_len+1.
 
     The tail of a batch shorter than one window is dropped (under seq_len+1 tokens per batch).
     """
-    raw = b"".join(str(t).encode() + b"\n" for t in batch[text_field])
-    n = len(raw) // (seq_len + 1)
-    tokens = np.frombuffer(raw[: n * (seq_len + 1)], dtype=np.uint8).reshape(n, seq_len + 1)
-    ids = np.array([int.from_bytes(hashlib.blake2b(w.tobytes(), digest_size=8).digest(), "little", signed=True)
-                    for w in tokens], dtype=np.int64)
-    return {"tokens": tokens.astype(np.int32), "id": ids, "epoch": np.full(n, epoch, dtype=np.int64)}
+    flat = encode([str(t) for t in batch[text_field]], tokenizer)
+    n = len(flat) // (seq_len + 1)
+    tokens = flat[: n * (seq_len + 1)].reshape(n, seq_len + 1)
+    return {"tokens": tokens, "id": window_ids(tokens), "epoch": np.full(n, epoch, dtype=np.int64)}
+
+
+def window_ids(tokens: np.ndarray) -> np.ndarray:
+    """A 64-bit hash of each window's int32 tokens: its identity in the data position."""
+    return np.array([int.from_bytes(hashlib.blake2b(w.astype(np.int32).tobytes(), digest_size=8).digest(),
+                                    "little", signed=True) for w in tokens], dtype=np.int64)
 
 
 def drop_seen(batch: dict[str, np.ndarray], seen: np.ndarray) -> dict[str, np.ndarray]:
@@ -75,7 +81,8 @@ class StreamSource:
         spec = self.spec
         ds = _read(spec.data.source).randomize_block_order(seed=spec.train.seed + epoch)
         ds = ds.map_batches(pack, batch_format="numpy", fn_kwargs={
-            "text_field": spec.data.text_field, "seq_len": spec.model.seq_len, "epoch": epoch})
+            "text_field": spec.data.text_field, "seq_len": spec.model.seq_len, "epoch": epoch,
+            "tokenizer": spec.data.tokenizer})
         if seen is not None and len(seen):
             ds = ds.map_batches(drop_seen, batch_format="numpy", fn_kwargs={"seen": seen})
         return ds
