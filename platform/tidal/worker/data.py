@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
@@ -84,6 +85,8 @@ class TextWindows:
 class Batches:
     """This rank's micro-batches for a given step."""
 
+    ended = False  # an indexed source repeats in epochs: it never runs out
+
     def __init__(self, spec: JobSpec, rank: int, world_size: int, device: torch.device) -> None:
         m, t = spec.model, spec.train
         self.source = (
@@ -94,6 +97,9 @@ class Batches:
         self.global_batch, self.micro_batch = t.global_batch, t.micro_batch
         self.part = rank_slice(t.global_batch, world_size, rank)
         self.device = device
+
+    def save_position(self, folder: Path) -> None:
+        """Nothing to save: a step's samples follow from the step number."""
 
     def for_step(self, step: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         # Every rank draws the step's whole batch and keeps its slice: the synthetic task draws

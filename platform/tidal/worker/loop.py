@@ -45,7 +45,7 @@ def train_loop(config: dict[str, Any]) -> None:
         # Imported here: it imports Ray Data, which other jobs do not need.
         from tidal.worker.stream import StreamBatches
 
-        batches: Any = StreamBatches(spec, world, device, found)
+        batches: Batches | StreamBatches = StreamBatches(spec, world, device, found)
     else:
         batches = Batches(spec, *data_parallel_rank(engine, rank, world), device)
     t = spec.train
@@ -70,7 +70,7 @@ def train_loop(config: dict[str, Any]) -> None:
         state.step, state.samples_seen = step, step * t.global_batch
         state.tokens_seen = state.samples_seen * spec.model.seq_len
 
-        data_ended = state.data_ended = getattr(batches, "ended", False)  # a stream of data.epochs ran out
+        data_ended = state.data_ended = batches.ended  # a stream of data.epochs ran out
         final = step == last or data_ended
         is_log = step % t.log_every == 0 or final
         # Ray warns when a node of this group is being drained or reclaimed. The check is a
@@ -102,7 +102,7 @@ def train_loop(config: dict[str, Any]) -> None:
                 # Wait until every step up to this one is buffered on the driver's node: once the
                 # checkpoint exists, training never redoes them, so a dead driver must not lose them.
                 ray.get(tracker.log.remote(metrics))
-            saved = checkpoint.save(engine, state, metrics, getattr(batches, "save_position", None))
+            saved = checkpoint.save(engine, state, metrics, batches.save_position)
             watchdog.beat(step)
             if rank == 0:
                 tracker.checkpointed.remote(step, saved)
