@@ -2,7 +2,7 @@
 times. Reports faults injected and survived, steps lost per fault, and effective training time
 (useful step time / wall time), and checks the losses against an undisturbed run.
 
-    python benchmarks/chaos.py [--faults 5] [--steps 300] [--seed 0]   # writes docs/reliability.md
+    python -m benchmarks.chaos [--faults 5] [--steps 300] [--seed 0]   # writes docs/reliability.md
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def main() -> None:
             r = run_chaos(Path(d), args.faults, args.steps, args.every, args.seed)
     finally:
         ray.shutdown()
-    cmd = f"python benchmarks/chaos.py --faults {args.faults} --steps {args.steps} --every {args.every} --seed {args.seed}"
+    cmd = f"python -m benchmarks.chaos --faults {args.faults} --steps {args.steps} --every {args.every} --seed {args.seed}"
     DOC.write_text(report(r, cmd))
     print(DOC.read_text())
 

@@ -2,7 +2,7 @@
 on a local multi-node cluster (`ray.cluster_utils.Cluster`, one raylet per simulated node), with
 Ray's default timeouts unless they are set in the environment.
 
-    python benchmarks/node_loss.py      # adds a section to docs/benchmarks.md
+    python -m benchmarks.node_loss      # adds a section to docs/benchmarks.md
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def main() -> None:
         ray.shutdown()
         cluster.shutdown()
     timeout = os.environ.get("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "60 (default)")
-    body = f"""Command: `python benchmarks/node_loss.py` ({time.strftime('%Y-%m-%d')}, 2-core CPU machine)
+    body = f"""Command: `python -m benchmarks.node_loss` ({time.strftime('%Y-%m-%d')}, 2-core CPU machine)
 
 An elastic job (1-2 workers, tiny GPT, ZeRO-2, checkpoint every 20 steps) on two simulated 1-CPU nodes; one node
 is removed mid-run. Time from the removal to the first new step logged at world size 1: **{seconds:.0f} s**

@@ -3,7 +3,7 @@
 world size and steps. Also: checkpoint blocked time vs a synchronous torch.save of the same
 state, and DeepSpeed universal-checkpoint conversion time per GB (the cost of a resize).
 
-    python benchmarks/throughput.py [--repeats 2] [--steps 60]
+    python -m benchmarks.throughput [--repeats 2] [--steps 60]
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def main() -> None:
     ckpt_gb = tidal_runs[-1]["ckpt_bytes"] * 2 / 1e9  # rank 0's share x 2 ranks (ZeRO-2 splits evenly)
     torch_save = median([r["torch_save_s"] for r in plain_runs])
     tokens = spec.train.global_batch * spec.model.seq_len
-    body = f"""Command: `python benchmarks/throughput.py --repeats {args.repeats} --steps {args.steps}` ({time.strftime('%Y-%m-%d')}, {pyplatform.machine()}, {torch.get_num_threads()} threads, CPU only)
+    body = f"""Command: `python -m benchmarks.throughput --repeats {args.repeats} --steps {args.steps}` ({time.strftime('%Y-%m-%d')}, {pyplatform.machine()}, {torch.get_num_threads()} threads, CPU only)
 
 Work: GPT 4 layers x d256 (3.3M params), ZeRO-2, fp32, 2 workers x 1 CPU, micro batch 8, global batch 32, seq 64,
 {args.steps} steps, the first {WARMUP} (and, for Tidal, the last 10 with the final checkpoint) left out of the timing;
