@@ -49,11 +49,13 @@ def median(xs: list[float]) -> float:
 
 
 def update_doc(section: str, body: str) -> None:
-    """Replace (or append) `## section` in docs/benchmarks.md, keeping the other sections."""
+    """Replace `## section` in docs/benchmarks.md where it is (or append it), keeping the other sections."""
     text = DOC.read_text() if DOC.exists() else "# Benchmarks\n\nEvery figure below is a ratio or a time measured in one invocation on one machine; the command that produced it is given with it.\n"
-    head = f"## {section}"
     parts = text.split("\n## ")
-    kept = [p for p in parts[1:] if not p.startswith(section)]
-    text = "\n## ".join([parts[0].rstrip() + "\n", *kept]).rstrip() + f"\n\n{head}\n\n{body.strip()}\n"
+    new = f"{section}\n\n{body.strip()}\n"
+    sections = [new if p.startswith(section) else p.rstrip() + "\n" for p in parts[1:]]
+    if new not in sections:  # a new section goes last; an existing one keeps its place
+        sections.append(new)
+    text = "\n## ".join([parts[0].rstrip() + "\n", *sections]).rstrip() + "\n"
     DOC.parent.mkdir(parents=True, exist_ok=True)
     DOC.write_text(text)
