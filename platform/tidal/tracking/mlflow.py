@@ -98,14 +98,15 @@ class Tracker:
     """Logs rank 0's metrics to MLflow once per step and prints progress (a Ray actor in a run).
 
     Points go to a buffer first (a file in the run folder when it is local, so a dead driver
-    loses none); a sender thread sends them in batches every `send_every_s` seconds, so no call
+    loses none); a sender thread sends whatever is pending as soon as its last send is done, so
+    points batch up by themselves when steps outpace MLflow, and no call
     from a worker ever waits on MLflow. While MLflow is unreachable the tracker keeps buffering
     and retries every `retry_s` seconds. If MLflow was down when the job started, the run itself
     is created on the first successful contact.
     """
 
     def __init__(self, spec: JobSpec, run_id: str | None, run_dir: str | None, tags: dict[str, str] | None = None,
-                 retry_s: float = 5.0, send_every_s: float = 0.5) -> None:
+                 retry_s: float = 5.0) -> None:
         self.spec, self.run_id, self.tags = spec, run_id, tags or {}
         self.run_dir = run_dir
         self.buffer = Path(run_dir) / BUFFER_FILE if run_dir else None
@@ -125,8 +126,10 @@ class Tracker:
         self.first_step: int | None = None
         self.down_since: float | None = None
         self.monitor = self._start_system_metrics()
-        self.stopped = threading.Event()
-        self.sender = threading.Thread(target=self._send_every, args=(send_every_s,), daemon=True, name="mlflow-sender")
+        self.stopped, self.pending_added = threading.Event(), threading.Event()
+        self.sender = threading.Thread(target=self._send_loop, daemon=True, name="mlflow-sender")
+        if self.pending:  # left in the buffer file by an earlier driver
+            self.pending_added.set()
         self.sender.start()
 
     # --- called by rank 0 and by the controller callback ----------------------------------
@@ -231,6 +234,7 @@ class Tracker:
     def close(self) -> tuple[str | None, dict[str, float], int]:
         """(MLflow run id, last values seen, points still unsent) after one more try to send."""
         self.stopped.set()
+        self.pending_added.set()
         self.sender.join()
         if self.monitor is not None:
             # MLflow publishes a sample only after a full interval; keep a short run's samples too.
@@ -241,9 +245,12 @@ class Tracker:
         return self.run_id, dict(self.latest), left
 
     # --- helpers ------------------------------------------------------------------------
-    def _send_every(self, seconds: float) -> None:
-        while not self.stopped.wait(seconds):
-            self.flush()
+    def _send_loop(self) -> None:
+        while not self.stopped.is_set():
+            self.pending_added.wait(timeout=self.retry_s)  # new points, or time to retry an outage
+            self.pending_added.clear()
+            if not self.stopped.is_set():
+                self.flush()
 
     def _ensure_run(self) -> None:
         """Create the MLflow run now if MLflow was unreachable when the job started."""
@@ -295,6 +302,7 @@ class Tracker:
                 self.buffer.parent.mkdir(parents=True, exist_ok=True)
                 with self.buffer.open("a") as f:
                     f.write(json.dumps(entry) + "\n")
+        self.pending_added.set()
 
     def _rewrite_buffer(self) -> None:
         if self.buffer is None:
