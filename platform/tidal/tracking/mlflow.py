@@ -99,9 +99,9 @@ class Tracker:
 
     Points go to a buffer first (a file in the run folder when it is local, so a dead driver
     loses none); a sender thread sends whatever is pending as soon as its last send is done, so
-    points batch up by themselves when steps outpace MLflow, and no call
-    from a worker ever waits on MLflow. While MLflow is unreachable the tracker keeps buffering
-    and retries every `retry_s` seconds. If MLflow was down when the job started, the run itself
+    points batch up by themselves when steps outpace MLflow, and no call from a worker ever
+    waits on MLflow. While MLflow is unreachable the tracker keeps buffering and retries every
+    `retry_s` seconds. If MLflow was down when the job started, the run itself
     is created on the first successful contact.
     """
 

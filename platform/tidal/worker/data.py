@@ -41,10 +41,15 @@ class SyntheticTask:
         return (start + stride * t) % self.vocab
 
 
+def source_fs(source: str) -> tuple[pafs.FileSystem, str]:
+    """The pyarrow filesystem and path of a local path or a URI (s3://, gs://, ...)."""
+    return pafs.FileSystem.from_uri(source) if "://" in source else (pafs.LocalFileSystem(), source)
+
+
 def read_docs(source: str, text_field: str) -> list[str]:
     """The documents of a .txt (one: the whole file), .jsonl or .parquet file (a local path or any
     pyarrow filesystem URI)."""
-    fs, path = pafs.FileSystem.from_uri(source) if "://" in source else (pafs.LocalFileSystem(), source)
+    fs, path = source_fs(source)
     if source.endswith(".parquet"):
         return pq.read_table(path, columns=[text_field], filesystem=fs).column(text_field).to_pylist()
     with fs.open_input_stream(path) as f:

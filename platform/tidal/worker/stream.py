@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow.fs as pafs
 import ray.data
 import ray.train
 import torch
@@ -35,6 +34,7 @@ import torch.distributed as dist
 from tidal.errors import TidalError
 from tidal.spec.job import JobSpec
 from tidal.storage import Found, find_resume_point
+from tidal.worker.data import source_fs
 from tidal.worker.tokens import encode
 
 SEEN_FILE = "tidal-data-seen.npz"
@@ -94,13 +94,11 @@ class StreamSource:
             return max(1, self.spec.data.epochs - first)
         t, m = self.spec.train, self.spec.model
         needed = (t.steps - step) * t.global_batch
-        fs, path = _fs(self.spec.data.source)
-        per_epoch = max(1, fs.get_file_info(path).size // (m.seq_len + 1) // 2)  # halved: markup, packing
+        fs, path = source_fs(self.spec.data.source)
+        # Low on purpose (markup, compression, several bytes per token with a tokenizer): an
+        # epoch too many costs nothing, one too few ends the job early.
+        per_epoch = max(1, fs.get_file_info(path).size // (m.seq_len + 1) // 8)
         return min(1000, math.ceil(needed / per_epoch) + 1)
-
-
-def _fs(source: str) -> tuple[pafs.FileSystem, str]:
-    return pafs.FileSystem.from_uri(source) if "://" in source else (pafs.LocalFileSystem(), source)
 
 
 def _read(source: str) -> ray.data.Dataset:
