@@ -4,6 +4,12 @@ seconds); each test gets its own storage folder and MLflow SQLite file."""
 from __future__ import annotations
 
 import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -55,3 +61,56 @@ def metric_history(spec: JobSpec, run_id: str, key: str) -> dict[int, float]:
     steps = [m.step for m in hist]
     assert len(steps) == len(set(steps)), f"{key}: steps logged more than once: {sorted(steps)}"
     return {m.step: m.value for m in hist}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory) -> Iterator[str]:
+    """A real S3 API (moto's server) on 127.0.0.1; every client finds it through AWS_ENDPOINT_URL.
+
+    Session-wide and set in the environment before any Ray instance of a module that uses it
+    starts, so Ray's workers inherit it as a cluster's nodes would.
+    """
+    port = free_port()
+    log = tmp_path_factory.mktemp("moto") / "moto.log"
+    moto = Path(sys.executable).parent / "moto_server"
+    proc = subprocess.Popen([str(moto), "-H", "127.0.0.1", "-p", str(port)], stdout=log.open("w"),  # noqa: SIM115
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test",
+           "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        deadline = time.time() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if time.time() > deadline or proc.poll() is not None:
+                    raise RuntimeError(f"moto_server did not start: {log.read_text()[-2000:]}") from None
+                time.sleep(0.2)
+        yield env["AWS_ENDPOINT_URL"]
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
+@pytest.fixture
+def bucket(s3_server) -> str:
+    """A fresh bucket on the S3 test server: `s3://NAME`."""
+    import boto3
+
+    name = f"tidal-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3").create_bucket(Bucket=name)
+    return f"s3://{name}"

@@ -12,20 +12,25 @@ from __future__ import annotations
 import json
 import logging
 import re
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import pyarrow.fs as pafs
 
+from tidal import fs
 from tidal.errors import CheckpointError
 from tidal.spec.job import JobSpec
 
 log = logging.getLogger("tidal")
 
 CKPT_RE = re.compile(r"^checkpoint_(\d{9})$")
+CKPT_NAME = re.compile(r"checkpoint_\d{9}")
+RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's list of registered checkpoints
 STATE_FILE = "tidal-state.json"  # written by rank 0: step, world size, fingerprint, MLflow run id
 JOB_FILE = "tidal-job.json"  # written by the driver at start: MLflow run id, fingerprint
-QUARANTINE_FILE = "tidal-quarantined.json"  # a checkpoint that failed to load; never tried again
+QUARANTINE_FILE = "tidal-quarantined.json"  # a checkpoint proven corrupt; never tried again
+TRUNCATED = "(truncated save)"
 
 
 def checkpoint_dir_name(step: int) -> str:
@@ -57,48 +62,87 @@ class RunDir:
     """`<checkpoint.storage>/<job name>` on a local path or any pyarrow filesystem URI."""
 
     def __init__(self, storage: str, name: str) -> None:
-        self.fs, root = pafs.FileSystem.from_uri(storage) if "://" in storage else (pafs.LocalFileSystem(), storage)
-        self.path = f"{root.rstrip('/')}/{name}"
+        self.fs, root = fs.resolve(storage)
+        self.path = f"{root}/{name}"
 
     def read_json(self, rel: str) -> dict[str, Any] | None:
-        try:
-            with self.fs.open_input_stream(f"{self.path}/{rel}") as f:
-                return json.loads(f.read())
-        except (FileNotFoundError, OSError, json.JSONDecodeError):
-            return None
+        return fs.read_json(self.fs, f"{self.path}/{rel}")
 
     def write_json(self, rel: str, data: dict[str, Any]) -> None:
-        self.fs.create_dir(self.path, recursive=True)
-        tmp = f"{self.path}/.{rel}.tmp"
-        with self.fs.open_output_stream(tmp) as f:
-            f.write(json.dumps(data, indent=2).encode())
-        self.fs.move(tmp, f"{self.path}/{rel}")
+        fs.write_json(self.fs, f"{self.path}/{rel}", data)
+
+    def exists(self) -> bool:
+        return fs.exists(self.fs, self.path)
 
     def checkpoints(self) -> list[str]:
         """Checkpoint folder paths, newest step first."""
-        try:
-            infos = self.fs.get_file_info(pafs.FileSelector(self.path, allow_not_found=True))
-        except OSError:
-            return []
-        names = [i.base_name for i in infos if i.type == pafs.FileType.Directory and CKPT_RE.match(i.base_name)]
+        names = [i.base_name for i in fs.list_dir(self.fs, self.path)
+                 if i.type == pafs.FileType.Directory and CKPT_RE.match(i.base_name)]
         return [f"{self.path}/{n}" for n in sorted(names, reverse=True)]
 
-    def latest_complete(self, warn: bool = True) -> Found | None:
-        """The newest checkpoint whose every rank finished writing; warns about each one skipped."""
+    def latest_complete(self, warn: bool = True, condemn_truncated: bool = False) -> Found | None:
+        """The newest checkpoint whose every rank finished writing; warns about each one skipped.
+
+        `condemn_truncated` quarantines one whose every rank listed its files but a file's size
+        differs: proven damaged. Only the driver at start asks for it, when no save can be in flight.
+        """
         for path in self.checkpoints():
             problem, state = check_complete(self.fs, path)
             if problem is None:
                 return Found(path, self.fs, state)
             if warn:
                 log.warning("Skipping checkpoint %s: %s. Falling back to an older one.", path, problem)
+            if condemn_truncated and problem.endswith(TRUNCATED):
+                quarantine(Found(path, self.fs, {}), problem)
         return None
+
+    def set_aside(self) -> str | None:
+        """--restart: keep the old run folder under a new name rather than deleting anyone's work."""
+        if not self.exists():
+            return None
+        aside = f"{self.path}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"
+        fs.set_aside(self.fs, self.path, aside)
+        return aside
+
+    def prune(self, keep: int) -> list[str]:
+        """Delete the checkpoints Ray's retention never sees (those it did not register) once
+        `keep` newer complete ones exist; returns the folders deleted."""
+        found = [(p, check_complete(self.fs, p)[0] is None) for p in self.checkpoints()]
+        registered = set(CKPT_NAME.findall(self._ray_snapshot()))
+        doomed = [p for p in prune_plan(found, keep) if p.rsplit("/", 1)[-1] not in registered]
+        for path in doomed:
+            try:
+                fs.delete_dir(self.fs, path)
+            except OSError as e:  # e.g. Ray deleting the same folder: the next prune tries again
+                log.debug("could not delete %s: %s", path, e)
+        return doomed
+
+    def _ray_snapshot(self) -> str:
+        """Ray's record of the checkpoints it registered: it deletes those itself (num_to_keep)
+        and refuses to resume a run whose registered checkpoint is gone, so Tidal leaves them be."""
+        try:
+            with self.fs.open_input_stream(f"{self.path}/{RAY_SNAPSHOT}") as f:
+                return f.read().decode(errors="replace")
+        except (FileNotFoundError, OSError):
+            return ""
+
+
+def prune_plan(checkpoints: list[tuple[str, bool]], keep: int) -> list[str]:
+    """Of (path, complete) pairs, newest first: everything older than the `keep` newest complete
+    ones. Nothing newer than the oldest kept is touched (a save may be in flight there)."""
+    complete = [p for p, ok in checkpoints if ok]
+    if len(complete) < keep:
+        return []
+    oldest_kept = complete[keep - 1]
+    index = [p for p, _ in checkpoints].index(oldest_kept)
+    return [p for p, _ in checkpoints[index + 1:]]
 
 
 def check_complete(fs: pafs.FileSystem, path: str) -> tuple[str | None, dict[str, Any]]:
     """(None, state) when complete, else (what is wrong, {})."""
     try:
         with fs.open_input_stream(f"{path}/{QUARANTINE_FILE}") as f:
-            return f"quarantined after it failed to load ({json.loads(f.read()).get('error', '?')})", {}
+            return f"quarantined as corrupt ({json.loads(f.read()).get('error', '?')})", {}
     except (FileNotFoundError, OSError, ValueError):
         pass
     try:
@@ -117,20 +161,20 @@ def check_complete(fs: pafs.FileSystem, path: str) -> tuple[str | None, dict[str
         for info, (name, size) in zip(infos, files.items(), strict=True):
             if info.type != pafs.FileType.File or info.size != size:
                 got = "missing" if info.type != pafs.FileType.File else f"{info.size} bytes"
-                return f"{name} is {got}, expected {size} bytes (truncated save)", {}
+                return f"{name} is {got}, expected {size} bytes {TRUNCATED}", {}
     return None, state
 
 
-def quarantine(found: Found, error: BaseException) -> None:
-    """Mark a checkpoint that failed to load so no resume picks it again (its files stay for a person)."""
+def quarantine(found: Found, reason: str) -> None:
+    """Mark a checkpoint proven corrupt so no resume picks it again (its files stay for a person)."""
     with found.fs.open_output_stream(f"{found.path}/{QUARANTINE_FILE}") as f:
-        f.write(json.dumps({"error": f"{type(error).__name__}: {error}"[:500]}).encode())
-    log.warning("Quarantined %s: it failed to load (%s); the next attempt uses an older checkpoint.", found.path, error)
+        f.write(json.dumps({"error": reason[:500]}).encode())
+    log.warning("Quarantined %s: %s; the next attempt uses an older checkpoint.", found.path, reason)
 
 
-def find_resume_point(spec: JobSpec) -> Found | None:
-    """The newest complete checkpoint of this job, checked against the spec (driver or worker)."""
-    found = RunDir(spec.checkpoint.storage, spec.name).latest_complete()
+def find_resume_point(spec: JobSpec, condemn_truncated: bool = False) -> Found | None:
+    """The newest complete checkpoint of this job, checked against the spec (driver or rank 0)."""
+    found = RunDir(spec.checkpoint.storage, spec.name).latest_complete(condemn_truncated=condemn_truncated)
     if found is not None:
         check_compatible(spec, found.state)
     return found

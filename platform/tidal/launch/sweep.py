@@ -37,7 +37,7 @@ from ray import tune
 from ray.tune.schedulers import ASHAScheduler
 from ray.tune.search.basic_variant import BasicVariantGenerator
 
-from tidal import __version__
+from tidal import __version__, fs
 from tidal.errors import SpecError, TidalError
 from tidal.launch.trainer import _connect_ray, run
 from tidal.spec.job import JobSpec
@@ -250,13 +250,12 @@ def _default_concurrency(base: JobSpec) -> int:
 
 def _set_aside(base: JobSpec) -> None:
     """A fresh sweep: move an old experiment and old trial folders of this name out of the way."""
-    storage = base.checkpoint.storage
-    fs, root = pafs.FileSystem.from_uri(storage) if "://" in storage else (pafs.LocalFileSystem(), storage)
+    store, root = fs.resolve(base.checkpoint.storage)
     mine = re.compile(rf"^{re.escape(base.name)}-(sweep|t\d+)$")
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    for info in fs.get_file_info(pafs.FileSelector(root.rstrip("/"), allow_not_found=True)):
+    for info in fs.list_dir(store, root):
         if info.type == pafs.FileType.Directory and mine.match(info.base_name):
-            fs.move(info.path, f"{info.path}.replaced-{stamp}")
+            fs.set_aside(store, info.path, f"{info.path}.replaced-{stamp}")
             print(f"[tidal] fresh sweep: moved {info.path} to {info.path}.replaced-{stamp}", flush=True)
 
 

@@ -1,0 +1,148 @@
+"""Filesystem operations that work the same on a local path, a shared filesystem and an object store.
+
+Everything Tidal keeps (checkpoints, the job file, the metrics buffer, universal conversions)
+goes through a pyarrow filesystem, never through POSIX calls, because cloud-burst nodes share
+only object storage with on-prem ones. pyarrow covers reads, writes, listing and deletion
+everywhere; what it does not do on an object store is rename a folder (S3 has no folders:
+`move` of a prefix fails with NO_SUCH_KEY), so the two operations that need one are written
+here: `set_aside` copies object by object (server-side CopyObject) and deletes the original
+only once every copy is made, and publication of a folder relies on a marker written last
+(see `publish_dir`), never on a rename.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from typing import Any
+
+import pyarrow.fs as pafs
+
+
+def resolve(uri_or_path: str) -> tuple[pafs.FileSystem, str]:
+    """(filesystem, path within it) for a local path or any URI pyarrow knows (s3://, gs://, file://)."""
+    if "://" in uri_or_path:
+        fs, path = pafs.FileSystem.from_uri(uri_or_path)
+        return fs, path.rstrip("/")
+    return pafs.LocalFileSystem(), os.path.abspath(uri_or_path)
+
+
+def is_local(fs: pafs.FileSystem) -> bool:
+    return isinstance(fs, pafs.LocalFileSystem)
+
+
+def exists(fs: pafs.FileSystem, path: str) -> bool:
+    return fs.get_file_info(path).type != pafs.FileType.NotFound
+
+
+def read_json(fs: pafs.FileSystem, path: str) -> Any | None:
+    """The JSON document at `path`, or None if it is missing or unreadable."""
+    try:
+        with fs.open_input_stream(path) as f:
+            return json.loads(f.read())
+    except (FileNotFoundError, OSError, ValueError):
+        return None
+
+
+def write_json(fs: pafs.FileSystem, path: str, data: Any) -> None:
+    """Write `data` so a reader sees the old document or the new one, never half of one.
+
+    An object store makes a single PUT visible whole; a local or shared filesystem needs a
+    temporary file renamed over the target.
+    """
+    blob = json.dumps(data, indent=2).encode()
+    parent = path.rsplit("/", 1)[0]
+    fs.create_dir(parent, recursive=True)
+    if not is_local(fs):
+        with fs.open_output_stream(path) as f:
+            f.write(blob)
+        return
+    tmp = f"{parent}/.{path.rsplit('/', 1)[1]}.{os.getpid()}.tmp"
+    with fs.open_output_stream(tmp) as f:
+        f.write(blob)
+    fs.move(tmp, path)
+
+
+def list_dir(fs: pafs.FileSystem, path: str, recursive: bool = False) -> list[pafs.FileInfo]:
+    try:
+        return fs.get_file_info(pafs.FileSelector(path, allow_not_found=True, recursive=recursive))
+    except OSError:
+        return []
+
+
+def files_under(fs: pafs.FileSystem, path: str) -> dict[str, int]:
+    """Relative path -> size of every file below `path`."""
+    out = {}
+    for info in list_dir(fs, path, recursive=True):
+        if info.type == pafs.FileType.File:
+            out[info.path[len(path.rstrip("/")) + 1:]] = info.size
+    return out
+
+
+def delete_dir(fs: pafs.FileSystem, path: str) -> None:
+    with suppress(FileNotFoundError):
+        fs.delete_dir(path)
+
+
+def set_aside(fs: pafs.FileSystem, path: str, new_path: str) -> None:
+    """Move the folder `path` to `new_path` without losing anything if interrupted.
+
+    A rename where the filesystem has one; on an object store every object is copied
+    server-side first and the original deleted only after the last copy, so an interruption
+    leaves the original whole (and a partial copy beside it that a later try replaces).
+    """
+    if is_local(fs):
+        fs.move(path, new_path)
+        return
+    for rel in files_under(fs, path):
+        fs.copy_file(f"{path}/{rel}", f"{new_path}/{rel}")
+    delete_dir(fs, path)
+
+
+@contextmanager
+def local_copy(fs: pafs.FileSystem, path: str) -> Iterator[str]:
+    """A local directory holding the folder `path`: the folder itself on a local filesystem,
+    else a private download removed afterwards (each process gets its own, so nothing one
+    process writes there is seen by another: share results through storage instead)."""
+    if is_local(fs):
+        yield path
+        return
+    with tempfile.TemporaryDirectory(prefix="tidal-dl-") as tmp:
+        local = os.path.join(tmp, path.rstrip("/").rsplit("/", 1)[-1])
+        # Object stores hold no folders (prefixes written without marker objects, as Ray's upload
+        # leaves them), and copy_files then makes no local parents: make them first.
+        for rel in files_under(fs, path):
+            os.makedirs(os.path.dirname(os.path.join(local, rel)), exist_ok=True)
+        pafs.copy_files(path, local, source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem(),
+                        use_threads=True)
+        yield local
+
+
+def upload_dir(local: str, fs: pafs.FileSystem, path: str) -> dict[str, int]:
+    """Copy the local folder `local` to `path` in `fs` (replacing what was there); returns its files' sizes."""
+    delete_dir(fs, path)
+    fs.create_dir(path, recursive=True)
+    pafs.copy_files(local, path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs,
+                    use_threads=True)
+    return files_under(pafs.LocalFileSystem(), local)
+
+
+def publish_dir(local: str, fs: pafs.FileSystem, path: str, marker: str) -> None:
+    """Upload `local` to `path`, then write `marker` (a JSON manifest of its files) last.
+
+    Readers trust the folder only when `published` finds the marker and every listed file at
+    its size, so a copy interrupted half-way is never used, on any filesystem.
+    """
+    files = upload_dir(local, fs, path)
+    write_json(fs, marker, {"files": files})
+
+
+def published(fs: pafs.FileSystem, path: str, marker: str) -> bool:
+    manifest = read_json(fs, marker)
+    if not isinstance(manifest, dict) or "files" not in manifest:
+        return False
+    present = files_under(fs, path)
+    return all(present.get(rel) == size for rel, size in manifest["files"].items())
