@@ -33,6 +33,7 @@ from ray.train import UserCallback
 from tidal import __version__
 from tidal.spec.job import JobSpec
 from tidal.storage import JOB_FILE, RunDir
+from tidal.tracking.buffer import MetricsBuffer
 
 log = logging.getLogger("tidal")
 
@@ -40,7 +41,6 @@ log = logging.getLogger("tidal")
 # Tidal buffers and retries on its own schedule instead, so fail fast (user settings win).
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
-BUFFER_FILE = "tidal-mlflow-buffer.jsonl"
 NOT_METRICS = ("step", "preempted")
 
 
@@ -97,21 +97,22 @@ def run_url(spec: JobSpec, run_id: str) -> str:
 class Tracker:
     """Logs rank 0's metrics to MLflow once per step and prints progress (a Ray actor in a run).
 
-    Points go to a buffer first (a file in the run folder when it is local, so a dead driver
-    loses none); a sender thread sends whatever is pending as soon as its last send is done, so
+    Points go to a buffer first (objects in the run folder on the job's storage, so a dead
+    driver loses none, whichever node it ran on); a sender thread sends whatever is pending as soon as its last send is done, so
     points batch up by themselves when steps outpace MLflow, and no call from a worker ever
     waits on MLflow. While MLflow is unreachable the tracker keeps buffering and retries every
     `retry_s` seconds. If MLflow was down when the job started, the run itself
     is created on the first successful contact.
     """
 
-    def __init__(self, spec: JobSpec, run_id: str | None, run_dir: str | None, tags: dict[str, str] | None = None,
+    def __init__(self, spec: JobSpec, run_id: str | None, tags: dict[str, str] | None = None,
                  retry_s: float = 5.0) -> None:
         self.spec, self.run_id, self.tags = spec, run_id, tags or {}
-        self.run_dir = run_dir
-        self.buffer = Path(run_dir) / BUFFER_FILE if run_dir else None
-        self.pending: list[dict[str, Any]] = self._read_buffer()
-        self.lock = threading.Lock()  # guards `pending` and the buffer file against the sender
+        self.run_dir = RunDir(spec.checkpoint.storage, spec.name)
+        self.buffer = MetricsBuffer(self.run_dir.fs, self.run_dir.path)
+        self.pending: list[dict[str, Any]] = self.buffer.load()
+        self.recovered = list(self.pending)  # left by an earlier driver: some may have reached MLflow
+        self.lock = threading.Lock()  # guards `pending` and the buffer against the sender
         self.sending = threading.Lock()  # one sender at a time: the thread, or the driver's final flush
         self.retry_s, self.retry_at = retry_s, 0.0
         self.last_step: int | None = None  # highest step already in MLflow
@@ -210,6 +211,7 @@ class Tracker:
         sent = 0
         try:
             self._ensure_run()
+            todo = self._skip_recovered_already_sent(todo)
             while sent < len(todo):
                 chunk = _batch(todo[sent:])
                 _send(self.spec, self.run_id, chunk)
@@ -219,12 +221,12 @@ class Tracker:
             if self.down_since is None:
                 self.down_since = time.time()
                 print(f"[tidal] WARNING: MLflow at {self.spec.tracking.uri} is unreachable ({type(e).__name__}); "
-                      f"training continues and metrics wait in {self.buffer or 'memory'} until it is back", flush=True)
+                      f"training continues and metrics wait in {self.buffer.path} until it is back", flush=True)
         finally:
             with self.lock:
                 del self.pending[:sent]  # sent: never sent twice (log() only appends behind them)
-                self._rewrite_buffer()
                 left = len(self.pending)
+            self.buffer.forget(todo[:sent])
         if self.down_since is not None and sent == len(todo):
             print(f"[tidal] MLflow is reachable again after {time.time() - self.down_since:.0f}s: "
                   f"sent {sent} buffered point(s)", flush=True)
@@ -256,8 +258,7 @@ class Tracker:
         """Create the MLflow run now if MLflow was unreachable when the job started."""
         if self.run_id is None:
             self.run_id = start_run(self.spec, None, self.tags)
-            if self.run_dir:
-                record_run_id(self.run_dir, self.run_id)
+            self.run_dir.write_json(JOB_FILE, {**(self.run_dir.read_json(JOB_FILE) or {}), "mlflow_run_id": self.run_id})
             print(f"[tidal] MLflow run {self.run_id} created", flush=True)
 
     def _start_system_metrics(self) -> Any:
@@ -296,35 +297,33 @@ class Tracker:
 
     def _add(self, step: int, values: dict[str, float]) -> None:
         entry = {"step": step, "values": values, "ts": int(time.time() * 1000)}
-        with self.lock:
-            self.pending.append(entry)
-            if self.buffer is not None:
-                self.buffer.parent.mkdir(parents=True, exist_ok=True)
-                with self.buffer.open("a") as f:
-                    f.write(json.dumps(entry) + "\n")
+        with self.lock:  # appended in step order, behind anything the sender is sending
+            self.pending.append(self.buffer.append(entry))
         self.pending_added.set()
 
-    def _rewrite_buffer(self) -> None:
-        if self.buffer is None:
-            return
-        if not self.pending:
-            self.buffer.unlink(missing_ok=True)
-            return
-        tmp = self.buffer.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(e) + "\n" for e in self.pending))
-        tmp.replace(self.buffer)
+    def _skip_recovered_already_sent(self, todo: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Entries an earlier driver sent but died before forgetting: MLflow has their step already.
 
-    def _read_buffer(self) -> list[dict[str, Any]]:
-        if self.buffer is None or not self.buffer.exists():
-            return []
-        return [json.loads(line) for line in self.buffer.read_text().splitlines() if line.strip()]
-
-
-def record_run_id(run_dir: str, run_id: str) -> None:
-    """Put a late-created run id into the job file, atomically like every other job-file write."""
-    folder = Path(run_dir)
-    job_dir = RunDir(str(folder.parent), folder.name)
-    job_dir.write_json(JOB_FILE, {**(job_dir.read_json(JOB_FILE) or {}), "mlflow_run_id": run_id})
+        A batch reaches MLflow whole or not at all, so checking each entry's first metric is enough.
+        """
+        if not self.recovered:
+            return todo
+        c, logged = client(self.spec), {}
+        done = []
+        for e in self.recovered:
+            key = next(iter(e["values"]), None)
+            if key is not None and key not in logged:
+                logged[key] = {m.step for m in c.get_metric_history(self.run_id, key)}
+            if key is None or e["step"] in logged[key]:
+                done.append(e)
+        self.recovered = []
+        if not done:
+            return todo
+        ids = {e["id"] for e in done}
+        with self.lock:
+            self.pending = [e for e in self.pending if e["id"] not in ids]
+        self.buffer.forget(done)
+        return [e for e in todo if e["id"] not in ids]
 
 
 class FailureNotifier(UserCallback):
@@ -376,11 +375,11 @@ def _hms(seconds: float) -> str:
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
 
 
-def metrics_frame(spec: JobSpec, run_id: str) -> Any:
+def metrics_frame(tracking_uri: str, run_id: str) -> Any:
     """Every training metric of a run as a pandas DataFrame: one row per step, one column per metric."""
     import pandas as pd
 
-    c = client(spec)
+    c = MlflowClient(tracking_uri)
     rows: dict[int, dict[str, float]] = {}
     for key in c.get_run(run_id).data.metrics:
         if key.startswith("system/"):  # MLflow's system metrics count their own steps, not training steps
@@ -407,7 +406,7 @@ def log_artifacts(spec: JobSpec, run_id: str, summary: dict[str, Any]) -> None:
         (d / "spec.yaml").write_text(yaml.safe_dump(spec.redacted(), sort_keys=False))
         (d / "deepspeed_config.json").write_text(json.dumps(ds_config(spec, spec.scaling.max_workers, on_gpu), indent=2))
         (d / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-        _plots(metrics_frame(spec, run_id), d)
+        _plots(metrics_frame(spec.tracking.uri, run_id), d)
         c.log_artifacts(run_id, str(d))
 
 
