@@ -30,3 +30,22 @@ def build_checking_env(spec: ModelSpec) -> nn.Module:
     if os.environ.get("TIDAL_TEST_SECRET") != "s3cr3t-value-42":
         raise RuntimeError("TIDAL_TEST_SECRET did not reach the worker")
     return Bigram(spec.vocab_size)
+
+
+class FlakyLoad(Bigram):
+    """Fails its first checkpoint load after TIDAL_TEST_LOAD_FAULT's file appears, the way an
+    out-of-memory or a dropped connection would: nothing is wrong with the checkpoint."""
+
+    def load_state_dict(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201 - torch's signature
+        import os
+        from pathlib import Path
+
+        flag = Path(os.environ.get("TIDAL_TEST_LOAD_FAULT", "/nonexistent"))
+        if flag.exists():
+            flag.unlink(missing_ok=True)
+            raise RuntimeError("injected: out of memory while loading")
+        return super().load_state_dict(*args, **kwargs)
+
+
+def build_flaky_load(spec: ModelSpec) -> nn.Module:
+    return FlakyLoad(spec.vocab_size)

@@ -6,8 +6,13 @@ Rank 0 also writes `tidal-state.json`: the step, the world size, the spec finger
 the MLflow run id. `tidal.storage` decides from those files which checkpoint is complete.
 
 Resizing: DeepSpeed ZeRO checkpoints only load at the world size that wrote them. For another
-size we convert once to DeepSpeed's universal format (`ds_to_universal`), which keeps the
-optimizer state, store it beside the original as `global_stepN_universal`, and load that.
+size rank 0 converts once to DeepSpeed's universal format (`ds_to_universal`), which keeps the
+optimizer state, and publishes it in storage beside the original as `global_stepN_universal`
+(a marker written last makes it count), where every rank on every node loads it.
+
+A checkpoint that fails to load is quarantined only when it is proven corrupt (a size that
+differs from its manifest, a file that does not unpickle); any other failure fails the attempt
+and Ray's restart tries the same checkpoint again.
 """
 
 from __future__ import annotations
@@ -23,15 +28,28 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import ray.train
+import torch
 import torch.distributed as dist
 
+from tidal import fs
 from tidal.errors import CheckpointError
-from tidal.storage import STATE_FILE, Found, checkpoint_dir_name, manifest_name, quarantine
+from tidal.spec.job import JobSpec
+from tidal.storage import (
+    STATE_FILE,
+    Found,
+    RunDir,
+    check_complete,
+    checkpoint_dir_name,
+    find_resume_point,
+    manifest_name,
+    quarantine,
+)
 
 log = logging.getLogger("tidal")
+T = TypeVar("T")
 
 
 @dataclass
@@ -94,38 +112,125 @@ def needs_reshard(state: dict[str, Any], world_size: int) -> bool:
     return int(state["world_size"]) != world_size and int(state["zero_stage"]) > 0
 
 
+def agree_on_resume_point(spec: JobSpec) -> Found | None:
+    """Rank 0 picks the newest complete checkpoint and every rank takes that one.
+
+    Ranks must never pick their own: one that lists storage a moment later could see a
+    checkpoint another rank did not, and they would load different steps.
+    """
+    def pick() -> tuple[str, dict[str, Any]] | None:
+        found = find_resume_point(spec)
+        return (found.path, found.state) if found else None
+
+    chosen = _on_rank0(pick)
+    if chosen is None:
+        return None
+    return Found(chosen[0], RunDir(spec.checkpoint.storage, spec.name).fs, chosen[1])
+
+
 def restore(engine: Any, found: Found, reshard: bool) -> TrainState:
     """Load `found` into `engine`, converting it first if it was written at another world size."""
-    with ray.train.Checkpoint(found.path, filesystem=found.fs).as_directory() as local:
-        state = TrainState(**found.state)
-        step_tag = _universal(local, tag(state.step)) if reshard else tag(state.step)
+    state = TrainState(**found.state)
+    step_tag = tag(state.step)
+    if reshard:
+        step_tag = _on_rank0(lambda: _universal(found, step_tag))
+    with fs.local_copy(found.fs, f"{found.path}/{step_tag}") as local_tag:
         try:
-            load_path, _ = engine.load_checkpoint(local, tag=step_tag, load_optimizer_states=True, load_lr_scheduler_states=True)
+            load_path, _ = engine.load_checkpoint(os.path.dirname(local_tag), tag=step_tag,
+                                                  load_optimizer_states=True, load_lr_scheduler_states=True)
             if load_path is None:
                 raise CheckpointError(f"DeepSpeed found nothing to load under tag {step_tag}")
         except Exception as e:
-            # Files of the right size that do not load (bit rot, a bad copy): quarantine it, and
-            # fail, so Ray restarts the group and the next attempt takes the previous checkpoint.
-            quarantine(found, e)
-            raise CheckpointError(f"checkpoint {found.path} failed to load and was quarantined: {e}") from e
+            raise _load_failed(found, local_tag, step_tag, e) from e
     return state
 
 
-def _universal(local: str, step_tag: str) -> str:
-    """Convert `local/step_tag` to universal form once (rank 0), cached beside it; returns its tag."""
+def _load_failed(found: Found, local_tag: str, step_tag: str, error: BaseException) -> CheckpointError:
+    """Condemn a checkpoint only when it is proven corrupt; any other failure (out of memory, a
+    network error, a bug) fails this attempt, and Ray's restart tries the same checkpoint again."""
+    why = f"{type(error).__name__}: {error}"
+    corrupt = _corruption(found, local_tag, step_tag)
+    if corrupt is None:
+        return CheckpointError(
+            f"loading {found.name} failed ({why}). Its files are intact (every size matches its manifest and "
+            "every file unpickles), so it is kept: the next attempt loads it again.")
+    if step_tag.endswith("_universal"):
+        found.fs.delete_file(f"{found.path}/{universal_marker(step_tag)}")
+        return CheckpointError(f"the universal conversion of {found.name} is damaged ({corrupt}); it is "
+                               "discarded and made again on the next attempt")
+    quarantine(found, corrupt)
+    return CheckpointError(f"{found.name} is corrupt ({corrupt}) and was quarantined; the next attempt "
+                           "resumes from the checkpoint before it")
+
+
+def _corruption(found: Found, local_tag: str, step_tag: str) -> str | None:
+    """What proves the checkpoint's files damaged: a size that differs from its manifest, or a
+    file that does not unpickle. None when neither holds."""
+    if step_tag.endswith("_universal"):
+        if not fs.published(found.fs, f"{found.path}/{step_tag}", f"{found.path}/{universal_marker(step_tag)}"):
+            return "its files differ from the conversion's manifest"
+    else:
+        problem, _ = check_complete(found.fs, found.path)
+        if problem is not None:
+            return problem
+    for path in sorted(Path(local_tag).rglob("*.pt")):
+        try:
+            _unpickle(path)
+        except Exception as e:  # noqa: BLE001 - any failure to unpickle is the proof we look for
+            return f"{path.relative_to(local_tag)} does not unpickle ({type(e).__name__}: {str(e)[:200]})"
+    return None
+
+
+def _unpickle(path: Path) -> None:
+    """Load a checkpoint file without holding it in memory (mmap) where its format allows."""
+    try:
+        torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except RuntimeError as e:
+        if "mmap" not in str(e):
+            raise
+        torch.load(path, map_location="cpu", weights_only=False)  # the legacy format has no mmap
+
+
+def universal_marker(step_tag: str) -> str:
+    """Written after a universal conversion's last file: without it the conversion does not count."""
+    return f"tidal-universal-{step_tag.removesuffix('_universal')}.json"
+
+
+def _universal(found: Found, step_tag: str) -> str:
+    """Convert `step_tag` of `found` to universal form once and publish it beside the original in
+    storage, where every rank on every node finds it (a rank's own download is private)."""
     out_tag = f"{step_tag}_universal"
-    out = Path(local) / out_tag
-    if dist.get_rank() == 0 and not out.exists():
-        t0 = time.perf_counter()
-        tmp = Path(local) / f".{out_tag}.partial"
-        shutil.rmtree(tmp, ignore_errors=True)
-        cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
-               "--input_folder", str(Path(local) / step_tag), "--output_folder", str(tmp),
-               "--num_extract_workers", "1", "--num_merge_workers", "1"]
+    out, marker = f"{found.path}/{out_tag}", f"{found.path}/{universal_marker(step_tag)}"
+    if fs.published(found.fs, out, marker):
+        return out_tag  # converted by an earlier attempt at this world size
+    t0 = time.perf_counter()
+    with fs.local_copy(found.fs, f"{found.path}/{step_tag}") as src, tempfile.TemporaryDirectory() as tmp:
+        dst = os.path.join(tmp, out_tag)
+        cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", src,
+               "--output_folder", dst, "--num_extract_workers", "1", "--num_merge_workers", "1"]
         proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
         if proc.returncode != 0:
-            raise CheckpointError(f"converting {step_tag} to a universal checkpoint failed:\n{proc.stderr[-3000:]}")
-        tmp.rename(out)  # the rename makes a half-written conversion invisible
-        log.warning("Resharding: converted %s to universal form in %.1fs", step_tag, time.perf_counter() - t0)
-    dist.barrier()
+            corrupt = _corruption(found, src, step_tag)
+            if corrupt is not None:
+                quarantine(found, corrupt)
+            raise CheckpointError(f"converting {found.name} to a universal checkpoint failed"
+                                  f"{f' ({corrupt}; quarantined)' if corrupt else ''}:\n{proc.stderr[-3000:]}")
+        fs.publish_dir(dst, found.fs, out, marker)
+    log.warning("Resharding: converted %s of %s to universal form in %.1fs", step_tag, found.name,
+                time.perf_counter() - t0)
     return out_tag
+
+
+def _on_rank0(fn: Callable[[], T]) -> T:
+    """Run `fn` on rank 0 only and hand its result, or its failure, to every rank."""
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box = [(True, fn())]
+        except Exception as e:  # noqa: BLE001 - re-raised below on every rank
+            box = [(False, str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}")]
+    dist.broadcast_object_list(box, src=0)
+    ok, value = box[0]
+    if not ok:
+        raise CheckpointError(value)
+    return value

@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 
 from tidal.spec.job import JobSpec
-from tidal.storage import find_resume_point
 from tidal.worker import checkpoint
 from tidal.worker.data import Batches
 from tidal.worker.device import torch_device
@@ -29,7 +28,7 @@ def train_loop(config: dict[str, Any]) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = torch_device()
 
-    found = find_resume_point(spec)
+    found = checkpoint.agree_on_resume_point(spec)  # rank 0 decides; every rank loads the same one
     reshard = bool(found) and checkpoint.needs_reshard(found.state, world)
     engine = build_engine(spec, world, device, load_universal=reshard)
     if found:
