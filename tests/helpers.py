@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
-from pathlib import Path
 
 import psutil
 from mlflow.tracking import MlflowClient
 
 from tidal.spec.job import JobSpec
+from tidal.storage import RunDir
 
 
 def our_processes(fragment: str, root: int | None = None) -> list[psutil.Process]:
@@ -28,14 +27,15 @@ def our_processes(fragment: str, root: int | None = None) -> list[psutil.Process
 
 
 def job_run_id(spec: JobSpec, timeout: float = 120) -> str:
-    """The MLflow run id a running job recorded in its run folder."""
-    path = Path(spec.checkpoint.storage) / spec.name / "tidal-job.json"
+    """The MLflow run id a running job recorded in its run folder (local or object storage)."""
+    run = RunDir(spec.checkpoint.storage, spec.name)
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if path.exists():
-            return json.loads(path.read_text())["mlflow_run_id"]
+        job = run.read_json("tidal-job.json")
+        if job and job.get("mlflow_run_id"):
+            return job["mlflow_run_id"]
         time.sleep(0.1)
-    raise TimeoutError(f"{path} never appeared")
+    raise TimeoutError(f"{run.path}/tidal-job.json never appeared")
 
 
 def wait_for_step(spec: JobSpec, step: int, timeout: float = 180) -> int:

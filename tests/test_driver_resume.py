@@ -86,7 +86,7 @@ def test_driver_killed_then_rerun_resumes_same_mlflow_run(job):
     assert sorted(metric_history(spec, run_id, "loss")) == list(range(1, STEPS + 1))
 
 
-def test_truncated_newest_checkpoint_is_skipped(job):
+def test_truncated_newest_checkpoint_is_quarantined_and_skipped(job):
     spec, path = job
     run = RunDir(spec.checkpoint.storage, spec.name)
     newest = Path(run.checkpoints()[0])
@@ -97,6 +97,7 @@ def test_truncated_newest_checkpoint_is_skipped(job):
     out = finish(start(path, "--set", f"train.steps={STEPS + 10}"))
     assert f"Skipping checkpoint {newest}" in out and "truncated" in out
     assert f"resuming job 'driver-dies' from {previous}" in out
+    assert "truncated" in json.loads((newest / "tidal-quarantined.json").read_text())["error"]
     assert sorted(metric_history(spec, job_run_id(spec), "loss")) == list(range(1, STEPS + 11))
 
 
@@ -108,3 +109,22 @@ def test_changed_model_is_refused_before_training(job):
     assert "model.d_model: 64 -> 128" in proc.stderr and "--restart" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert "starting a local Ray instance" not in proc.stdout, "refused before any Ray process starts"
+
+
+def test_driver_killed_with_checkpoints_on_s3_loses_and_repeats_no_metric_point(bucket, tmp_path):
+    """The metrics buffer lives on the job's storage, so it survives the driver on object storage too."""
+    spec = tiny_spec(tmp_path, name="driver-dies-s3", **LONG, **{"checkpoint.storage": f"{bucket}/runs"})
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
+    first = start(path)  # inherits AWS_ENDPOINT_URL: the S3 test server
+    try:
+        wait_for_step(spec, 25)
+    finally:
+        kill_session(first)
+    run_id = job_run_id(spec)
+    last = RunDir(spec.checkpoint.storage, spec.name).latest_complete()
+    assert last is not None and 20 <= last.step < STEPS
+
+    out = finish(start(path))
+    assert f"resuming job 'driver-dies-s3' from checkpoint_{last.step:09d}" in out
+    assert sorted(metric_history(spec, run_id, "loss")) == list(range(1, STEPS + 1))  # each exactly once

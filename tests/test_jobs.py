@@ -7,17 +7,17 @@ import contextlib
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.conftest import ROOT, tiny_spec
+from tests.conftest import ROOT, free_port, tiny_spec
 from tidal.cli import main
 from tidal.errors import TidalError
 from tidal.launch.jobs import submit
@@ -25,21 +25,53 @@ from tidal.launch.jobs import submit
 pytestmark = pytest.mark.slow
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@pytest.fixture(scope="module")
+def cluster_env(tmp_path_factory, s3_server) -> Iterator[dict[str, str]]:
+    """What a cluster's nodes say about where jobs keep things: a real `mlflow server` (database on the
+    head's disk, artifacts on the shared storage) and TIDAL_STORAGE on the S3 test server."""
+    import boto3
+
+    tmp = tmp_path_factory.mktemp("tracking")
+    bucket = f"cluster-{secrets.token_hex(6)}"
+    boto3.client("s3").create_bucket(Bucket=bucket)
+    port = free_port()
+    env = {**os.environ, "MLFLOW_S3_ENDPOINT_URL": os.environ["AWS_ENDPOINT_URL"]}
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
+         "--workers", "1", "--backend-store-uri", f"sqlite:///{tmp}/mlflow.db",
+         "--artifacts-destination", f"s3://{bucket}/mlartifacts"],
+        env=env, stdout=(tmp / "mlflow.log").open("w"), stderr=subprocess.STDOUT, start_new_session=True)  # noqa: SIM115
+    uri = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 90
+        while True:
+            try:
+                with urllib.request.urlopen(f"{uri}/health", timeout=2):
+                    break
+            except OSError:
+                if time.time() > deadline or proc.poll() is not None:
+                    raise RuntimeError(f"mlflow server did not start: {(tmp / 'mlflow.log').read_text()[-3000:]}") from None
+                time.sleep(0.5)
+        yield {"MLFLOW_TRACKING_URI": uri, "TIDAL_STORAGE": f"s3://{bucket}/tidal"}
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 @pytest.fixture(scope="module")
-def head(tmp_path_factory) -> Iterator[str]:
-    """A Ray head on 127.0.0.1 with its dashboard and token auth, stopped by killing its session."""
+def head(tmp_path_factory, cluster_env) -> Iterator[str]:
+    """A Ray head on 127.0.0.1 with its dashboard and token auth, its nodes' environment naming the
+    cluster's tracking server and storage; stopped by killing its session."""
     tmp = tmp_path_factory.mktemp("head")
     token = secrets.token_hex(16)
     port, dash = free_port(), free_port()
     # The head's environment is the cluster's Python environment: `python` and `tidal` from this venv.
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token, "PATH": path}
+    env = {**os.environ, **cluster_env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token, "PATH": path}
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.Popen(
         [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={port}",
@@ -152,13 +184,11 @@ def test_notebook_runs_against_the_head(head, tmp_path):
     nb = nbformat.read(ROOT / "notebooks" / "quickstart.ipynb", as_version=4)
     assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), "saved without outputs"
     os.environ["TIDAL_ADDRESS"] = head
-    os.environ["TIDAL_STORAGE"] = str(tmp_path)
     try:
         NotebookClient(nb, timeout=600, kernel_name="python3",
                        resources={"metadata": {"path": str(ROOT / "notebooks")}}).execute()
     finally:
         os.environ.pop("TIDAL_ADDRESS")
-        os.environ.pop("TIDAL_STORAGE")
     table = "".join(o.get("data", {}).get("text/plain", "") for o in nb.cells[5].outputs)
     rows = [line.split() for line in table.splitlines()[1:] if line.strip()]
     assert rows, f"metrics frame is empty: {table!r}"
@@ -166,6 +196,40 @@ def test_notebook_runs_against_the_head(head, tmp_path):
     assert "error" not in kinds
     images = [o for o in nb.cells[6].outputs if "image/png" in o.get("data", {})]
     assert images, "no plot"
+
+
+def test_the_cluster_decides_where_a_submitted_job_keeps_things(head, cluster_env, tmp_path_factory, monkeypatch,
+                                                               capsys):
+    """`tidal submit` of the quickstart from a folder, twice, to a cluster whose nodes name an MLflow
+    server and TIDAL_STORAGE: the first trains into them, the second says it is complete."""
+    from tidal.launch.jobs import Job
+    from tidal.storage import RunDir
+
+    folder = tmp_path_factory.mktemp("project")
+    (folder / "quickstart.yaml").write_text((ROOT / "jobs" / "quickstart.yaml").read_text())
+    monkeypatch.chdir(folder)
+    for var in ("MLFLOW_TRACKING_URI", "TIDAL_STORAGE", "MLFLOW_EXPERIMENT_NAME"):
+        monkeypatch.delenv(var, raising=False)  # the laptop names neither: the cluster decides
+    small = ["--set", "name=quickstart-twice", "--set", "train.steps=20", "--set", "model.d_model=64",
+             "--set", "model.n_head=2", "--set", "checkpoint.every_steps=10"]
+
+    assert main(["submit", "quickstart.yaml", "--address", head, "--follow", *small]) == 0
+    out = capsys.readouterr().out
+    assert "[tidal] step 20/20" in out
+    job_id = out.split("submitted 'quickstart-twice' as ")[1].split()[0]
+    found = RunDir(cluster_env["TIDAL_STORAGE"], "quickstart-twice").latest_complete()
+    assert found is not None and found.step == 20, "checkpoints are under the cluster's TIDAL_STORAGE"
+    job = Job(job_id, head)
+    assert job.tracking_uri() == cluster_env["MLFLOW_TRACKING_URI"]
+    assert list(job.metrics()["step"]) == list(range(1, 21)), "the laptop reads the run from the cluster's MLflow"
+    cache = [p for p in tmp_path_factory.getbasetemp().glob("head*/ray/**/runtime_resources/**/*")
+             if p.name in ("tidal-runs", "mlflow.db", "mlruns") or p.name.startswith("checkpoint_")]
+    assert cache == [], "nothing is kept inside Ray's working-dir cache"
+
+    assert main(["submit", "quickstart.yaml", "--address", head, "--follow", *small]) == 0
+    out = capsys.readouterr().out
+    assert "already complete at step 20" in out and "--restart" in out
+    assert "step 1/20" not in out and "nan" not in out
 
 
 def test_notebook_metrics_frame_shows_learning(head, tmp_path):

@@ -153,9 +153,6 @@ def _submit(args: argparse.Namespace) -> int:
     from tidal.launch.jobs import submit
 
     spec = _spec(args)
-    if "://" not in spec.checkpoint.storage and not spec.checkpoint.storage.startswith("/"):
-        print(f"note: checkpoint.storage {spec.checkpoint.storage!r} is relative: on the cluster it lands inside the "
-              "job's temporary working dir. Use a path every node shares, or an s3:// URI, to keep checkpoints.")
     job = submit(spec, args.address, args.working_dir)
     print(f"submitted {spec.name!r} as {job.submission_id} to {job.address}")
     print(f"  follow it:  tidal logs {job.submission_id} --follow --address {job.address}")

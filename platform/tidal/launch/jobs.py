@@ -24,7 +24,10 @@ from tidal.spec.job import JobSpec
 ALWAYS_EXCLUDE = [".git", ".venv", "venv", "__pycache__", "*.egg-info", ".ipynb_checkpoints",
                   "tidal-runs", "mlruns", "mlartifacts", "mlflow.db", "*.db-journal", ".pytest_cache", ".ruff_cache"]
 PROGRESS = re.compile(r"\[tidal\] step (\d+)/(\d+) \| loss ([\d.naninf]+) \| ([\d,]+) tok/s .*?\| world (\d+)")
-MLFLOW_RUN = re.compile(r"MLflow run ([0-9a-f]{32})")
+RECORD_PREFIX = "[tidal-record] "  # see tidal.launch.trainer.record
+# Where a job tracks and stores is the cluster's to say; the submitter's own settings travel
+# with the job when set, as Ray's and MLflow's users expect of their environment.
+FORWARDED_ENV = ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "TIDAL_STORAGE")
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 
 
@@ -145,20 +148,36 @@ class Job:
         """The latest progress line: step, steps, loss, tokens/s, world size (empty before the first)."""
         return parse_progress(self.logs())
 
+    def record(self) -> dict[str, Any]:
+        """Where the job tracks and stores, as it recorded at start: name, tracking_uri, experiment,
+        mlflow_run_id, storage. Empty before the job has opened its run."""
+        for line in reversed(self.logs().splitlines()):
+            if line.startswith(RECORD_PREFIX):
+                return json.loads(line[len(RECORD_PREFIX):])
+        return {}
+
     def mlflow_run_id(self) -> str | None:
-        m = MLFLOW_RUN.search(self.logs())
-        return m.group(1) if m else None
+        return self.record().get("mlflow_run_id")
+
+    def tracking_uri(self) -> str | None:
+        """The MLflow tracking URI the job actually used."""
+        return self.record().get("tracking_uri")
 
     def metrics(self) -> Any:
         """A pandas DataFrame of the run's metrics from MLflow, one row per step."""
         from tidal.tracking.mlflow import metrics_frame
 
-        if self.spec is None:
-            raise TidalError("this Job was not created by tidal.submit, so its tracking URI is unknown")
-        run_id = self.mlflow_run_id()
-        if run_id is None:
+        rec = self.record()
+        if not rec.get("mlflow_run_id"):
             raise TidalError(f"job {self.submission_id} has not opened its MLflow run yet (status {self.status()})")
-        return metrics_frame(self.spec, run_id)
+        try:
+            return metrics_frame(rec["tracking_uri"], rec["mlflow_run_id"])
+        except Exception as e:  # noqa: BLE001 - say which store could not be read, and how to reach it
+            raise TidalError(
+                f"cannot read MLflow run {rec['mlflow_run_id']} from {rec['tracking_uri']}, where job "
+                f"{self.submission_id} tracked it ({type(e).__name__}: {str(e).splitlines()[0][:200]}). Reach that "
+                "tracking server from here (e.g. an SSH tunnel to the head's MLflow port), or read the run on the "
+                "cluster") from None
 
 
 def parse_progress(logs: str) -> dict[str, Any]:
@@ -174,7 +193,7 @@ def submit(spec: JobSpec, address: str | None = None, working_dir: str | os.Path
            submission_id: str | None = None) -> Job:
     """Send `spec` to the cluster's Ray Jobs API; the cluster runs it with `tidal.run`."""
     root = Path(working_dir).resolve()
-    excludes = ALWAYS_EXCLUDE + _inside(root, spec.checkpoint.storage)
+    excludes = ALWAYS_EXCLUDE + _inside(root, spec.checkpoint.storage or "./tidal-runs")
     size, largest = working_dir_size(root, excludes)
     limit = upload_limit()
     if size > limit:
@@ -190,7 +209,8 @@ def submit(spec: JobSpec, address: str | None = None, working_dir: str | os.Path
     data = spec.model_dump(mode="json")
     secrets = data.pop("env")
     payload = base64.urlsafe_b64encode(json.dumps({**data, "env": dict.fromkeys(secrets, "")}).encode()).decode()
-    env = {**secrets, **({"PYTHONPATH": "platform"} if (root / "platform" / "tidal").is_dir() else {})}
+    env = {**{k: os.environ[k] for k in FORWARDED_ENV if os.environ.get(k)}, **secrets,
+           **({"PYTHONPATH": "platform"} if (root / "platform" / "tidal").is_dir() else {})}
     try:
         sid = client.submit_job(
             entrypoint=f"python -m tidal.launch.entrypoint {payload}",

@@ -5,6 +5,7 @@ The CLI, the SDK and the Ray Jobs entrypoint all end here.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -19,6 +20,7 @@ from ray.train import (
     LoggingConfig,
     RunConfig,
     ScalingConfig,
+    UserCallback,
 )
 from ray.train.torch import TorchConfig, TorchTrainer
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -27,12 +29,15 @@ from tidal import __version__
 from tidal.cluster import burst
 from tidal.errors import SpecError, TidalError
 from tidal.spec.job import JobSpec
-from tidal.storage import JOB_FILE, RunDir, find_resume_point
+from tidal.storage import JOB_FILE, Found, RunDir, find_resume_point
 from tidal.tracking import mlflow as tracking
+from tidal.tracking.buffer import BUFFER_DIR
 from tidal.worker import tokens
 from tidal.worker.device import dist_backend
 
 log = logging.getLogger("tidal")
+RECORD_PREFIX = "[tidal-record] "
+RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by Ray's job supervisor for a submitted job's driver
 
 
 @dataclass
@@ -52,11 +57,13 @@ class RunResult:
 
     def summary(self, spec: JobSpec) -> str:
         m = self.metrics
-        lines = [
-            f"[tidal] job {self.name!r} finished in {self.wall_s:.0f}s",
-            f"  final loss      {m.get('loss', float('nan')):.4f}",
-            f"  throughput      {m.get('tokens_per_s', 0):,.0f} tokens/s, {m.get('samples_per_s', 0):,.1f} samples/s, "
-            f"MFU {100 * m.get('mfu', 0):.1f}% (last interval)",
+        lines = [f"[tidal] job {self.name!r} finished in {self.wall_s:.0f}s"]
+        if "loss" in m:
+            lines.append(f"  final loss      {m['loss']:.4f}")
+        if "tokens_per_s" in m:
+            lines.append(f"  throughput      {m['tokens_per_s']:,.0f} tokens/s, {m.get('samples_per_s', 0):,.1f} samples/s, "
+                         f"MFU {100 * m.get('mfu', 0):.1f}% (last interval)")
+        lines += [
             f"  checkpoints     {self.checkpoint_dir}",
             f"  MLflow run      {self.mlflow_run_id} in {self.tracking_uri}",
             f"  open it with    {_safe_url(spec, self.mlflow_run_id)}",
@@ -74,13 +81,15 @@ def run(spec: JobSpec, restart: bool = False, mlflow_tags: dict[str, str] | None
     t0 = time.time()
     spec = spec.resolved()
     run_dir = RunDir(spec.checkpoint.storage, spec.name)
-    if restart:
-        _set_aside(run_dir)
+    if restart and (aside := run_dir.set_aside()):
+        print(f"[tidal] --restart: the previous run's folder is kept as {aside}", flush=True)
     _check_vocab(spec)
-    found = find_resume_point(spec)  # refuses an incompatible resume before any worker starts
+    found = find_resume_point(spec, condemn_truncated=True)  # refuses an incompatible resume before any worker starts
     job = run_dir.read_json(JOB_FILE) or {}
     if job.get("fingerprint") != spec.fingerprint_hash():
         job = {}  # a different job under the same name and no checkpoint: a new MLflow run
+    if found and _already_complete(spec, found.state):
+        return _complete(spec, found, job, run_dir, t0)
     if found:
         print(f"[tidal] resuming job {spec.name!r} from {found.name} (step {found.step}/{spec.train.steps}); "
               "use --restart to start over", flush=True)
@@ -88,10 +97,13 @@ def run(spec: JobSpec, restart: bool = False, mlflow_tags: dict[str, str] | None
     _connect_ray()
     tags = {**_ray_tags(spec, run_dir), **(mlflow_tags or {})}
     run_id = _open_mlflow_run(spec, job.get("mlflow_run_id"), tags)
-    run_dir.write_json(JOB_FILE, {"mlflow_run_id": run_id, "fingerprint": spec.fingerprint_hash(), "tidal_version": __version__})
+    run_dir.write_json(JOB_FILE, {"mlflow_run_id": run_id, "fingerprint": spec.fingerprint_hash(),
+                                  "tracking_uri": spec.tracking.uri, "tidal_version": __version__})
+    record(spec, run_id, run_dir)
     print(f"[tidal] job {spec.name!r}: {_describe_scaling(spec)}; MLflow run {run_id}", flush=True)
+    run_dir.prune(spec.checkpoint.keep)  # leftovers of an earlier launch that Ray never registered
 
-    tracker = _start_tracker(spec, run_id, run_dir, tags)
+    tracker = _start_tracker(spec, run_id, tags)
     ok = False
     try:
         with burst.burst_capacity(spec):  # site "any": on-prem first, cloud nodes after burst_after_s
@@ -104,10 +116,48 @@ def run(spec: JobSpec, restart: bool = False, mlflow_tags: dict[str, str] | None
         run_id, latest, left = _close_tracker(tracker, spec.tracking.flush_timeout_s)
         if left:
             print(f"[tidal] WARNING: {left} metric point(s) could not reach MLflow; they stay in "
-                  f"{run_dir.path}/{tracking.BUFFER_FILE} and are sent when this job runs again", flush=True)
+                  f"{run_dir.path}/{BUFFER_DIR} and are sent when this job runs again", flush=True)
         if run_id:
             _finish_mlflow_run(spec, run_id, ok, latest, time.time() - t0)
     return RunResult(spec.name, run_id or "", spec.tracking.uri, run_dir.path, latest, time.time() - t0)
+
+
+def _already_complete(spec: JobSpec, state: dict[str, Any]) -> bool:
+    t = spec.train
+    return bool(state.get("data_ended")) or int(state["step"]) >= min(t.steps, t.stop_at or t.steps)
+
+
+def _complete(spec: JobSpec, found: Found, job: dict[str, Any], run_dir: RunDir, t0: float) -> RunResult:
+    """Running a finished job again: say so at once, without starting Ray or any worker."""
+    print(f"[tidal] job {spec.name!r} is already complete at step {found.step} ({found.name}); nothing to train.\n"
+          f"  continue it:   --set train.steps=N with N above {found.step}\n"
+          "  start over:    --restart (the old run's folder is kept aside)", flush=True)
+    return RunResult(spec.name, job.get("mlflow_run_id", ""), spec.tracking.uri, run_dir.path,
+                     {"step": float(found.step)}, time.time() - t0)
+
+
+def record(spec: JobSpec, run_id: str | None, run_dir: RunDir) -> None:
+    """In a submitted job, one machine-readable line saying where it tracks and stores, for the
+    submitter's `Job` when the cluster (not the spec or the submitter) chose: the Jobs API has no
+    other channel from a running job back to the laptop. Its format is a contract, unlike the
+    progress lines, and it is printed once, before training."""
+    if RAY_JOB_ENV not in os.environ:
+        return
+    data = {"name": spec.name, "tracking_uri": spec.tracking.uri, "experiment": spec.tracking.experiment,
+            "mlflow_run_id": run_id, "storage": run_dir.path}
+    print(f"{RECORD_PREFIX}{json.dumps(data)}", flush=True)
+
+
+class Retention(UserCallback):
+    """After every checkpoint, delete old ones Ray never registered (so its num_to_keep never sees
+    them: reported just before a crash, or written by an earlier driver). Runs in Ray's controller."""
+
+    def __init__(self, spec: JobSpec) -> None:
+        self.storage, self.name, self.keep = spec.checkpoint.storage, spec.name, spec.checkpoint.keep
+
+    def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any) -> None:
+        if checkpoint is not None:
+            RunDir(self.storage, self.name).prune(self.keep)
 
 
 def _check_vocab(spec: JobSpec) -> None:
@@ -153,11 +203,11 @@ def _finish_mlflow_run(spec: JobSpec, run_id: str, ok: bool, latest: dict[str, f
     tracking.end_run(spec, run_id, ok)
 
 
-def _start_tracker(spec: JobSpec, run_id: str | None, run_dir: RunDir, tags: dict[str, str]) -> Any:
+def _start_tracker(spec: JobSpec, run_id: str | None, tags: dict[str, str]) -> Any:
     """The MLflow tracker actor, pinned to this (the driver's) node, where a SQLite store lives."""
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     actor = ray.remote(num_cpus=0, scheduling_strategy=here)(tracking.Tracker)
-    return actor.remote(spec, run_id, run_dir.path if _is_local(spec) else None, tags)
+    return actor.remote(spec, run_id, tags)
 
 
 def _trainer(spec: JobSpec, run_id: str | None, tracker: Any, callbacks: list[Any]) -> TorchTrainer:
@@ -175,7 +225,7 @@ def _trainer(spec: JobSpec, run_id: str | None, tracker: Any, callbacks: list[An
         storage_path=spec.checkpoint.storage,
         failure_config=FailureConfig(max_failures=spec.failure.max_restarts),
         checkpoint_config=CheckpointConfig(num_to_keep=spec.checkpoint.keep),
-        callbacks=[tracking.FailureNotifier(tracker), *callbacks],
+        callbacks=[tracking.FailureNotifier(tracker), Retention(spec), *callbacks],
         # Ray Train logs every report at INFO; Tidal prints its own progress, restart and
         # checkpoint lines, so keep Ray's warnings and errors only.
         logging_config=LoggingConfig(log_level="WARNING"),
@@ -219,15 +269,6 @@ def _ray_tags(spec: JobSpec, run_dir: RunDir) -> dict[str, str]:
     return tags
 
 
-def _set_aside(run_dir: RunDir) -> None:
-    """--restart: keep the old run folder under a new name rather than deleting anyone's work."""
-    if not run_dir.checkpoints() and run_dir.read_json(JOB_FILE) is None:
-        return
-    aside = f"{run_dir.path}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"
-    run_dir.fs.move(run_dir.path, aside)
-    print(f"[tidal] --restart: previous checkpoints moved to {aside}", flush=True)
-
-
 def _safe_url(spec: JobSpec, run_id: str) -> str:
     try:
         return tracking.run_url(spec, run_id)
@@ -240,10 +281,6 @@ def _describe_scaling(spec: JobSpec) -> str:
     workers = f"{s.min_workers}-{s.max_workers} (elastic)" if spec.elastic else str(s.max_workers)
     device = f"{s.gpus_per_worker} GPU" if s.gpus_per_worker else "CPU"
     return f"{workers} worker(s) x {s.cpus_per_worker:g} CPU, {device}, ZeRO-{spec.parallelism.zero_stage}, {spec.parallelism.precision}"
-
-
-def _is_local(spec: JobSpec) -> bool:
-    return "://" not in spec.checkpoint.storage
 
 
 def _root_cause(e: BaseException) -> str:

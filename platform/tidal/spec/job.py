@@ -144,7 +144,10 @@ class ScalingSpec(Part):
 class CheckpointSpec(Part):
     every_steps: int = Field(50, ge=1)
     keep: int = Field(3, ge=1, description="newest checkpoints kept")
-    storage: str = Field("./tidal-runs", description="a path every node shares, or a URI (s3://...)")
+    storage: str | None = Field(
+        None, description="where each job's folder goes: a path every node shares, or a URI (s3://..., gs://...). "
+        "Default: the cluster's $TIDAL_STORAGE, else ./tidal-runs"
+    )
 
 
 class FailureSpec(Part):
@@ -156,8 +159,12 @@ class FailureSpec(Part):
 
 
 class TrackingSpec(Part):
-    uri: str = Field("sqlite:///mlflow.db", description="MLflow tracking URI")
-    experiment: str = Field("tidal", min_length=1)
+    uri: str | None = Field(
+        None, description="MLflow tracking URI. Default: the cluster's $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db"
+    )
+    experiment: str | None = Field(
+        None, min_length=1, description="MLflow experiment. Default: $MLFLOW_EXPERIMENT_NAME, else 'tidal'"
+    )
     flush_timeout_s: float = Field(
         120.0, ge=0.0, description="at the end, how long to keep retrying an unreachable MLflow before leaving metrics buffered"
     )
@@ -225,19 +232,28 @@ class JobSpec(Part):
         blob = json.dumps(self.resume_fingerprint(), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
-    def resolved(self, base: str | os.PathLike[str] | None = None) -> JobSpec:
-        """Relative storage paths and SQLite URIs made absolute against `base` (default: cwd).
+    def resolved(self, base: str | os.PathLike[str] | None = None, environ: Mapping[str, str] | None = None) -> JobSpec:
+        """The spec with every place filled in and made absolute, once, at the edge (workers run
+        in other directories).
 
-        Workers run in other directories, so the driver resolves these once, at the edge.
+        Storage, tracking URI and experiment: the spec's value, else the cluster's environment
+        (`TIDAL_STORAGE`, `MLFLOW_TRACKING_URI`, `MLFLOW_EXPERIMENT_NAME`), else the local defaults.
+        Relative paths resolve against `base` (default: cwd), except inside Ray's working-dir cache
+        (a submitted job), where nothing may be kept: there a relative storage path goes under
+        `TIDAL_STORAGE`, and anything else relative is refused.
         """
+        env = os.environ if environ is None else environ
         base_dir = Path(base or os.getcwd())
-        storage = self.checkpoint.storage
+        storage = self.checkpoint.storage or env.get("TIDAL_STORAGE") or DEFAULT_STORAGE
+        uri = self.tracking.uri or env.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+        experiment = self.tracking.experiment or env.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_EXPERIMENT
+        if in_ray_working_dir(base_dir):
+            storage, uri = _outside_working_dir(storage, uri, env.get("TIDAL_STORAGE"))
         if "://" not in storage:
             storage = str((base_dir / storage).resolve())
-        uri = self.tracking.uri
         if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
             uri = "sqlite:///" + str((base_dir / uri[len("sqlite:///"):]).resolve())
-        elif "://" not in uri:
+        elif "://" not in uri and not uri.startswith("databricks"):
             uri = str((base_dir / uri).resolve())
         source = self.data.source
         if source != "synthetic" and "://" not in source:
@@ -245,9 +261,41 @@ class JobSpec(Part):
         tokenizer = self.data.tokenizer
         if tokenizer is not None and "://" not in tokenizer:
             tokenizer = str((base_dir / tokenizer).resolve())
-        return self.with_overrides(
-            {"checkpoint.storage": storage, "tracking.uri": uri, "data.source": source, "data.tokenizer": tokenizer}
-        )
+        return self.with_overrides({"checkpoint.storage": storage, "tracking.uri": uri, "tracking.experiment": experiment,
+                                    "data.source": source, "data.tokenizer": tokenizer})
+
+
+DEFAULT_STORAGE = "./tidal-runs"
+DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
+DEFAULT_EXPERIMENT = "tidal"
+
+
+def in_ray_working_dir(path: Path) -> bool:
+    """True inside the folder Ray unpacks a submitted job's working_dir into: it is shared by every
+    job submitted from an identical folder and vanishes with the Ray session."""
+    return "runtime_resources" in path.resolve().parts
+
+
+def _outside_working_dir(storage: str, uri: str, cluster_storage: str | None) -> tuple[str, str]:
+    """Storage and tracking URI for a submitted job: never relative to Ray's working-dir cache."""
+    problems = []
+    if "://" not in storage and not os.path.isabs(storage):
+        if cluster_storage:
+            storage = f"{cluster_storage.rstrip('/')}/{storage.removeprefix('./').strip('/')}"
+        else:
+            problems.append(("checkpoint.storage", f"{storage!r} is relative, and a submitted job runs inside Ray's "
+                             "temporary working-dir copy, which later jobs reuse and the cluster deletes. Set "
+                             "TIDAL_STORAGE on the cluster's nodes (see cluster_configs/), or set checkpoint.storage "
+                             "to a path every node shares or an s3:// URI"))
+    relative_path = "://" not in uri and not os.path.isabs(uri) and not uri.startswith("databricks")
+    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////") or relative_path:
+        problems.append(("tracking.uri", f"{uri!r} is relative, so the MLflow store would live inside Ray's temporary "
+                         "working-dir copy where nobody can see it. Set MLFLOW_TRACKING_URI on the cluster's nodes "
+                         "(cluster_configs/ start an mlflow server on the head), or set tracking.uri to a server "
+                         "(http://HEAD:5000)"))
+    if problems:
+        raise SpecError(problems, source="submitted job")
+    return storage, uri
 
 
 def consistency_problems(spec: JobSpec) -> list[tuple[str, str]]:

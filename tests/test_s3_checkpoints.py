@@ -1,0 +1,111 @@
+"""Checkpoints on object storage (a real S3 API: moto's server on 127.0.0.1), as on a cluster whose
+on-prem and cloud nodes share nothing else: resizes resume from the newest checkpoint with nothing
+quarantined, --restart sets the run aside, a finished job is not run again, retention holds, and
+only a checkpoint proven corrupt is ever condemned."""
+
+from __future__ import annotations
+
+import pytest
+
+import tidal
+from tests.conftest import metric_history, tiny_spec
+from tidal import fs
+from tidal.storage import QUARANTINE_FILE, RunDir
+
+# The S3 server's address must be in the environment before this module's Ray instance starts.
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("s3_server", "ray_local")]
+
+
+def workers(n: int) -> dict[str, int]:
+    return {"scaling.min_workers": n, "scaling.max_workers": n}
+
+
+def names(run: RunDir, pattern: str = "") -> list[str]:
+    return sorted(rel for rel in fs.files_under(run.fs, run.path) if pattern in rel)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_resize_on_s3_resumes_the_newest_checkpoint_with_nothing_quarantined(tmp_path, bucket, stage):
+    common = {"parallelism.zero_stage": stage, "train.steps": 18, "checkpoint.every_steps": 6}
+    reference = tiny_spec(tmp_path, name=f"steady{stage}", **common, **workers(2))  # local path
+    expected = metric_history(reference, tidal.run(reference).mlflow_run_id, "loss")
+
+    # One job on S3, three launches: 2 workers to step 6, 1 worker to step 12, 2 workers to the end.
+    for n, until in ((2, 6), (1, 12), (2, 18)):
+        spec = tiny_spec(tmp_path, name=f"resized{stage}", **common, **workers(n),
+                         **{"train.stop_at": until, "checkpoint.storage": f"{bucket}/runs"})
+        result = tidal.run(spec)
+
+    got = metric_history(spec, result.mlflow_run_id, "loss")
+    world = metric_history(spec, result.mlflow_run_id, "world_size")
+    assert sorted(got) == list(range(1, 19)), "no step redone, none skipped"
+    assert [world[s] for s in (6, 7, 12, 13, 18)] == [2, 1, 1, 2, 2]
+    for step in range(1, 19):
+        assert got[step] == pytest.approx(expected[step], rel=1e-4), step
+    run = RunDir(spec.checkpoint.storage, spec.name)
+    assert not names(run, QUARANTINE_FILE)
+    # Each conversion was made once, by rank 0, and published in storage with its marker.
+    assert {n.split("/")[1] for n in names(run, "_universal/")} == {"global_step6_universal", "global_step12_universal"}
+    assert len(names(run, "tidal-universal-")) == 2
+
+
+def test_finished_job_restart_and_retention_on_s3(tmp_path, bucket, capsys):
+    spec = tiny_spec(tmp_path, name="again", **{"train.steps": 12, "checkpoint.every_steps": 2, "checkpoint.keep": 2,
+                                                "checkpoint.storage": f"{bucket}/runs"})
+    first = tidal.run(spec)
+    run = RunDir(spec.checkpoint.storage, spec.name)
+    assert [p.rsplit("/", 1)[-1] for p in run.checkpoints()] == ["checkpoint_000000012", "checkpoint_000000010"]
+
+    capsys.readouterr()
+    again = tidal.run(spec)
+    out = capsys.readouterr().out
+    assert "already complete at step 12" in out and "--restart" in out and "train.steps" in out
+    assert "nan" not in out and again.mlflow_run_id == first.mlflow_run_id
+    assert sorted(metric_history(spec, first.mlflow_run_id, "loss")) == list(range(1, 13))
+
+    fresh = tidal.run(spec, restart=True)
+    assert fresh.mlflow_run_id != first.mlflow_run_id
+    assert sorted(metric_history(spec, fresh.mlflow_run_id, "loss")) == list(range(1, 13))
+    store, root = fs.resolve(f"{bucket}/runs")
+    aside = [i.base_name for i in fs.list_dir(store, root) if i.base_name.startswith("again.replaced-")]
+    assert len(aside) == 1, "the old run is kept aside, whole"
+    assert "checkpoint_000000012/tidal-state.json" in fs.files_under(store, f"{root}/{aside[0]}")
+
+
+def test_a_load_failure_that_is_not_corruption_is_retried_not_condemned(tmp_path, bucket):
+    """The model's load raises once (as an out-of-memory or a network error would): the attempt
+    fails, Ray restarts the group, and the same checkpoint loads."""
+    flag = tmp_path / "fail-next-load"
+    spec = tiny_spec(tmp_path, name="flaky", **{"train.steps": 16, "checkpoint.every_steps": 8,
+                                                "checkpoint.storage": f"{bucket}/runs",
+                                                "model.builder": "tests.custom_model:build_flaky_load"})
+    spec = spec.with_overrides({"env": {"TIDAL_TEST_LOAD_FAULT": str(flag)}})
+    tidal.run(spec.with_overrides({"train.stop_at": 8}))
+    flag.write_text("once")
+    result = tidal.run(spec)
+
+    assert not flag.exists(), "the injected failure happened"
+    run = RunDir(spec.checkpoint.storage, spec.name)
+    assert not names(run, QUARANTINE_FILE)
+    assert sorted(metric_history(spec, result.mlflow_run_id, "loss")) == list(range(1, 17))
+    assert metric_history(spec, result.mlflow_run_id, "restarts")[16] >= 1
+    assert metric_history(spec, result.mlflow_run_id, "steps_lost")[16] == 0, "resumed from step 8 again"
+
+
+def test_a_corrupt_checkpoint_is_quarantined_and_the_one_before_is_used(tmp_path, bucket):
+    spec = tiny_spec(tmp_path, name="rotten", **{"train.steps": 16, "train.stop_at": 12,
+                                                 "checkpoint.every_steps": 6, "checkpoint.storage": f"{bucket}/runs"})
+    tidal.run(spec)
+    run = RunDir(spec.checkpoint.storage, spec.name)
+    newest = run.checkpoints()[0]
+    victim = max((rel for rel, size in fs.files_under(run.fs, newest).items() if rel.endswith(".pt")),
+                 key=lambda rel: fs.files_under(run.fs, newest)[rel])
+    size = fs.files_under(run.fs, newest)[victim]
+    with run.fs.open_output_stream(f"{newest}/{victim}") as f:  # same size, garbage inside: bit rot
+        f.write(b"\0" * size)
+
+    result = tidal.run(spec.with_overrides({"train.stop_at": None}))
+
+    marker = fs.read_json(run.fs, f"{newest}/{QUARANTINE_FILE}")
+    assert marker is not None and "does not unpickle" in marker["error"] and victim.rsplit("/", 1)[-1] in marker["error"]
+    assert sorted(metric_history(spec, result.mlflow_run_id, "loss")) == list(range(1, 17))
