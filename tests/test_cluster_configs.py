@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -26,7 +27,8 @@ from tidal.cluster.burst import (
     slots,
 )
 from tidal.cluster.cli import register
-from tidal.cluster.configs import check_kuberay, check_launcher, validate_cluster_config
+from tidal.cluster.configs import check_launcher, validate_cluster_config
+from tidal.cluster.kuberay import check_kuberay
 from tidal.cluster.status import format_demand, format_workers
 
 CONFIGS = sorted((ROOT / "cluster_configs").rglob("*.yaml"))
@@ -145,19 +147,117 @@ def test_auth_disabled_is_refused(where: str):
     assert "keep token auth on" in problems[0][1]
 
 
-def test_storage_must_be_declared_and_shared():
+# --- where jobs store and track: TIDAL_STORAGE, MLFLOW_TRACKING_URI, the head's mlflow server --
+
+def config(name: str) -> dict[str, Any]:
+    return copy.deepcopy(load(ROOT / "cluster_configs" / name))
+
+
+def without(var: str, command: str) -> str:
+    return re.sub(rf"{var}=\S+\s*", "", command)
+
+
+def start_index(commands: list[str]) -> int:
+    return next(i for i, c in enumerate(commands) if "ray start" in c)
+
+
+LAUNCHERS = ["aws-burst.yaml", "gcp-burst.yaml", "onprem.yaml"]
+CLUSTER_VARS = ["TIDAL_STORAGE", "MLFLOW_TRACKING_URI"]
+
+
+@pytest.mark.parametrize("var", CLUSTER_VARS)
+@pytest.mark.parametrize("name", LAUNCHERS)
+def test_worker_start_without_a_cluster_variable_is_refused(name: str, var: str):
+    c = config(name)
+    c["worker_start_ray_commands"] = [without(var, cmd) for cmd in c["worker_start_ray_commands"]]
+    problems = check_launcher(c)
+    i = start_index(c["worker_start_ray_commands"])
+    assert wheres(problems) == [f"worker_start_ray_commands[{i}].{var}"]
+    assert f"does not set {var}" in problems[0][1] and "in front of `ray start`" in problems[0][1]
+
+
+@pytest.mark.parametrize("var", CLUSTER_VARS)
+@pytest.mark.parametrize("name", [*LAUNCHERS, "local-burst.yaml"])
+def test_head_start_without_a_cluster_variable_is_refused(name: str, var: str):
+    c = config(name)
+    c["head_start_ray_commands"] = [without(var, cmd) for cmd in c["head_start_ray_commands"]]
+    problems = check_launcher(c)
+    assert wheres(problems) == [f"head_start_ray_commands[{start_index(c['head_start_ray_commands'])}].{var}"]
+
+
+@pytest.mark.parametrize("name", [*LAUNCHERS, "local-burst.yaml"])
+def test_head_without_mlflow_server_is_refused(name: str):
+    c = config(name)
+    c["head_start_ray_commands"] = [cmd for cmd in c["head_start_ray_commands"] if "mlflow server" not in cmd]
+    problems = check_launcher(c)
+    assert wheres(problems) == ["head_start_ray_commands"]
+    assert "no `mlflow server`" in problems[0][1] and "MLFLOW_TRACKING_URI" in problems[0][1]
+
+
+def test_an_export_in_an_earlier_command_does_not_reach_ray_start():
     c = aws()
-    del c["metadata"]
-    assert wheres(check_launcher(c)) == ["metadata.tidal.checkpoint_storage"]
-    onprem = load(ROOT / "cluster_configs" / "onprem.yaml")
+    start = without("TIDAL_STORAGE", c["worker_start_ray_commands"][1])
+    c["worker_start_ray_commands"] = ["ray stop", "export TIDAL_STORAGE=s3://b/runs", start]
+    problems = check_launcher(c)
+    assert wheres(problems) == ["worker_start_ray_commands[2].TIDAL_STORAGE"]
+    assert "its own shell" in problems[0][1]
+    c["worker_start_ray_commands"] = ["ray stop", f"export TIDAL_STORAGE=s3://b/runs; {start}"]
+    assert check_launcher(c) == []
+
+
+def test_storage_must_be_shared_and_absolute():
+    onprem = config("onprem.yaml")
     onprem["initialization_commands"] = []  # the NFS mount is gone: /mnt/tidal is a local disk
     problems = check_launcher(onprem)
-    assert wheres(problems) == ["metadata.tidal.checkpoint_storage"] and "no command mounts" in problems[0][1]
+    assert set(wheres(problems)) == {"head_start_ray_commands[2].TIDAL_STORAGE",
+                                     "worker_start_ray_commands[1].TIDAL_STORAGE",
+                                     "head_start_ray_commands[1].--artifacts-destination"}
+    assert all("no command mounts" in m or "other nodes cannot read" in m for _, m in problems)
+    c = config("local-burst.yaml")  # one machine: a local path is shared, but must be absolute
+    c["head_start_ray_commands"][1] = c["head_start_ray_commands"][1].replace("TIDAL_STORAGE=$PWD/", "TIDAL_STORAGE=./")
+    problems = check_launcher(c)
+    assert wheres(problems) == ["head_start_ray_commands[1].TIDAL_STORAGE"] and "relative" in problems[0][1]
+
+
+@pytest.mark.parametrize("uri", ["sqlite:///mlflow.db", "http://localhost:5000", "./mlruns"])
+def test_workers_track_to_the_heads_server(uri: str):
+    c = aws()
+    c["worker_start_ray_commands"][1] = re.sub(r"MLFLOW_TRACKING_URI=\S+", f"MLFLOW_TRACKING_URI={uri}",
+                                               c["worker_start_ray_commands"][1])
+    problems = check_launcher(c)
+    assert wheres(problems) == ["worker_start_ray_commands[1].MLFLOW_TRACKING_URI"]
+
+
+def test_single_machine_cluster_may_track_to_a_sqlite_file():
+    c = config("local-burst.yaml")
+    c["head_start_ray_commands"][1] = c["head_start_ray_commands"][1].replace(
+        "MLFLOW_TRACKING_URI=http://127.0.0.1:5000", "MLFLOW_TRACKING_URI=sqlite:////tmp/tidal/mlflow.db")
+    assert check_launcher(c) == []
+
+
+def test_mlflow_server_flags():
+    c = aws()
+    c["head_start_ray_commands"][1] = "nohup mlflow server --port 5000 > ~/mlflow.log 2>&1 < /dev/null &"
+    assert set(wheres(check_launcher(c))) == {"head_start_ray_commands[1].--backend-store-uri",
+                                              "head_start_ray_commands[1].--artifacts-destination",
+                                              "head_start_ray_commands[1].--host"}
+    c["head_start_ray_commands"][1] = ("mlflow server --host 0.0.0.0 --backend-store-uri sqlite:////m.db "
+                                       "--default-artifact-root s3://b/mlartifacts &")
+    assert check_launcher(c) == []
+
+
+def test_old_checkpoint_storage_key_is_replaced_by_tidal_storage():
+    c = aws()
+    c["metadata"] = {"tidal": {"checkpoint_storage": "s3://b/runs"}}
+    problems = check_launcher(c)
+    assert wheres(problems) == ["metadata.tidal.checkpoint_storage"]
+    assert "replaced by TIDAL_STORAGE on every node" in problems[0][1]
 
 
 def test_local_provider_declares_everything_on_ray_start_lines():
     c = load(ROOT / "cluster_configs" / "onprem.yaml")
-    c["worker_start_ray_commands"] = ["ray start --address=$RAY_HEAD_IP:6379 --num-gpus=1.5"]
+    c["worker_start_ray_commands"] = ["TIDAL_STORAGE=/mnt/tidal/runs MLFLOW_TRACKING_URI=http://$RAY_HEAD_IP:5000 "
+                                      "ray start --address=$RAY_HEAD_IP:6379 --num-gpus=1.5"]
     problems = check_launcher(c)
     assert set(wheres(problems)) == {"worker_start_ray_commands.--num-gpus",
                                      f"worker_start_ray_commands.--labels {SITE_LABEL}"}
@@ -198,6 +298,58 @@ def test_kuberay_broken_variants():
             "spec.workerGroupSpecs[cloud-gpu].containers[ray-worker].resources.limits.nvidia.com/gpu",
             f"spec.workerGroupSpecs[onprem-gpu].rayStartParams.labels {SITE_LABEL}"} <= got
     assert any(w.startswith("spec.headGroupSpec.template") for w in got)  # the auth env
+
+
+def containers(m: dict[str, Any], group: str) -> list[dict[str, Any]]:
+    spec = m["spec"]
+    g = spec["headGroupSpec"] if group == "head" else next(
+        g for g in spec["workerGroupSpecs"] if g["groupName"] == group)
+    return g["template"]["spec"]["containers"]
+
+
+CLOUD_WORKER = "spec.workerGroupSpecs[cloud-gpu].template.spec.containers[ray-worker].env"
+
+
+@pytest.mark.parametrize("var", CLUSTER_VARS)
+def test_kuberay_worker_without_a_cluster_variable_is_refused(var: str):
+    m = load(KUBERAY)
+    worker = containers(m, "cloud-gpu")[0]
+    worker["env"] = [e for e in worker["env"] if e["name"] != var]  # its own list: the anchor is shared
+    problems = check_kuberay(m)
+    assert wheres(problems) == [CLOUD_WORKER] and f"no {var}" in problems[0][1]
+
+
+@pytest.mark.parametrize("var", CLUSTER_VARS)
+def test_kuberay_every_head_container_sets_the_cluster_variables(var: str):
+    m = load(KUBERAY)
+    for c in containers(m, "head"):
+        c["env"] = [e for e in c["env"] if e["name"] != var]
+    assert set(wheres(check_kuberay(m))) == {"spec.headGroupSpec.template.spec.containers[ray-head].env",
+                                             "spec.headGroupSpec.template.spec.containers[mlflow].env"}
+
+
+def test_kuberay_head_without_mlflow_server_is_refused():
+    m = load(KUBERAY)
+    m["spec"]["headGroupSpec"]["template"]["spec"]["containers"] = containers(m, "head")[:1]
+    problems = check_kuberay(m)
+    assert wheres(problems) == ["spec.headGroupSpec.template.spec.containers"]
+    assert "mlflow server" in problems[0][1]
+
+
+def test_kuberay_storage_and_tracking_values():
+    m = load(KUBERAY)
+    worker = containers(m, "cloud-gpu")[0]
+    worker["volumeMounts"] = []
+    problems = check_kuberay(m)
+    assert wheres(problems) == [f"{CLOUD_WORKER}.TIDAL_STORAGE"] and "shared volume" in problems[0][1]
+    worker["env"] = [{**e, "value": "s3://b/runs"} if e["name"] == "TIDAL_STORAGE" else e for e in worker["env"]]
+    assert check_kuberay(m) == []  # object storage needs no volume
+    worker["env"] = [{**e, "value": "http://localhost:5000"} if e["name"] == "MLFLOW_TRACKING_URI" else e
+                     for e in worker["env"]]
+    assert wheres(check_kuberay(m)) == [f"{CLOUD_WORKER}.MLFLOW_TRACKING_URI"]
+    m = load(KUBERAY)
+    m["metadata"]["annotations"] = {"tidal.io/checkpoint-storage": "s3://b/runs"}
+    assert wheres(check_kuberay(m)) == ["metadata.annotations.tidal.io/checkpoint-storage"]
 
 
 # --- the CLI ----------------------------------------------------------------------------------

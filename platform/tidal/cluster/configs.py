@@ -10,42 +10,57 @@ Tidal's conventions, on top of Ray's schema (docs/cluster.md explains them):
   resource `site_onprem` / `site_cloud` (an integer), so placement works with either autoscaler;
 - GPU counts are whole numbers; per-type `min_workers <= max_workers`; cloud GPU types start
   at `min_workers: 0` so that the autoscaler can release them;
-- checkpoints go to shared storage, declared as `metadata.tidal.checkpoint_storage` (Ray keeps
-  `metadata` and does not interpret it): a URI (s3://, gs://...) or a path that some setup
-  command mounts (e.g. NFS in `initialization_commands`);
+- where jobs store and track is the cluster's to say: every `ray start` command sets
+  `TIDAL_STORAGE` (an s3:// / gs:// URI, or a path that some command mounts) and
+  `MLFLOW_TRACKING_URI` (an http(s):// server), since variables on that command line reach every
+  job and worker the node starts; the head starts that `mlflow server`, with its database on the
+  head's disk and its artifacts on the shared storage;
 - token auth stays on: `RAY_AUTH_MODE=disabled` anywhere is an error.
 
-A KubeRay `RayCluster` manifest gets the same conventions, checked on its groups.
+A KubeRay `RayCluster` manifest gets the same conventions, checked on its groups (kuberay.py).
 """
 
 from __future__ import annotations
 
 import copy
 import difflib
-import json
 import re
-import shlex
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import yaml
 
 from tidal.cluster import SITE_LABEL, SITES, site_resource
+from tidal.cluster.shell import (
+    flags_of,
+    number,
+    parse_labels,
+    parse_resources,
+    runs,
+    shell_steps,
+    shell_words,
+    under,
+)
 
 Problem = tuple[str, str]
 
+STORAGE_VAR, TRACKING_VAR = "TIDAL_STORAGE", "MLFLOW_TRACKING_URI"
 # Providers whose nodes all live on this machine: any local path is shared by construction.
 _SINGLE_MACHINE_PROVIDERS = ("fake_multinode",)
 _FAKE_PROVIDER_MODULE = "ray.autoscaler._private.fake_multi_node.node_provider.FakeMultiNodeProvider"
 _COMMAND_KEYS = ("initialization_commands", "setup_commands", "head_setup_commands", "worker_setup_commands")
-# KubeRay: checkpoints in object storage instead of a mounted volume.
-_K8S_STORAGE_ANNOTATION = "tidal.io/checkpoint-storage"
+_START_KEYS = ("head_start_ray_commands", "worker_start_ray_commands")
 _AUTH_DISABLED = re.compile(r"RAY_AUTH_MODE\s*[=:]\s*[\"']?disabled", re.IGNORECASE)
+_LOOPBACK = ("localhost", "127.0.0.1", "::1", "0.0.0.0")
 
 
 def validate_cluster_config(path: str | Path) -> list[Problem]:
     """Every problem in the cluster config at `path`, as (where, message); [] when it is fine."""
+    from tidal.cluster.kuberay import check_kuberay  # builds on this module's rules
+
     try:
         config = yaml.safe_load(Path(path).read_text())
     except (OSError, yaml.YAMLError) as e:
@@ -68,7 +83,8 @@ def check_launcher(config: dict[str, Any]) -> list[Problem]:
         problems += _local_provider_problems(config)
     else:
         problems += _node_type_problems(config)
-    problems += _storage_problems(config)
+    problems += _environment_problems(config)
+    problems += _mlflow_problems(config)
     problems += auth_problems(config)
     return problems
 
@@ -129,32 +145,32 @@ def node_type_problems(where: str, node: dict[str, Any], is_head: bool = False) 
     if not isinstance(resources, dict):
         return [(f"{where}.resources", "missing: declare the node's CPU, GPU and site resource "
                  "(e.g. {CPU: 8, GPU: 1, site_cloud: 1000}) so planning needs no cloud credentials")]
-    problems = _bounds_problems(where, node.get("min_workers", 0), node.get("max_workers"),
-                                "min_workers", "max_workers")
-    problems += _gpu_problems(f"{where}.resources.GPU", resources.get("GPU"))
+    problems = bounds_problems(where, node.get("min_workers", 0), node.get("max_workers"),
+                               "min_workers", "max_workers")
+    problems += gpu_problems(f"{where}.resources.GPU", resources.get("GPU"))
     labels = node.get("labels") if isinstance(node.get("labels"), dict) else {}
     site = labels.get(SITE_LABEL)
-    problems += _site_problems(where, site, resources, f"labels.{SITE_LABEL}")
+    problems += site_problems(where, site, resources, f"labels.{SITE_LABEL}")
     if site == "cloud" and not is_head and resources.get("GPU") and node.get("min_workers", 0) > 0:
         problems.append((f"{where}.min_workers", f"{node['min_workers']} keeps cloud GPU nodes up "
                          "while idle; set min_workers: 0 so the autoscaler starts them on demand"))
     return problems
 
 
-def _bounds_problems(where: str, low: Any, high: Any, low_key: str, high_key: str) -> list[Problem]:
+def bounds_problems(where: str, low: Any, high: Any, low_key: str, high_key: str) -> list[Problem]:
     if isinstance(low, int) and isinstance(high, int) and low > high:
         return [(f"{where}.{low_key}", f"{low} is above {high_key} ({high}); set {low_key} <= {high_key}")]
     return []
 
 
-def _gpu_problems(where: str, gpus: Any) -> list[Problem]:
+def gpu_problems(where: str, gpus: Any) -> list[Problem]:
     if gpus is None or (isinstance(gpus, int) and not isinstance(gpus, bool) and gpus >= 0):
         return []
     return [(where, f"{gpus!r} is not a whole number of GPUs; Ray schedules GPUs per node as an "
              "integer (a fractional GPU belongs in a job's gpus_per_worker, not in a node type)")]
 
 
-def _site_problems(where: str, site: Any, resources: dict[str, Any], label_key: str) -> list[Problem]:
+def site_problems(where: str, site: Any, resources: dict[str, Any], label_key: str) -> list[Problem]:
     """The site label names one site and the node declares that site's resource (and no other)."""
     if site not in SITES:
         got = "missing" if site is None else f"{site!r} is not a site"
@@ -178,79 +194,85 @@ def _site_problems(where: str, site: Any, resources: dict[str, Any], label_key: 
 
 def _local_provider_problems(config: dict[str, Any]) -> list[Problem]:
     """provider: local has one implicit node type; each `ray start` line declares what its node has."""
-    problems = _bounds_problems("<config>", config.get("min_workers"), config.get("max_workers"),
-                                "min_workers", "max_workers")
-    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+    problems = bounds_problems("<config>", config.get("min_workers"), config.get("max_workers"),
+                               "min_workers", "max_workers")
+    for key in _START_KEYS:
         line = " ".join(str(c) for c in config.get(key) or [] if "ray start" in str(c))
         if not line:
             problems.append((key, "no `ray start` line: add one that declares --num-gpus, "
                              f"--resources (site_onprem) and --labels ({SITE_LABEL}=onprem)"))
             continue
-        flags = _start_flags(line)
-        problems += _gpu_problems(f"{key}.--num-gpus", _number(flags.get("num-gpus")))
-        site = _parse_labels(flags.get("labels", "")).get(SITE_LABEL)
-        found = _site_problems(key, site, _parse_resources(flags.get("resources", "")), f"--labels {SITE_LABEL}")
+        flags = flags_of(shell_words(line))
+        problems += gpu_problems(f"{key}.--num-gpus", number(flags.get("num-gpus")))
+        site = parse_labels(flags.get("labels", "")).get(SITE_LABEL)
+        found = site_problems(key, site, parse_resources(flags.get("resources", "")), f"--labels {SITE_LABEL}")
         problems += [(w.replace(f"{key}.resources.", f"{key}.--resources."), m) for w, m in found]
     return problems
 
 
-def _start_flags(line: str) -> dict[str, str]:
-    """`--key=value` / `--key value` flags of a shell line (enough for `ray start`)."""
-    try:
-        words = shlex.split(line)
-    except ValueError:
-        words = line.split()
-    flags: dict[str, str] = {}
-    for i, word in enumerate(words):
-        if not word.startswith("--"):
-            continue
-        key, eq, value = word[2:].partition("=")
-        if not eq and i + 1 < len(words) and not words[i + 1].startswith("--"):
-            value = words[i + 1]
-        flags[key] = value
-    return flags
+def _environment_problems(config: dict[str, Any]) -> list[Problem]:
+    """Every `ray start` sets TIDAL_STORAGE and MLFLOW_TRACKING_URI on its own command line."""
+    fake = _provider_type(config) in _SINGLE_MACHINE_PROVIDERS
+    problems = _old_storage_key(config)
+    for key in _START_KEYS:
+        is_head, commands = key == _START_KEYS[0], [str(c) for c in config.get(key) or []]
+        starts = [(i, env) for i, c in enumerate(commands) for env, words in shell_steps(c) if runs(words, "ray", "start")]
+        if not starts and _provider_type(config) != "local" and (is_head or not fake):
+            problems.append((key, f"no `ray start` command: add one that sets {STORAGE_VAR} and {TRACKING_VAR}"))
+        for i, env in starts:
+            earlier = {n for c in commands[:i] for e, w in shell_steps(c) if w[:1] == ["export"] for n in e}
+            problems += [(f"{key}[{i}].{var}", _missing_env(var, is_head, var in earlier))
+                         for var in (STORAGE_VAR, TRACKING_VAR) if var not in env]
+            if STORAGE_VAR in env:
+                problems += storage_problems(f"{key}[{i}].{STORAGE_VAR}", env[STORAGE_VAR], partial(_shared, config),
+                                             "that no command mounts; mount shared storage there in "
+                                             "initialization_commands (e.g. `sudo mount -t nfs4 server:/export "
+                                             f"{env[STORAGE_VAR]}`)")
+            if TRACKING_VAR in env:
+                problems += tracking_problems(f"{key}[{i}].{TRACKING_VAR}", env[TRACKING_VAR], fake, is_head)
+    return problems
 
 
-def _number(text: str | None) -> Any:
-    if text is None:
-        return None
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
+def _missing_env(var: str, is_head: bool, exported_earlier: bool) -> str:
+    example = {STORAGE_VAR: f"`{var}=s3://bucket/tidal-runs` (or gs://..., or a path every node mounts)",
+               TRACKING_VAR: f"`{var}=http://{'127.0.0.1' if is_head else '$RAY_HEAD_IP'}:5000` (the head's mlflow server)"}
+    hint = (" An `export` in an earlier command does not reach it: Ray's launcher runs each command in "
+            "its own shell.") if exported_earlier else ""
+    return (f"this `ray start` does not set {var}: put {example[var]} in front of `ray start` in this command; "
+            f"variables on that line reach every job and worker the node starts.{hint}")
 
 
-def _parse_labels(text: str) -> dict[str, str]:
-    pairs = (item.partition("=") for item in text.split(",") if "=" in item)
-    return {k.strip(): v.strip() for k, _, v in pairs}
-
-
-def _parse_resources(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text.strip().strip("'\""))
-    except ValueError:
-        try:
-            value = json.loads(json.loads(text))  # KubeRay's '"{\"a\": 1}"' form
-        except (ValueError, TypeError):
-            return {}
-    return value if isinstance(value, dict) else {}
-
-
-def _storage_problems(config: dict[str, Any]) -> list[Problem]:
-    where = "metadata.tidal.checkpoint_storage"
+def _old_storage_key(config: dict[str, Any]) -> list[Problem]:
     meta = config.get("metadata") if isinstance(config.get("metadata"), dict) else {}
-    tidal = meta.get("tidal") if isinstance(meta.get("tidal"), dict) else {}
-    storage = tidal.get("checkpoint_storage")
-    if not isinstance(storage, str) or not storage:
-        return [(where, "missing: name the storage every node shares for checkpoints "
-                 "(an s3:// or gs:// URI, or a path that initialization_commands mount)")]
-    if "://" in storage or _provider_type(config) in _SINGLE_MACHINE_PROVIDERS:
+    old = (meta.get("tidal") or {}).get("checkpoint_storage") if isinstance(meta.get("tidal"), dict) else None
+    if old is None:
         return []
-    if any("mount" in cmd and storage.rstrip("/") in cmd for cmd in _all_commands(config)):
-        return []
-    return [(where, f"{storage!r} is a local path that no command mounts; mount shared storage there "
-             "in initialization_commands (e.g. `sudo mount -t nfs4 server:/export " f"{storage}`) "
-             "or use an s3:// / gs:// URI")]
+    return [("metadata.tidal.checkpoint_storage", f"is replaced by {STORAGE_VAR} on every node: remove it and "
+             f"put `{STORAGE_VAR}={old}` on every `ray start` command")]
+
+
+def _mlflow_problems(config: dict[str, Any]) -> list[Problem]:
+    """The head starts the `mlflow server` that MLFLOW_TRACKING_URI points at."""
+    key, fake = _START_KEYS[0], _provider_type(config) in _SINGLE_MACHINE_PROVIDERS
+    for i, command in enumerate(str(c) for c in config.get(key) or []):
+        for _, words in shell_steps(command):
+            if runs(words, "mlflow", "server"):
+                return mlflow_server_problems(f"{key}[{i}]", words, partial(_shared, config), single_machine=fake)
+    return [(key, "no `mlflow server`: start MLflow on the head, in the background so the command returns, "
+             "e.g. `nohup mlflow server --host 0.0.0.0 --port 5000 --backend-store-uri "
+             "sqlite:///$HOME/mlflow/mlflow.db --artifacts-destination s3://bucket/mlartifacts > "
+             "~/mlflow/server.log 2>&1 < /dev/null &`, and point MLFLOW_TRACKING_URI at it on every node")]
+
+
+def _shared(config: dict[str, Any], path: str) -> bool:
+    """Every node sees `path`: all nodes are this machine, or some setup command mounts it."""
+    return _provider_type(config) in _SINGLE_MACHINE_PROVIDERS or _mounted(config, path)
+
+
+def _mounted(config: dict[str, Any], path: str) -> bool:
+    """`path` is, or lies under, a folder that some setup command mounts."""
+    return any(w.startswith("/") and under(path, w) for c in _all_commands(config) if "mount" in c
+               for w in shell_words(c))
 
 
 def _all_commands(config: dict[str, Any]) -> Iterator[str]:
@@ -260,6 +282,59 @@ def _all_commands(config: dict[str, Any]) -> Iterator[str]:
         if isinstance(node, dict):
             for key in ("initialization_commands", "worker_setup_commands"):
                 yield from (str(c) for c in node.get(key) or [])
+
+
+# ---------------------------------------------------------------------------------------------
+# Rules shared with KubeRay manifests: where jobs store and track, MLflow on the head, auth
+# ---------------------------------------------------------------------------------------------
+
+def storage_problems(where: str, value: str, shared: Callable[[str], bool], mount_hint: str) -> list[Problem]:
+    """A place every node reaches: an object-store URI, or an absolute path on shared storage."""
+    if "://" in value:
+        return []
+    if not value.startswith(("/", "~", "$")):
+        return [(where, f"{value!r} is relative, so each job would resolve it inside its own working "
+                 "directory; use an absolute path every node mounts or an s3:// / gs:// URI")]
+    if shared(value):
+        return []
+    return [(where, f"{value!r} is a local path {mount_hint}, or use an s3:// / gs:// URI")]
+
+
+def tracking_problems(where: str, value: str, single_machine: bool, on_head: bool) -> list[Problem]:
+    """An MLflow server that this node reaches (a SQLite file only when every node is one machine)."""
+    if value.startswith(("http://", "https://")):
+        if not (single_machine or on_head) and urlparse(value).hostname in _LOOPBACK:
+            return [(where, f"{value!r} points at this worker itself, which runs no MLflow server; point "
+                     "it at the head's, e.g. http://$RAY_HEAD_IP:5000")]
+        return []
+    if single_machine and value.startswith(("sqlite:////", "sqlite:///$")):
+        return []
+    return [(where, f"{value!r} is not an MLflow server every node reaches: set http://<head>:5000, the "
+             "mlflow server the head starts (an absolute sqlite://// file only on a single-machine cluster)")]
+
+
+def mlflow_server_problems(where: str, words: list[str], shared: Callable[[str], bool],
+                           single_machine: bool = False) -> list[Problem]:
+    """`mlflow server` flags: a database on the head's disk, artifacts on shared storage, reachable."""
+    flags = flags_of(words)
+    problems: list[Problem] = []
+    if not flags.get("backend-store-uri"):
+        problems.append((f"{where}.--backend-store-uri", "missing: MLflow would keep runs wherever the command "
+                         "runs; keep its database on the head's disk, e.g. --backend-store-uri "
+                         "sqlite:///$HOME/mlflow/mlflow.db"))
+    artifacts_key = "artifacts-destination" if flags.get("artifacts-destination") else "default-artifact-root"
+    artifacts = flags.get(artifacts_key)
+    if not artifacts:
+        problems.append((f"{where}.--artifacts-destination", "missing: MLflow would keep artifacts in "
+                         "./mlartifacts on the head; put them on the shared storage, e.g. "
+                         "--artifacts-destination s3://bucket/mlartifacts (or a path every node mounts)"))
+    else:
+        problems += storage_problems(f"{where}.--{artifacts_key}", artifacts, shared, "that other nodes "
+                                     f"cannot read; put the artifacts on the storage {STORAGE_VAR} uses")
+    if not single_machine and flags.get("host", "127.0.0.1") in ("127.0.0.1", "localhost"):
+        problems.append((f"{where}.--host", "MLflow listens on this machine only (127.0.0.1 is its default), "
+                         "so other nodes cannot reach it; add --host 0.0.0.0"))
+    return problems
 
 
 def auth_problems(config: Any) -> list[Problem]:
@@ -291,73 +366,5 @@ def _provider_type(config: dict[str, Any]) -> str | None:
     return provider.get("type")
 
 
-# ---------------------------------------------------------------------------------------------
-# KubeRay RayCluster manifests (Ray's launcher schema does not apply; KubeRay builds the config)
-# ---------------------------------------------------------------------------------------------
-
-def check_kuberay(manifest: dict[str, Any]) -> list[Problem]:
-    """Site labels and resources per group, autoscaling bounds, whole GPUs, shared storage, auth."""
-    spec = manifest.get("spec") if isinstance(manifest.get("spec"), dict) else {}
-    annotations = (manifest.get("metadata") or {}).get("annotations") or {}
-    volumes_needed = "://" not in str(annotations.get(_K8S_STORAGE_ANNOTATION, ""))
-    problems: list[Problem] = []
-    if spec.get("enableInTreeAutoscaling") is not True:
-        problems.append(("spec.enableInTreeAutoscaling", "not true: set it so that cloud worker groups "
-                         "scale from 0 when a job bursts and back when idle"))
-    head = spec.get("headGroupSpec")
-    if not isinstance(head, dict):
-        problems.append(("spec.headGroupSpec", "missing: a RayCluster needs a head group"))
-    else:
-        problems += kuberay_group_problems("spec.headGroupSpec", head, True, volumes_needed)
-    groups = spec.get("workerGroupSpecs") or []
-    if not groups:
-        problems.append(("spec.workerGroupSpecs", "no worker groups: add an on-prem and a cloud GPU group"))
-    for i, group in enumerate(groups):
-        name = group.get("groupName", i) if isinstance(group, dict) else i
-        if isinstance(group, dict):
-            problems += kuberay_group_problems(f"spec.workerGroupSpecs[{name}]", group, False, volumes_needed)
-    return problems + auth_problems(manifest)
-
-
-def kuberay_group_problems(where: str, group: dict[str, Any], is_head: bool,
-                           volumes_needed: bool = True) -> list[Problem]:
-    params = group.get("rayStartParams") if isinstance(group.get("rayStartParams"), dict) else {}
-    labels = {**_parse_labels(str(params.get("labels", ""))), **(group.get("labels") or {})}
-    site = labels.get(SITE_LABEL)
-    problems = _site_problems(where, site, _parse_resources(str(params.get("resources", ""))),
-                              f"rayStartParams.labels {SITE_LABEL}")
-    problems = [(w.replace(f"{where}.resources.", f"{where}.rayStartParams.resources."), m) for w, m in problems]
-    problems += _gpu_problems(f"{where}.rayStartParams.num-gpus", _number(params.get("num-gpus")))
-    containers = ((group.get("template") or {}).get("spec") or {}).get("containers") or []
-    for c in containers:
-        for kind in ("limits", "requests"):
-            gpus = ((c.get("resources") or {}).get(kind) or {}).get("nvidia.com/gpu")
-            problems += _gpu_problems(f"{where}.containers[{c.get('name')}].resources.{kind}.nvidia.com/gpu", _number(
-                str(gpus)) if gpus is not None else None)
-    if volumes_needed:
-        problems += _kuberay_storage_problems(where, group)
-    if is_head:
-        return problems
-    low, high = group.get("minReplicas", 0), group.get("maxReplicas")
-    problems += _bounds_problems(where, low, high, "minReplicas", "maxReplicas")
-    if high is None:
-        problems.append((f"{where}.maxReplicas", "missing: bound how many nodes the autoscaler may start"))
-    if site == "cloud" and isinstance(low, int) and low > 0:
-        problems.append((f"{where}.minReplicas", f"{low} keeps cloud nodes up while idle; set minReplicas: 0"))
-    return problems
-
-
-def _kuberay_storage_problems(where: str, group: dict[str, Any]) -> list[Problem]:
-    pod = (group.get("template") or {}).get("spec") or {}
-    shared = {v.get("name") for v in pod.get("volumes") or []
-              if isinstance(v, dict) and ({"persistentVolumeClaim", "nfs", "csi"} & v.keys())}
-    mounted = {m.get("name") for c in pod.get("containers") or [] for m in c.get("volumeMounts") or []}
-    if shared & mounted:
-        return []
-    return [(f"{where}.template.spec.volumes", "no shared volume mounted: mount a ReadWriteMany "
-             "persistentVolumeClaim or nfs volume for checkpoints, or annotate the RayCluster with "
-             f"{_K8S_STORAGE_ANNOTATION}: s3://bucket/path when checkpoints go to object storage")]
-
-
-__all__ = ["Problem", "auth_problems", "check_kuberay", "check_launcher", "node_type_problems",
+__all__ = ["STORAGE_VAR", "TRACKING_VAR", "Problem", "auth_problems", "check_launcher", "node_type_problems",
            "ray_schema_problems", "validate_cluster_config"]

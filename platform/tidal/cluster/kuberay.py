@@ -1,0 +1,130 @@
+"""Validate a KubeRay `RayCluster` manifest with Tidal's conventions (Ray's launcher schema does
+not apply; KubeRay builds the Ray config itself).
+
+Checked on the head group and every worker group: the site label and resource in
+`rayStartParams`, whole GPUs, autoscaling bounds, and `TIDAL_STORAGE` / `MLFLOW_TRACKING_URI` in
+the `env` of every container (a path in TIDAL_STORAGE must lie on a shared volume that container
+mounts); on the head, a container that runs `mlflow server`; token auth stays on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tidal.cluster import SITE_LABEL
+from tidal.cluster.configs import (
+    STORAGE_VAR,
+    TRACKING_VAR,
+    Problem,
+    auth_problems,
+    bounds_problems,
+    gpu_problems,
+    mlflow_server_problems,
+    site_problems,
+    storage_problems,
+    tracking_problems,
+)
+from tidal.cluster.shell import number, parse_labels, parse_resources, runs, shell_steps, under
+
+_SHARED_VOLUME_KINDS = {"persistentVolumeClaim", "nfs", "csi"}
+_OLD_STORAGE_ANNOTATION = "tidal.io/checkpoint-storage"
+
+
+def check_kuberay(manifest: dict[str, Any]) -> list[Problem]:
+    """Site labels and resources per group, autoscaling bounds, whole GPUs, storage and tracking, auth."""
+    spec = manifest.get("spec") if isinstance(manifest.get("spec"), dict) else {}
+    annotations = (manifest.get("metadata") or {}).get("annotations") or {}
+    problems: list[Problem] = []
+    if _OLD_STORAGE_ANNOTATION in annotations:
+        problems.append((f"metadata.annotations.{_OLD_STORAGE_ANNOTATION}", f"is replaced by {STORAGE_VAR} in the "
+                         f"env of every container: remove it and add `{{name: {STORAGE_VAR}, value: "
+                         f"{annotations[_OLD_STORAGE_ANNOTATION]}}}`"))
+    if spec.get("enableInTreeAutoscaling") is not True:
+        problems.append(("spec.enableInTreeAutoscaling", "not true: set it so that cloud worker groups "
+                         "scale from 0 when a job bursts and back when idle"))
+    head = spec.get("headGroupSpec")
+    if not isinstance(head, dict):
+        problems.append(("spec.headGroupSpec", "missing: a RayCluster needs a head group"))
+    else:
+        problems += kuberay_group_problems("spec.headGroupSpec", head, True)
+        problems += _mlflow_problems("spec.headGroupSpec.template.spec.containers", head)
+    groups = spec.get("workerGroupSpecs") or []
+    if not groups:
+        problems.append(("spec.workerGroupSpecs", "no worker groups: add an on-prem and a cloud GPU group"))
+    for i, group in enumerate(groups):
+        name = group.get("groupName", i) if isinstance(group, dict) else i
+        if isinstance(group, dict):
+            problems += kuberay_group_problems(f"spec.workerGroupSpecs[{name}]", group, False)
+    return problems + auth_problems(manifest)
+
+
+def kuberay_group_problems(where: str, group: dict[str, Any], is_head: bool) -> list[Problem]:
+    params = group.get("rayStartParams") if isinstance(group.get("rayStartParams"), dict) else {}
+    labels = {**parse_labels(str(params.get("labels", ""))), **(group.get("labels") or {})}
+    site = labels.get(SITE_LABEL)
+    problems = site_problems(where, site, parse_resources(str(params.get("resources", ""))),
+                             f"rayStartParams.labels {SITE_LABEL}")
+    problems = [(w.replace(f"{where}.resources.", f"{where}.rayStartParams.resources."), m) for w, m in problems]
+    problems += gpu_problems(f"{where}.rayStartParams.num-gpus", number(params.get("num-gpus")))
+    pod = (group.get("template") or {}).get("spec") or {}
+    for c in pod.get("containers") or []:
+        for kind in ("limits", "requests"):
+            gpus = ((c.get("resources") or {}).get(kind) or {}).get("nvidia.com/gpu")
+            problems += gpu_problems(f"{where}.containers[{c.get('name')}].resources.{kind}.nvidia.com/gpu",
+                                     number(str(gpus)) if gpus is not None else None)
+        problems += _env_problems(f"{where}.template.spec.containers[{c.get('name')}].env", c, pod, is_head)
+    if is_head:
+        return problems
+    low, high = group.get("minReplicas", 0), group.get("maxReplicas")
+    problems += bounds_problems(where, low, high, "minReplicas", "maxReplicas")
+    if high is None:
+        problems.append((f"{where}.maxReplicas", "missing: bound how many nodes the autoscaler may start"))
+    if site == "cloud" and isinstance(low, int) and low > 0:
+        problems.append((f"{where}.minReplicas", f"{low} keeps cloud nodes up while idle; set minReplicas: 0"))
+    return problems
+
+
+def _env_problems(where: str, container: dict[str, Any], pod: dict[str, Any], is_head: bool) -> list[Problem]:
+    """Both variables in this container's env; a storage path lies on a shared volume it mounts."""
+    env = {e.get("name"): e.get("value") for e in container.get("env") or [] if isinstance(e, dict)}
+    problems: list[Problem] = []
+    for var, example in ((STORAGE_VAR, "/mnt/tidal/runs}` (a path on a shared volume mounted here, or "
+                          "s3://bucket/tidal-runs)"),
+                         (TRACKING_VAR, "http://127.0.0.1:5000}` (the mlflow server in this pod)" if is_head
+                          else "http://tidal-head-svc:5000}` (<cluster name>-head-svc: the head's mlflow server)")):
+        if var not in env:
+            problems.append((where, f"no {var}: add `{{name: {var}, value: {example}; the pod's env reaches "
+                             "every job and worker this Ray node starts"))
+        elif not isinstance(env[var], str):
+            continue  # valueFrom (a ConfigMap, a Secret): checked where it is defined
+        elif var == STORAGE_VAR:
+            problems += storage_problems(f"{where}.{var}", env[var], lambda p: _on_shared_volume(p, container, pod),
+                                         "on no shared volume this container mounts; mount a ReadWriteMany "
+                                         "persistentVolumeClaim or nfs volume there")
+        else:
+            problems += tracking_problems(f"{where}.{var}", env[var], single_machine=False, on_head=is_head)
+    return problems
+
+
+def _mlflow_problems(where: str, head: dict[str, Any]) -> list[Problem]:
+    """A container of the head pod runs `mlflow server` (the same image has it: Tidal depends on MLflow)."""
+    pod = (head.get("template") or {}).get("spec") or {}
+    for c in pod.get("containers") or []:
+        line = " ".join(str(w) for w in [*(c.get("command") or []), *(c.get("args") or [])])
+        for _, words in shell_steps(line):
+            if runs(words, "mlflow", "server"):
+                return mlflow_server_problems(f"{where}[{c.get('name')}]", words,
+                                              lambda p, c=c: _on_shared_volume(p, c, pod))
+    return [(where, "no container runs `mlflow server`: add a second container to the head pod (the same image) "
+             "with command [mlflow, server] and args --host 0.0.0.0 --port 5000 --backend-store-uri "
+             "sqlite:////mlflow/mlflow.db --artifacts-destination /mnt/tidal/mlartifacts, and port 5000 on the "
+             "head's first container so that KubeRay's head service exposes it")]
+
+
+def _on_shared_volume(path: str, container: dict[str, Any], pod: dict[str, Any]) -> bool:
+    shared = {v.get("name") for v in pod.get("volumes") or [] if isinstance(v, dict) and _SHARED_VOLUME_KINDS & v.keys()}
+    return any(m.get("name") in shared and under(path, str(m.get("mountPath", "")))
+               for m in container.get("volumeMounts") or [])
+
+
+__all__ = ["check_kuberay", "kuberay_group_problems"]
