@@ -6,7 +6,9 @@ score and value products, which scale with context length T and have no paramete
 
 from __future__ import annotations
 
+import math
 import time
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 
@@ -15,12 +17,16 @@ import torch
 
 from tidal.spec.job import ModelSpec
 
-# Dense peak FLOP/s per device by precision. GPU figures are vendor specs without sparsity;
-# the CPU figures are per core, measured with torch matmuls on a 2-core machine (191 GFLOP/s
-# fp32 and 856 GFLOP/s bf16 for both cores; see docs/benchmarks.md).
+# Dense peak FLOP/s per device by precision: vendor specs without sparsity (fp32 without TF32,
+# which torch leaves off by default). Looked up by the first key contained in the device's name
+# as torch reports it (e.g. "NVIDIA H100 80GB HBM3" is the SXM part), so more specific keys come
+# first. The CPU figures are per core, measured with torch matmuls on a 2-core machine
+# (191 GFLOP/s fp32 and 856 GFLOP/s bf16 for both cores; see docs/benchmarks.md).
 PEAK_FLOPS: dict[str, dict[str, float]] = {
     "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
-    "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
+    "H100 PCIE": {"bf16": 756e12, "fp16": 756e12, "fp32": 51e12},
+    "H100 NVL": {"bf16": 835e12, "fp16": 835e12, "fp32": 60e12},
+    "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},  # SXM
     "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
     "L40S": {"bf16": 362e12, "fp16": 362e12, "fp32": 91.6e12},
 }
@@ -36,15 +42,29 @@ def flops_per_token(n_params: int, model: ModelSpec) -> float:
 
 
 def worker_peak_flops(device: torch.device, precision: str, cpus: float, override_tflops: float | None) -> float:
-    """Peak FLOP/s of one worker: the spec's override, else the GPU's table entry, else its CPU cores."""
+    """Peak FLOP/s of one worker: the spec's override, else the GPU's table entry, else its CPU cores.
+
+    A GPU missing from the table gives NaN (MFU then reads NaN) and a warning, never a CPU figure.
+    """
     if override_tflops:
         return override_tflops * 1e12
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device).upper()
-        for key, table in PEAK_FLOPS.items():
-            if key in name:
-                return table[precision]
+        return gpu_peak_flops(torch.cuda.get_device_name(device), precision)
     return CPU_PEAK_PER_CORE[precision] * cpus
+
+
+def gpu_peak_flops(name: str, precision: str) -> float:
+    """Dense peak FLOP/s of the GPU torch calls `name` at `precision`; NaN, with a warning, if unknown."""
+    upper = name.upper()
+    for key, table in PEAK_FLOPS.items():
+        if key in upper:
+            return table[precision]
+    warnings.warn(
+        f"MFU: no peak FLOP/s known for GPU {name!r} (known: {', '.join(PEAK_FLOPS)}); MFU is reported as NaN. "
+        f"Set scaling.peak_tflops_per_worker to its dense {precision} TFLOP/s.",
+        RuntimeWarning, stacklevel=2,
+    )
+    return math.nan
 
 
 class PhaseClock:
