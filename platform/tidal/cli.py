@@ -18,7 +18,7 @@ import yaml
 from tidal.cluster.cli import register as register_cluster
 from tidal.errors import TidalError
 from tidal.launch.sweep_cli import register as register_sweep
-from tidal.spec.job import JobSpec
+from tidal.spec.job import JobSpec, notes
 from tidal.spec.load import load_spec
 
 EPILOG = """examples:
@@ -123,7 +123,15 @@ def _command(sub: argparse._SubParsersAction, name: str, func: Callable[[argpars
 
 
 def _spec(args: argparse.Namespace) -> JobSpec:
-    return load_spec(args.spec, args.overrides)
+    spec = load_spec(args.spec, args.overrides)
+    print_notes(spec)
+    return spec
+
+
+def print_notes(spec: JobSpec) -> None:
+    """To stderr, so that stdout stays what the command promises (e.g. YAML from `validate`)."""
+    for line in notes(spec):
+        print(f"note: {line}", file=sys.stderr)
 
 
 def _validate(args: argparse.Namespace) -> int:

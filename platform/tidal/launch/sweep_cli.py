@@ -43,9 +43,11 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def _sweep(args: argparse.Namespace) -> int:
+    from tidal.cli import print_notes
     from tidal.launch.sweep import sweep
 
     spec, section = load_sweep_section(args.spec, args.overrides)
+    print_notes(spec)
     result = sweep(spec, params=args.params, samples=args.samples, scheduler=args.scheduler, metric=args.metric,
                    mode=args.mode, max_concurrent=args.max_concurrent, restart=args.restart, config=section)
     print(result.summary())
