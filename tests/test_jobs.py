@@ -133,7 +133,7 @@ def test_plain_ray_job_submit_runs_tidal(head, tmp_path):
 
 def test_wrong_token_gets_a_friendly_message(head, monkeypatch, capsys):
     monkeypatch.setenv("RAY_AUTH_TOKEN", "not-the-token")
-    assert main(["list", "--address", head]) == 2
+    assert main(["list", "--address", head]) == 1  # a ClusterError: the command failed
     err = capsys.readouterr().err
     assert "refused the auth token" in err and "RAY_AUTH_TOKEN" in err and "Traceback" not in err
 
@@ -141,7 +141,7 @@ def test_wrong_token_gets_a_friendly_message(head, monkeypatch, capsys):
 def test_missing_token_gets_a_friendly_message(head, monkeypatch, tmp_path, capsys):
     monkeypatch.delenv("RAY_AUTH_TOKEN")
     monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "absent"))
-    assert main(["status", "whatever", "--address", head]) == 2
+    assert main(["status", "whatever", "--address", head]) == 1
     assert "no auth token was found" in capsys.readouterr().err
 
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 import yaml
 
 from tidal.cluster.cli import register as register_cluster
-from tidal.errors import TidalError
+from tidal.errors import SpecError, TidalError, UsageError
 from tidal.launch.sweep_cli import register as register_sweep
 from tidal.spec.job import JobSpec, notes
 from tidal.spec.load import load_spec
@@ -35,7 +35,18 @@ EPILOG = """examples:
 Cluster commands read the address from --address or RAY_ADDRESS, and the auth token from
 RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token, as Ray does.
 
-Set TIDAL_DEBUG=1 to see tracebacks behind error messages."""
+Set TIDAL_DEBUG=1 to see tracebacks behind error messages.
+
+exit codes:
+  0    success
+  1    a job or command that failed: a job that failed for good after its restarts, a submitted
+       job that ended FAILED or STOPPED, a cluster or MLflow store that cannot be reached
+  2    bad usage or an invalid job spec or cluster config: nothing was started; fix what the
+       message names
+  130  interrupted (Ctrl-C)"""
+
+EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
+VERSIONS_OF = ("ray", "deepspeed", "mlflow", "torch")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -48,10 +59,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args) or 0
     except TidalError as e:
         print_error(e)
-        return 2
+        return exit_code(e)
     except KeyboardInterrupt:
         print("interrupted; run the same command again to resume from the latest checkpoint", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
+
+
+def exit_code(e: TidalError) -> int:
+    """2 when nothing could start as asked (scripts should not retry), 1 when it ran and failed."""
+    return EXIT_USAGE if isinstance(e, (SpecError, UsageError)) else EXIT_FAILED
 
 
 def print_error(e: BaseException) -> None:
@@ -69,6 +85,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    p.add_argument("--version", action=_Version, help="print the versions of tidal, Ray, DeepSpeed, MLflow and torch")
     sub = p.add_subparsers(title="commands", metavar="COMMAND")
 
     v = _command(sub, "validate", _validate, "check a job spec and print it fully resolved")
@@ -107,6 +124,27 @@ def _parser() -> argparse.ArgumentParser:
     rn.set_defaults(func=_runs)
     register_cluster(sub)
     return p
+
+
+class _Version(argparse.Action):
+    """`--version`: read from package metadata, so torch, ray and the rest are not imported."""
+
+    def __init__(self, option_strings: list[str], dest: str, help: str | None = None) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
+        from importlib.metadata import PackageNotFoundError, version
+
+        from tidal import __version__
+
+        lines = [f"tidal {__version__}"]
+        for name in VERSIONS_OF:
+            try:
+                lines.append(f"{name} {version(name)}")
+            except PackageNotFoundError:
+                lines.append(f"{name} not installed")
+        print("\n".join(lines))
+        parser.exit()
 
 
 def _address(p: argparse.ArgumentParser) -> None:
@@ -230,11 +268,11 @@ def _runs(args: argparse.Namespace) -> int:
 
     if args.rest and args.rest[0] == "compare":
         if len(args.rest) < 3:
-            raise TidalError("usage: tidal runs compare RUN_ID RUN_ID [RUN_ID ...]")
+            raise UsageError("usage: tidal runs compare RUN_ID RUN_ID [RUN_ID ...]")
         print(table(*compare(args.uri, args.rest[1:])))
         return 0
     if args.rest:
-        raise TidalError(f"unknown runs action {args.rest[0]!r}: use `tidal runs` or `tidal runs compare RUN_ID RUN_ID`")
+        raise UsageError(f"unknown runs action {args.rest[0]!r}: use `tidal runs` or `tidal runs compare RUN_ID RUN_ID`")
     rows = list_runs(args.uri, args.experiment)
     if not rows:
         print(f"no Tidal runs in {args.uri}")
