@@ -1,7 +1,7 @@
 """`tidal` command line: parses arguments, calls the SDK, prints. No logic of its own.
 
-Imports only the spec at start-up, so `tidal --help` and `tidal validate` stay fast and
-never load torch, ray or deepspeed.
+Imports only the spec and light modules at start-up, so `tidal --help` and `tidal validate` stay
+fast and never load torch, ray, deepspeed or mlflow (tests/test_spec.py checks).
 """
 
 from __future__ import annotations
@@ -17,9 +17,12 @@ import yaml
 
 from tidal.cluster.cli import register as register_cluster
 from tidal.errors import SpecError, TidalError, UsageError
+from tidal.launch.jobs import JOB_FIELDS, PROGRESS_FIELDS
 from tidal.launch.sweep_cli import register as register_sweep
+from tidal.output import add_output_flag, print_json
 from tidal.spec.job import JobSpec, notes
 from tidal.spec.load import load_spec
+from tidal.tracking.runs import RECORD_FIELDS
 
 EPILOG = """examples:
   tidal validate jobs/quickstart.yaml
@@ -47,6 +50,7 @@ exit codes:
 
 EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 VERSIONS_OF = ("ray", "deepspeed", "mlflow", "torch")
+PROGRESS_DOC = f"the latest progress: {', '.join(PROGRESS_FIELDS)} (null before the first)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -109,9 +113,12 @@ def _parser() -> argparse.ArgumentParser:
         _address(c)
         if name == "logs":
             c.add_argument("--follow", action="store_true", help="keep printing until the job ends")
+        if name == "status":
+            add_output_flag(c, f"an object with id, status and {PROGRESS_DOC}")
         c.set_defaults(func=func)
     ls = sub.add_parser("list", help="list Tidal jobs on a cluster with progress", description="list Tidal jobs on a cluster")
     _address(ls)
+    add_output_flag(ls, f"a list of objects with id, name, status, start_time (ms since the epoch) and {PROGRESS_DOC}")
     ls.set_defaults(func=_list)
 
     rn = sub.add_parser("runs", help="table of Tidal runs in MLflow; `runs compare RUN RUN ...` puts runs side by side",
@@ -121,6 +128,9 @@ def _parser() -> argparse.ArgumentParser:
     rn.add_argument("--uri", default=os.environ.get("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db"),
                     help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or sqlite:///mlflow.db)")
     rn.add_argument("--experiment", default=None, help="only this experiment")
+    add_output_flag(rn, "for `runs`, a list of objects with " + ", ".join(RECORD_FIELDS) + " (times in ms since "
+                    "the epoch); for `runs compare`, an object with differing_params and runs, a list of objects "
+                    "with run_id, job, status, params and metrics")
     rn.set_defaults(func=_runs)
     register_cluster(sub)
     return p
@@ -224,6 +234,9 @@ def _job(args: argparse.Namespace):  # noqa: ANN202 - lazy import keeps `tidal -
 def _status(args: argparse.Namespace) -> int:
     job = _job(args)
     p = job.progress()
+    if args.output == "json":
+        print_json({"id": job.submission_id, "status": job.status(), **dict.fromkeys(PROGRESS_FIELDS), **p})
+        return 0
     line = f"{job.submission_id}: {job.status()}"
     if p:
         line += f" | step {p['step']}/{p['steps']} | loss {p['loss']:.4f} | {p['tokens_per_s']:,.0f} tok/s | world {p['world_size']}"
@@ -251,6 +264,9 @@ def _list(args: argparse.Namespace) -> int:
     from tidal.launch.jobs import list_jobs
 
     rows = list_jobs(args.address)
+    if args.output == "json":
+        print_json([{**dict.fromkeys(JOB_FIELDS + PROGRESS_FIELDS), **r} for r in rows])
+        return 0
     if not rows:
         print("no Tidal jobs on this cluster")
         return 0
@@ -264,15 +280,21 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _runs(args: argparse.Namespace) -> int:
-    from tidal.tracking.runs import COLUMNS, compare, list_runs, table
+    from tidal.tracking.runs import COLUMNS, compare, compare_record, list_runs, run_records, table
 
     if args.rest and args.rest[0] == "compare":
         if len(args.rest) < 3:
             raise UsageError("usage: tidal runs compare RUN_ID RUN_ID [RUN_ID ...]")
+        if args.output == "json":
+            print_json(compare_record(args.uri, args.rest[1:]))
+            return 0
         print(table(*compare(args.uri, args.rest[1:])))
         return 0
     if args.rest:
         raise UsageError(f"unknown runs action {args.rest[0]!r}: use `tidal runs` or `tidal runs compare RUN_ID RUN_ID`")
+    if args.output == "json":
+        print_json(run_records(args.uri, args.experiment))
+        return 0
     rows = list_runs(args.uri, args.experiment)
     if not rows:
         print(f"no Tidal runs in {args.uri}")

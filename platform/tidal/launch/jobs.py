@@ -26,6 +26,9 @@ ALWAYS_EXCLUDE = [".git", ".venv", "venv", "__pycache__", "*.egg-info", ".ipynb_
 PROGRESS = re.compile(r"\[tidal\] step (\d+)/(\d+) \| loss ([\d.naninf]+) \| ([\d,]+) tok/s .*?\| world (\d+)")
 MLFLOW_RUN = re.compile(r"MLflow run ([0-9a-f]{32})")
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
+# `tidal list/status --output json` hold these always; progress fields are null before the first progress line.
+JOB_FIELDS = ("id", "name", "status", "start_time")
+PROGRESS_FIELDS = ("step", "steps", "loss", "tokens_per_s", "world_size")
 
 
 def auth_token() -> str | None:
