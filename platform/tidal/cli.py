@@ -27,6 +27,7 @@ from tidal.tracking.runs import RECORD_FIELDS
 EPILOG = """examples:
   tidal validate jobs/quickstart.yaml
   tidal validate jobs/quickstart.yaml --set scaling.max_workers=4 --deepspeed
+  tidal schema > jobs/tidal-job.schema.json         # after changing JobSpec; editors read it
   tidal run jobs/quickstart.yaml                      # local Ray, or the cluster in RAY_ADDRESS
   tidal run jobs/quickstart.yaml --set train.steps=50 --restart
   tidal sweep jobs/quickstart.yaml --param train.lr=loguniform:1e-4:1e-2 --samples 8 --scheduler asha
@@ -99,6 +100,13 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--restart", action="store_true", help="start over: set the job's old checkpoints aside and open a new MLflow run")
 
     register_sweep(sub)
+
+    sc = sub.add_parser("schema", help="print the job spec's JSON Schema (for editors and CI checks)",
+                        description="Print the JSON Schema of a job spec. jobs/tidal-job.schema.json is this output; "
+                        "job files name it on their first line (# yaml-language-server: $schema=./tidal-job.schema.json) "
+                        "so editors complete keys and flag typos. After changing JobSpec, run "
+                        "`tidal schema > jobs/tidal-job.schema.json`.")
+    sc.set_defaults(func=_schema)
 
     s = _command(sub, "submit", _submit, "send a job to a Ray cluster through the Ray Jobs API")
     _address(s)
@@ -193,6 +201,13 @@ def _validate(args: argparse.Namespace) -> int:
         for world in sorted({spec.scaling.min_workers, spec.scaling.max_workers}):
             print(f"\n# DeepSpeed config at world size {world} ({'GPU' if on_gpu else 'CPU'})")
             print(json.dumps(ds_config(spec, world, on_gpu=on_gpu), indent=2))
+    return 0
+
+
+def _schema(_args: argparse.Namespace) -> int:
+    from tidal.spec.schema import schema_text
+
+    print(schema_text(), end="")
     return 0
 
 
