@@ -30,7 +30,7 @@ EPILOG = """examples:
   tidal schema > jobs/tidal-job.schema.json         # after changing JobSpec; editors read it
   tidal run jobs/quickstart.yaml                      # local Ray, or the cluster in RAY_ADDRESS
   tidal run jobs/quickstart.yaml --set train.steps=50 --restart
-  tidal sweep jobs/quickstart.yaml --param train.lr=loguniform:1e-4:1e-2 --samples 8 --scheduler asha
+  tidal sweep jobs/quickstart.yaml --param train.lr=loguniform:1e-4:1e-2 --samples 8 --set sweep.scheduler=asha
   tidal submit jobs/quickstart.yaml --address http://head:8265 --follow
   tidal list --address http://head:8265; tidal logs ID --follow; tidal stop ID
   tidal runs; tidal runs compare RUN_ID RUN_ID
