@@ -30,3 +30,13 @@ def build_checking_env(spec: ModelSpec) -> nn.Module:
     if os.environ.get("TIDAL_TEST_SECRET") != "s3cr3t-value-42":
         raise RuntimeError("TIDAL_TEST_SECRET did not reach the worker")
     return Bigram(spec.vocab_size)
+
+
+class Broken(Bigram):
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("tests.custom_model.Broken: this model always fails")
+
+
+def build_failing(spec: ModelSpec) -> nn.Module:
+    """A model that fails at its first step, for jobs that must fail for good."""
+    return Broken(spec.vocab_size)

@@ -172,3 +172,57 @@ def test_cluster_status_record():
     assert record["workers"] == [{"job_id": "02000000", "node_id": "n-gone", "site": "unknown", "workers": 1},
                                  {"job_id": "02000000", "node_id": "n-onprem", "site": "onprem", "workers": 2}]
     assert status_record(nodes, {}, [])["autoscaler"] is None
+
+
+# --- submit follows the job -----------------------------------------------------------------------
+
+
+class FakeJob:
+    """What `tidal.launch.jobs.submit` returns, without a cluster: prints `chunks`, ends in `state`."""
+
+    submission_id, address = "raysubmit_x", "http://head:8265"
+
+    def __init__(self, chunks: list[str], state: str, interrupted: bool = False) -> None:
+        self.chunks, self.state, self.interrupted, self.stopped = chunks, state, interrupted, False
+
+    def follow(self):
+        yield from self.chunks
+        if self.interrupted:
+            raise KeyboardInterrupt
+
+    def wait(self) -> str:
+        return self.state
+
+    def stop(self) -> bool:
+        self.stopped = True
+        return True
+
+
+def submit_with(monkeypatch, job: FakeJob, *flags: str) -> int:
+    from tidal.launch import jobs
+
+    monkeypatch.setattr(jobs, "submit", lambda spec, address, working_dir: job)
+    return main(["submit", str(ROOT / "jobs/quickstart.yaml"), "--address", job.address, *flags])
+
+
+@pytest.mark.parametrize("state, code", [("SUCCEEDED", 0), ("FAILED", 1), ("STOPPED", 1)])
+@pytest.mark.parametrize("flags", [[], ["--follow"]])  # --follow is the default, still accepted
+def test_submit_follows_the_job_and_exits_by_its_outcome(monkeypatch, capsys, state, code, flags):
+    assert submit_with(monkeypatch, FakeJob(["[tidal] step 1/120\n"], state), *flags) == code
+    out = capsys.readouterr().out
+    assert "[tidal] step 1/120" in out and out.rstrip().endswith(f"job raysubmit_x {state}")
+
+
+def test_submit_no_wait_returns_once_submitted(monkeypatch, capsys):
+    assert submit_with(monkeypatch, FakeJob(["[tidal] step 1/120\n"], "FAILED"), "--no-wait") == 0
+    out = capsys.readouterr().out
+    assert "submitted 'quickstart' as raysubmit_x" in out and "step 1/120" not in out
+
+
+def test_ctrl_c_while_following_leaves_the_job_running(monkeypatch, capsys):
+    job = FakeJob(["[tidal] step 1/120\n"], "RUNNING", interrupted=True)
+    assert submit_with(monkeypatch, job) == 130
+    err = capsys.readouterr().err
+    assert not job.stopped and "keeps running" in err
+    assert "tidal stop raysubmit_x --address http://head:8265" in err
+    assert "tidal logs raysubmit_x --follow --address http://head:8265" in err

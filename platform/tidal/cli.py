@@ -17,7 +17,7 @@ import yaml
 
 from tidal.cluster.cli import register as register_cluster
 from tidal.errors import SpecError, TidalError, UsageError
-from tidal.launch.jobs import JOB_FIELDS, PROGRESS_FIELDS
+from tidal.launch.jobs import JOB_FIELDS, PROGRESS_FIELDS, Job
 from tidal.launch.sweep_cli import register as register_sweep
 from tidal.output import add_output_flag, print_json
 from tidal.spec.job import JobSpec, notes
@@ -31,7 +31,7 @@ EPILOG = """examples:
   tidal run jobs/quickstart.yaml                      # local Ray, or the cluster in RAY_ADDRESS
   tidal run jobs/quickstart.yaml --set train.steps=50 --restart
   tidal sweep jobs/quickstart.yaml --param train.lr=loguniform:1e-4:1e-2 --samples 8 --set sweep.scheduler=asha
-  tidal submit jobs/quickstart.yaml --address http://head:8265 --follow
+  tidal submit jobs/quickstart.yaml --address http://head:8265   # follows it to its end; --no-wait returns at once
   tidal list --address http://head:8265; tidal logs ID --follow; tidal stop ID
   tidal runs; tidal runs compare RUN_ID RUN_ID
   tidal cluster validate cluster_configs/*.yaml
@@ -108,10 +108,12 @@ def _parser() -> argparse.ArgumentParser:
                         "`tidal schema > jobs/tidal-job.schema.json`.")
     sc.set_defaults(func=_schema)
 
-    s = _command(sub, "submit", _submit, "send a job to a Ray cluster through the Ray Jobs API")
+    s = _command(sub, "submit", _submit, "send a job to a Ray cluster through the Ray Jobs API and follow it to its end")
     _address(s)
     s.add_argument("--working-dir", default=".", help="folder uploaded with the job (default: .; .gitignore respected)")
-    s.add_argument("--follow", action="store_true", help="print the job's output until it ends; exit non-zero unless it succeeds")
+    s.add_argument("--no-wait", action="store_true", help="return once the job is submitted instead of printing its "
+                   "output until it ends (by default, like `ray job submit`, the exit code is 0 only if it SUCCEEDED)")
+    s.add_argument("--follow", action="store_true", help=argparse.SUPPRESS)  # the default now; old commands keep working
 
     for name, func, help_ in (("status", _status, "show a submitted job's state and progress"),
                               ("logs", _logs, "print a submitted job's output"),
@@ -231,13 +233,28 @@ def _submit(args: argparse.Namespace) -> int:
     print(f"submitted {spec.name!r} as {job.submission_id} to {job.address}")
     print(f"  follow it:  tidal logs {job.submission_id} --follow --address {job.address}")
     print(f"  stop it:    tidal stop {job.submission_id} --address {job.address}")
-    if not args.follow:
+    if args.no_wait:
         return 0
-    for chunk in job.follow():
-        print(chunk, end="", flush=True)
-    state = job.wait()
+    return _follow_to_end(job)
+
+
+def _follow_to_end(job: Job) -> int:
+    """Print the job's output until it ends; 0 only if it SUCCEEDED. Ctrl-C stops following, not the job."""
+    try:
+        for chunk in job.follow():
+            print(chunk, end="", flush=True)
+        state = job.wait()
+    except KeyboardInterrupt:
+        _still_running(job)
+        return EXIT_INTERRUPTED
     print(f"\njob {job.submission_id} {state}")
-    return 0 if state == "SUCCEEDED" else 1
+    return 0 if state == "SUCCEEDED" else EXIT_FAILED
+
+
+def _still_running(job: Job) -> None:
+    print(f"\nstopped following; job {job.submission_id} keeps running on the cluster.\n"
+          f"  follow it again:  tidal logs {job.submission_id} --follow --address {job.address}\n"
+          f"  stop it:          tidal stop {job.submission_id} --address {job.address}", file=sys.stderr)
 
 
 def _job(args: argparse.Namespace):  # noqa: ANN202 - lazy import keeps `tidal --help` fast
@@ -262,8 +279,12 @@ def _status(args: argparse.Namespace) -> int:
 def _logs(args: argparse.Namespace) -> int:
     job = _job(args)
     if args.follow:
-        for chunk in job.follow():
-            print(chunk, end="", flush=True)
+        try:
+            for chunk in job.follow():
+                print(chunk, end="", flush=True)
+        except KeyboardInterrupt:
+            _still_running(job)
+            return EXIT_INTERRUPTED
     else:
         print(job.logs(), end="")
     return 0
