@@ -27,14 +27,16 @@ from tidal.tracking.runs import RECORD_FIELDS
 EPILOG = """examples:
   tidal validate jobs/quickstart.yaml
   tidal validate jobs/quickstart.yaml --set scaling.max_workers=4 --deepspeed
-  tidal schema > jobs/tidal-job.schema.json         # after changing JobSpec; editors read it
+  tidal schema > jobs/tidal-job.schema.json           # after changing JobSpec; editors read it
   tidal run jobs/quickstart.yaml                      # local Ray, or the cluster in RAY_ADDRESS
   tidal run jobs/quickstart.yaml --set train.steps=50 --restart
   tidal sweep jobs/quickstart.yaml --param train.lr=loguniform:1e-4:1e-2 --samples 8 --set sweep.scheduler=asha
   tidal submit jobs/quickstart.yaml --address http://head:8265   # follows it to its end; --no-wait returns at once
   tidal list --address http://head:8265; tidal logs ID --follow; tidal stop ID
   tidal runs; tidal runs compare RUN_ID RUN_ID
+  tidal runs --output json                            # also list, status, cluster status: fields in their --help
   tidal cluster validate cluster_configs/*.yaml
+  tidal --version                                     # with the Ray, DeepSpeed, MLflow and torch versions
 
 Cluster commands read the address from --address or RAY_ADDRESS, and the auth token from
 RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token, as Ray does.
@@ -257,10 +259,10 @@ def _still_running(job: Job) -> None:
           f"  stop it:          tidal stop {job.submission_id} --address {job.address}", file=sys.stderr)
 
 
-def _job(args: argparse.Namespace):  # noqa: ANN202 - lazy import keeps `tidal --help` fast
-    from tidal.launch.jobs import Job, connect
+def _job(args: argparse.Namespace) -> Job:
+    from tidal.launch import jobs
 
-    return Job(args.job_id, connect(args.address).get_address())
+    return Job(args.job_id, jobs.connect(args.address).get_address())
 
 
 def _status(args: argparse.Namespace) -> int:
