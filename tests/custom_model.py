@@ -49,3 +49,13 @@ class FlakyLoad(Bigram):
 
 def build_flaky_load(spec: ModelSpec) -> nn.Module:
     return FlakyLoad(spec.vocab_size)
+
+
+class Broken(Bigram):
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("tests.custom_model.Broken: this model always fails")
+
+
+def build_failing(spec: ModelSpec) -> nn.Module:
+    """A model that fails at its first step, for jobs that must fail for good."""
+    return Broken(spec.vocab_size)

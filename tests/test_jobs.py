@@ -4,6 +4,7 @@ API through `tidal submit/status/logs/list/stop`, plain `ray job submit`, and th
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import signal
@@ -139,6 +140,36 @@ def test_submit_follow_status_logs_list(head, tmp_path, capsys, monkeypatch):
     listing = capsys.readouterr().out
     assert job_id in listing and "submitted" in listing and "24/24" in listing
 
+    assert main(["status", job_id, "--address", head, "--output", "json"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert (status["id"], status["status"], status["step"], status["steps"]) == (job_id, "SUCCEEDED", 24, 24)
+    assert main(["list", "--address", head, "--output", "json"]) == 0
+    listed = {r["id"]: r for r in json.loads(capsys.readouterr().out)}
+    assert listed[job_id]["name"] == "submitted" and listed[job_id]["step"] == 24
+
+
+def test_submit_follows_by_default_and_exits_by_the_outcome(head, tmp_path, capsys, monkeypatch):
+    """Like `ray job submit`: output until the job ends, exit 0 only if it SUCCEEDED; --no-wait returns at once."""
+    from tidal.launch.jobs import Job
+
+    monkeypatch.chdir(ROOT)
+    _, path = spec_file(tmp_path, "followed", **{"train.steps": 8})
+    assert main(["submit", str(path), "--address", head]) == 0
+    out = capsys.readouterr().out
+    job_id = out.split("submitted 'followed' as ")[1].split()[0]
+    assert "[tidal] step 8/8" in out and out.rstrip().endswith(f"job {job_id} SUCCEEDED")
+
+    _, broken = spec_file(tmp_path, "broken", **{"train.steps": 8, "failure.max_restarts": 0,
+                                                 "model.builder": "tests.custom_model:build_failing"})
+    assert main(["submit", str(broken), "--address", head]) == 1
+    assert capsys.readouterr().out.rstrip().endswith("FAILED")
+
+    assert main(["submit", str(path), "--address", head, "--no-wait", "--set", "name=not-waited"]) == 0
+    out = capsys.readouterr().out
+    assert "[tidal] step" not in out
+    job_id = out.split("submitted 'not-waited' as ")[1].split()[0]
+    assert Job(job_id, head).wait(timeout=400) == "SUCCEEDED"  # and the head is free for the next test
+
 
 def test_stop_a_running_job(head, tmp_path):
     spec, _ = spec_file(tmp_path, "to-stop", **{"train.steps": 5000, "checkpoint.every_steps": 1000})
@@ -165,7 +196,7 @@ def test_plain_ray_job_submit_runs_tidal(head, tmp_path):
 
 def test_wrong_token_gets_a_friendly_message(head, monkeypatch, capsys):
     monkeypatch.setenv("RAY_AUTH_TOKEN", "not-the-token")
-    assert main(["list", "--address", head]) == 2
+    assert main(["list", "--address", head]) == 1  # a ClusterError: the command failed
     err = capsys.readouterr().err
     assert "refused the auth token" in err and "RAY_AUTH_TOKEN" in err and "Traceback" not in err
 
@@ -173,7 +204,7 @@ def test_wrong_token_gets_a_friendly_message(head, monkeypatch, capsys):
 def test_missing_token_gets_a_friendly_message(head, monkeypatch, tmp_path, capsys):
     monkeypatch.delenv("RAY_AUTH_TOKEN")
     monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "absent"))
-    assert main(["status", "whatever", "--address", head]) == 2
+    assert main(["status", "whatever", "--address", head]) == 1
     assert "no auth token was found" in capsys.readouterr().err
 
 

@@ -201,3 +201,53 @@ def test_streaming_needs_a_file_and_no_pipeline(tmp_path):
 def test_epochs_apply_to_streams_only(tmp_path):
     p = problems(tmp_path, "data: {epochs: 2}")
     assert "data.streaming true" in p["data.epochs"]
+
+
+# --- warmup -----------------------------------------------------------------------------------
+
+
+def test_short_run_trains_with_a_shortened_warmup(capsys):
+    """The issue's case: quickstart warms up 10 steps, and a 10-step run is not refused."""
+    spec = load_spec(ROOT / "jobs/quickstart.yaml", ["train.steps=10"])
+    assert spec.train.warmup_plan()[0] == 9
+    assert ds_config(spec, 2, on_gpu=False)["scheduler"]["params"]["warmup_num_steps"] == 9
+    assert main(["validate", str(ROOT / "jobs/quickstart.yaml"), "--set", "train.steps=10"]) == 0
+    err = capsys.readouterr().err
+    assert "note: train.warmup_steps 10 is not below train.steps (10): warming up over 9 step(s)" in err
+
+
+@pytest.mark.parametrize(
+    "train, expected",
+    [
+        ({"steps": 120, "warmup": 0.05}, 6),
+        ({"steps": 30, "warmup": 0.1}, 3),  # 0.1 * 30 is 3.0000000000000004 in floats
+        ({"steps": 10, "warmup": 0.05}, 1),  # rounded up: a fraction asked for some warmup
+        ({"steps": 100, "warmup": 0.0}, 0),
+        ({"steps": 100}, 20),  # the default, as before train.warmup existed
+        ({"steps": 100, "warmup_steps": 5}, 5),
+        ({"steps": 10, "warmup": 1.0}, 9),
+        ({"steps": 1, "warmup_steps": 3}, 0),
+    ],
+)
+def test_warmup_steps_from_either_field(train, expected):
+    assert JobSpec(train=train).train.warmup_plan()[0] == expected
+
+
+def test_warmup_note_names_the_field_that_asked():
+    assert JobSpec(train={"steps": 100, "warmup_steps": 5}).train.warmup_plan()[1] is None
+    _, note = JobSpec(train={"steps": 10, "warmup": 1.0}).train.warmup_plan()
+    assert note is not None and note.startswith("train.warmup 1.0 x 10 steps = 10 is not below train.steps (10)")
+    _, note = JobSpec(train={"steps": 10}).train.warmup_plan()
+    assert note is not None and "train.warmup_steps 20 (the default)" in note
+
+
+def test_warmup_and_warmup_steps_together_are_refused_naming_both(tmp_path):
+    p = problems(tmp_path, "train: {warmup: 0.05, warmup_steps: 10}")
+    assert "train.warmup_steps (10) are both set" in p["train.warmup"]
+    assert "--set train.warmup_steps=null" in p["train.warmup"]
+    # the way out the message gives works
+    assert load_spec(write(tmp_path, "train: {warmup: 0.05, warmup_steps: 10}"), ["train.warmup_steps=null"]).train.warmup == 0.05
+
+
+def test_warmup_fraction_above_one_is_refused(tmp_path):
+    assert "less than or equal to 1" in problems(tmp_path, "train: {warmup: 5}")["train.warmup"]

@@ -145,13 +145,30 @@ def test_cli_sweep_command_parses_and_stays_light():
     parser = argparse.ArgumentParser(prog="tidal")
     register(parser.add_subparsers())
     args = parser.parse_args(["sweep", "job.yaml", "--param", "train.lr=loguniform:1e-4:1e-2", "--param",
-                              "train.micro_batch=choice:4,8", "--samples", "4", "--scheduler", "asha",
-                              "--max-concurrent", "1", "--set", "train.steps=10", "--restart"])
+                              "train.micro_batch=choice:4,8", "--samples", "4", "--set", "sweep.scheduler=asha",
+                              "--set", "train.steps=10", "--restart"])
     assert args.params == ["train.lr=loguniform:1e-4:1e-2", "train.micro_batch=choice:4,8"]
-    assert (args.samples, args.scheduler, args.max_concurrent, args.restart) == (4, "asha", 1, True)
+    assert (args.samples, args.overrides, args.restart) == (4, ["sweep.scheduler=asha", "train.steps=10"], True)
     code = "import sys, tidal.launch.sweep_cli, tidal.spec.sweep; print(sorted({m.split('.')[0] for m in sys.modules} & {'ray', 'torch', 'deepspeed'}))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("flag, value", [("--scheduler", "asha"), ("--metric", "loss"), ("--mode", "max"),
+                                         ("--max-concurrent", "2")])
+def test_removed_sweep_flags_say_where_the_setting_went(flag, value, capsys):
+    from tidal.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["sweep", str(ROOT / "jobs/quickstart.yaml"), flag, value])
+    assert e.value.code == 2
+    key = flag.removeprefix("--").replace("-", "_")
+    assert f"use --set sweep.{key}={value}" in capsys.readouterr().err
+
+
+def test_sweep_settings_come_from_set():
+    _, section = load_sweep_section(ROOT / "jobs/quickstart.yaml", ["sweep.scheduler=asha", "sweep.max_concurrent=1"])
+    assert section is not None and (section.scheduler, section.max_concurrent) == ("asha", 1)
 
 
 def test_invalid_values_fail_before_any_trial_starts(tmp_path):

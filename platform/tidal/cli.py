@@ -1,7 +1,7 @@
 """`tidal` command line: parses arguments, calls the SDK, prints. No logic of its own.
 
-Imports only the spec at start-up, so `tidal --help` and `tidal validate` stay fast and
-never load torch, ray or deepspeed.
+Imports only the spec and light modules at start-up, so `tidal --help` and `tidal validate` stay
+fast and never load torch, ray, deepspeed or mlflow (tests/test_spec.py checks).
 """
 
 from __future__ import annotations
@@ -16,26 +16,44 @@ from collections.abc import Callable, Sequence
 import yaml
 
 from tidal.cluster.cli import register as register_cluster
-from tidal.errors import TidalError
+from tidal.errors import SpecError, TidalError, UsageError
+from tidal.launch.jobs import JOB_FIELDS, PROGRESS_FIELDS, Job
 from tidal.launch.sweep_cli import register as register_sweep
-from tidal.spec.job import JobSpec
+from tidal.output import add_output_flag, print_json
+from tidal.spec.job import JobSpec, notes
 from tidal.spec.load import load_spec
+from tidal.tracking.runs import RECORD_FIELDS
 
 EPILOG = """examples:
   tidal validate jobs/quickstart.yaml
   tidal validate jobs/quickstart.yaml --set scaling.max_workers=4 --deepspeed
+  tidal schema > jobs/tidal-job.schema.json           # after changing JobSpec; editors read it
   tidal run jobs/quickstart.yaml                      # local Ray, or the cluster in RAY_ADDRESS
   tidal run jobs/quickstart.yaml --set train.steps=50 --restart
-  tidal sweep jobs/quickstart.yaml --param train.lr=loguniform:1e-4:1e-2 --samples 8 --scheduler asha
-  tidal submit jobs/quickstart.yaml --address http://head:8265 --follow
+  tidal sweep jobs/quickstart.yaml --param train.lr=loguniform:1e-4:1e-2 --samples 8 --set sweep.scheduler=asha
+  tidal submit jobs/quickstart.yaml --address http://head:8265   # follows it to its end; --no-wait returns at once
   tidal list --address http://head:8265; tidal logs ID --follow; tidal stop ID
   tidal runs; tidal runs compare RUN_ID RUN_ID
+  tidal runs --output json                            # also list, status, cluster status: fields in their --help
   tidal cluster validate cluster_configs/*.yaml
+  tidal --version                                     # with the Ray, DeepSpeed, MLflow and torch versions
 
 Cluster commands read the address from --address or RAY_ADDRESS, and the auth token from
 RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token, as Ray does.
 
-Set TIDAL_DEBUG=1 to see tracebacks behind error messages."""
+Set TIDAL_DEBUG=1 to see tracebacks behind error messages.
+
+exit codes:
+  0    success
+  1    a job or command that failed: a job that failed for good after its restarts, a submitted
+       job that ended FAILED or STOPPED, a cluster or MLflow store that cannot be reached
+  2    bad usage or an invalid job spec or cluster config: nothing was started; fix what the
+       message names
+  130  interrupted (Ctrl-C)"""
+
+EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
+VERSIONS_OF = ("ray", "deepspeed", "mlflow", "torch")
+PROGRESS_DOC = f"the latest progress: {', '.join(PROGRESS_FIELDS)} (null before the first)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -48,10 +66,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args) or 0
     except TidalError as e:
         print_error(e)
-        return 2
+        return exit_code(e)
     except KeyboardInterrupt:
         print("interrupted; run the same command again to resume from the latest checkpoint", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
+
+
+def exit_code(e: TidalError) -> int:
+    """2 when nothing could start as asked (scripts should not retry), 1 when it ran and failed."""
+    return EXIT_USAGE if isinstance(e, (SpecError, UsageError)) else EXIT_FAILED
 
 
 def print_error(e: BaseException) -> None:
@@ -69,6 +92,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    p.add_argument("--version", action=_Version, help="print the versions of tidal, Ray, DeepSpeed, MLflow and torch")
     sub = p.add_subparsers(title="commands", metavar="COMMAND")
 
     v = _command(sub, "validate", _validate, "check a job spec and print it fully resolved")
@@ -79,10 +103,19 @@ def _parser() -> argparse.ArgumentParser:
 
     register_sweep(sub)
 
-    s = _command(sub, "submit", _submit, "send a job to a Ray cluster through the Ray Jobs API")
+    sc = sub.add_parser("schema", help="print the job spec's JSON Schema (for editors and CI checks)",
+                        description="Print the JSON Schema of a job spec. jobs/tidal-job.schema.json is this output; "
+                        "job files name it on their first line (# yaml-language-server: $schema=./tidal-job.schema.json) "
+                        "so editors complete keys and flag typos. After changing JobSpec, run "
+                        "`tidal schema > jobs/tidal-job.schema.json`.")
+    sc.set_defaults(func=_schema)
+
+    s = _command(sub, "submit", _submit, "send a job to a Ray cluster through the Ray Jobs API and follow it to its end")
     _address(s)
     s.add_argument("--working-dir", default=".", help="folder uploaded with the job (default: .; .gitignore respected)")
-    s.add_argument("--follow", action="store_true", help="print the job's output until it ends; exit non-zero unless it succeeds")
+    s.add_argument("--no-wait", action="store_true", help="return once the job is submitted instead of printing its "
+                   "output until it ends (by default, like `ray job submit`, the exit code is 0 only if it SUCCEEDED)")
+    s.add_argument("--follow", action="store_true", help=argparse.SUPPRESS)  # the default now; old commands keep working
 
     for name, func, help_ in (("status", _status, "show a submitted job's state and progress"),
                               ("logs", _logs, "print a submitted job's output"),
@@ -92,9 +125,12 @@ def _parser() -> argparse.ArgumentParser:
         _address(c)
         if name == "logs":
             c.add_argument("--follow", action="store_true", help="keep printing until the job ends")
+        if name == "status":
+            add_output_flag(c, f"an object with id, status and {PROGRESS_DOC}")
         c.set_defaults(func=func)
     ls = sub.add_parser("list", help="list Tidal jobs on a cluster with progress", description="list Tidal jobs on a cluster")
     _address(ls)
+    add_output_flag(ls, f"a list of objects with id, name, status, start_time (ms since the epoch) and {PROGRESS_DOC}")
     ls.set_defaults(func=_list)
 
     rn = sub.add_parser("runs", help="table of Tidal runs in MLflow; `runs compare RUN RUN ...` puts runs side by side",
@@ -104,9 +140,33 @@ def _parser() -> argparse.ArgumentParser:
     rn.add_argument("--uri", default=os.environ.get("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db"),
                     help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or sqlite:///mlflow.db)")
     rn.add_argument("--experiment", default=None, help="only this experiment")
+    add_output_flag(rn, "for `runs`, a list of objects with " + ", ".join(RECORD_FIELDS) + " (times in ms since "
+                    "the epoch); for `runs compare`, an object with differing_params and runs, a list of objects "
+                    "with run_id, job, status, params and metrics")
     rn.set_defaults(func=_runs)
     register_cluster(sub)
     return p
+
+
+class _Version(argparse.Action):
+    """`--version`: read from package metadata, so torch, ray and the rest are not imported."""
+
+    def __init__(self, option_strings: list[str], dest: str, help: str | None = None) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
+        from importlib.metadata import PackageNotFoundError, version
+
+        from tidal import __version__
+
+        lines = [f"tidal {__version__}"]
+        for name in VERSIONS_OF:
+            try:
+                lines.append(f"{name} {version(name)}")
+            except PackageNotFoundError:
+                lines.append(f"{name} not installed")
+        print("\n".join(lines))
+        parser.exit()
 
 
 def _address(p: argparse.ArgumentParser) -> None:
@@ -123,7 +183,15 @@ def _command(sub: argparse._SubParsersAction, name: str, func: Callable[[argpars
 
 
 def _spec(args: argparse.Namespace) -> JobSpec:
-    return load_spec(args.spec, args.overrides)
+    spec = load_spec(args.spec, args.overrides)
+    print_notes(spec)
+    return spec
+
+
+def print_notes(spec: JobSpec) -> None:
+    """To stderr, so that stdout stays what the command promises (e.g. YAML from `validate`)."""
+    for line in notes(spec):
+        print(f"note: {line}", file=sys.stderr)
 
 
 def _validate(args: argparse.Namespace) -> int:
@@ -137,6 +205,13 @@ def _validate(args: argparse.Namespace) -> int:
         for world in sorted({spec.scaling.min_workers, spec.scaling.max_workers}):
             print(f"\n# DeepSpeed config at world size {world} ({'GPU' if on_gpu else 'CPU'})")
             print(json.dumps(ds_config(spec, world, on_gpu=on_gpu), indent=2))
+    return 0
+
+
+def _schema(_args: argparse.Namespace) -> int:
+    from tidal.spec.schema import schema_text
+
+    print(schema_text(), end="")
     return 0
 
 
@@ -157,24 +232,42 @@ def _submit(args: argparse.Namespace) -> int:
     print(f"submitted {spec.name!r} as {job.submission_id} to {job.address}")
     print(f"  follow it:  tidal logs {job.submission_id} --follow --address {job.address}")
     print(f"  stop it:    tidal stop {job.submission_id} --address {job.address}")
-    if not args.follow:
+    if args.no_wait:
         return 0
-    for chunk in job.follow():
-        print(chunk, end="", flush=True)
-    state = job.wait()
+    return _follow_to_end(job)
+
+
+def _follow_to_end(job: Job) -> int:
+    """Print the job's output until it ends; 0 only if it SUCCEEDED. Ctrl-C stops following, not the job."""
+    try:
+        for chunk in job.follow():
+            print(chunk, end="", flush=True)
+        state = job.wait()
+    except KeyboardInterrupt:
+        _still_running(job)
+        return EXIT_INTERRUPTED
     print(f"\njob {job.submission_id} {state}")
-    return 0 if state == "SUCCEEDED" else 1
+    return 0 if state == "SUCCEEDED" else EXIT_FAILED
 
 
-def _job(args: argparse.Namespace):  # noqa: ANN202 - lazy import keeps `tidal --help` fast
-    from tidal.launch.jobs import Job, connect
+def _still_running(job: Job) -> None:
+    print(f"\nstopped following; job {job.submission_id} keeps running on the cluster.\n"
+          f"  follow it again:  tidal logs {job.submission_id} --follow --address {job.address}\n"
+          f"  stop it:          tidal stop {job.submission_id} --address {job.address}", file=sys.stderr)
 
-    return Job(args.job_id, connect(args.address).get_address())
+
+def _job(args: argparse.Namespace) -> Job:
+    from tidal.launch import jobs
+
+    return Job(args.job_id, jobs.connect(args.address).get_address())
 
 
 def _status(args: argparse.Namespace) -> int:
     job = _job(args)
     p = job.progress()
+    if args.output == "json":
+        print_json({"id": job.submission_id, "status": job.status(), **dict.fromkeys(PROGRESS_FIELDS), **p})
+        return 0
     line = f"{job.submission_id}: {job.status()}"
     if p:
         line += f" | step {p['step']}/{p['steps']} | loss {p['loss']:.4f} | {p['tokens_per_s']:,.0f} tok/s | world {p['world_size']}"
@@ -185,8 +278,12 @@ def _status(args: argparse.Namespace) -> int:
 def _logs(args: argparse.Namespace) -> int:
     job = _job(args)
     if args.follow:
-        for chunk in job.follow():
-            print(chunk, end="", flush=True)
+        try:
+            for chunk in job.follow():
+                print(chunk, end="", flush=True)
+        except KeyboardInterrupt:
+            _still_running(job)
+            return EXIT_INTERRUPTED
     else:
         print(job.logs(), end="")
     return 0
@@ -202,6 +299,9 @@ def _list(args: argparse.Namespace) -> int:
     from tidal.launch.jobs import list_jobs
 
     rows = list_jobs(args.address)
+    if args.output == "json":
+        print_json([{**dict.fromkeys(JOB_FIELDS + PROGRESS_FIELDS), **r} for r in rows])
+        return 0
     if not rows:
         print("no Tidal jobs on this cluster")
         return 0
@@ -215,15 +315,21 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _runs(args: argparse.Namespace) -> int:
-    from tidal.tracking.runs import COLUMNS, compare, list_runs, table
+    from tidal.tracking.runs import COLUMNS, compare, compare_record, list_runs, run_records, table
 
     if args.rest and args.rest[0] == "compare":
         if len(args.rest) < 3:
-            raise TidalError("usage: tidal runs compare RUN_ID RUN_ID [RUN_ID ...]")
+            raise UsageError("usage: tidal runs compare RUN_ID RUN_ID [RUN_ID ...]")
+        if args.output == "json":
+            print_json(compare_record(args.uri, args.rest[1:]))
+            return 0
         print(table(*compare(args.uri, args.rest[1:])))
         return 0
     if args.rest:
-        raise TidalError(f"unknown runs action {args.rest[0]!r}: use `tidal runs` or `tidal runs compare RUN_ID RUN_ID`")
+        raise UsageError(f"unknown runs action {args.rest[0]!r}: use `tidal runs` or `tidal runs compare RUN_ID RUN_ID`")
+    if args.output == "json":
+        print_json(run_records(args.uri, args.experiment))
+        return 0
     rows = list_runs(args.uri, args.experiment)
     if not rows:
         print(f"no Tidal runs in {args.uri}")

@@ -19,6 +19,10 @@ class SpecError(TidalError):
         super().__init__("\n".join(lines))
 
 
+class UsageError(TidalError):
+    """A command line that cannot work as given (the CLI exits 2, as argparse does)."""
+
+
 class CheckpointError(TidalError):
     """A checkpoint that cannot be resumed from (changed model, unsupported resize...)."""
 

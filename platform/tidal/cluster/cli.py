@@ -9,6 +9,8 @@ import argparse
 import os
 from typing import Any
 
+from tidal.output import add_output_flag, print_json
+
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
     """Add the `cluster` command to the `tidal` parser's subparsers; returns its parser."""
@@ -26,6 +28,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                        "pending demand and the Ray Train workers of each job.")
     s.add_argument("--address", default=None,
                    help="Ray cluster (GCS) address, e.g. head:6379 (default: $RAY_ADDRESS, else 'auto')")
+    add_output_flag(s, "an object with nodes (node_id, site, ip, gpus_total, gpus_used, cpus_total, cpus_used), "
+                    "autoscaler (pending_launches, pending_nodes, resource_demand, pg_demand, request_demand; null "
+                    "without an autoscaler) and workers (job_id, node_id, site, workers: Ray Train workers there)")
     s.set_defaults(func=status_command)
     c.set_defaults(func=lambda _args: c.print_help() or 0)
     return c
@@ -49,10 +54,13 @@ def validate_command(args: argparse.Namespace) -> int:
 
 
 def status_command(args: argparse.Namespace) -> int:
-    from tidal.cluster.status import cluster_status
+    from tidal.cluster.status import cluster_record, cluster_status
 
     _connect(args.address or os.environ.get("RAY_ADDRESS") or "auto")
-    print(cluster_status())
+    if args.output == "json":
+        print_json(cluster_record())
+    else:
+        print(cluster_status())
     return 0
 
 

@@ -32,6 +32,45 @@ def cluster_status() -> str:
     return "\n".join(lines)
 
 
+def cluster_record() -> dict[str, Any]:
+    """`tidal cluster status --output json`: what `cluster_status` prints, as data (see status_record)."""
+    return status_record(node_lines(), autoscaler_status(), train_workers())
+
+
+def status_record(nodes: list[NodeLine], autoscaler: dict[str, Any], workers: list[tuple[str, str]]) -> dict[str, Any]:
+    """`nodes`: node_id, site, ip, gpus/cpus total and used; `autoscaler`: its pending launches and
+    demand, or None without one; `workers`: Ray Train workers per (job_id, node_id), with the site."""
+    sites = {n.node_id: n.site for n in nodes}
+    per_node = Counter(workers)
+    return {
+        "nodes": [{"node_id": n.node_id, "site": n.site, "ip": n.ip, "gpus_total": n.gpus_total,
+                   "gpus_used": n.gpus_total - n.gpus_free, "cpus_total": n.cpus_total,
+                   "cpus_used": n.cpus_total - n.cpus_free} for n in sorted(nodes, key=lambda n: (n.site, n.node_id))],
+        "autoscaler": demand_record(autoscaler),
+        "workers": [{"job_id": job, "node_id": node, "site": sites.get(node, "unknown"), "workers": count}
+                    for (job, node), count in sorted(per_node.items())],
+    }
+
+
+def demand_record(status: dict[str, Any]) -> dict[str, Any] | None:
+    """The autoscaler report's pending launches and demand, as `format_demand` reads them."""
+    if not status:
+        return None
+    report = status.get("autoscaler_report") or {}
+    load = status.get("load_metrics_report") or {}
+    record: dict[str, Any] = {
+        "pending_launches": dict(report.get("pending_launches") or {}),
+        "pending_nodes": [{"ip": ip, "node_type": kind, "state": state} for ip, kind, state in report.get("pending_nodes") or []],
+    }
+    for key in ("resource_demand", "pg_demand", "request_demand"):
+        record[key] = [{"shape": _shape(shape), "count": count} for shape, count in load.get(key) or []]
+    return record
+
+
+def _shape(shape: dict[str, float]) -> dict[str, float]:
+    return {k: v for k, v in sorted(shape.items()) if not k.startswith("node:")}
+
+
 def node_lines() -> list[NodeLine]:
     import ray
     from ray._private.state import available_resources_per_node
@@ -132,5 +171,5 @@ def format_workers(workers: list[tuple[str, str]], nodes: list[NodeLine]) -> lis
     return lines
 
 
-__all__ = ["cluster_status", "format_demand", "format_sites", "format_workers", "train_workers",
-           "train_workers_by_site"]
+__all__ = ["cluster_record", "cluster_status", "demand_record", "format_demand", "format_sites", "format_workers",
+           "status_record", "train_workers", "train_workers_by_site"]

@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from tidal.cli import print_error
+from tidal.cli import exit_code, print_error
 from tidal.errors import TidalError
 from tidal.spec.load import validate
 
@@ -22,7 +22,7 @@ def main(argv: list[str]) -> int:
         result = run(spec)
     except TidalError as e:
         print_error(e)
-        return 2
+        return exit_code(e)
     print(result.summary(spec.resolved()))
     return 0
 

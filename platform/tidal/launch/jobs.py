@@ -29,6 +29,9 @@ RECORD_PREFIX = "[tidal-record] "  # see tidal.launch.trainer.record
 # with the job when set, as Ray's and MLflow's users expect of their environment.
 FORWARDED_ENV = ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "TIDAL_STORAGE")
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
+# `tidal list/status --output json` hold these always; progress fields are null before the first progress line.
+JOB_FIELDS = ("id", "name", "status", "start_time")
+PROGRESS_FIELDS = ("step", "steps", "loss", "tokens_per_s", "world_size")
 
 
 def auth_token() -> str | None:

@@ -191,9 +191,9 @@ def _check_state_api() -> None:
     try:
         list_actors(limit=1, timeout=10, raise_on_missing_output=False)
     except (RayStateApiException, ConnectionError) as e:
-        raise TidalError("--scheduler asha needs Ray's State API (the dashboard) to free the workers of stopped "
+        raise TidalError("sweep.scheduler asha needs Ray's State API (the dashboard) to free the workers of stopped "
                          "trials, and this Ray cluster has none (started with include_dashboard=False or without "
-                         "ray[default]?). Start Ray with its dashboard, or sweep with --scheduler none.") from e
+                         "ray[default]?). Start Ray with its dashboard, or sweep with sweep.scheduler none.") from e
 
 
 def _last_step(base: JobSpec) -> int:

@@ -47,16 +47,17 @@ def ds_config(spec: JobSpec, world_size: int, on_gpu: bool, load_universal: bool
 
 def _scheduler(spec: JobSpec) -> dict[str, Any]:
     t = spec.train
+    warmup = max(t.warmup_plan()[0], 1)  # DeepSpeed refuses 0 warmup steps
     if t.schedule == "constant":
         return {
             "type": "WarmupLR",
-            "params": {"warmup_min_lr": 0.0, "warmup_max_lr": t.lr, "warmup_num_steps": max(t.warmup_steps, 1), "warmup_type": "linear"},
+            "params": {"warmup_min_lr": 0.0, "warmup_max_lr": t.lr, "warmup_num_steps": warmup, "warmup_type": "linear"},
         }
     return {
         "type": "WarmupCosineLR",
         "params": {
             "total_num_steps": t.steps,
-            "warmup_num_steps": max(t.warmup_steps, 1),
+            "warmup_num_steps": warmup,
             "warmup_min_ratio": 0.0,
             "cos_min_ratio": t.min_lr_ratio,
             "warmup_type": "linear",

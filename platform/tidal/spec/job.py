@@ -18,6 +18,7 @@ from tidal.spec.sweep import SweepSpec
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$"
 REDACTED = "***"
+DEFAULT_WARMUP_STEPS = 20
 
 
 class Part(BaseModel):
@@ -84,7 +85,13 @@ class TrainSpec(Part):
     global_batch: int = Field(32, ge=1, description="sequences per optimizer step, fixed at any world size")
     lr: float = Field(3e-4, gt=0.0, le=1.0)
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="cosine floor as a fraction of lr")
-    warmup_steps: int = Field(20, ge=0)
+    warmup_steps: int | None = Field(
+        None, ge=0, description=f"steps of linear warmup (default {DEFAULT_WARMUP_STEPS} unless train.warmup is set); "
+        "a warmup as long as the job is shortened to train.steps - 1, with a note"
+    )
+    warmup: float | None = Field(
+        None, ge=0.0, le=1.0, description="warmup as a fraction of train.steps (e.g. 0.05), instead of warmup_steps"
+    )
     schedule: Literal["cosine", "constant"] = "cosine"
     weight_decay: float = Field(0.0, ge=0.0)
     grad_clip: float = Field(1.0, ge=0.0, description="0 disables clipping")
@@ -93,6 +100,32 @@ class TrainSpec(Part):
     stop_at: int | None = Field(
         None, ge=1, description="end this launch after that step, with a checkpoint; the same job run again continues"
     )
+
+    @model_validator(mode="after")
+    def _one_warmup(self) -> TrainSpec:
+        if self.warmup is not None and self.warmup_steps is not None:
+            raise ValueError(f"warmup: {self.warmup} and train.warmup_steps ({self.warmup_steps}) are both set; "
+                             "keep one (e.g. --set train.warmup_steps=null)")
+        return self
+
+    def warmup_plan(self) -> tuple[int, str | None]:
+        """(warmup steps the schedule uses, a note when that differs from what the spec asked for).
+
+        A warmup as long as the job leaves no step at the peak rate; like other trainers we shorten
+        it rather than refuse a short run (`--set train.steps=10` on any job).
+        """
+        if self.warmup is not None:
+            # round() first: 0.1 * 30 is 3.0000000000000004, which ceil would make 4
+            asked, field = math.ceil(round(self.warmup * self.steps, 6)), "train.warmup"
+            shown = f"{self.warmup} x {self.steps} steps = {asked}"
+        else:
+            asked = DEFAULT_WARMUP_STEPS if self.warmup_steps is None else self.warmup_steps
+            field, shown = "train.warmup_steps", f"{asked}{' (the default)' if self.warmup_steps is None else ''}"
+        if asked < self.steps:
+            return asked, None
+        steps = self.steps - 1
+        return steps, (f"{field} {shown} is not below train.steps ({self.steps}): "
+                       f"warming up over {steps} step(s) instead")
 
 
 class ParallelismSpec(Part):
@@ -298,6 +331,12 @@ def _outside_working_dir(storage: str, uri: str, cluster_storage: str | None) ->
     return storage, uri
 
 
+def notes(spec: JobSpec) -> list[str]:
+    """What runs differently from what the spec says, one line each (the CLI prints them)."""
+    _, warmup = spec.train.warmup_plan()
+    return [warmup] if warmup else []
+
+
 def consistency_problems(spec: JobSpec) -> list[tuple[str, str]]:
     """Checks that span several fields; each problem names the field to change."""
     problems: list[tuple[str, str]] = []
@@ -317,8 +356,6 @@ def consistency_problems(spec: JobSpec) -> list[tuple[str, str]]:
              f"train.micro_batch ({t.micro_batch}) x each world size in [{s.min_workers}, {s.max_workers}]; "
              f"try global_batch {' or '.join(map(str, near))}, or narrow the scaling range")
         )
-    if t.warmup_steps >= t.steps and t.steps > 1:
-        problems.append(("train.warmup_steps", f"{t.warmup_steps} must be below train.steps ({t.steps})"))
     if spec.parallelism.precision == "fp16" and s.gpus_per_worker == 0:
         problems.append(("parallelism.precision", "fp16 needs GPUs (scaling.gpus_per_worker >= 1); use fp32 or bf16 on CPU"))
     problems += _data_problems(spec.data)

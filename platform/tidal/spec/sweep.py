@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import typing
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -90,7 +91,7 @@ def parse_dist(key: str, dist: str) -> Param:
         if not rest.strip() or any(not s for s in items):
             raise _bad(text, f"{kind} needs comma-separated values with none empty")
         return Param(key, kind, values=tuple(_scalar(s) for s in items))  # type: ignore[arg-type]
-    if kind in ("uniform", "loguniform") and _fields()[0][key] is int:
+    if kind in ("uniform", "loguniform") and _is_int(_fields()[0][key]):
         raise _bad(text, f"{key} is an integer field: use randint:LO:HI, or choice")
     return _range(text, key, kind, rest)  # type: ignore[arg-type]
 
@@ -246,6 +247,11 @@ def _scalar(text: str) -> Any:
 
 def _bad(text: str, why: str) -> SpecError:
     return SpecError([("--param", f"{text!r}: {why}. Accepted forms: {ACCEPTED_FORMS}")])
+
+
+def _is_int(annotation: Any) -> bool:
+    """`int`, or `int | None` (an optional count such as train.warmup_steps)."""
+    return annotation is int or set(typing.get_args(annotation)) == {int, type(None)}
 
 
 def _fields() -> tuple[dict[str, Any], list[str]]:

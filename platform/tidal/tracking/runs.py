@@ -1,46 +1,78 @@
-"""`tidal runs`: Tidal's runs in MLflow as tables a person can read."""
+"""`tidal runs`: Tidal's runs in MLflow as tables a person can read, or as JSON records."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
-
-from mlflow.tracking import MlflowClient
+from typing import TYPE_CHECKING, Any
 
 from tidal.errors import TidalError
 
+if TYPE_CHECKING:
+    from mlflow.tracking import MlflowClient
+
 COLUMNS = ("job", "status", "steps", "final loss", "tokens/s", "MFU", "world", "GPU-hours", "run id")
+# `tidal runs --output json`: one object per run, numbers unformatted; times in ms since the epoch.
+RECORD_FIELDS = ("run_id", "job", "experiment_id", "status", "step", "steps", "loss", "tokens_per_s", "mfu",
+                 "world_size", "gpu_hours", "start_time", "end_time")
 
 
 def _client(uri: str) -> MlflowClient:
     """Refuses a SQLite path that does not exist, which MLflow would silently create empty."""
+    from mlflow.tracking import (
+        MlflowClient,  # here: `tidal --help` reads RECORD_FIELDS without loading mlflow
+    )
+
     if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).exists():
         raise TidalError(f"no MLflow store at {uri}: pass --uri (e.g. sqlite:///path/to/mlflow.db or http://host:5000)")
     return MlflowClient(uri)
 
 
 def list_runs(uri: str, experiment: str | None = None, limit: int = 50) -> list[dict[str, Any]]:
-    """Tidal runs, newest first, across all experiments unless one is named."""
+    """Tidal runs, newest first, across all experiments unless one is named: table cells."""
+    return [_row(r) for r in _search(uri, experiment, limit)]
+
+
+def run_records(uri: str, experiment: str | None = None, limit: int = 50) -> list[dict[str, Any]]:
+    """The runs `list_runs` finds, with the RECORD_FIELDS as numbers (None where a run has no value)."""
+    return [_record(r) for r in _search(uri, experiment, limit)]
+
+
+def _search(uri: str, experiment: str | None, limit: int) -> list[Any]:
     c = _client(uri)
     exps = [c.get_experiment_by_name(experiment)] if experiment else c.search_experiments()
     ids = [e.experiment_id for e in exps if e is not None]
     if not ids:
         return []
-    runs = c.search_runs(ids, filter_string="tags.`tidal.job` != ''", order_by=["attributes.start_time DESC"], max_results=limit)
-    return [_row(r) for r in runs]
+    return c.search_runs(ids, filter_string="tags.`tidal.job` != ''", order_by=["attributes.start_time DESC"], max_results=limit)
 
 
 def _row(run: Any) -> dict[str, Any]:
     m, p, info = run.data.metrics, run.data.params, run.info
-    hours = ((info.end_time or info.start_time) - info.start_time) / 3.6e6 if info.start_time else 0.0
-    gpus = float(p.get("scaling.gpus_per_worker", 0)) * m.get("world_size", 0)
     return {
         "job": run.data.tags.get("tidal.job", "?"), "status": info.status,
         "steps": f"{_last_step(run)}/{p.get('train.steps', '?')}",
         "final loss": _num(m.get("loss"), "{:.4f}"), "tokens/s": _num(m.get("tokens_per_s"), "{:,.0f}"),
         "MFU": _num(m.get("mfu"), "{:.1%}"), "world": _num(m.get("world_size"), "{:.0f}"),
-        "GPU-hours": f"{hours * gpus:.2f}", "run id": info.run_id,
+        "GPU-hours": f"{_gpu_hours(run):.2f}", "run id": info.run_id,
     }
+
+
+def _record(run: Any) -> dict[str, Any]:
+    m, p, info = run.data.metrics, run.data.params, run.info
+    steps, world = p.get("train.steps"), m.get("world_size")
+    return {
+        "run_id": info.run_id, "job": run.data.tags.get("tidal.job"), "experiment_id": info.experiment_id,
+        "status": info.status, "step": _last_step(run), "steps": int(steps) if steps else None,
+        "loss": m.get("loss"), "tokens_per_s": m.get("tokens_per_s"), "mfu": m.get("mfu"),
+        "world_size": None if world is None else int(world), "gpu_hours": _gpu_hours(run),
+        "start_time": info.start_time, "end_time": info.end_time,
+    }
+
+
+def _gpu_hours(run: Any) -> float:
+    info = run.info
+    hours = ((info.end_time or info.start_time) - info.start_time) / 3.6e6 if info.start_time else 0.0
+    return hours * float(run.data.params.get("scaling.gpus_per_worker", 0)) * run.data.metrics.get("world_size", 0)
 
 
 def _last_step(run: Any) -> int:
@@ -55,13 +87,28 @@ def compare(uri: str, run_ids: list[str]) -> tuple[list[str], list[list[str]]]:
     c = _client(uri)
     runs = [c.get_run(r) for r in run_ids]
     header = ["", *[r.data.tags.get("tidal.job", r.info.run_id[:8]) + f" ({r.info.run_id[:8]})" for r in runs]]
-    keys = sorted({k for r in runs for k in r.data.params})
-    rows = [[k, *[r.data.params.get(k, "-") for r in runs]] for k in keys
-            if len({r.data.params.get(k) for r in runs}) > 1]
+    rows = [[k, *[r.data.params.get(k, "-") for r in runs]] for k in _differing(runs)]
     for label, key in (("final loss", "loss"), ("tokens/s", "tokens_per_s"), ("MFU", "mfu"), ("world size", "world_size"),
                        ("restarts", "restarts"), ("steps lost", "steps_lost")):
         rows.append([label, *[_fmt(r.data.metrics.get(key)) for r in runs]])
     return header, rows
+
+
+def compare_record(uri: str, run_ids: list[str]) -> dict[str, Any]:
+    """`tidal runs compare --output json`: `differing_params` (keys), and `runs`, one object per run
+    with run_id, job, status, params (all, as MLflow stores them: strings) and metrics (final values)."""
+    c = _client(uri)
+    runs = [c.get_run(r) for r in run_ids]
+    return {
+        "differing_params": _differing(runs),
+        "runs": [{"run_id": r.info.run_id, "job": r.data.tags.get("tidal.job"), "status": r.info.status,
+                  "params": dict(r.data.params), "metrics": dict(r.data.metrics)} for r in runs],
+    }
+
+
+def _differing(runs: list[Any]) -> list[str]:
+    keys = sorted({k for r in runs for k in r.data.params})
+    return [k for k in keys if len({r.data.params.get(k) for r in runs}) > 1]
 
 
 def _num(v: float | None, fmt: str) -> str:
