@@ -253,6 +253,9 @@ def test_the_cluster_decides_where_a_submitted_job_keeps_things(head, cluster_en
     job = Job(job_id, head)
     assert job.tracking_uri() == cluster_env["MLFLOW_TRACKING_URI"]
     assert list(job.metrics()["step"]) == list(range(1, 21)), "the laptop reads the run from the cluster's MLflow"
+    result = job.result()
+    assert result.error is None and result.path == f"{cluster_env['TIDAL_STORAGE']}/quickstart-twice/checkpoint_000000020"
+    assert result.tracking_uri == cluster_env["MLFLOW_TRACKING_URI"] and "loss" in result.metrics
     cache = [p for p in tmp_path_factory.getbasetemp().glob("head*/ray/**/runtime_resources/**/*")
              if p.name in ("tidal-runs", "mlflow.db", "mlruns") or p.name.startswith("checkpoint_")]
     assert cache == [], "nothing is kept inside Ray's working-dir cache"

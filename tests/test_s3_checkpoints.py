@@ -53,6 +53,9 @@ def test_finished_job_restart_and_retention_on_s3(tmp_path, bucket, capsys):
     spec = tiny_spec(tmp_path, name="again", **{"train.steps": 12, "checkpoint.every_steps": 2, "checkpoint.keep": 2,
                                                 "checkpoint.storage": f"{bucket}/runs"})
     first = tidal.run(spec)
+    assert first.error is None and first.path == f"{bucket}/runs/again/checkpoint_000000012"
+    assert first.checkpoint.path.endswith("again/checkpoint_000000012")  # a ray.train.Checkpoint on S3
+    assert list(first.metrics_dataframe["step"]) == list(range(1, 13))
     run = RunDir(spec.checkpoint.storage, spec.name)
     assert [p.rsplit("/", 1)[-1] for p in run.checkpoints()] == ["checkpoint_000000012", "checkpoint_000000010"]
 

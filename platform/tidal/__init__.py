@@ -14,8 +14,8 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from tidal.launch.jobs import Job
+    from tidal.launch.result import RunResult
     from tidal.launch.sweep import SweepResult
-    from tidal.launch.trainer import RunResult
 
 
 def run(spec: JobSpec, restart: bool = False) -> RunResult:
@@ -55,7 +55,7 @@ def sweep(spec: JobSpec, params: dict[str, str] | list[str] | None = None, sampl
 
 def __getattr__(name: str) -> Any:
     if name == "RunResult":
-        from tidal.launch.trainer import RunResult
+        from tidal.launch.result import RunResult
 
         return RunResult
     if name == "SweepResult":

@@ -220,7 +220,7 @@ def _run(args: argparse.Namespace) -> int:
 
     spec = _spec(args)
     result = run(spec, restart=args.restart)
-    print(result.summary(spec.resolved()))
+    print(result.summary())
     return 0
 
 

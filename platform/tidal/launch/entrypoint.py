@@ -23,7 +23,7 @@ def main(argv: list[str]) -> int:
     except TidalError as e:
         print_error(e)
         return exit_code(e)
-    print(result.summary(spec.resolved()))
+    print(result.summary())
     return 0
 
 

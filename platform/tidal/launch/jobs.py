@@ -13,12 +13,13 @@ import json
 import os
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from tidal.errors import ClusterError, TidalError
+from tidal.launch.result import RunResult
 from tidal.spec.job import JobSpec
 
 ALWAYS_EXCLUDE = [".git", ".venv", "venv", "__pycache__", "*.egg-info", ".ipynb_checkpoints",
@@ -28,6 +29,7 @@ RECORD_PREFIX = "[tidal-record] "  # see tidal.launch.trainer.record
 # Where a job tracks and stores is the cluster's to say; the submitter's own settings travel
 # with the job when set, as Ray's and MLflow's users expect of their environment.
 FORWARDED_ENV = ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "TIDAL_STORAGE")
+T = TypeVar("T")
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 # `tidal list/status --output json` hold these always; progress fields are null before the first progress line.
 JOB_FIELDS = ("id", "name", "status", "start_time")
@@ -170,11 +172,34 @@ class Job:
         """A pandas DataFrame of the run's metrics from MLflow, one row per step."""
         from tidal.tracking.mlflow import metrics_frame
 
+        rec = self._opened_record()
+        return self._from_mlflow(rec, lambda: metrics_frame(rec["tracking_uri"], rec["mlflow_run_id"]))
+
+    def result(self, timeout: float | None = None) -> RunResult:
+        """Wait for the job to end, then what it left behind, as `tidal.run` returns it: the newest
+        checkpoint, the last metrics, the MLflow run and where it is, and the error if it failed."""
+        from mlflow.tracking import MlflowClient
+
+        state = self.wait(timeout)
+        rec = self._opened_record()
+        info = self._client().get_job_info(self.submission_id)
+        metrics = self._from_mlflow(rec, lambda: dict(MlflowClient(rec["tracking_uri"]).get_run(
+            rec["mlflow_run_id"]).data.metrics))
+        wall_s = ((info.end_time or 0) - (info.start_time or 0)) / 1000
+        error = None if state == "SUCCEEDED" else (info.message or f"the job ended {state}")
+        return RunResult(rec["name"], rec["mlflow_run_id"], rec["tracking_uri"], rec["storage"],
+                         {k: v for k, v in metrics.items() if not k.startswith("system/")}, max(wall_s, 0.0), error)
+
+    def _opened_record(self) -> dict[str, Any]:
         rec = self.record()
         if not rec.get("mlflow_run_id"):
-            raise TidalError(f"job {self.submission_id} has not opened its MLflow run yet (status {self.status()})")
+            raise TidalError(f"job {self.submission_id} has not opened its MLflow run (status {self.status()}); "
+                             f"see its output: tidal logs {self.submission_id} --address {self.address}")
+        return rec
+
+    def _from_mlflow(self, rec: dict[str, Any], read: Callable[[], T]) -> T:
         try:
-            return metrics_frame(rec["tracking_uri"], rec["mlflow_run_id"])
+            return read()
         except Exception as e:  # noqa: BLE001 - say which store could not be read, and how to reach it
             raise TidalError(
                 f"cannot read MLflow run {rec['mlflow_run_id']} from {rec['tracking_uri']}, where job "

@@ -9,7 +9,6 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -28,6 +27,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from tidal import __version__
 from tidal.cluster import burst
 from tidal.errors import SpecError, TidalError
+from tidal.launch.result import RunResult
 from tidal.spec.job import JobSpec
 from tidal.storage import JOB_FILE, Found, RunDir, find_resume_point
 from tidal.tracking import mlflow as tracking
@@ -38,37 +38,6 @@ from tidal.worker.device import dist_backend
 log = logging.getLogger("tidal")
 RECORD_PREFIX = "[tidal-record] "
 RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by Ray's job supervisor for a submitted job's driver
-
-
-@dataclass
-class RunResult:
-    """What a finished job left behind."""
-
-    name: str
-    mlflow_run_id: str
-    tracking_uri: str
-    checkpoint_dir: str
-    metrics: dict[str, float] = field(default_factory=dict)
-    wall_s: float = 0.0
-
-    @property
-    def final_loss(self) -> float | None:
-        return self.metrics.get("loss")
-
-    def summary(self, spec: JobSpec) -> str:
-        m = self.metrics
-        lines = [f"[tidal] job {self.name!r} finished in {self.wall_s:.0f}s"]
-        if "loss" in m:
-            lines.append(f"  final loss      {m['loss']:.4f}")
-        if "tokens_per_s" in m:
-            lines.append(f"  throughput      {m['tokens_per_s']:,.0f} tokens/s, {m.get('samples_per_s', 0):,.1f} samples/s, "
-                         f"MFU {100 * m.get('mfu', 0):.1f}% (last interval)")
-        lines += [
-            f"  checkpoints     {self.checkpoint_dir}",
-            f"  MLflow run      {self.mlflow_run_id} in {self.tracking_uri}",
-            f"  open it with    {_safe_url(spec, self.mlflow_run_id)}",
-        ]
-        return "\n".join(lines)
 
 
 def run(spec: JobSpec, restart: bool = False, mlflow_tags: dict[str, str] | None = None,
@@ -119,7 +88,8 @@ def run(spec: JobSpec, restart: bool = False, mlflow_tags: dict[str, str] | None
                   f"{run_dir.path}/{BUFFER_DIR} and are sent when this job runs again", flush=True)
         if run_id:
             _finish_mlflow_run(spec, run_id, ok, latest, time.time() - t0)
-    return RunResult(spec.name, run_id or "", spec.tracking.uri, run_dir.path, latest, time.time() - t0)
+    return RunResult(spec.name, run_id or "", spec.tracking.uri, spec.checkpoint.storage, latest, time.time() - t0,
+                     url=_safe_url(spec, run_id) if run_id else "")
 
 
 def _already_complete(spec: JobSpec, state: dict[str, Any]) -> bool:
@@ -132,7 +102,7 @@ def _complete(spec: JobSpec, found: Found, job: dict[str, Any], run_dir: RunDir,
     print(f"[tidal] job {spec.name!r} is already complete at step {found.step} ({found.name}); nothing to train.\n"
           f"  continue it:   --set train.steps=N with N above {found.step}\n"
           "  start over:    --restart (the old run's folder is kept aside)", flush=True)
-    return RunResult(spec.name, job.get("mlflow_run_id", ""), spec.tracking.uri, run_dir.path,
+    return RunResult(spec.name, job.get("mlflow_run_id", ""), spec.tracking.uri, spec.checkpoint.storage,
                      {"step": float(found.step)}, time.time() - t0)
 
 
@@ -144,7 +114,7 @@ def record(spec: JobSpec, run_id: str | None, run_dir: RunDir) -> None:
     if RAY_JOB_ENV not in os.environ:
         return
     data = {"name": spec.name, "tracking_uri": spec.tracking.uri, "experiment": spec.tracking.experiment,
-            "mlflow_run_id": run_id, "storage": run_dir.path}
+            "mlflow_run_id": run_id, "storage": spec.checkpoint.storage}
     print(f"{RECORD_PREFIX}{json.dumps(data)}", flush=True)
 
 
