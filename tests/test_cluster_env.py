@@ -60,3 +60,22 @@ def test_a_submitted_job_with_absolute_places_needs_nothing_from_the_cluster(tmp
                    tracking={"uri": f"sqlite:///{tmp_path}/m.db"})
     resolved = spec.resolved(ray_working_dir(tmp_path), environ={})
     assert resolved.checkpoint.storage == str(tmp_path / "shared")
+
+
+def test_a_relative_cluster_storage_is_refused(tmp_path):
+    with pytest.raises(SpecError) as e:
+        JobSpec(name="j", checkpoint={"storage": "./runs"}).resolved(ray_working_dir(tmp_path),
+                                                                    environ={**CLUSTER, "TIDAL_STORAGE": "runs"})
+    assert "TIDAL_STORAGE 'runs' is relative" in str(e.value)
+
+
+def test_submit_forwards_only_settings_that_mean_the_same_on_the_cluster(capsys):
+    from tidal.launch.jobs import forwarded_env
+
+    laptop = {"MLFLOW_TRACKING_URI": "http://mlflow.team:5000", "TIDAL_STORAGE": "s3://team/tidal",
+              "MLFLOW_EXPERIMENT_NAME": "mine", "HOME": "/home/me"}
+    assert forwarded_env(laptop) == {k: v for k, v in laptop.items() if k != "HOME"}
+    local = {"MLFLOW_TRACKING_URI": "http://127.0.0.1:5000", "TIDAL_STORAGE": "./runs"}
+    assert forwarded_env(local) == {}
+    assert "MLFLOW_TRACKING_URI=http://127.0.0.1:5000" in capsys.readouterr().err
+    assert forwarded_env({"MLFLOW_TRACKING_URI": "sqlite:///mlflow.db"}) == {}

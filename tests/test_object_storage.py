@@ -77,10 +77,18 @@ def test_retention_keeps_the_newest_complete_and_what_ray_registered(root):
 
 
 def test_prune_plan_never_touches_anything_newer_than_the_oldest_kept():
-    ckpts = [("c60", False), ("c50", True), ("c40", False), ("c30", True), ("c20", True), ("c10", False)]
-    assert prune_plan(ckpts, keep=2) == ["c20", "c10"]
-    assert prune_plan(ckpts, keep=3) == ["c10"]
-    assert prune_plan(ckpts, keep=4) == []
+    complete = {"c60": False, "c50": True, "c40": False, "c30": True, "c20": True, "c10": False}
+    checked: list[str] = []
+
+    def is_complete(p: str) -> bool:
+        checked.append(p)
+        return complete[p]
+
+    newest_first = list(complete)
+    assert prune_plan(newest_first, is_complete, keep=2) == ["c20", "c10"]
+    assert checked == ["c60", "c50", "c40", "c30"], "what is deleted anyway is not checked"
+    assert prune_plan(newest_first, complete.get, keep=3) == ["c10"]
+    assert prune_plan(newest_first, complete.get, keep=4) == []
 
 
 def test_a_conversion_counts_only_once_its_marker_is_written(root, tmp_path):

@@ -32,3 +32,20 @@ def test_recovered_buffer_is_sent_once(tmp_path, where, request):
     assert metric_history(spec, run_id, "loss") == {s: 10.0 - s for s in range(1, 7)}
     assert metric_history(spec, run_id, "tokens_per_s").keys() == set(range(1, 7))
     assert buffer.load() == []  # everything sent is forgotten
+
+
+def test_a_new_driver_knows_what_mlflow_holds_while_mlflow_is_down(tmp_path):
+    """The mark beside the buffer says how far MLflow holds the run, so steps replayed after a
+    driver's death are not buffered again even when MLflow cannot be asked."""
+    spec = tiny_spec(tmp_path, name="down", **{"tracking.uri": "http://127.0.0.1:9"})  # nothing listens there
+    run = RunDir(spec.checkpoint.storage, spec.name)
+    run.write_json(tracking.SENT_FILE, {"run_id": "r" * 32, "step": 5, "checkpoint_step": 4})
+
+    tracker = tracking.Tracker(spec, "r" * 32, retry_s=60, system_metrics=False)
+    for step in (4, 5, 6):  # resumed from the checkpoint at 4: 5 is a replay, 6 is new
+        tracker.log({"step": step, "loss": 1.0, "tokens_per_s": 1.0, "samples_per_s": 1.0, "mfu": 0.1,
+                     "world_size": 2})
+    tracker.checkpointed(4, {"checkpoint_bytes": 1.0, "checkpoint_save_s": 0.1, "checkpoint_blocked_s": 0.1})
+    buffered = MetricsBuffer(run.fs, run.path).load()
+    tracker.stopped.set()  # MLflow stays down: leave the points buffered for the next driver
+    assert [e["step"] for e in buffered] == [6]

@@ -97,9 +97,23 @@ def set_aside(fs: pafs.FileSystem, path: str, new_path: str) -> None:
     if is_local(fs):
         fs.move(path, new_path)
         return
-    for rel in files_under(fs, path):
-        fs.copy_file(f"{path}/{rel}", f"{new_path}/{rel}")
+    for rel, size in files_under(fs, path).items():
+        if size > SERVER_COPY_LIMIT:
+            _stream_copy(fs, f"{path}/{rel}", f"{new_path}/{rel}")
+        else:
+            fs.copy_file(f"{path}/{rel}", f"{new_path}/{rel}")
     delete_dir(fs, path)
+
+
+# S3's CopyObject (what pyarrow's copy_file sends) refuses sources over 5 GiB; larger shards are
+# streamed through this process instead, which pyarrow uploads in parts.
+SERVER_COPY_LIMIT = 5 * 2**30
+
+
+def _stream_copy(fs: pafs.FileSystem, src: str, dst: str, chunk: int = 64 * 2**20) -> None:
+    with fs.open_input_stream(src) as f, fs.open_output_stream(dst) as out:
+        while block := f.read(chunk):
+            out.write(block)
 
 
 @contextmanager

@@ -13,6 +13,7 @@ import json
 import logging
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,15 +102,22 @@ class RunDir:
         if not self.exists():
             return None
         aside = f"{self.path}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"
-        fs.set_aside(self.fs, self.path, aside)
+        n = 1
+        while fs.exists(self.fs, aside):  # two restarts within a second
+            aside, n = f"{self.path}.replaced-{time.strftime('%Y%m%d-%H%M%S')}-{n}", n + 1
+        try:
+            fs.set_aside(self.fs, self.path, aside)
+        except OSError as e:
+            raise CheckpointError(f"could not set {self.path} aside for --restart ({e}); nothing was deleted "
+                                  "(a partial copy may sit beside it). Run the same command again.") from e
         return aside
 
     def prune(self, keep: int) -> list[str]:
         """Delete the checkpoints Ray's retention never sees (those it did not register) once
         `keep` newer complete ones exist; returns the folders deleted."""
-        found = [(p, check_complete(self.fs, p)[0] is None) for p in self.checkpoints()]
+        plan = prune_plan(self.checkpoints(), lambda p: check_complete(self.fs, p)[0] is None, keep)
         registered = set(CKPT_NAME.findall(self._ray_snapshot()))
-        doomed = [p for p in prune_plan(found, keep) if p.rsplit("/", 1)[-1] not in registered]
+        doomed = [p for p in plan if p.rsplit("/", 1)[-1] not in registered]
         for path in doomed:
             try:
                 fs.delete_dir(self.fs, path)
@@ -127,15 +135,15 @@ class RunDir:
             return ""
 
 
-def prune_plan(checkpoints: list[tuple[str, bool]], keep: int) -> list[str]:
-    """Of (path, complete) pairs, newest first: everything older than the `keep` newest complete
-    ones. Nothing newer than the oldest kept is touched (a save may be in flight there)."""
-    complete = [p for p, ok in checkpoints if ok]
-    if len(complete) < keep:
-        return []
-    oldest_kept = complete[keep - 1]
-    index = [p for p, _ in checkpoints].index(oldest_kept)
-    return [p for p, _ in checkpoints[index + 1:]]
+def prune_plan(newest_first: list[str], complete: Callable[[str], bool], keep: int) -> list[str]:
+    """Everything older than the `keep` newest complete checkpoints. Nothing newer than the oldest
+    kept is touched (a save may be in flight there), and nothing older is checked at all."""
+    found = 0
+    for i, path in enumerate(newest_first):
+        found += complete(path)
+        if found == keep:
+            return newest_first[i + 1:]
+    return []
 
 
 def check_complete(fs: pafs.FileSystem, path: str) -> tuple[str | None, dict[str, Any]]:

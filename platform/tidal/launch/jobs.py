@@ -12,20 +12,21 @@ import base64
 import json
 import os
 import re
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import urlparse
 
 from tidal.errors import ClusterError, TidalError
-from tidal.launch.result import RunResult
+from tidal.launch.result import RunResult, parse_record
 from tidal.spec.job import JobSpec
 
 ALWAYS_EXCLUDE = [".git", ".venv", "venv", "__pycache__", "*.egg-info", ".ipynb_checkpoints",
                   "tidal-runs", "mlruns", "mlartifacts", "mlflow.db", "*.db-journal", ".pytest_cache", ".ruff_cache"]
 PROGRESS = re.compile(r"\[tidal\] step (\d+)/(\d+) \| loss ([\d.naninf]+) \| ([\d,]+) tok/s .*?\| world (\d+)")
-RECORD_PREFIX = "[tidal-record] "  # see tidal.launch.trainer.record
 # Where a job tracks and stores is the cluster's to say; the submitter's own settings travel
 # with the job when set, as Ray's and MLflow's users expect of their environment.
 FORWARDED_ENV = ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "TIDAL_STORAGE")
@@ -156,10 +157,7 @@ class Job:
     def record(self) -> dict[str, Any]:
         """Where the job tracks and stores, as it recorded at start: name, tracking_uri, experiment,
         mlflow_run_id, storage. Empty before the job has opened its run."""
-        for line in reversed(self.logs().splitlines()):
-            if line.startswith(RECORD_PREFIX):
-                return json.loads(line[len(RECORD_PREFIX):])
-        return {}
+        return parse_record(self.logs())
 
     def mlflow_run_id(self) -> str | None:
         return self.record().get("mlflow_run_id")
@@ -237,7 +235,7 @@ def submit(spec: JobSpec, address: str | None = None, working_dir: str | os.Path
     data = spec.model_dump(mode="json")
     secrets = data.pop("env")
     payload = base64.urlsafe_b64encode(json.dumps({**data, "env": dict.fromkeys(secrets, "")}).encode()).decode()
-    env = {**{k: os.environ[k] for k in FORWARDED_ENV if os.environ.get(k)}, **secrets,
+    env = {**forwarded_env(os.environ), **secrets,
            **({"PYTHONPATH": "platform"} if (root / "platform" / "tidal").is_dir() else {})}
     try:
         sid = client.submit_job(
@@ -249,6 +247,27 @@ def submit(spec: JobSpec, address: str | None = None, working_dir: str | os.Path
     except Exception as e:  # noqa: BLE001 - translate Ray's HTTP errors into a message that says what to do
         raise _friendly(e, address or os.environ.get("RAY_ADDRESS", ""), auth_token()) from None
     return Job(sid, client.get_address(), spec)
+
+
+def forwarded_env(environ: dict[str, str] | os._Environ[str]) -> dict[str, str]:
+    """The laptop's storage and tracking settings that mean the same on the cluster: a relative path,
+    a local SQLite file or a loopback server would name a place on the head, not this laptop's."""
+    out, skipped = {}, []
+    for key in FORWARDED_ENV:
+        value = environ.get(key, "")
+        if not value:
+            continue
+        host = urlparse(value).hostname if "://" in value else None
+        local = ("://" not in value and not os.path.isabs(value)) or value.startswith("sqlite:") or (
+            host in ("localhost", "127.0.0.1", "::1", "0.0.0.0"))
+        if key == "MLFLOW_EXPERIMENT_NAME" or not local:
+            out[key] = value
+        else:
+            skipped.append(f"{key}={value}")
+    if skipped:
+        print(f"note: not sent to the cluster, as they name places on this machine: {', '.join(skipped)}; "
+              "the cluster's own settings apply", file=sys.stderr)
+    return out
 
 
 def list_jobs(address: str | None = None) -> list[dict[str, Any]]:

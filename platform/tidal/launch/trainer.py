@@ -5,7 +5,6 @@ The CLI, the SDK and the Ray Jobs entrypoint all end here.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -27,16 +26,15 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from tidal import __version__
 from tidal.cluster import burst
 from tidal.errors import SpecError, TidalError
-from tidal.launch.result import RunResult
+from tidal.launch.result import RunResult, print_record
 from tidal.spec.job import JobSpec
 from tidal.storage import JOB_FILE, Found, RunDir, find_resume_point
 from tidal.tracking import mlflow as tracking
-from tidal.tracking.buffer import BUFFER_DIR
+from tidal.tracking.buffer import BUFFER_DIR, MetricsBuffer
 from tidal.worker import tokens
 from tidal.worker.device import dist_backend
 
 log = logging.getLogger("tidal")
-RECORD_PREFIX = "[tidal-record] "
 RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by Ray's job supervisor for a submitted job's driver
 
 
@@ -68,11 +66,11 @@ def run(spec: JobSpec, restart: bool = False, mlflow_tags: dict[str, str] | None
     run_id = _open_mlflow_run(spec, job.get("mlflow_run_id"), tags)
     run_dir.write_json(JOB_FILE, {"mlflow_run_id": run_id, "fingerprint": spec.fingerprint_hash(),
                                   "tracking_uri": spec.tracking.uri, "tidal_version": __version__})
-    record(spec, run_id, run_dir)
+    record(spec, run_id)
     print(f"[tidal] job {spec.name!r}: {_describe_scaling(spec)}; MLflow run {run_id}", flush=True)
     run_dir.prune(spec.checkpoint.keep)  # leftovers of an earlier launch that Ray never registered
 
-    tracker = _start_tracker(spec, run_id, tags)
+    tracker = _start_tracker(spec, run_id, tags, job_record(spec, run_id))
     ok = False
     try:
         with burst.burst_capacity(spec):  # site "any": on-prem first, cloud nodes after burst_after_s
@@ -98,24 +96,43 @@ def _already_complete(spec: JobSpec, state: dict[str, Any]) -> bool:
 
 
 def _complete(spec: JobSpec, found: Found, job: dict[str, Any], run_dir: RunDir, t0: float) -> RunResult:
-    """Running a finished job again: say so at once, without starting Ray or any worker."""
-    print(f"[tidal] job {spec.name!r} is already complete at step {found.step} ({found.name}); nothing to train.\n"
-          f"  continue it:   --set train.steps=N with N above {found.step}\n"
+    """Running a finished job again: say so at once, without starting Ray or any worker, after
+    sending whatever an earlier driver left in the metrics buffer."""
+    t = spec.train
+    if found.state.get("data_ended"):
+        why, more = "its data stream ended", "--set data.epochs=N with more passes"
+    elif t.stop_at and found.step >= t.stop_at and found.step < t.steps:
+        why, more = f"train.stop_at is {t.stop_at}", "--set train.stop_at=null (or a later step)"
+    else:
+        why, more = f"train.steps is {t.steps}", f"--set train.steps=N with N above {found.step}"
+    print(f"[tidal] job {spec.name!r} is already complete at step {found.step} ({found.name}; {why}); "
+          f"nothing to train.\n  continue it:   {more}\n"
           "  start over:    --restart (the old run's folder is kept aside)", flush=True)
-    return RunResult(spec.name, job.get("mlflow_run_id", ""), spec.tracking.uri, spec.checkpoint.storage,
-                     {"step": float(found.step)}, time.time() - t0)
+    run_id, uri = job.get("mlflow_run_id") or None, job.get("tracking_uri") or spec.tracking.uri
+    if MetricsBuffer(run_dir.fs, run_dir.path).load():
+        tracker = tracking.Tracker(spec, run_id, record=job_record(spec, run_id), system_metrics=False)
+        run_id, _, left = tracker.close()
+        if left:
+            print(f"[tidal] WARNING: {left} metric point(s) still wait for MLflow in {run_dir.path}/{BUFFER_DIR}",
+                  flush=True)
+        elif run_id:
+            tracking.end_run(spec, run_id, True)
+    record(spec, run_id)
+    return RunResult(spec.name, run_id or "", uri, spec.checkpoint.storage, {"step": float(found.step)},
+                     time.time() - t0)
 
 
-def record(spec: JobSpec, run_id: str | None, run_dir: RunDir) -> None:
-    """In a submitted job, one machine-readable line saying where it tracks and stores, for the
-    submitter's `Job` when the cluster (not the spec or the submitter) chose: the Jobs API has no
-    other channel from a running job back to the laptop. Its format is a contract, unlike the
-    progress lines, and it is printed once, before training."""
+def job_record(spec: JobSpec, run_id: str | None) -> dict[str, Any] | None:
+    """What a submitted job tells its submitter (see tidal.launch.result); None outside Ray Jobs."""
     if RAY_JOB_ENV not in os.environ:
-        return
-    data = {"name": spec.name, "tracking_uri": spec.tracking.uri, "experiment": spec.tracking.experiment,
+        return None
+    return {"name": spec.name, "tracking_uri": spec.tracking.uri, "experiment": spec.tracking.experiment,
             "mlflow_run_id": run_id, "storage": spec.checkpoint.storage}
-    print(f"{RECORD_PREFIX}{json.dumps(data)}", flush=True)
+
+
+def record(spec: JobSpec, run_id: str | None) -> None:
+    if (data := job_record(spec, run_id)) is not None:
+        print_record(data)
 
 
 class Retention(UserCallback):
@@ -126,8 +143,12 @@ class Retention(UserCallback):
         self.storage, self.name, self.keep = spec.checkpoint.storage, spec.name, spec.checkpoint.keep
 
     def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any) -> None:
-        if checkpoint is not None:
+        if checkpoint is None:
+            return
+        try:
             RunDir(self.storage, self.name).prune(self.keep)
+        except OSError as e:  # retention can wait for the next checkpoint; training must not
+            log.warning("checkpoint retention skipped this time: %s", e)
 
 
 def _check_vocab(spec: JobSpec) -> None:
@@ -173,11 +194,11 @@ def _finish_mlflow_run(spec: JobSpec, run_id: str, ok: bool, latest: dict[str, f
     tracking.end_run(spec, run_id, ok)
 
 
-def _start_tracker(spec: JobSpec, run_id: str | None, tags: dict[str, str]) -> Any:
+def _start_tracker(spec: JobSpec, run_id: str | None, tags: dict[str, str], rec: dict[str, Any] | None) -> Any:
     """The MLflow tracker actor, pinned to this (the driver's) node, where a SQLite store lives."""
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     actor = ray.remote(num_cpus=0, scheduling_strategy=here)(tracking.Tracker)
-    return actor.remote(spec, run_id, tags)
+    return actor.remote(spec, run_id, tags, record=rec)
 
 
 def _trainer(spec: JobSpec, run_id: str | None, tracker: Any, callbacks: list[Any]) -> TorchTrainer:

@@ -312,7 +312,10 @@ def in_ray_working_dir(path: Path) -> bool:
 def _outside_working_dir(storage: str, uri: str, cluster_storage: str | None) -> tuple[str, str]:
     """Storage and tracking URI for a submitted job: never relative to Ray's working-dir cache."""
     problems = []
-    if "://" not in storage and not os.path.isabs(storage):
+    if cluster_storage and "://" not in cluster_storage and not os.path.isabs(cluster_storage):
+        problems.append(("checkpoint.storage", f"the cluster's TIDAL_STORAGE {cluster_storage!r} is relative; set it "
+                         "on the cluster's nodes to a path every node shares or an s3:// URI"))
+    elif "://" not in storage and not os.path.isabs(storage):
         if cluster_storage:
             storage = f"{cluster_storage.rstrip('/')}/{storage.removeprefix('./').strip('/')}"
         else:

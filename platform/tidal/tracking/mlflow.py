@@ -31,6 +31,7 @@ from mlflow.tracking import MlflowClient
 from ray.train import UserCallback
 
 from tidal import __version__
+from tidal.launch.result import print_record
 from tidal.spec.job import JobSpec
 from tidal.storage import JOB_FILE, RunDir
 from tidal.tracking.buffer import MetricsBuffer
@@ -42,6 +43,7 @@ log = logging.getLogger("tidal")
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
 NOT_METRICS = ("step", "preempted")
+SENT_FILE = "tidal-mlflow-sent.json"  # beside the buffer: the highest steps MLflow holds
 
 
 def client(spec: JobSpec) -> MlflowClient:
@@ -106,12 +108,16 @@ class Tracker:
     """
 
     def __init__(self, spec: JobSpec, run_id: str | None, tags: dict[str, str] | None = None,
-                 retry_s: float = 5.0) -> None:
-        self.spec, self.run_id, self.tags = spec, run_id, tags or {}
+                 retry_s: float = 5.0, record: dict[str, Any] | None = None, system_metrics: bool = True) -> None:
+        self.spec, self.run_id, self.tags, self.record = spec, run_id, tags or {}, record
         self.run_dir = RunDir(spec.checkpoint.storage, spec.name)
         self.buffer = MetricsBuffer(self.run_dir.fs, self.run_dir.path)
         self.pending: list[dict[str, Any]] = self.buffer.load()
         self.recovered = list(self.pending)  # left by an earlier driver: some may have reached MLflow
+        # How far MLflow is known to hold this run's points, kept beside the buffer: a new driver
+        # learns it without asking MLflow, which may be down just then.
+        sent = self.run_dir.read_json(SENT_FILE) or {}
+        self.sent = sent if run_id and sent.get("run_id") == run_id else {}
         self.lock = threading.Lock()  # guards `pending` and the buffer against the sender
         self.sending = threading.Lock()  # one sender at a time: the thread, or the driver's final flush
         self.retry_s, self.retry_at = retry_s, 0.0
@@ -126,7 +132,7 @@ class Tracker:
         self.t0 = time.time()
         self.first_step: int | None = None
         self.down_since: float | None = None
-        self.monitor = self._start_system_metrics()
+        self.monitor = self._start_system_metrics() if system_metrics else None
         self.stopped, self.pending_added = threading.Event(), threading.Event()
         self.sender = threading.Thread(target=self._send_loop, daemon=True, name="mlflow-sender")
         if self.pending:  # left in the buffer file by an earlier driver
@@ -156,7 +162,7 @@ class Tracker:
               f"written in {m['checkpoint_save_s']:.2f}s, training blocked {m['checkpoint_blocked_s']:.2f}s", flush=True)
         self.latest.update(m)
         if self.last_checkpoint_step is None:
-            self.last_checkpoint_step = _max_logged_step(self.spec, self.run_id, "checkpoint_bytes") if self.run_id else 0
+            self.last_checkpoint_step = self._known_sent("checkpoint_step", "checkpoint_bytes")
         if step > self.last_checkpoint_step:  # a checkpoint saved again after a restart is logged once
             self.last_checkpoint_step = step
             self._add(step, _values(m))
@@ -226,7 +232,9 @@ class Tracker:
             with self.lock:
                 del self.pending[:sent]  # sent: never sent twice (log() only appends behind them)
                 left = len(self.pending)
-            self.buffer.forget(todo[:sent])
+            # The mark goes first: entries forgotten without it would be replayed after a restart.
+            if sent and self._mark_sent(todo[:sent]):
+                self.buffer.forget(todo[:sent])
         if self.down_since is not None and sent == len(todo):
             print(f"[tidal] MLflow is reachable again after {time.time() - self.down_since:.0f}s: "
                   f"sent {sent} buffered point(s)", flush=True)
@@ -252,7 +260,26 @@ class Tracker:
             self.pending_added.wait(timeout=self.retry_s)  # new points, or time to retry an outage
             self.pending_added.clear()
             if not self.stopped.is_set():
-                self.flush()
+                try:
+                    self.flush()
+                except Exception as e:  # noqa: BLE001 - a storage hiccup must not end the sender
+                    log.warning("metrics buffer: %s; retrying", e)
+
+    def _mark_sent(self, entries: list[dict[str, Any]]) -> bool:
+        """Record how far MLflow now holds this run; False if storage refused (entries stay buffered,
+        and a later driver dedupes them against MLflow)."""
+        mark = {"run_id": self.run_id, "step": self.sent.get("step", 0),
+                "checkpoint_step": self.sent.get("checkpoint_step", 0)}
+        for e in entries:
+            kind = "checkpoint_step" if "checkpoint_bytes" in e["values"] else "step"
+            mark[kind] = max(mark[kind], int(e["step"]))
+        try:
+            self.run_dir.write_json(SENT_FILE, mark)
+        except OSError as e:
+            log.warning("could not record sent metrics in %s: %s", self.run_dir.path, e)
+            return False
+        self.sent = mark
+        return True
 
     def _ensure_run(self) -> None:
         """Create the MLflow run now if MLflow was unreachable when the job started."""
@@ -260,6 +287,8 @@ class Tracker:
             self.run_id = start_run(self.spec, None, self.tags)
             self.run_dir.write_json(JOB_FILE, {**(self.run_dir.read_json(JOB_FILE) or {}), "mlflow_run_id": self.run_id})
             print(f"[tidal] MLflow run {self.run_id} created", flush=True)
+            if self.record is not None:  # a submitted job: tell the submitter which run it is now
+                print_record({**self.record, "mlflow_run_id": self.run_id})
 
     def _start_system_metrics(self) -> Any:
         """MLflow's system metrics (CPU, memory, GPU, disk, network) of the driver's node."""
@@ -279,10 +308,17 @@ class Tracker:
 
     def _already_logged(self, step: int) -> bool:
         if self.last_step is None:
-            self.last_step = _max_logged_step(self.spec, self.run_id) if self.run_id else 0
+            self.last_step = self._known_sent("step", "loss")
             with self.lock:
                 self.last_step = max([self.last_step, *(e["step"] for e in self.pending)])
         return step <= self.last_step
+
+    def _known_sent(self, kind: str, key: str) -> int:
+        """The highest step of this kind MLflow holds: from the mark, else (a run from before
+        marks existed) from MLflow itself."""
+        if kind in self.sent:
+            return int(self.sent[kind])
+        return _max_logged_step(self.spec, self.run_id, key) if self.run_id else 0
 
     def _progress_line(self, m: dict[str, Any]) -> str:
         step, total = int(m["step"]), self.spec.train.steps
@@ -311,6 +347,10 @@ class Tracker:
         c, logged = client(self.spec), {}
         done = []
         for e in self.recovered:
+            kind = "checkpoint_step" if "checkpoint_bytes" in e["values"] else "step"
+            if e["step"] <= self.sent.get(kind, 0):  # sent and marked, then the driver died
+                done.append(e)
+                continue
             key = next(iter(e["values"]), None)
             if key is not None and key not in logged:
                 logged[key] = {m.step for m in c.get_metric_history(self.run_id, key)}

@@ -17,6 +17,8 @@ and Ray's restart tries the same checkpoint again.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import logging
 import os
@@ -25,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zipfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -39,6 +42,7 @@ from tidal.errors import CheckpointError
 from tidal.spec.job import JobSpec
 from tidal.storage import (
     STATE_FILE,
+    TRUNCATED,
     Found,
     RunDir,
     check_complete,
@@ -149,13 +153,18 @@ def _load_failed(found: Found, local_tag: str, step_tag: str, error: BaseExcepti
     """Condemn a checkpoint only when it is proven corrupt; any other failure (out of memory, a
     network error, a bug) fails this attempt, and Ray's restart tries the same checkpoint again."""
     why = f"{type(error).__name__}: {error}"
-    corrupt = _corruption(found, local_tag, step_tag)
+    try:
+        corrupt = _corruption(found, local_tag, step_tag)
+    except Exception as e:  # noqa: BLE001 - the check could not run: nothing is proven
+        log.warning("could not check %s for damage (%s: %s); keeping it", found.name, type(e).__name__, e)
+        corrupt = None
     if corrupt is None:
         return CheckpointError(
             f"loading {found.name} failed ({why}). Its files are intact (every size matches its manifest and "
             "every file unpickles), so it is kept: the next attempt loads it again.")
     if step_tag.endswith("_universal"):
-        found.fs.delete_file(f"{found.path}/{universal_marker(step_tag)}")
+        with contextlib.suppress(FileNotFoundError):  # another rank may have discarded it first
+            found.fs.delete_file(f"{found.path}/{universal_marker(step_tag)}")
         return CheckpointError(f"the universal conversion of {found.name} is damaged ({corrupt}); it is "
                                "discarded and made again on the next attempt")
     quarantine(found, corrupt)
@@ -165,30 +174,45 @@ def _load_failed(found: Found, local_tag: str, step_tag: str, error: BaseExcepti
 
 def _corruption(found: Found, local_tag: str, step_tag: str) -> str | None:
     """What proves the checkpoint's files damaged: a size that differs from its manifest, or a
-    file that does not unpickle. None when neither holds."""
+    file whose bytes do not unpickle. None when neither holds: a read error, a missing import
+    or a lack of memory says nothing about the checkpoint, so it is not condemned for them."""
     if step_tag.endswith("_universal"):
         if not fs.published(found.fs, f"{found.path}/{step_tag}", f"{found.path}/{universal_marker(step_tag)}"):
             return "its files differ from the conversion's manifest"
     else:
         problem, _ = check_complete(found.fs, found.path)
-        if problem is not None:
+        if problem is not None and problem.endswith(TRUNCATED):
             return problem
     for path in sorted(Path(local_tag).rglob("*.pt")):
-        try:
-            _unpickle(path)
-        except Exception as e:  # noqa: BLE001 - any failure to unpickle is the proof we look for
-            return f"{path.relative_to(local_tag)} does not unpickle ({type(e).__name__}: {str(e)[:200]})"
+        damage = _damage(path)
+        if damage is not None:
+            return f"{path.relative_to(local_tag)} {damage}"
     return None
 
 
-def _unpickle(path: Path) -> None:
-    """Load a checkpoint file without holding it in memory (mmap) where its format allows."""
+def _damage(path: Path) -> str | None:
+    """What is wrong with the bytes of one checkpoint file, or None.
+
+    The bytes are read first, so a read error (a flaky mount, a dropped connection) propagates
+    rather than counting as damage; then the zip archive's CRCs are checked (torch.save writes
+    one per entry, which catches flipped bits inside tensors too) and the file is unpickled from
+    memory. A missing class (a library upgrade) or a lack of memory is no proof either.
+    """
+    data = path.read_bytes()
+    if zipfile.is_zipfile(io.BytesIO(data)):
+        try:
+            bad = zipfile.ZipFile(io.BytesIO(data)).testzip()
+        except zipfile.BadZipFile as e:
+            return f"is not a readable archive ({e})"
+        if bad is not None:
+            return f"fails its checksum (entry {bad})"
     try:
-        torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-    except RuntimeError as e:
-        if "mmap" not in str(e):
-            raise
-        torch.load(path, map_location="cpu", weights_only=False)  # the legacy format has no mmap
+        torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+    except (ImportError, AttributeError, MemoryError):
+        raise
+    except Exception as e:  # noqa: BLE001 - no I/O happens here: any other failure is the bytes'
+        return f"does not unpickle ({type(e).__name__}: {str(e)[:200]})"
+    return None
 
 
 def universal_marker(step_tag: str) -> str:
@@ -210,7 +234,10 @@ def _universal(found: Found, step_tag: str) -> str:
                "--output_folder", dst, "--num_extract_workers", "1", "--num_merge_workers", "1"]
         proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
         if proc.returncode != 0:
-            corrupt = _corruption(found, src, step_tag)
+            try:
+                corrupt = _corruption(found, src, step_tag)
+            except Exception:  # noqa: BLE001 - the check could not run: nothing is proven
+                corrupt = None
             if corrupt is not None:
                 quarantine(found, corrupt)
             raise CheckpointError(f"converting {found.name} to a universal checkpoint failed"
