@@ -252,7 +252,7 @@ def test_the_cluster_decides_where_a_submitted_job_keeps_things(head, cluster_en
     assert found is not None and found.step == 20, "checkpoints are under the cluster's TIDAL_STORAGE"
     job = Job(job_id, head)
     assert job.tracking_uri() == cluster_env["MLFLOW_TRACKING_URI"]
-    assert list(job.metrics()["step"]) == list(range(1, 21)), "the laptop reads the run from the cluster's MLflow"
+    assert list(job.metrics()["step"]) == [10, 20], "the laptop reads the run from the cluster's MLflow"
     result = job.result()
     assert result.error is None and result.path == f"{cluster_env['TIDAL_STORAGE']}/quickstart-twice/checkpoint_000000020"
     assert result.tracking_uri == cluster_env["MLFLOW_TRACKING_URI"] and "loss" in result.metrics
