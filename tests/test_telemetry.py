@@ -97,14 +97,14 @@ def test_tracking_server_outage_loses_nothing(tmp_path):
     spec = tiny_spec(tmp_path, name="outage", **{"train.steps": 400, "checkpoint.every_steps": 100})
     spec = spec.with_overrides({"tracking.uri": f"http://127.0.0.1:{port}"})
     direct = spec.with_overrides({"tracking.uri": f"sqlite:///{db}"})  # read the store even while the server is down
-    buffer = Path(spec.checkpoint.storage) / spec.name / "tidal-mlflow-buffer.jsonl"
+    buffer = Path(spec.checkpoint.storage) / spec.name / "tidal-mlflow-buffer"  # one file per waiting entry
     out: dict = {}
     job = threading.Thread(target=lambda: out.setdefault("result", tidal.run(spec)), daemon=True)
     job.start()
     try:
         _wait(lambda: _max_step(direct) >= 20, "the run to log step 20")
         stop(server)
-        _wait(lambda: buffer.exists() and len(buffer.read_text().splitlines()) >= 30, "metrics to wait in the buffer")
+        _wait(lambda: buffer.exists() and len(list(buffer.glob("*.json"))) >= 30, "metrics to wait in the buffer")
         server = start_mlflow_server(db, port, log)
         job.join(timeout=400)
         assert "result" in out, "job did not finish"
@@ -112,7 +112,7 @@ def test_tracking_server_outage_loses_nothing(tmp_path):
         stop(server)
     run_id = out["result"].mlflow_run_id
     assert sorted(metric_history(direct, run_id, "loss")) == list(range(1, 401)), "every step exactly once"
-    assert not buffer.exists(), "the buffer was drained"
+    assert not list(buffer.glob("*.json")), "the buffer was drained"
 
 
 def _max_step(spec) -> int:

@@ -145,9 +145,13 @@ def _bundle(shape: dict[str, float]) -> str:
 
 def train_workers() -> list[tuple[str, str]]:
     """(job id, node id) of every live Ray Train worker."""
+    import ray
     from ray.util.state import list_actors
 
-    actors = list_actors(filters=[("class_name", "=", TRAIN_WORKER_CLASS), ("state", "=", "ALIVE")],
+    # The connected cluster's own address: without one the state API looks for a cluster on this
+    # machine and refuses when it finds several (a laptop running a local Ray beside a tunnel).
+    address = ray.get_runtime_context().gcs_address if ray.is_initialized() else None
+    actors = list_actors(address=address, filters=[("class_name", "=", TRAIN_WORKER_CLASS), ("state", "=", "ALIVE")],
                          raise_on_missing_output=False)
     return [(a.job_id, a.node_id) for a in actors if a.node_id]
 
