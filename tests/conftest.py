@@ -97,13 +97,8 @@ def s3_server(tmp_path_factory) -> Iterator[str]:
                 time.sleep(0.2)
         yield env["AWS_ENDPOINT_URL"]
     finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
+        restore_env(old)
+        stop_session(proc)
 
 
 @pytest.fixture
@@ -114,3 +109,22 @@ def bucket(s3_server) -> str:
     name = f"tidal-{uuid.uuid4().hex[:12]}"
     boto3.client("s3").create_bucket(Bucket=name)
     return f"s3://{name}"
+
+
+def restore_env(old: dict[str, str | None]) -> None:
+    """Put back the environment variables a fixture changed (None: it was unset)."""
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def stop_session(proc: subprocess.Popen) -> None:
+    """SIGTERM the process group a fixture started (start_new_session=True), SIGKILL if it lingers."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

@@ -50,6 +50,18 @@ def _sid(pid: int) -> int | None:
         return None
 
 
+def kill_mid_run(spec, path: Path) -> tuple:
+    """Start the job, SIGKILL its driver's session at step 25; (MLflow run id, newest complete checkpoint)."""
+    first = start(path)
+    try:
+        wait_for_step(spec, 25)
+    finally:
+        kill_session(first)
+    last = RunDir(spec.checkpoint.storage, spec.name).latest_complete()
+    assert last is not None and 20 <= last.step < STEPS
+    return job_run_id(spec), last
+
+
 def finish(proc: subprocess.Popen, timeout: float = 300) -> str:
     try:
         out, _ = proc.communicate(timeout=timeout)
@@ -71,14 +83,7 @@ def job(tmp_path_factory) -> tuple:
 
 def test_driver_killed_then_rerun_resumes_same_mlflow_run(job):
     spec, path = job
-    first = start(path)
-    try:
-        wait_for_step(spec, 25)
-    finally:
-        kill_session(first)
-    run_id = job_run_id(spec)
-    last = RunDir(spec.checkpoint.storage, spec.name).latest_complete()
-    assert last is not None and 20 <= last.step < STEPS
+    run_id, last = kill_mid_run(spec, path)
 
     out = finish(start(path))
     assert f"resuming job 'driver-dies' from checkpoint_{last.step:09d} (step {last.step}/{STEPS})" in out
@@ -116,14 +121,7 @@ def test_driver_killed_with_checkpoints_on_s3_loses_and_repeats_no_metric_point(
     spec = tiny_spec(tmp_path, name="driver-dies-s3", **LONG, **{"checkpoint.storage": f"{bucket}/runs"})
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
-    first = start(path)  # inherits AWS_ENDPOINT_URL: the S3 test server
-    try:
-        wait_for_step(spec, 25)
-    finally:
-        kill_session(first)
-    run_id = job_run_id(spec)
-    last = RunDir(spec.checkpoint.storage, spec.name).latest_complete()
-    assert last is not None and 20 <= last.step < STEPS
+    run_id, last = kill_mid_run(spec, path)  # the driver inherits AWS_ENDPOINT_URL: the S3 test server
 
     out = finish(start(path))
     assert f"resuming job 'driver-dies-s3' from checkpoint_{last.step:09d}" in out

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import ROOT, free_port, tiny_spec
+from tests.conftest import ROOT, free_port, restore_env, stop_session, tiny_spec
 from tidal.cli import main
 from tidal.errors import TidalError
 from tidal.launch.jobs import submit
@@ -55,12 +55,7 @@ def cluster_env(tmp_path_factory, s3_server) -> Iterator[dict[str, str]]:
                 time.sleep(0.5)
         yield {"MLFLOW_TRACKING_URI": uri, "TIDAL_STORAGE": f"s3://{bucket}/tidal"}
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_session(proc)
 
 
 @pytest.fixture(scope="module")
@@ -86,17 +81,8 @@ def head(tmp_path_factory, cluster_env) -> Iterator[str]:
         _wait_for_dashboard(address, proc, tmp / "head.log")
         yield address
     finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        restore_env(old)
+        stop_session(proc)
         time.sleep(1)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)  # anything of that session still alive
