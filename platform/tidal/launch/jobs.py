@@ -168,7 +168,7 @@ class Job:
 
     def metrics(self) -> Any:
         """A pandas DataFrame of the run's metrics from MLflow, one row per step."""
-        from tidal.tracking.mlflow import metrics_frame
+        from tidal.tracking.artifacts import metrics_frame
 
         rec = self._opened_record()
         return self._from_mlflow(rec, lambda: metrics_frame(rec["tracking_uri"], rec["mlflow_run_id"]))

@@ -18,7 +18,6 @@ from ray.train import (
     LoggingConfig,
     RunConfig,
     ScalingConfig,
-    UserCallback,
 )
 from ray.train.torch import TorchConfig, TorchTrainer
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -26,10 +25,12 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from tidal import __version__
 from tidal.cluster import burst
 from tidal.errors import SpecError, TidalError
+from tidal.launch.callbacks import FailureNotifier, Retention
 from tidal.launch.result import RunResult, print_record
 from tidal.spec.job import JobSpec
 from tidal.storage import JOB_FILE, Found, RunDir, find_resume_point
 from tidal.tracking import mlflow as tracking
+from tidal.tracking.artifacts import log_artifacts
 from tidal.tracking.buffer import BUFFER_DIR, MetricsBuffer
 from tidal.worker import tokens
 from tidal.worker.device import dist_backend
@@ -135,22 +136,6 @@ def record(spec: JobSpec, run_id: str | None) -> None:
         print_record(data)
 
 
-class Retention(UserCallback):
-    """After every checkpoint, delete old ones Ray never registered (so its num_to_keep never sees
-    them: reported just before a crash, or written by an earlier driver). Runs in Ray's controller."""
-
-    def __init__(self, spec: JobSpec) -> None:
-        self.storage, self.name, self.keep = spec.checkpoint.storage, spec.name, spec.checkpoint.keep
-
-    def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any) -> None:
-        if checkpoint is None:
-            return
-        try:
-            RunDir(self.storage, self.name).prune(self.keep)
-        except OSError as e:  # retention can wait for the next checkpoint; training must not
-            log.warning("checkpoint retention skipped this time: %s", e)
-
-
 def _check_vocab(spec: JobSpec) -> None:
     """A tokenizer with more tokens than the model's embedding would fail deep inside a worker."""
     if spec.data.tokenizer is None:
@@ -188,7 +173,7 @@ def _finish_mlflow_run(spec: JobSpec, run_id: str, ok: bool, latest: dict[str, f
     summary = {"job": spec.name, "status": "FINISHED" if ok else "FAILED", "wall_s": wall_s,
                "gpu_hours": wall_s / 3600 * spec.scaling.gpus_per_worker * latest.get("world_size", 0), **latest}
     try:
-        tracking.log_artifacts(spec, run_id, summary)
+        log_artifacts(spec, run_id, summary)
     except Exception as e:  # noqa: BLE001 - artifacts are a convenience; the job's result stands
         print(f"[tidal] WARNING: could not store the run's artifacts in MLflow: {e}", flush=True)
     tracking.end_run(spec, run_id, ok)
@@ -216,7 +201,7 @@ def _trainer(spec: JobSpec, run_id: str | None, tracker: Any, callbacks: list[An
         storage_path=spec.checkpoint.storage,
         failure_config=FailureConfig(max_failures=spec.failure.max_restarts),
         checkpoint_config=CheckpointConfig(num_to_keep=spec.checkpoint.keep),
-        callbacks=[tracking.FailureNotifier(tracker), Retention(spec), *callbacks],
+        callbacks=[FailureNotifier(tracker), Retention(spec), *callbacks],
         # Ray Train logs every report at INFO; Tidal prints its own progress, restart and
         # checkpoint lines, so keep Ray's warnings and errors only.
         logging_config=LoggingConfig(log_level="WARNING"),

@@ -1,0 +1,44 @@
+"""Ray Train controller callbacks (they run in Ray's controller process, not in the workers)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ray.train import UserCallback
+
+from tidal.spec.job import JobSpec
+from tidal.storage import RunDir
+
+log = logging.getLogger("tidal")
+
+
+class FailureNotifier(UserCallback):
+    """Ray Train controller callback: tells the tracker when the worker group fails."""
+
+    def __init__(self, tracker: Any) -> None:
+        self.tracker = tracker
+
+    def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
+        self.tracker.note_failure.remote({r: _last_line(e) for r, e in worker_exceptions.items()})
+
+
+def _last_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[-1][:300] if text else type(e).__name__
+
+
+class Retention(UserCallback):
+    """After every checkpoint, delete old ones Ray never registered (so its num_to_keep never sees
+    them: reported just before a crash, or written by an earlier driver). Runs in Ray's controller."""
+
+    def __init__(self, spec: JobSpec) -> None:
+        self.storage, self.name, self.keep = spec.checkpoint.storage, spec.name, spec.checkpoint.keep
+
+    def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any) -> None:
+        if checkpoint is None:
+            return
+        try:
+            RunDir(self.storage, self.name).prune(self.keep)
+        except OSError as e:  # retention can wait for the next checkpoint; training must not
+            log.warning("checkpoint retention skipped this time: %s", e)
