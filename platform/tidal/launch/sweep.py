@@ -19,7 +19,6 @@
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import math
 import re
@@ -27,11 +26,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import mlflow
 import pyarrow.fs as pafs
 import ray
-import yaml
-from mlflow.entities import Metric, Param, RunStatus
+from mlflow.entities import RunStatus
 from mlflow.tracking import MlflowClient
 from ray import tune
 from ray.tune.schedulers import ASHAScheduler
@@ -39,6 +36,7 @@ from ray.tune.search.basic_variant import BasicVariantGenerator
 
 from tidal import __version__, fs
 from tidal.errors import SpecError, TidalError
+from tidal.launch.sweep_mlflow import close_parent, end_parent, open_parent
 from tidal.launch.trainer import _connect_ray, run
 from tidal.spec.job import JobSpec
 from tidal.spec.sweep import Param as SweepParam
@@ -128,7 +126,7 @@ def sweep(spec: JobSpec, params: dict[str, str] | list[str] | None = None, sampl
                          "(its trials are set aside, not deleted).")
     if not resuming:
         _set_aside(base)
-    parent = _open_parent(base, cfg, (state or {}).get("parent_run_id"))
+    parent = open_parent(base, cfg, (state or {}).get("parent_run_id"))
     folder.write_json(SWEEP_FILE, {"parent_run_id": parent, "fingerprint": fingerprint, "tidal_version": __version__})
 
     trainable = tune.with_resources(
@@ -145,7 +143,7 @@ def sweep(spec: JobSpec, params: dict[str, str] | list[str] | None = None, sampl
         ok = True
     finally:
         if not ok:
-            _end(base, parent, RunStatus.KILLED)
+            end_parent(base, parent, RunStatus.KILLED)
     return _finish(grid, base, cfg, parent, exp_path, time.time() - t0)
 
 
@@ -298,7 +296,7 @@ def _finish(grid: Any, base: JobSpec, cfg: SweepSpec, parent: str, exp_path: str
         child = children.get(str(best["trial"]))
         best_metrics = dict(child.data.metrics) if child else {cfg.metric: float(best[cfg.metric])}
     _close_children(client, trials, children)
-    _close_parent(client, base, cfg, parent, trials, best_spec, best_metrics)
+    close_parent(client, base, cfg, parent, trials, best_spec, best_metrics)
     return SweepResult(base.name, best_spec, best_metrics, trials, parent, exp_path, base.tracking.uri,
                        cfg.metric, cfg.mode, wall_s, list(cfg.params))
 
@@ -354,54 +352,6 @@ def _close_children(client: MlflowClient, trials: Any, children: dict[str, Any])
         client.set_tag(child.info.run_id, "tidal.sweep_status", row["status"])
         if row["status"] == "stopped_early" and child.info.status == "RUNNING":
             client.set_terminated(child.info.run_id, RunStatus.to_string(RunStatus.KILLED))
-
-
-# --- the MLflow parent run ----------------------------------------------------------------
-def _open_parent(base: JobSpec, cfg: SweepSpec, run_id: str | None) -> str:
-    """Reopen the sweep's parent run when resuming, else create it with the sweep settings as params."""
-    client = MlflowClient(base.tracking.uri)
-    if run_id:
-        try:
-            client.update_run(run_id, status=RunStatus.to_string(RunStatus.RUNNING))
-            return run_id
-        except mlflow.exceptions.MlflowException:
-            print(f"[tidal] WARNING: the sweep's MLflow parent run {run_id} is gone; starting a new one", flush=True)
-    exp = client.get_experiment_by_name(base.tracking.experiment)
-    exp_id = exp.experiment_id if exp else client.create_experiment(base.tracking.experiment)
-    tags = {"tidal.sweep": base.name, "tidal.sweep_role": "parent", "tidal.version": __version__}
-    run_id = client.create_run(exp_id, run_name=f"{base.name}-sweep", tags=tags).info.run_id
-    settings = {f"sweep.{k}": v for k, v in cfg.model_dump(exclude={"params"}).items()}
-    settings |= {f"sweep.params.{k}": v for k, v in cfg.params.items()}
-    client.log_batch(run_id, params=[Param(k, str(v)) for k, v in settings.items()])
-    client.log_text(run_id, yaml.safe_dump(base.redacted(), sort_keys=False), "base_spec.yaml")
-    return run_id
-
-
-def _close_parent(client: MlflowClient, base: JobSpec, cfg: SweepSpec, parent: str, trials: Any,
-                  best_spec: JobSpec | None, best_metrics: dict[str, float]) -> None:
-    counts = trials["status"].value_counts()
-    values = {"trials": float(len(trials))}
-    values |= {f"trials_{s}": float(counts.get(s, 0)) for s in ("completed", "stopped_early", "failed")}
-    if best_spec is not None:
-        values |= {f"best_{k}": float(v) for k, v in best_metrics.items() if k in (cfg.metric, "loss")}
-        client.set_tag(parent, "tidal.best_trial", best_spec.name)
-        client.log_text(parent, yaml.safe_dump(best_spec.redacted(), sort_keys=False), "best_spec.yaml")
-    now = int(time.time() * 1000)
-    client.log_batch(parent, metrics=[Metric(k, v, now, 0) for k, v in values.items()])
-    buf = io.StringIO()
-    trials.to_csv(buf, index=False)
-    client.log_text(parent, buf.getvalue(), "trials.csv")
-    summary = {"metric": cfg.metric, "mode": cfg.mode, "best_trial": best_spec.name if best_spec else None,
-               "best_metrics": best_metrics, "trials": json.loads(trials.to_json(orient="records"))}
-    client.log_dict(parent, summary, "summary.json")
-    _end(base, parent, RunStatus.FINISHED)
-
-
-def _end(base: JobSpec, run_id: str, status: int) -> None:
-    try:
-        MlflowClient(base.tracking.uri).set_terminated(run_id, RunStatus.to_string(status))
-    except mlflow.exceptions.MlflowException as e:  # tracking must never turn a finished sweep into a crash
-        print(f"[tidal] WARNING: could not close the sweep's MLflow run {run_id}: {e}", flush=True)
 
 
 # --- small helpers ------------------------------------------------------------------------
