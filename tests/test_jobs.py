@@ -111,6 +111,8 @@ def spec_file(tmp: Path, name: str, **overrides) -> tuple:
 
 
 def test_submit_follow_status_logs_list(head, tmp_path, capsys, monkeypatch):
+    from tidal.launch.jobs import Job
+
     monkeypatch.chdir(ROOT)
     _, path = spec_file(tmp_path, "submitted")
     assert main(["submit", str(path), "--address", head, "--follow"]) == 0
@@ -132,6 +134,12 @@ def test_submit_follow_status_logs_list(head, tmp_path, capsys, monkeypatch):
     assert main(["list", "--address", head, "--output", "json"]) == 0
     listed = {r["id"]: r for r in json.loads(capsys.readouterr().out)}
     assert listed[job_id]["name"] == "submitted" and listed[job_id]["step"] == 24
+
+    # The SDK path the notebook uses, on the same job: metrics rows, loss falling.
+    frame = Job(job_id, head).metrics()
+    assert list(frame["step"]) == list(range(1, 25))
+    assert frame["loss"].iloc[-1] < 0.75 * frame["loss"].iloc[0]
+    assert {"tokens_per_s", "world_size", "mfu"} <= set(frame.columns)
 
 
 def test_submit_follows_by_default_and_exits_by_the_outcome(head, tmp_path, capsys, monkeypatch):
@@ -250,17 +258,6 @@ def test_the_cluster_decides_where_a_submitted_job_keeps_things(head, cluster_en
     out = capsys.readouterr().out
     assert "already complete at step 20" in out and "--restart" in out
     assert "step 1/20" not in out and "nan" not in out
-
-
-def test_notebook_metrics_frame_shows_learning(head, tmp_path):
-    """The SDK path the notebook uses, asserted directly: job.metrics() rows, loss falling."""
-    spec = tiny_spec(tmp_path, name="sdk")
-    job = submit(spec, head, ROOT)
-    assert job.wait(timeout=400) == "SUCCEEDED", job.logs()[-3000:]
-    frame = job.metrics()
-    assert list(frame["step"]) == list(range(1, 25))
-    assert frame["loss"].iloc[-1] < 0.75 * frame["loss"].iloc[0]
-    assert {"tokens_per_s", "world_size", "mfu"} <= set(frame.columns)
 
 
 def test_upload_above_the_limit_is_refused_before_sending(tmp_path):

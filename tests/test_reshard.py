@@ -15,7 +15,9 @@ def workers(n: int) -> dict[str, int]:
     return {"scaling.min_workers": n, "scaling.max_workers": n}
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+# ZeRO-1 and ZeRO-2 share one DeepSpeed implementation (stage_1_and_2.py) and checkpoint layout,
+# so stage 2 covers both; each case is four runs.
+@pytest.mark.parametrize("stage", [2, 3])
 def test_resume_across_world_sizes(tmp_path, stage):
     common = {"parallelism.zero_stage": stage, "train.steps": 18, "checkpoint.every_steps": 6}
     reference = tiny_spec(tmp_path, name=f"steady{stage}", **common, **workers(2))
