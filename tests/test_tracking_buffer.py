@@ -47,3 +47,17 @@ def test_running_a_finished_job_again_sends_what_an_earlier_driver_left(tmp_path
     assert metric_history(spec, run_id, "loss") == {1: 4.0, 2: 3.0, 3: 2.0}
     run = RunDir(spec.checkpoint.storage, spec.name)
     assert MetricsBuffer(run.fs, run.path).load() == []
+
+
+def test_storage_refusing_writes_never_raises_into_training_and_holds_the_checkpoint_wait(tmp_path):
+    """Rank 0's emitter keeps an event it cannot write and retries; `drain` (the wait before a
+    checkpoint) says so instead of raising, and succeeds once storage takes writes again."""
+    blocker = tmp_path / "runs"
+    blocker.write_text("a file where the run folder should be")
+    events = Emitter(str(blocker), "job", retry_s=0.05)
+    events.metrics({"step": 1, **STEP})  # returns at once, whatever storage does
+    assert events.drain(timeout_s=0.5) is False
+    blocker.unlink()
+    assert events.drain(timeout_s=30) is True
+    run = RunDir(str(blocker), "job")
+    assert [e["step"] for e in MetricsBuffer(run.fs, run.path).load()] == [1]
