@@ -53,6 +53,13 @@ def ray_local() -> Iterator[None]:
     ray.shutdown()
 
 
+@pytest.fixture(scope="session")
+def mlflow_uri(tmp_path_factory) -> str:
+    """One MLflow SQLite store for tests that need no store of their own (creating one takes
+    seconds); each test makes its own runs in it."""
+    return f"sqlite:///{tmp_path_factory.mktemp('mlflow')}/mlflow.db"
+
+
 def metric_history(spec: JobSpec, run_id: str, key: str) -> dict[int, float]:
     """step -> value; fails the test if any step was logged twice."""
     from mlflow.tracking import MlflowClient

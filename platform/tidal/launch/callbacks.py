@@ -9,18 +9,22 @@ from ray.train import UserCallback
 
 from tidal.spec.job import JobSpec
 from tidal.storage import RunDir
+from tidal.tracking.emitter import Emitter
 
 log = logging.getLogger("tidal")
 
 
 class FailureNotifier(UserCallback):
-    """Ray Train controller callback: tells the tracker when the worker group fails."""
+    """Ray Train controller callback: records in the job's event log that the worker group failed
+    (the tracker counts and prints it), written at once so a dead tracker cannot lose it."""
 
-    def __init__(self, tracker: Any) -> None:
-        self.tracker = tracker
+    def __init__(self, spec: JobSpec) -> None:
+        self.storage, self.name = spec.checkpoint.storage, spec.name
 
     def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
-        self.tracker.note_failure.remote({r: _last_line(e) for r, e in worker_exceptions.items()})
+        events = Emitter(self.storage, self.name)
+        events.failed({r: _last_line(e) for r, e in worker_exceptions.items()})
+        events.drain(timeout_s=10.0)  # a storage outage must not hold up Ray's restart
 
 
 def _last_line(e: BaseException) -> str:

@@ -8,13 +8,14 @@ header (Ray's own client sends it only when RAY_AUTH_MODE=token is set; we alway
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
 import json
 import os
-import re
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -26,13 +27,12 @@ from tidal.spec.job import JobSpec
 
 ALWAYS_EXCLUDE = [".git", ".venv", "venv", "__pycache__", "*.egg-info", ".ipynb_checkpoints",
                   "tidal-runs", "mlruns", "mlartifacts", "mlflow.db", "*.db-journal", ".pytest_cache", ".ruff_cache"]
-PROGRESS = re.compile(r"\[tidal\] step (\d+)/(\d+) \| loss ([\d.naninf]+) \| ([\d,]+) tok/s .*?\| world (\d+)")
 # Where a job tracks and stores is the cluster's to say; the submitter's own settings travel
 # with the job when set, as Ray's and MLflow's users expect of their environment.
 FORWARDED_ENV = ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "TIDAL_STORAGE")
 T = TypeVar("T")
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
-# `tidal list/status --output json` hold these always; progress fields are null before the first progress line.
+# `tidal list/status --output json` hold these always; progress fields are null before the first step is in MLflow.
 JOB_FIELDS = ("id", "name", "status", "start_time")
 PROGRESS_FIELDS = ("step", "steps", "loss", "tokens_per_s", "world_size")
 
@@ -121,12 +121,43 @@ class Job:
         return self._client().get_job_logs(self.submission_id)
 
     def follow(self, poll_s: float = 1.0) -> Iterator[str]:
-        """Yield the job's new output every `poll_s` seconds, until the job ends.
+        """Yield the job's output as it comes, until the job ends.
 
-        Polls rather than tailing Ray's websocket: that needs an asyncio loop of its own,
-        which a Jupyter kernel (already running one) cannot give it.
+        Streams through Ray's log websocket (`tail_job_logs`), which needs an asyncio loop of its
+        own; inside a running loop (a Jupyter kernel) that cannot be had, and the logs are polled
+        every `poll_s` seconds instead, as they are if the stream breaks off.
         """
+        try:
+            asyncio.get_running_loop()
+            seen = 0
+        except RuntimeError:
+            seen = yield from self._tail()
+            if seen is None:
+                return
+        yield from self._poll(poll_s, seen)
+
+    def _tail(self) -> Generator[str, None, int | None]:
+        """Stream the logs; returns None when the job ended, else how many characters were yielded."""
         client, seen = self._client(), 0
+        loop, stream = asyncio.new_event_loop(), None
+        try:
+            stream = client.tail_job_logs(self.submission_id)
+            while True:
+                chunk = loop.run_until_complete(stream.__anext__())
+                seen += len(chunk)
+                yield chunk
+        except StopAsyncIteration:  # the server closed the stream: the job ended
+            return None
+        except Exception:  # noqa: BLE001 - no websocket (a proxy, an old server): poll from where the stream stopped
+            return seen
+        finally:
+            if stream is not None:
+                with contextlib.suppress(Exception):
+                    loop.run_until_complete(stream.aclose())
+            loop.close()
+
+    def _poll(self, poll_s: float, seen: int) -> Iterator[str]:
+        client = self._client()
         while True:
             state = str(client.get_job_status(self.submission_id).value)  # before the logs: none missed
             text = client.get_job_logs(self.submission_id)
@@ -151,8 +182,9 @@ class Job:
         return bool(self._client().stop_job(self.submission_id))
 
     def progress(self) -> dict[str, Any]:
-        """The latest progress line: step, steps, loss, tokens/s, world size (empty before the first)."""
-        return parse_progress(self.logs())
+        """The latest step's progress: step, steps, loss, tokens/s, world size (empty before the first
+        step reached MLflow, or while the job's MLflow cannot be read from here)."""
+        return read_progress(self.record())
 
     def record(self) -> dict[str, Any]:
         """Where the job tracks and stores, as it recorded at start: name, tracking_uri, experiment,
@@ -206,13 +238,17 @@ class Job:
                 "cluster") from None
 
 
-def parse_progress(logs: str) -> dict[str, Any]:
-    found = PROGRESS.findall(logs)
-    if not found:
+def read_progress(rec: dict[str, Any]) -> dict[str, Any]:
+    """The structured progress the job keeps in its MLflow run (tracking.mlflow.PROGRESS_TAG), found
+    through the record it printed at start; never parsed from the printed progress lines."""
+    if not rec.get("mlflow_run_id") or not rec.get("tracking_uri"):
         return {}
-    step, steps, loss, tps, world = found[-1]
-    return {"step": int(step), "steps": int(steps), "loss": float(loss), "tokens_per_s": float(tps.replace(",", "")),
-            "world_size": int(world)}
+    from tidal.tracking.mlflow import read_progress as from_run
+
+    try:
+        return from_run(rec["tracking_uri"], rec["mlflow_run_id"])
+    except Exception:  # noqa: BLE001 - progress is informative: unknown here, the job's status still shows
+        return {}
 
 
 def submit(spec: JobSpec, address: str | None = None, working_dir: str | os.PathLike[str] = ".",
@@ -278,7 +314,7 @@ def list_jobs(address: str | None = None) -> list[dict[str, Any]]:
         meta = info.metadata or {}
         if "tidal.job" not in meta or not info.submission_id:
             continue
-        progress = parse_progress(client.get_job_logs(info.submission_id))
+        progress = read_progress(parse_record(client.get_job_logs(info.submission_id)))
         rows.append({"id": info.submission_id, "name": meta["tidal.job"], "status": str(info.status.value),
                      "start_time": info.start_time or 0, **progress})
     return sorted(rows, key=lambda r: r["start_time"], reverse=True)

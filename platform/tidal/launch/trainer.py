@@ -32,6 +32,7 @@ from tidal.storage import JOB_FILE, Found, RunDir, find_resume_point
 from tidal.tracking import mlflow as tracking
 from tidal.tracking.artifacts import log_artifacts
 from tidal.tracking.buffer import BUFFER_DIR, MetricsBuffer
+from tidal.tracking.tracker import Tracker
 from tidal.worker import tokens
 from tidal.worker.device import dist_backend
 
@@ -75,13 +76,13 @@ def run(spec: JobSpec, restart: bool = False, mlflow_tags: dict[str, str] | None
     ok = False
     try:
         with burst.burst_capacity(spec):  # site "any": on-prem first, cloud nodes after burst_after_s
-            _trainer(spec, run_id, tracker, callbacks or []).fit()
+            _trainer(spec, run_id, callbacks or []).fit()
         ok = True
     except ray.train.TrainingFailedError as e:
         raise TidalError(f"job {spec.name!r} failed after {spec.failure.max_restarts} restart(s): {_root_cause(e)}\n"
                          f"Its checkpoints are in {run_dir.path}; run the same command again to resume.") from e
     finally:
-        run_id, latest, left = _close_tracker(tracker, spec.tracking.flush_timeout_s)
+        run_id, latest, left = _close_tracker(spec, tracker, spec.tracking.flush_timeout_s)
         if left:
             print(f"[tidal] WARNING: {left} metric point(s) could not reach MLflow; they stay in "
                   f"{run_dir.path}/{BUFFER_DIR} and are sent when this job runs again", flush=True)
@@ -111,7 +112,7 @@ def _complete(spec: JobSpec, found: Found, job: dict[str, Any], run_dir: RunDir,
           "  start over:    --restart (the old run's folder is kept aside)", flush=True)
     run_id, uri = job.get("mlflow_run_id") or None, job.get("tracking_uri") or spec.tracking.uri
     if MetricsBuffer(run_dir.fs, run_dir.path).load():
-        tracker = tracking.Tracker(spec, run_id, record=job_record(spec, run_id), system_metrics=False)
+        tracker = Tracker(spec, run_id, record=job_record(spec, run_id), system_metrics=False, background=False)
         run_id, _, left = tracker.close()
         if left:
             print(f"[tidal] WARNING: {left} metric point(s) still wait for MLflow in {run_dir.path}/{BUFFER_DIR}",
@@ -146,18 +147,29 @@ def _check_vocab(spec: JobSpec) -> None:
                           f"({spec.data.tokenizer}); set model.vocab_size: {size} or more")])
 
 
-def _close_tracker(tracker: Any, timeout_s: float) -> tuple[str | None, dict[str, float], int]:
-    """Stop the tracker, first giving an unreachable MLflow up to `timeout_s` to come back."""
-    left = ray.get(tracker.flush.remote(force=True))
-    if left:
-        print(f"[tidal] {left} metric point(s) still wait for MLflow; retrying for up to {timeout_s:.0f}s", flush=True)
-    deadline = time.time() + timeout_s
-    while left and time.time() < deadline:
-        time.sleep(2)
+def _close_tracker(spec: JobSpec, tracker: Any, timeout_s: float) -> tuple[str | None, dict[str, float], int]:
+    """Stop the tracker, first giving an unreachable MLflow up to `timeout_s` to come back. If the
+    actor cannot be reached at all, a tracker in this process finishes from the event log."""
+    try:
         left = ray.get(tracker.flush.remote(force=True))
-    run_id, latest, left = ray.get(tracker.close.remote())
+        if left:
+            print(f"[tidal] {left} metric point(s) still wait for MLflow; retrying for up to {timeout_s:.0f}s", flush=True)
+        deadline = time.time() + timeout_s
+        while left and time.time() < deadline:
+            time.sleep(2)
+            left = ray.get(tracker.flush.remote(force=True))
+        closed = ray.get(tracker.close.remote())
+    except ray.exceptions.RayError as e:
+        print(f"[tidal] the tracker actor is gone ({type(e).__name__}); finishing tracking in the driver", flush=True)
+        closed = None
     ray.kill(tracker)
-    return run_id, latest, left
+    if closed is None:
+        closed = Tracker(spec, _job_run_id(spec), system_metrics=False, background=False).close()
+    return closed
+
+
+def _job_run_id(spec: JobSpec) -> str | None:
+    return (RunDir(spec.checkpoint.storage, spec.name).read_json(JOB_FILE) or {}).get("mlflow_run_id")
 
 
 def _open_mlflow_run(spec: JobSpec, run_id: str | None, tags: dict[str, str]) -> str | None:
@@ -180,13 +192,17 @@ def _finish_mlflow_run(spec: JobSpec, run_id: str, ok: bool, latest: dict[str, f
 
 
 def _start_tracker(spec: JobSpec, run_id: str | None, tags: dict[str, str], rec: dict[str, Any] | None) -> Any:
-    """The MLflow tracker actor, pinned to this (the driver's) node, where a SQLite store lives."""
+    """The MLflow tracker actor, pinned to this (the driver's) node, where a SQLite store lives.
+
+    Ray restarts it whenever it dies and retries the driver's calls to it: it recovers from the
+    job's event log, and nothing in training waits on it (tracking/tracker.py).
+    """
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    actor = ray.remote(num_cpus=0, scheduling_strategy=here)(tracking.Tracker)
+    actor = ray.remote(num_cpus=0, scheduling_strategy=here, max_restarts=-1, max_task_retries=-1)(Tracker)
     return actor.remote(spec, run_id, tags, record=rec)
 
 
-def _trainer(spec: JobSpec, run_id: str | None, tracker: Any, callbacks: list[Any]) -> TorchTrainer:
+def _trainer(spec: JobSpec, run_id: str | None, callbacks: list[Any]) -> TorchTrainer:
     from tidal.worker.loop import train_loop
 
     s = spec.scaling
@@ -201,7 +217,7 @@ def _trainer(spec: JobSpec, run_id: str | None, tracker: Any, callbacks: list[An
         storage_path=spec.checkpoint.storage,
         failure_config=FailureConfig(max_failures=spec.failure.max_restarts),
         checkpoint_config=CheckpointConfig(num_to_keep=spec.checkpoint.keep),
-        callbacks=[FailureNotifier(tracker), Retention(spec), *callbacks],
+        callbacks=[FailureNotifier(spec), Retention(spec), *callbacks],
         # Ray Train logs every report at INFO; Tidal prints its own progress, restart and
         # checkpoint lines, so keep Ray's warnings and errors only.
         logging_config=LoggingConfig(log_level="WARNING"),
@@ -218,7 +234,7 @@ def _trainer(spec: JobSpec, run_id: str | None, tracker: Any, callbacks: list[An
                      "dataset_config": DataConfig(execution_options=ExecutionOptions(preserve_order=True))}
     return TorchTrainer(
         train_loop,
-        train_loop_config={"spec": spec.model_dump(mode="json"), "mlflow_run_id": run_id, "tracker": tracker},
+        train_loop_config={"spec": spec.model_dump(mode="json"), "mlflow_run_id": run_id},
         scaling_config=scaling,
         run_config=run_config,
         torch_config=TorchConfig(backend=dist_backend(s.gpus_per_worker)),

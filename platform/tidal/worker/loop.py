@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from tidal.spec.job import JobSpec
+from tidal.tracking.emitter import Emitter
 from tidal.worker import checkpoint
 from tidal.worker.data import Batches
 from tidal.worker.device import torch_device
@@ -23,9 +24,11 @@ from tidal.worker.watchdog import StepWatchdog
 def train_loop(config: dict[str, Any]) -> None:
     spec = JobSpec.model_validate(config["spec"])
     os.environ.update(spec.env)
-    tracker = config["tracker"]
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    # Tracking goes to the job's durable event log, written off this thread: no tracking
+    # process can fail or slow a step (tracking/emitter.py).
+    events = Emitter(spec.checkpoint.storage, spec.name)
     device = torch_device()
 
     found = checkpoint.agree_on_resume_point(spec)  # rank 0 decides; every rank loads the same one
@@ -34,7 +37,7 @@ def train_loop(config: dict[str, Any]) -> None:
     if found:
         state = checkpoint.restore(engine, found, reshard)
         if rank == 0:
-            tracker.resumed.remote(found.name, state.step, state.world_size, world)
+            events.resumed(found.name, state.step, state.world_size, world)
     else:
         state = checkpoint.TrainState()
     state.world_size, state.zero_stage = world, spec.parallelism.zero_stage
@@ -54,7 +57,7 @@ def train_loop(config: dict[str, Any]) -> None:
     s = spec.scaling
     peak = world * worker_peak_flops(device, spec.parallelism.precision, s.cpus_per_worker, s.peak_tflops_per_worker)
     clock, loss_sum, loss_n = PhaseClock(device), torch.zeros(1), 0
-    watchdog = StepWatchdog(spec.failure.step_timeout_s, rank, tracker)
+    watchdog = StepWatchdog(spec.failure.step_timeout_s, rank, events)
     saved_for_preemption = False
 
     last = state.step if state.data_ended else min(t.steps, t.stop_at or t.steps)
@@ -93,27 +96,29 @@ def train_loop(config: dict[str, Any]) -> None:
         loss_sum.zero_()
         loss_n = 0
         if rank == 0 and not is_ckpt:
-            tracker.log.remote(metrics)  # fire and forget: tracking never blocks a step
+            events.metrics(metrics)  # written in the background: tracking never blocks a step
         if is_ckpt:
             if rank == 0:
                 if preempted:
-                    tracker.say.remote(f"preemption warning: saving an emergency checkpoint at step {step}")
-                # Wait until every step up to this one is buffered on the driver's node: once the
-                # checkpoint exists, training never redoes them, so a dead driver must not lose them.
-                ray.get(tracker.log.remote(metrics))
+                    events.say(f"preemption warning: saving an emergency checkpoint at step {step}", step)
+                # Wait until every step up to this one is durable on the job's storage: once the
+                # checkpoint exists, training never redoes them, so no process's death may lose them.
+                events.metrics(metrics)
+                events.drain()
             saved = checkpoint.save(engine, state, metrics, batches.save_position)
             watchdog.beat(step)
             if rank == 0:
-                tracker.checkpointed.remote(step, saved)
+                events.checkpointed(step, saved)
         if warning is not None:
             watchdog.pause()
             _wait_for_reclaim(warning.deadline_ms)
         if data_ended and step < last:
             if rank == 0:
                 passes = f"{spec.data.epochs} epoch(s)" if spec.data.epochs else "the epochs estimated from its size"
-                tracker.say.remote(f"the data stream ended after step {step} ({passes} of {spec.data.source}); "
-                                   "the job ends here")
+                events.say(f"the data stream ended after step {step} ({passes} of {spec.data.source}); "
+                           "the job ends here", step)
             break
+    events.drain()  # the last checkpoint's event and notes reach storage before this process ends
 
 
 def _train_step(engine: Any, micro: Iterator[tuple[torch.Tensor, torch.Tensor]], clock: PhaseClock) -> tuple[torch.Tensor, int]:

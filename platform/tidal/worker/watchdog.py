@@ -12,14 +12,15 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any
+
+from tidal.tracking.emitter import Emitter
 
 EXIT_CODE = 70  # EX_SOFTWARE
 
 
 class StepWatchdog:
-    def __init__(self, timeout_s: float, rank: int, tracker: Any) -> None:
-        self.timeout_s, self.rank, self.tracker = timeout_s, rank, tracker
+    def __init__(self, timeout_s: float, rank: int, events: Emitter) -> None:
+        self.timeout_s, self.rank, self.events = timeout_s, rank, events
         self.last_beat: float | None = None  # armed by the first beat: engine build and JIT are slow
         self.step = 0
         if timeout_s > 0:
@@ -36,9 +37,10 @@ class StepWatchdog:
         while True:
             time.sleep(min(5.0, self.timeout_s / 4))
             if self.last_beat is not None and time.monotonic() - self.last_beat > self.timeout_s:
-                self.tracker.say.remote(
+                self.events.say(
                     f"watchdog: rank {self.rank} finished no step for {self.timeout_s:.0f}s after step {self.step} "
-                    "(stuck in a collective or a dead peer?); exiting so Ray restarts the group from the last checkpoint"
+                    "(stuck in a collective or a dead peer?); exiting so Ray restarts the group from the last checkpoint",
+                    self.step,
                 )
-                time.sleep(1.0)  # let the message leave
+                self.events.drain(timeout_s=5.0)  # let the message reach storage; a stuck write must not hold the exit
                 os._exit(EXIT_CODE)

@@ -1,0 +1,77 @@
+"""What a person watching a job reads: one subscriber of the ledger's events, printing `[tidal]` lines.
+
+The wording here is for people only: `tidal status/list` and `Job.progress()` read the
+structured status record (tracking/status.py), never these lines.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+class Console:
+    def __init__(self, total_steps: int, clock: Callable[[], float] = time.time) -> None:
+        self.total, self.clock = total_steps, clock
+        self.t0, self.first_step = clock(), None
+
+    def __call__(self, e: dict[str, Any]) -> None:
+        line = getattr(self, f"_{e['kind']}", lambda _: None)(e)
+        if line:
+            print(f"[tidal] {line}", flush=True)
+
+    def _metrics(self, e: dict[str, Any]) -> str | None:
+        m, step = e["values"], int(e["step"])
+        if "loss" not in m:
+            return None
+        if self.first_step is None:
+            self.first_step, self.t0 = step, self.clock()
+        elapsed, done = self.clock() - self.t0, step - self.first_step
+        eta = elapsed / done * (self.total - step) if done > 0 else math.nan
+        return (f"step {step}/{self.total} | loss {m['loss']:.4f} | {m.get('tokens_per_s', 0):,.0f} tok/s | "
+                f"{m.get('samples_per_s', 0):,.1f} samples/s | MFU {100 * m.get('mfu', 0):.1f}% | "
+                f"world {m.get('world_size', 0):.0f} | elapsed {hms(elapsed)} | ETA {hms(eta)}")
+
+    def _checkpoint(self, e: dict[str, Any]) -> str | None:
+        if e.get("replay"):
+            return None
+        m = e["values"]
+        return (f"checkpoint at step {e['step']}: {m.get('checkpoint_bytes', 0) / 2**20:.1f} MiB on rank 0, "
+                f"written in {m.get('checkpoint_save_s', 0):.2f}s, training blocked {m.get('checkpoint_blocked_s', 0):.2f}s")
+
+    def _note(self, e: dict[str, Any]) -> str:
+        return str(e["text"])
+
+    def _resumed(self, e: dict[str, Any]) -> str:
+        line = f"resumed from {e['checkpoint']} at step {e['step']}/{self.total}"
+        if e.get("lost"):
+            line += f" ({e['lost']} step(s) to redo)"
+        if e["old_world"] != e["world"]:
+            line += f"; checkpoint written at world size {e['old_world']} resharded for {e['world']}"
+        return line
+
+    def _resized(self, e: dict[str, Any]) -> str:
+        why = "after a failure" if e["after_failure"] else "capacity changed"
+        return f"resized: world size {e['old_world']} -> {e['world']} ({why}), training again at step {e['step']}"
+
+    def _failure(self, e: dict[str, Any]) -> str:
+        lines = [f"worker rank {rank} failed: {why}" for rank, why in sorted(e["failures"].items())]
+        lines.append(f"restart {e['restarts']:.0f}: restarting the worker group from the latest complete "
+                     f"checkpoint (last step reached: {e['reported']})")
+        return "\n[tidal] ".join(lines)
+
+    def _sink_down(self, e: dict[str, Any]) -> str:
+        return (f"WARNING: MLflow is unreachable ({e['error']}); training continues and metrics wait in "
+                f"{e['where']} until it is back")
+
+    def _sink_back(self, e: dict[str, Any]) -> str:
+        return f"MLflow is reachable again after {e['down_s']:.0f}s: sent {e['sent']} buffered point(s)"
+
+
+def hms(seconds: float) -> str:
+    if seconds != seconds:  # NaN: no estimate yet
+        return "--:--"
+    s = int(seconds)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"

@@ -1,0 +1,91 @@
+"""The one call workers and the controller track through: events into the job's durable log.
+
+Rank 0 writes its step metrics, checkpoints, resumes and notes to the event log on the job's
+storage itself (tracking/buffer.py), from a background thread, instead of sending them to the
+tracker actor. So nothing the tracker does (dying, restarting, waiting on MLflow) can raise
+into training or slow a step, and the guarantee that a checkpoint never becomes the resume
+point before every step up to it is durable needs no other process: rank 0 drains its own
+queue before saving, and the log lives on the same storage as the checkpoint, which survives
+the driver. The tracker reads the log, dedupes, sends to MLflow and prints (tracking/ledger.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Any
+
+from tidal.storage import RunDir
+from tidal.tracking.buffer import MetricsBuffer
+
+log = logging.getLogger("tidal")
+NOT_METRICS = ("step", "preempted")
+
+
+def metric_values(m: dict[str, Any]) -> dict[str, float]:
+    """The numbers of a metrics dict, as MLflow takes them."""
+    return {k: float(v) for k, v in m.items() if k not in NOT_METRICS and isinstance(v, (int, float))}
+
+
+class Emitter:
+    """Writes events to `<storage>/<name>/tidal-mlflow-buffer/` in order, off the caller's thread."""
+
+    def __init__(self, storage: str, name: str, retry_s: float = 1.0) -> None:
+        run = RunDir(storage, name)
+        self.buffer, self.retry_s = MetricsBuffer(run.fs, run.path), retry_s
+        self.queue: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.done = threading.Condition()
+        self.unwritten = 0
+        threading.Thread(target=self._write_loop, name="tidal-events", daemon=True).start()
+
+    # --- what workers say ---------------------------------------------------------------
+    def metrics(self, m: dict[str, Any]) -> None:
+        self._emit({"kind": "metrics", "step": int(m["step"]), "values": metric_values(m)})
+
+    def checkpointed(self, step: int, m: dict[str, float]) -> None:
+        self._emit({"kind": "checkpoint", "step": step, "values": metric_values(m)})
+
+    def resumed(self, checkpoint: str, step: int, old_world: int, world: int) -> None:
+        self._emit({"kind": "resumed", "step": step, "checkpoint": checkpoint, "old_world": old_world,
+                    "world": world})
+
+    def say(self, message: str, step: int = 0) -> None:
+        self._emit({"kind": "note", "step": step, "text": message})
+
+    def failed(self, failures: dict[int, str], step: int = 0) -> None:
+        self._emit({"kind": "failure", "step": step, "failures": {str(r): why for r, why in failures.items()}})
+
+    def drain(self, timeout_s: float | None = None) -> bool:
+        """Block until every event emitted so far is durable; False if `timeout_s` passed first.
+
+        Without a timeout this waits as long as storage refuses writes: rank 0 calls it before a
+        checkpoint, which could not be saved to that storage either.
+        """
+        with self.done:
+            return self.done.wait_for(lambda: self.unwritten == 0, timeout=timeout_s)
+
+    # --- the writer thread --------------------------------------------------------------
+    def _emit(self, event: dict[str, Any]) -> None:
+        with self.done:
+            self.unwritten += 1
+        self.queue.put({**event, "ts": int(time.time() * 1000)})
+
+    def _write_loop(self) -> None:
+        while True:
+            event = self.queue.get()
+            warned = False
+            while True:
+                try:
+                    self.buffer.append(event)
+                    break
+                except OSError as e:  # storage hiccup: keep the event and try again; never give up on it
+                    if not warned:
+                        log.warning("[tidal] could not write a tracking event to %s (%s); retrying",
+                                    self.buffer.path, e)
+                        warned = True
+                    time.sleep(self.retry_s)
+            with self.done:
+                self.unwritten -= 1
+                self.done.notify_all()

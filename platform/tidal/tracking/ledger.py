@@ -1,0 +1,239 @@
+"""The tracking core, free of Ray: which steps MLflow holds, and getting the rest there once.
+
+Events come from the job's durable log (tracking/buffer.py; rank 0 and the controller write
+it, tracking/emitter.py). `poll` reads the new ones, drops a step already logged (a step
+replayed after a restart), counts restarts, resizes and lost steps, and tells subscribers
+(the console, the status record). `flush` sends what is pending to a `Sink` (MLflow) in
+batches, retries an unreachable sink every `retry_s`, and forgets sent entries only after
+recording how far the sink holds the run (the mark, `tidal-mlflow-sent.json`), so a ledger
+that dies at any point is replaced by one that sends the rest once and nothing twice.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from tidal.tracking.buffer import MetricsBuffer
+
+SENT_FILE = "tidal-mlflow-sent.json"  # beside the buffer: how far MLflow holds the run, and the counters
+SENT_KINDS = {"metrics": "step", "checkpoint": "checkpoint_step"}  # kind -> its key in the mark
+COUNTERS = ("restarts", "resizes", "steps_lost", "max_steps_lost")
+Subscriber = Callable[[dict[str, Any]], None]
+
+
+class Sink(Protocol):
+    """Where points end up (MLflow): one run, steps as given."""
+
+    def open(self, run_id: str | None) -> str:
+        """The run to send to, created now if `run_id` is None."""
+
+    def send(self, run_id: str, entries: list[dict[str, Any]]) -> None:
+        """Store `entries` whole or not at all (MLflow's log_batch is one transaction)."""
+
+    def logged_steps(self, run_id: str, key: str) -> set[int]:
+        """Steps at which the run holds `key`."""
+
+
+class Store(Protocol):
+    def read_json(self, rel: str) -> dict[str, Any] | None: ...
+    def write_json(self, rel: str, data: dict[str, Any]) -> None: ...
+
+
+def kind_of(entry: dict[str, Any]) -> str:
+    """An entry's kind; entries written before kinds existed were metrics or checkpoints."""
+    return entry.get("kind") or ("checkpoint" if "checkpoint_bytes" in entry["values"] else "metrics")
+
+
+class Ledger:
+    def __init__(self, buffer: MetricsBuffer, store: Store, sink: Sink, run_id: str | None,
+                 subscribers: list[Subscriber] | None = None, retry_s: float = 5.0,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.buffer, self.store, self.sink, self.run_id = buffer, store, sink, run_id
+        self.subscribers, self.retry_s, self.clock = list(subscribers or []), retry_s, clock
+        mark = store.read_json(SENT_FILE) or {}
+        self.mark = mark if run_id and mark.get("run_id") == run_id else {"run_id": run_id}
+        # Highest step accepted per kind (pending or sent); None until known (the mark, or MLflow).
+        self.high: dict[str, int | None] = {k: self.mark.get(key) for k, key in SENT_KINDS.items()}
+        self.counters = {k: float(self.mark.get("counters", {}).get(k, 0.0)) for k in COUNTERS}
+        self.reported = int(self.mark.get("reported_step", 0))  # highest step trained, replays included
+        self.world_size: int | None = self.mark.get("world_size")
+        self.latest: dict[str, float] = dict(self.mark.get("latest", {}))
+        self.failed_since_resume = False
+        self.pending: list[dict[str, Any]] = []
+        self.known: set[str] = set()  # ids read and still in the buffer
+        self.recovered: set[str] | None = None  # ids an earlier ledger left: some may be in MLflow
+        self.retry_at, self.down_since = 0.0, None
+        self.lock = threading.RLock()  # one poll or flush at a time
+
+    # --- reading the log ----------------------------------------------------------------
+    def poll(self) -> int:
+        """Take in new events; returns how many points wait to be sent."""
+        with self.lock:
+            new = self.buffer.load(self.known)
+            if self.recovered is None:
+                self.recovered = {e["id"] for e in new}
+            handled = []
+            for e in sorted(new, key=happened):
+                self.known.add(e["id"])
+                if not self._take(e):
+                    handled.append(e)
+            if new:
+                self._save_mark()  # counters first: a handled event is then forgotten
+            self._forget(handled)
+            return len(self.pending)
+
+    def _take(self, e: dict[str, Any]) -> bool:
+        """Handle one event; True if it waits to be sent."""
+        kind = kind_of(e)
+        if kind == "metrics":
+            self._note_world_size(int(e["step"]), int(e["values"].get("world_size", 0)))
+            self.reported = max(self.reported, int(e["step"]))
+        if kind in ("metrics", "checkpoint"):
+            self.latest.update(e["values"])
+            fresh = int(e["step"]) > self._high(kind)
+            self.notify({**e, "kind": kind, "replay": not fresh})
+            if fresh:
+                self.high[kind] = int(e["step"])
+                values = {**e["values"], **self.counters} if kind == "metrics" else e["values"]
+                self.pending.append({**e, "values": values})
+            return fresh
+        if kind == "resumed":
+            lost = max(0, self.reported - int(e["step"]))
+            self.counters["steps_lost"] += lost
+            self.counters["max_steps_lost"] = max(self.counters["max_steps_lost"], lost)
+            self.notify({**e, "lost": lost})
+        elif kind == "failure":
+            self.counters["restarts"] += 1
+            self.failed_since_resume = True
+            self.notify({**e, "restarts": self.counters["restarts"], "reported": self.reported})
+        else:
+            self.notify(e)
+        return False
+
+    def _note_world_size(self, step: int, world: int) -> None:
+        """Count every change of world size, whether or not a checkpoint was there to resume from."""
+        if world and self.world_size and world != self.world_size:
+            self.counters["resizes"] += 1
+            self.notify({"kind": "resized", "step": step, "old_world": self.world_size, "world": world,
+                         "after_failure": self.failed_since_resume})
+        if world and world != self.world_size:
+            self.failed_since_resume = False
+        self.world_size = world or self.world_size
+
+    def _high(self, kind: str) -> int:
+        if self.high[kind] is None:  # no mark (a run from before marks, or none sent yet): ask MLflow
+            key = "loss" if kind == "metrics" else "checkpoint_bytes"
+            try:
+                steps = self.sink.logged_steps(self.run_id, key) if self.run_id else set()
+            except Exception:  # noqa: BLE001 - unreachable: nothing known to be logged yet
+                steps = set()
+            self.high[kind] = max(steps, default=0)
+        return int(self.high[kind] or 0)
+
+    # --- sending ------------------------------------------------------------------------
+    def flush(self, force: bool = False) -> int:
+        """Send pending points unless the sink failed less than `retry_s` ago (`force` tries now);
+        returns the points left unsent."""
+        with self.lock:
+            todo = list(self.pending)
+            if not todo or (not force and self.clock() < self.retry_at):
+                return len(todo)
+            sent = 0
+            try:
+                self.run_id = self.sink.open(self.run_id)
+                self.mark["run_id"] = self.run_id
+                todo = self._skip_recovered(todo)
+                while sent < len(todo):
+                    chunk = batch(todo[sent:])
+                    self.sink.send(self.run_id, chunk)
+                    sent += len(chunk)
+            except Exception as e:  # noqa: BLE001 - any sink failure leaves training running; retried later
+                self.retry_at = self.clock() + self.retry_s
+                if self.down_since is None:
+                    self.down_since = self.clock()
+                    self.notify({"kind": "sink_down", "error": type(e).__name__, "where": self.buffer.path})
+            done = todo[:sent]
+            ids = {e["id"] for e in done}
+            self.pending = [e for e in self.pending if e["id"] not in ids]
+            for e in done:
+                key = SENT_KINDS[kind_of(e)]
+                self.mark[key] = max(int(self.mark.get(key) or 0), int(e["step"]))
+            # The mark goes first: an entry forgotten without it would be sent again after a crash.
+            if done and self._save_mark():
+                self._forget(done)
+            if self.down_since is not None and sent == len(todo):
+                self.notify({"kind": "sink_back", "down_s": self.clock() - self.down_since, "sent": sent})
+                self.down_since = None
+            return len(self.pending)
+
+    def _skip_recovered(self, todo: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Entries an earlier ledger sent but died before forgetting: the sink has their step already.
+
+        A batch reaches the sink whole or not at all, so checking each entry's first metric is enough.
+        """
+        candidates = [e for e in todo if e["id"] in (self.recovered or ())]
+        if not candidates:
+            return todo
+        logged: dict[str, set[int]] = {}
+        done = []
+        for e in candidates:
+            if int(e["step"]) <= int(self.mark.get(SENT_KINDS[kind_of(e)]) or 0):  # sent and marked
+                done.append(e)
+                continue
+            key = next(iter(e["values"]), None)
+            if key is not None and key not in logged:
+                logged[key] = self.sink.logged_steps(self.run_id, key)
+            if key is None or int(e["step"]) in logged[key]:
+                done.append(e)
+        self.recovered = set()
+        ids = {e["id"] for e in done}
+        self.pending = [e for e in self.pending if e["id"] not in ids]
+        self._forget(done)
+        return [e for e in todo if e["id"] not in ids]
+
+    # --- the mark and the log -----------------------------------------------------------
+    def _save_mark(self) -> bool:
+        """Record how far the sink holds the run, the counters and the latest values; False if
+        storage refused (entries stay buffered, and a later ledger dedupes them against the sink)."""
+        self.mark.update({"counters": self.counters, "reported_step": self.reported,
+                          "world_size": self.world_size, "latest": self.latest})
+        try:
+            self.store.write_json(SENT_FILE, self.mark)
+            return True
+        except OSError as e:
+            self.notify({"kind": "note", "step": 0, "text": f"WARNING: could not record sent metrics: {e}"})
+            return False
+
+    def _forget(self, entries: list[dict[str, Any]]) -> None:
+        try:
+            self.buffer.forget(entries)
+        except OSError:  # left in the log: a later poll or ledger finds them handled (by the mark)
+            return
+        self.known -= {e["id"] for e in entries}
+
+    def notify(self, event: dict[str, Any]) -> None:
+        for subscriber in self.subscribers:
+            try:
+                subscriber(event)
+            except Exception as e:  # noqa: BLE001 - a broken printer or status file must not stop tracking
+                print(f"[tidal] WARNING: tracking subscriber {subscriber!r} failed: {e}", flush=True)
+
+
+def happened(entry: dict[str, Any]) -> tuple[int, str]:
+    """When an event happened: its time in ms, then the write time in ns its id holds (buffer.py)."""
+    parts = entry["id"].split("-")
+    return int(entry["ts"]), parts[1] if len(parts) == 3 else ""
+
+
+def batch(entries: list[dict[str, Any]], limit: int = 1000) -> list[dict[str, Any]]:
+    """The longest prefix of whole steps within MLflow's 1000-metrics-per-batch limit."""
+    n = total = 0
+    for e in entries:
+        total += len(e["values"])
+        if total > limit and n:
+            break
+        n += 1
+    return entries[:n]

@@ -1,0 +1,61 @@
+"""Known-harmless library chatter, lowered at its source so that Tidal's `[tidal]` lines and real
+warnings and errors stand out. `TIDAL_DEBUG=1` leaves everything as the libraries print it.
+
+Each entry says why it is harmless; anything not listed here is printed as before.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import sys
+import warnings
+
+DEBUG_ENV = "TIDAL_DEBUG"
+
+
+class _Drop(logging.Filter):
+    def __init__(self, *fragments: str) -> None:
+        super().__init__()
+        self.fragments = fragments
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(f in message for f in self.fragments)
+
+
+def debug() -> bool:
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def quiet_libraries() -> None:
+    """Lower the chatter in this process (a worker, the tracker or the driver); idempotent."""
+    if debug():
+        return
+    # DeepSpeed warns in every process without CUDA that it picked its CPU accelerator: on CPU
+    # workers that is Tidal's own choice (worker/device.py), and GPU workers never see it.
+    deepspeed = logging.getLogger("DeepSpeed")
+    if not any(isinstance(f, _Drop) for f in deepspeed.filters):
+        deepspeed.addFilter(_Drop("Setting accelerator to CPU"))
+    # DeepSpeed wraps the optimizer, so torch's check of the scheduler/optimizer call order
+    # misfires; the engine steps the scheduler after its optimizer step.
+    for message in (r"Seems like `optimizer\.step\(\)` has been overridden",
+                    r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`"):
+        warnings.filterwarnings("ignore", message=message, category=UserWarning)
+    # DeepSpeed's ZeRO calls torch's old all-gather name; the new one does the same collective.
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
+                            category=FutureWarning)
+    _quiet_ray_train_reports()
+
+
+def _quiet_ray_train_reports() -> None:
+    """Ray Train logs `Reporting training result N: TrainingReport(...)` with the whole metrics dict
+    from every rank at every checkpoint. Its logger is named by its file path (`getLogger(__file__)`
+    in ray.train.v2._internal.execution.context), so `LoggingConfig(log_level=...)` never reaches it
+    and no public API names it; Tidal prints its own checkpoint line instead."""
+    if "ray.train" not in sys.modules:  # not a Ray Train process: nothing to lower (and keep `tidal --help` light)
+        return
+    spec = importlib.util.find_spec("ray.train.v2._internal.execution.context")
+    if spec is not None and spec.origin:
+        logging.getLogger(spec.origin).setLevel(logging.WARNING)

@@ -1,0 +1,68 @@
+"""`tidal status/list` and `Job.progress()` read the structured progress a job keeps in its MLflow
+run, not its console: reworded progress lines change nothing. No Ray: the Jobs API's answers are
+stubbed (a cluster's HTTP API), MLflow is a real SQLite store."""
+
+from __future__ import annotations
+
+import json
+
+from tests.conftest import tiny_spec
+from tidal.cli import main
+from tidal.launch import jobs
+from tidal.launch.result import print_record
+from tidal.storage import RunDir
+from tidal.tracking import mlflow as tracking
+from tidal.tracking.buffer import MetricsBuffer
+from tidal.tracking.console import Console
+from tidal.tracking.emitter import Emitter
+from tidal.tracking.ledger import Ledger
+from tidal.tracking.mlflow import MlflowSink
+
+
+class Reworded(Console):
+    def _metrics(self, e):
+        return f"Schritt {e['step']} von {self.total}: Verlust={e['values']['loss']}"
+
+
+def test_progress_survives_a_reworded_console(tmp_path, mlflow_uri, capsys, monkeypatch):
+    spec = tiny_spec(tmp_path, name="reworded", **{"train.steps": 40, "tracking.uri": mlflow_uri})
+    run_id = tracking.start_run(spec, None, {})
+    print_record({"name": spec.name, "tracking_uri": spec.tracking.uri, "experiment": "tests",
+                  "mlflow_run_id": run_id, "storage": spec.checkpoint.storage})
+    run = RunDir(spec.checkpoint.storage, spec.name)
+    ledger = Ledger(MetricsBuffer(run.fs, run.path), run, MlflowSink(spec), run_id, subscribers=[Reworded(40)])
+    events = Emitter(spec.checkpoint.storage, spec.name)
+    for step in (10, 20, 30):
+        events.metrics({"step": step, "loss": 4.0 - step / 10, "tokens_per_s": 1234.5, "samples_per_s": 3.0,
+                        "mfu": 0.2, "world_size": 2})
+    events.drain()
+    ledger.poll()
+    assert ledger.flush() == 0
+    logs = capsys.readouterr().out
+    assert "Schritt 30 von 40" in logs and "[tidal] step" not in logs
+
+    want = {"step": 30, "steps": 40, "loss": 1.0, "tokens_per_s": 1234.5, "world_size": 2}
+    monkeypatch.setattr(jobs.Job, "logs", lambda self: logs)
+    monkeypatch.setattr(jobs.Job, "status", lambda self: "RUNNING")
+    assert jobs.Job("raysubmit_1", "http://h:8265").progress() == want
+
+    class Info:
+        submission_id, metadata, start_time = "raysubmit_1", {"tidal.job": spec.name}, 1
+        status = type("S", (), {"value": "RUNNING"})()
+
+    class Client:
+        def list_jobs(self):
+            return [Info()]
+
+        def get_job_logs(self, sid):
+            return logs
+
+        def get_address(self):
+            return "http://h:8265"
+
+    monkeypatch.setattr(jobs, "connect", lambda address=None: Client())
+    assert main(["list", "--address", "http://h:8265", "--output", "json"]) == 0
+    assert json.loads(capsys.readouterr().out) == [{"id": "raysubmit_1", "name": spec.name, "status": "RUNNING",
+                                                    "start_time": 1, **want}]
+    assert main(["status", "raysubmit_1", "--address", "http://h:8265"]) == 0
+    assert "step 30/40" in capsys.readouterr().out

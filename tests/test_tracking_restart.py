@@ -1,0 +1,68 @@
+"""Losing the tracker costs nothing: SIGKILL of the tracker actor's process (found through Ray's
+state API) in the middle of a real run; Ray restarts it, it recovers from the job's event log,
+training never notices, and MLflow holds every step once with the losses of an undisturbed run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+import tidal
+from tests.conftest import free_port, metric_history, tiny_spec
+from tests.helpers import wait_for_step
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def ray_with_state_api():
+    """A local Ray instance with its dashboard: the state API (`ray.util.state`) is served there."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=True, dashboard_port=free_port(), logging_level="WARNING")
+    yield
+    ray.shutdown()
+
+
+def tracker_pid(other_than: int | None = None, timeout: float = 120) -> int:
+    """The process id of the job's live Tracker actor (a new one after a kill)."""
+    from ray.util.state import list_actors
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for actor in list_actors(filters=[("class_name", "=", "Tracker"), ("state", "=", "ALIVE")]):
+            if actor.pid and actor.pid != other_than:
+                return actor.pid
+        time.sleep(0.2)
+    raise TimeoutError("no live Tracker actor")
+
+
+@pytest.mark.usefixtures("ray_with_state_api")
+def test_killing_the_tracker_mid_run_loses_and_duplicates_nothing(tmp_path):
+    spec = tiny_spec(tmp_path, name="tracker-killed", **{"train.steps": 300, "checkpoint.every_steps": 100})
+    out: dict = {}
+    job = threading.Thread(target=lambda: out.setdefault("result", tidal.run(spec)), daemon=True)
+    job.start()
+    wait_for_step(spec, 30)
+    first = tracker_pid()
+    os.kill(first, signal.SIGKILL)
+    second = tracker_pid(other_than=first)  # Ray brought it back
+    reached = wait_for_step(spec, 120)  # ...and it sends again, from where the dead one stopped
+    assert reached < 300, "the second kill should land mid-run too"
+    os.kill(second, signal.SIGKILL)
+    job.join(timeout=600)
+    assert "result" in out, "tidal.run did not return"
+    killed = out["result"]
+    assert killed.error is None
+
+    calm = tidal.run(spec.with_overrides({"name": "tracker-calm"}))
+    loss = metric_history(spec, killed.mlflow_run_id, "loss")  # fails on a step logged twice
+    assert sorted(loss) == list(range(1, 301)), "every step present"
+    assert loss == metric_history(spec, calm.mlflow_run_id, "loss"), "the losses of an undisturbed run"
+    assert killed.final_loss == calm.final_loss == loss[300]
+    assert sorted(metric_history(spec, killed.mlflow_run_id, "checkpoint_bytes")) == [100, 200, 300]
+    assert metric_history(spec, killed.mlflow_run_id, "restarts")[300] == 0, "training itself never restarted"
