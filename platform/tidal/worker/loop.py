@@ -101,7 +101,9 @@ def train_loop(config: dict[str, Any]) -> None:
                 # Wait until every step up to this one is buffered on the driver's node: once the
                 # checkpoint exists, training never redoes them, so a dead driver must not lose them.
                 ray.get(tracker.log.remote(metrics))
-            saved = checkpoint.save(engine, state, metrics, batches.save_position)
+            # The preemption warning's deadline and the last step cannot wait for a background write.
+            background = spec.checkpoint.async_upload and not (preempted or final)
+            saved = checkpoint.save(engine, state, metrics, batches.save_position, background=background)
             watchdog.beat(step)
             if rank == 0:
                 tracker.checkpointed.remote(step, saved)
