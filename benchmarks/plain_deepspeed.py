@@ -10,11 +10,13 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import deepspeed
 import torch
 import torch.distributed as dist
 
+from benchmarks.common import engine_state, torch_save_fsync
 from tidal.spec.deepspeed import ds_config
 from tidal.spec.load import load_spec
 from tidal.worker.data import Batches
@@ -43,24 +45,11 @@ def main(path: str) -> None:
             engine.step()
     dist.barrier()
     elapsed = time.perf_counter() - t_start
-    save_s = _torch_save_seconds(engine) if rank == 0 else 0.0
+    save_s = torch_save_fsync(engine_state(engine), Path(f"/tmp/plain-ds-{os.getpid()}.pt"))[0] if rank == 0 else 0.0
     if rank == 0:
         steps = spec.train.steps - WARMUP
         print(json.dumps({"steps": steps, "seconds": elapsed, "step_s": elapsed / steps,
                           "torch_save_s": save_s, "loss": loss.item()}), flush=True)
-
-
-def _torch_save_seconds(engine: object) -> float:
-    """A synchronous torch.save of this rank's model and optimizer state, fsynced: the naive baseline."""
-    path = f"/tmp/plain-ds-{os.getpid()}.pt"
-    t0 = time.perf_counter()
-    with open(path, "wb") as f:
-        torch.save({"model": engine.module.state_dict(), "optim": engine.optimizer.state_dict()}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    seconds = time.perf_counter() - t0
-    os.unlink(path)
-    return seconds
 
 
 if __name__ == "__main__":

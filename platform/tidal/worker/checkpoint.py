@@ -37,7 +37,6 @@ from typing import Any, TypeVar
 import ray.train
 import torch
 import torch.distributed as dist
-from ray.train import CheckpointUploadMode
 
 from tidal import fs
 from tidal.errors import CheckpointError
@@ -118,9 +117,9 @@ def save(engine: Any, state: TrainState, metrics: dict[str, Any],
         {**metrics, "step": state.step},
         checkpoint=ray.train.Checkpoint.from_directory(str(local)),
         checkpoint_dir_name=checkpoint_dir_name(state.step),
-        checkpoint_upload_mode=CheckpointUploadMode.ASYNC if background else CheckpointUploadMode.SYNC,
-        checkpoint_upload_fn=writer.upload_fn(rank, state.step, snap.taken, zipfile_format,
-                                              storage.storage_filesystem, storage.experiment_fs_path),
+        checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC if background else ray.train.CheckpointUploadMode.SYNC,
+        checkpoint_upload_fn=writer.upload_fn(rank, state.step, snap.taken, zipfile_format, storage.storage_filesystem,
+                                              storage.experiment_fs_path, ray.train.Checkpoint),
         delete_local_checkpoint_after_upload=True,
     )
     return {"checkpoint_save_s": save_s, "checkpoint_blocked_s": time.perf_counter() - t0,

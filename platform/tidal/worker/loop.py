@@ -101,8 +101,9 @@ def train_loop(config: dict[str, Any]) -> None:
                 # Wait until every step up to this one is buffered on the driver's node: once the
                 # checkpoint exists, training never redoes them, so a dead driver must not lose them.
                 ray.get(tracker.log.remote(metrics))
-            # The preemption warning's deadline and the last step cannot wait for a background write.
-            background = spec.checkpoint.async_upload and not (preempted or final)
+            # A preemption warning's deadline cannot wait for a background write. (The last step's
+            # may run in the background: Ray waits for it before the worker exits.)
+            background = spec.checkpoint.async_upload and not preempted
             saved = checkpoint.save(engine, state, metrics, batches.save_position, background=background)
             watchdog.beat(step)
             if rank == 0:

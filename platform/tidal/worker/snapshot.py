@@ -151,15 +151,14 @@ class StorageWriter:
         self.last.wait()
         return time.perf_counter() - t0
 
-    def upload_fn(self, rank: int, step: int, taken: dict[str, Any], zipfile: bool,
-                  storage: pafs.FileSystem, experiment: str) -> Callable[[Any, str], Any]:
+    def upload_fn(self, rank: int, step: int, taken: dict[str, Any], zipfile: bool, storage: pafs.FileSystem,
+                  experiment: str, checkpoint_cls: Any) -> Callable[[Any, str], Any]:
         """Ray Train's `checkpoint_upload_fn` for this save: (local checkpoint, folder name) -> the
-        checkpoint in storage. `wait` blocks from now until it has run."""
+        checkpoint in storage (a `checkpoint_cls`, i.e. `ray.train.Checkpoint`). `wait` blocks
+        from now until it has run."""
         done = self.last = threading.Event()
 
         def upload(local: Any, dir_name: str) -> Any:
-            import ray.train
-
             dest = f"{experiment}/{dir_name}"
             try:
                 write_checkpoint(Path(local.path), taken, storage, dest, rank, step, zipfile)
@@ -170,7 +169,7 @@ class StorageWriter:
                 raise
             finally:
                 done.set()
-            return ray.train.Checkpoint(dest, filesystem=storage)
+            return checkpoint_cls(dest, filesystem=storage)
 
         return upload
 
