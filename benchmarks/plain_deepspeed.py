@@ -1,7 +1,7 @@
 """The baseline: the same model, data and DeepSpeed config as a Tidal job, trained by a bare loop
 under torchrun, with no Ray and no Tidal. Prints one JSON line with its timings.
 
-    torchrun --nproc-per-node 2 benchmarks/plain_deepspeed.py SPEC.yaml
+    torchrun --nproc-per-node 2 -m benchmarks.plain_deepspeed SPEC.yaml
 """
 
 from __future__ import annotations
@@ -25,9 +25,12 @@ from tidal.worker.models import build_model
 WARMUP = 10  # steps left out of the timing: allocator, JIT and first-touch costs
 
 
-def main(path: str) -> None:
+def train(path: str) -> dict[str, float] | None:
+    """The loop, timed; rank 0 returns its timings. Brings up the process group unless the caller
+    (Ray Train, in benchmarks/bare_ray.py) already has."""
     spec = load_spec(path)
-    deepspeed.init_distributed(dist_backend="gloo")
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(spec.train.seed)
     model = build_model(spec.model)
@@ -46,11 +49,12 @@ def main(path: str) -> None:
     dist.barrier()
     elapsed = time.perf_counter() - t_start
     save_s = torch_save_fsync(engine_state(engine), Path(f"/tmp/plain-ds-{os.getpid()}.pt"))[0] if rank == 0 else 0.0
-    if rank == 0:
-        steps = spec.train.steps - WARMUP
-        print(json.dumps({"steps": steps, "seconds": elapsed, "step_s": elapsed / steps,
-                          "torch_save_s": save_s, "loss": loss.item()}), flush=True)
+    if rank != 0:
+        return None
+    steps = spec.train.steps - WARMUP
+    return {"steps": steps, "seconds": elapsed, "step_s": elapsed / steps, "torch_save_s": save_s, "loss": loss.item()}
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if (result := train(sys.argv[1])) is not None:
+        print(json.dumps(result), flush=True)

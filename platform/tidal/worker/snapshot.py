@@ -80,8 +80,9 @@ class SnapshotEngine(CheckpointEngine):
         return True
 
     def preserves_storage_sharing(self) -> bool:
-        # DeepSpeed clones views before saving when True; the snapshot copies every tensor anyway.
-        return False
+        # True makes DeepSpeed clone views before saving (as with its own engine); a snapshot
+        # copies every tensor into compact buffers anyway.
+        return self.buffers is None
 
 
 class Buffers:
