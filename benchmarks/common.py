@@ -6,10 +6,11 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import yaml
-from mlflow.tracking import MlflowClient
 
 from tidal.spec.job import JobSpec
 
@@ -33,15 +34,40 @@ def tidal_run(spec_path: Path, *args: str, timeout: float = 900) -> str:
 
 def history(spec: JobSpec, run_id: str, key: str) -> dict[int, tuple[float, int]]:
     """step -> (value, timestamp ms)."""
+    from mlflow.tracking import MlflowClient  # imported here: the GPU machine has no MLflow
+
     return {m.step: (m.value, m.timestamp) for m in MlflowClient(spec.tracking.uri).get_metric_history(run_id, key)}
 
 
 def latest_run_id(spec: JobSpec) -> str:
+    from mlflow.tracking import MlflowClient
+
     c = MlflowClient(spec.tracking.uri)
     exp = c.get_experiment_by_name(spec.tracking.experiment)
     runs = c.search_runs([exp.experiment_id], filter_string=f"tags.`tidal.job` = '{spec.name}'",
                          order_by=["attributes.start_time DESC"], max_results=1)
     return runs[0].info.run_id
+
+
+def engine_state(engine: Any) -> dict[str, Any]:
+    """A DeepSpeed engine's model and optimizer state, as a naive checkpoint would save them."""
+    return {"model": engine.module.state_dict(), "optim": engine.optimizer.state_dict()}
+
+
+def torch_save_fsync(state: Any, path: Path) -> tuple[float, int]:
+    """The naive baseline every checkpoint benchmark compares with: a synchronous `torch.save` of
+    `state` into a local file, fsynced. Returns (seconds, bytes); the file is removed."""
+    import torch
+
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    seconds = time.perf_counter() - t0
+    size = path.stat().st_size
+    path.unlink()
+    return seconds, size
 
 
 def median(xs: list[float]) -> float:

@@ -12,8 +12,8 @@ Goals: MFU >= 45%; training blocked by a checkpoint <= 1/20 of the synchronous s
 The engine, data, step, FLOPs per token (6N + 12*L*d*T), peak table and save path are Tidal's
 own (build_engine, Batches, flops_per_token, worker_peak_flops, checkpoint.save); the process
 group of one is brought up as Ray Train would (`dist_backend`), and `ray.train.report` inside
-`checkpoint.save` is replaced by what Ray does with a local storage path: copy the folder into
-the run's storage (pyarrow `copy_files`) and delete the local one. Timed steps come in windows,
+`checkpoint.save` is replaced by what Ray does with a local storage path: run Tidal's
+`checkpoint_upload_fn` in one background thread (ASYNC) and delete the local folder. Timed steps come in windows,
 each reported; checkpoint measurements alternate Tidal / torch.save in pairs, each reported.
 """
 
@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.common import engine_state, torch_save_fsync
 from tidal.spec.job import JobSpec
 
 GOAL_MFU = 0.45
@@ -178,20 +179,43 @@ def build(args: argparse.Namespace, storage: Path, device: torch.device) -> tupl
 
 # --- checkpoints ----------------------------------------------------------------------------
 def tidal_checkpoint_module(storage: Path, name: str) -> Any:
-    """`tidal.worker.checkpoint` with `ray.train` standing in as Ray does for a local storage path:
-    `report` copies the reported folder into storage/name/checkpoint_dir_name and deletes it."""
+    """`tidal.worker.checkpoint` with `ray.train` standing in as Ray Train does for a local storage
+    path: `report` runs the `checkpoint_upload_fn` (in one background thread for ASYNC, as Ray's
+    upload thread pool does; inline for SYNC) and then deletes the reported local folder."""
+    import enum
+    from concurrent.futures import ThreadPoolExecutor
+
     import pyarrow.fs as pafs
 
-    def report(metrics: dict[str, Any], checkpoint: str, checkpoint_dir_name: str,
-               delete_local_checkpoint_after_upload: bool = False) -> None:
-        dest = storage / name / checkpoint_dir_name
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        local = pafs.LocalFileSystem()
-        pafs.copy_files(checkpoint, str(dest), source_filesystem=local, destination_filesystem=local)
-        if delete_local_checkpoint_after_upload:
-            shutil.rmtree(checkpoint, ignore_errors=True)
+    uploads = ThreadPoolExecutor(max_workers=1)
 
-    train = types.SimpleNamespace(report=report, Checkpoint=types.SimpleNamespace(from_directory=lambda path: path))
+    class Mode(enum.Enum):
+        ASYNC = "ASYNC"
+        SYNC = "SYNC"
+
+    class Checkpoint:
+        def __init__(self, path: str, filesystem: Any = None) -> None:
+            self.path, self.filesystem = path, filesystem
+
+        @staticmethod
+        def from_directory(path: str) -> Checkpoint:
+            return Checkpoint(path, pafs.LocalFileSystem())
+
+    def report(metrics: dict[str, Any], checkpoint: Checkpoint, checkpoint_dir_name: str, checkpoint_upload_mode: Mode,
+               checkpoint_upload_fn: Any, delete_local_checkpoint_after_upload: bool = False) -> None:
+        def upload() -> None:
+            checkpoint_upload_fn(checkpoint, checkpoint_dir_name)
+            if delete_local_checkpoint_after_upload:
+                shutil.rmtree(checkpoint.path, ignore_errors=True)
+
+        if checkpoint_upload_mode == Mode.ASYNC:
+            uploads.submit(upload)
+        else:
+            upload()
+
+    where = types.SimpleNamespace(storage_filesystem=pafs.LocalFileSystem(), experiment_fs_path=str(storage / name))
+    train = types.SimpleNamespace(report=report, Checkpoint=Checkpoint, CheckpointUploadMode=Mode,
+                                  get_context=lambda: types.SimpleNamespace(get_storage=lambda: where))
     try:
         import ray.train  # noqa: F401 - checkpoint.py imports it; without Ray, a stand-in module
     except ImportError:
@@ -202,20 +226,8 @@ def tidal_checkpoint_module(storage: Path, name: str) -> Any:
     from tidal.worker import checkpoint
 
     checkpoint.ray = types.SimpleNamespace(train=train)
+    checkpoint.flush = lambda: uploads.submit(lambda: None).result()  # wait for the writes in flight
     return checkpoint
-
-
-def torch_save_fsync(engine: Any, path: Path) -> tuple[float, int]:
-    """The naive baseline: a synchronous torch.save of the model and optimizer state, fsynced."""
-    t0 = time.perf_counter()
-    with open(path, "wb") as f:
-        torch.save({"model": engine.module.state_dict(), "optim": engine.optimizer.state_dict()}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    seconds = time.perf_counter() - t0
-    size = path.stat().st_size
-    path.unlink()
-    return seconds, size
 
 
 def checkpoint_pairs(args: argparse.Namespace, trainer: Trainer, spec: JobSpec, storage: Path,
@@ -228,6 +240,7 @@ def checkpoint_pairs(args: argparse.Namespace, trainer: Trainer, spec: JobSpec, 
     for i in range(args.pairs):
         pair: dict[str, Any] = {}
         for kind in (("tidal", "torch") if i % 2 == 0 else ("torch", "tidal")):
+            checkpoint.flush()  # a background write still running would slow whatever is timed next
             shutil.rmtree(storage / spec.name, ignore_errors=True)  # the previous checkpoint: keep one
             t0 = time.perf_counter()
             if kind == "tidal":
@@ -235,7 +248,7 @@ def checkpoint_pairs(args: argparse.Namespace, trainer: Trainer, spec: JobSpec, 
                 saved = checkpoint.save(trainer.engine, state, {"loss": trainer.last_loss})
                 call_s = time.perf_counter() - t0
             else:
-                call_s, size = torch_save_fsync(trainer.engine, storage / "torch-save.pt")
+                call_s, size = torch_save_fsync(engine_state(trainer.engine), storage / "torch-save.pt")
             after_s = trainer.run(args.after_steps) - args.after_steps * step_s
             if kind == "tidal":
                 pair.update(tidal_call_s=call_s, tidal_after_s=after_s, tidal_blocked_s=call_s + max(0.0, after_s),
@@ -247,6 +260,7 @@ def checkpoint_pairs(args: argparse.Namespace, trainer: Trainer, spec: JobSpec, 
         log(f"checkpoint pair {i + 1}: Tidal blocked {pair['tidal_blocked_s']:.2f} s "
             f"({pair['tidal_bytes'] / 1e9:.2f} GB), torch.save + fsync {pair['torch_save_s']:.2f} s "
             f"({pair['torch_bytes'] / 1e9:.2f} GB): ratio {pair['ratio']:.3f}")
+    checkpoint.flush()
     shutil.rmtree(storage / spec.name, ignore_errors=True)
     ratio = statistics.median(p["ratio"] for p in pairs)
     return {"pairs": pairs, "median_ratio": ratio, "goal_ratio": GOAL_STALL_RATIO, "meets_goal": ratio <= GOAL_STALL_RATIO}

@@ -48,17 +48,17 @@ def main() -> None:
     finally:
         ray.shutdown()
         cluster.shutdown()
-    timeout = os.environ.get("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "60 (default)")
+    timeout = os.environ.get("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "5, Tidal's default for an elastic job (tidal/launch/recovery.py)")
     body = f"""Command: `python -m benchmarks.node_loss` ({time.strftime('%Y-%m-%d')}, 2-core CPU machine)
 
 An elastic job (1-2 workers, tiny GPT, ZeRO-2, checkpoint every 20 steps) on two simulated 1-CPU nodes; one node
 is removed mid-run. Time from the removal to the first new step logged at world size 1: **{seconds:.0f} s**
 (`RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S` = {timeout}).
 
-Most of it is Ray's: after the failure, Train V2 first tries to restart the group at its old size and gives up only
-when that start times out, then starts at the size that fits; resharding the checkpoint (universal conversion) and
-reloading take a few seconds of it. Lower `RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S` on clusters where a lost node
-does not come back quickly (the tests use 20 s).
+After the failure, Train V2 may first try to restart the group at its old size (its view of the cluster still
+counts the lost node) and gives up only when that start times out, then starts at the size that fits; Tidal
+shortens that timeout for elastic jobs (Ray's default is 60 s). Resharding the checkpoint (universal conversion)
+and reloading take a few seconds of the rest.
 """
     update_doc("Node loss: time to train again at the smaller size", body)
     print(body)

@@ -1,7 +1,7 @@
 """The baseline: the same model, data and DeepSpeed config as a Tidal job, trained by a bare loop
 under torchrun, with no Ray and no Tidal. Prints one JSON line with its timings.
 
-    torchrun --nproc-per-node 2 benchmarks/plain_deepspeed.py SPEC.yaml
+    torchrun --nproc-per-node 2 -m benchmarks.plain_deepspeed SPEC.yaml
 """
 
 from __future__ import annotations
@@ -10,11 +10,13 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import deepspeed
 import torch
 import torch.distributed as dist
 
+from benchmarks.common import engine_state, torch_save_fsync
 from tidal.spec.deepspeed import ds_config
 from tidal.spec.load import load_spec
 from tidal.worker.data import Batches
@@ -23,9 +25,12 @@ from tidal.worker.models import build_model
 WARMUP = 10  # steps left out of the timing: allocator, JIT and first-touch costs
 
 
-def main(path: str) -> None:
+def train(path: str) -> dict[str, float] | None:
+    """The loop, timed; rank 0 returns its timings. Brings up the process group unless the caller
+    (Ray Train, in benchmarks/bare_ray.py) already has."""
     spec = load_spec(path)
-    deepspeed.init_distributed(dist_backend="gloo")
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(spec.train.seed)
     model = build_model(spec.model)
@@ -43,25 +48,13 @@ def main(path: str) -> None:
             engine.step()
     dist.barrier()
     elapsed = time.perf_counter() - t_start
-    save_s = _torch_save_seconds(engine) if rank == 0 else 0.0
-    if rank == 0:
-        steps = spec.train.steps - WARMUP
-        print(json.dumps({"steps": steps, "seconds": elapsed, "step_s": elapsed / steps,
-                          "torch_save_s": save_s, "loss": loss.item()}), flush=True)
-
-
-def _torch_save_seconds(engine: object) -> float:
-    """A synchronous torch.save of this rank's model and optimizer state, fsynced: the naive baseline."""
-    path = f"/tmp/plain-ds-{os.getpid()}.pt"
-    t0 = time.perf_counter()
-    with open(path, "wb") as f:
-        torch.save({"model": engine.module.state_dict(), "optim": engine.optimizer.state_dict()}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    seconds = time.perf_counter() - t0
-    os.unlink(path)
-    return seconds
+    save_s = torch_save_fsync(engine_state(engine), Path(f"/tmp/plain-ds-{os.getpid()}.pt"))[0] if rank == 0 else 0.0
+    if rank != 0:
+        return None
+    steps = spec.train.steps - WARMUP
+    return {"steps": steps, "seconds": elapsed, "step_s": elapsed / steps, "torch_save_s": save_s, "loss": loss.item()}
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if (result := train(sys.argv[1])) is not None:
+        print(json.dumps(result), flush=True)

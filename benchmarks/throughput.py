@@ -1,15 +1,16 @@
-"""Tidal vs plain DeepSpeed on the same work, in one invocation, alternating runs:
-(a) a bare DeepSpeed loop under torchrun and (b) `tidal run`, same model, data, DeepSpeed config,
-world size and steps. Also: checkpoint blocked time vs a synchronous torch.save of the same
+"""Tidal vs bare Ray Train vs plain DeepSpeed on the same work, in one invocation, runs in
+rotating order: (a) a bare DeepSpeed loop under torchrun, (b) the same loop in a bare Ray Train
+`TorchTrainer` and (c) `tidal run`, same model, data, DeepSpeed config, world size and steps. Also: checkpoint blocked time vs a synchronous torch.save of the same
 state, and DeepSpeed universal-checkpoint conversion time per GB (the cost of a resize).
 
-    python -m benchmarks.throughput [--repeats 2] [--steps 60]
+    python -m benchmarks.throughput [--repeats 4] [--steps 60]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform as pyplatform
 import subprocess
 import sys
@@ -45,13 +46,22 @@ def bench_spec(tmp: Path, steps: int) -> JobSpec:
     )
 
 
-def plain(spec_path: Path) -> dict:
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29533",
-                          str(ROOT / "benchmarks" / "plain_deepspeed.py"), str(spec_path)],
-                         capture_output=True, text=True, timeout=900, cwd=ROOT)
+def _json_run(cmd: list[str]) -> dict:
+    env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"},
+           "PYTHONPATH": f"{ROOT / 'platform'}:{ROOT}"}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
     if out.returncode:
         raise RuntimeError(out.stdout[-2000:] + out.stderr[-2000:])
     return json.loads([line for line in out.stdout.splitlines() if line.startswith("{")][-1])
+
+
+def plain(spec_path: Path) -> dict:
+    return _json_run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29533",
+                      "-m", "benchmarks.plain_deepspeed", str(spec_path)])
+
+
+def bare_ray(spec_path: Path) -> dict:
+    return _json_run([sys.executable, "-m", "benchmarks.bare_ray", str(spec_path)])
 
 
 def tidal(spec: JobSpec, spec_path: Path) -> dict:
@@ -82,42 +92,52 @@ def conversion(spec: JobSpec) -> tuple[float, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--steps", type=int, default=60)
     args = ap.parse_args()
+    kinds = ("plain", "bare", "tidal")
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         spec = bench_spec(tmp, args.steps)
         path = write_spec(spec, tmp / "bench.yaml")
-        plain_runs, tidal_runs = [], []
-        for i in range(args.repeats):  # alternate, so drift in the machine hits both alike
-            plain_runs.append(plain(path))
-            tidal_runs.append(tidal(spec, path))
-            print(f"repeat {i + 1}: plain {plain_runs[-1]['step_s'] * 1000:.1f} ms/step, "
-                  f"tidal {tidal_runs[-1]['step_s'] * 1000:.1f} ms/step", flush=True)
+        run = {"plain": lambda: plain(path), "bare": lambda: bare_ray(path), "tidal": lambda: tidal(spec, path)}
+        rounds: list[dict[str, dict]] = []
+        for i in range(args.repeats):  # rotate the order, so drift in the machine hits all alike
+            order = kinds[i % 3:] + kinds[:i % 3]
+            rounds.append({k: run[k]() for k in order})
+            r = rounds[-1]
+            print(f"round {i + 1} ({' -> '.join(order)}): plain {r['plain']['step_s'] * 1000:.1f} ms/step, "
+                  f"bare Ray Train {r['bare']['step_s'] * 1000:.1f}, tidal {r['tidal']['step_s'] * 1000:.1f}; "
+                  f"tidal/bare {r['bare']['step_s'] / r['tidal']['step_s']:.3f}, "
+                  f"tidal/plain {r['plain']['step_s'] / r['tidal']['step_s']:.3f}", flush=True)
         conv_s, conv_bytes = conversion(spec)
-    p_step, t_step = median([r["step_s"] for r in plain_runs]), median([r["step_s"] for r in tidal_runs])
-    blocked = median([r["blocked_s"] for r in tidal_runs])
-    ckpt_gb = tidal_runs[-1]["ckpt_bytes"] * 2 / 1e9  # rank 0's share x 2 ranks (ZeRO-2 splits evenly)
-    torch_save = median([r["torch_save_s"] for r in plain_runs])
+    step = {k: median([r[k]["step_s"] for r in rounds]) for k in kinds}
+    blocked = median([r["tidal"]["blocked_s"] for r in rounds])
+    ckpt_mb = rounds[-1]["tidal"]["ckpt_bytes"] / 1e6
+    torch_save = median([r["plain"]["torch_save_s"] for r in rounds])
     tokens = spec.train.global_batch * spec.model.seq_len
-    body = f"""Command: `python -m benchmarks.throughput --repeats {args.repeats} --steps {args.steps}` ({time.strftime('%Y-%m-%d')}, {pyplatform.machine()}, {torch.get_num_threads()} threads, CPU only)
+    rows = "\n".join(
+        f"| {i + 1} | {r['plain']['step_s'] * 1000:.1f} | {r['bare']['step_s'] * 1000:.1f} | {r['tidal']['step_s'] * 1000:.1f} "
+        f"| {r['bare']['step_s'] / r['tidal']['step_s']:.3f} | {r['plain']['step_s'] / r['tidal']['step_s']:.3f} "
+        f"| {r['plain']['step_s'] / r['bare']['step_s']:.3f} |" for i, r in enumerate(rounds))
+    body = f"""Command: `python -m benchmarks.throughput --repeats {args.repeats} --steps {args.steps}` ({time.strftime('%Y-%m-%d')}, {pyplatform.machine()}, {torch.get_num_threads()} threads, CPU only; other jobs shared the machine)
 
 Work: GPT 4 layers x d256 (3.3M params), ZeRO-2, fp32, 2 workers x 1 CPU, micro batch 8, global batch 32, seq 64,
-{args.steps} steps, the first {WARMUP} (and, for Tidal, the last 10 with the final checkpoint) left out of the timing;
-runs alternate plain/Tidal, medians of {args.repeats}.
+{args.steps} steps, the first {WARMUP} (and, for Tidal, the last 10 with the final checkpoint) left out of the timing.
+Each round runs the three in a rotating order; throughput ratios are step-time ratios within the round.
 
-| measure | plain DeepSpeed (torchrun) | Tidal (`tidal run`, Ray Train) | ratio |
-|---|---|---|---|
-| step time | {p_step * 1000:.1f} ms | {t_step * 1000:.1f} ms | **{p_step / t_step:.3f}** (throughput, Tidal / plain) |
-| tokens/s | {tokens / p_step:,.0f} | {tokens / t_step:,.0f} | |
-| checkpoint: training blocked | synchronous `torch.save` + fsync of rank 0's state: {torch_save:.3f} s | {blocked:.3f} s for {ckpt_gb * 1e3:.1f} MB ({blocked / ckpt_gb:.2f} s/GB) | |
-| resize: universal conversion | | {conv_s:.1f} s for {conv_bytes / 1e6:.1f} MB ({conv_s / (conv_bytes / 1e9):.0f} s/GB) | |
+| round | plain DeepSpeed (torchrun), ms/step | same loop, bare Ray Train | `tidal run` | Tidal / bare Ray | Tidal / plain | bare Ray / plain |
+|---|---|---|---|---|---|---|
+{rows}
 
-Per-run step times (ms): plain {[round(r['step_s'] * 1000, 1) for r in plain_runs]}, Tidal {[round(r['step_s'] * 1000, 1) for r in tidal_runs]}.
-The conversion time is dominated by fixed costs (process start, DeepSpeed import) at this size; per GB it falls for larger states.
+Medians: plain {step['plain'] * 1000:.1f} ms, bare Ray Train {step['bare'] * 1000:.1f} ms, Tidal {step['tidal'] * 1000:.1f} ms
+({tokens / step['tidal']:,.0f} tokens/s); Tidal / bare Ray **{step['bare'] / step['tidal']:.3f}**, Tidal / plain **{step['plain'] / step['tidal']:.3f}**.
+
+Checkpoint at the last step: training blocked {blocked:.3f} s for {ckpt_mb:.1f} MB on rank 0; a synchronous `torch.save` +
+fsync of rank 0's state in the plain runs took {torch_save:.3f} s. Resize: universal conversion {conv_s:.1f} s for
+{conv_bytes / 1e6:.1f} MB (dominated by process start and DeepSpeed import at this size).
 """
-    update_doc("Throughput: Tidal vs plain DeepSpeed", body)
+    update_doc("Throughput: Tidal vs bare Ray Train vs plain DeepSpeed", body)
     print(body)
 
 

@@ -10,7 +10,8 @@ import pytest
 import tidal
 from tests.conftest import metric_history, tiny_spec
 from tidal import fs
-from tidal.storage import QUARANTINE_FILE, RunDir
+from tidal.storage import QUARANTINE_FILE, RunDir, check_complete, checkpoint_dir_name
+from tidal.worker.snapshot import WRITE_DELAY_ENV
 
 # The S3 server's address must be in the environment before this module's Ray instance starts.
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("s3_server", "ray_local")]
@@ -112,3 +113,20 @@ def test_a_corrupt_checkpoint_is_quarantined_and_the_one_before_is_used(tmp_path
     marker = fs.read_json(run.fs, f"{newest}/{QUARANTINE_FILE}")
     assert marker is not None and "does not unpickle" in marker["error"] and victim.rsplit("/", 1)[-1] in marker["error"]
     assert sorted(metric_history(spec, result.mlflow_run_id, "loss")) == list(range(1, 17))
+
+
+def test_background_writes_land_complete_checkpoints_on_s3(tmp_path, bucket):
+    """Asynchronous checkpoints every 2 steps into S3, each write slowed to 1 s so every save waits
+    for the one before (back-pressure): every checkpoint lands whole and Ray registers the last."""
+    spec = tiny_spec(tmp_path, name="async-s3", **{"train.steps": 8, "checkpoint.every_steps": 2, "checkpoint.keep": 4,
+                                                   "checkpoint.storage": f"{bucket}/runs"},
+                     env={WRITE_DELAY_ENV: "1"})
+    result = tidal.run(spec)
+
+    run = RunDir(spec.checkpoint.storage, spec.name)
+    assert [p.rsplit("/", 1)[-1] for p in run.checkpoints()] == [checkpoint_dir_name(s) for s in (8, 6, 4, 2)]
+    for path in run.checkpoints():
+        assert check_complete(run.fs, path)[0] is None, path
+    assert result.path == f"{bucket}/runs/async-s3/{checkpoint_dir_name(8)}"
+    assert sorted(metric_history(spec, result.mlflow_run_id, "loss")) == list(range(1, 9))
+    assert run.latest_complete().step == 8

@@ -87,6 +87,11 @@ def delete_dir(fs: pafs.FileSystem, path: str) -> None:
         fs.delete_dir(path)
 
 
+def delete_file(fs: pafs.FileSystem, path: str) -> None:
+    with suppress(FileNotFoundError):
+        fs.delete_file(path)
+
+
 def set_aside(fs: pafs.FileSystem, path: str, new_path: str) -> None:
     """Move the folder `path` to `new_path` without losing anything if interrupted.
 

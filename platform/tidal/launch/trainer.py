@@ -8,33 +8,22 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any
-
-import ray
-from ray.train import (
-    CheckpointConfig,
-    DataConfig,
-    FailureConfig,
-    LoggingConfig,
-    RunConfig,
-    ScalingConfig,
-)
-from ray.train.torch import TorchConfig, TorchTrainer
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from typing import TYPE_CHECKING, Any
 
 from tidal import __version__
 from tidal.cluster import burst
 from tidal.errors import SpecError, TidalError
-from tidal.launch.callbacks import FailureNotifier, Retention
+from tidal.launch.recovery import recovery_settings
 from tidal.launch.result import RunResult, print_record
 from tidal.spec.job import JobSpec
 from tidal.storage import JOB_FILE, Found, RunDir, find_resume_point
-from tidal.tracking import mlflow as tracking
-from tidal.tracking.artifacts import log_artifacts
 from tidal.tracking.buffer import BUFFER_DIR, MetricsBuffer
-from tidal.tracking.tracker import Tracker
-from tidal.worker import tokens
 from tidal.worker.device import dist_backend
+
+# Ray, torch and MLflow take seconds to import: they load only once a job is really going to
+# train, so running a finished job again answers at once (see _complete).
+if TYPE_CHECKING:
+    from ray.train.torch import TorchTrainer
 
 log = logging.getLogger("tidal")
 RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by Ray's job supervisor for a submitted job's driver
@@ -63,6 +52,8 @@ def run(spec: JobSpec, restart: bool = False, mlflow_tags: dict[str, str] | None
         print(f"[tidal] resuming job {spec.name!r} from {found.name} (step {found.step}/{spec.train.steps}); "
               "use --restart to start over", flush=True)
 
+    import ray
+
     _connect_ray()
     tags = {**_ray_tags(spec, run_dir), **(mlflow_tags or {})}
     run_id = _open_mlflow_run(spec, job.get("mlflow_run_id"), tags)
@@ -75,7 +66,8 @@ def run(spec: JobSpec, restart: bool = False, mlflow_tags: dict[str, str] | None
     tracker = _start_tracker(spec, run_id, tags, job_record(spec, run_id))
     ok = False
     try:
-        with burst.burst_capacity(spec):  # site "any": on-prem first, cloud nodes after burst_after_s
+        # site "any": on-prem first, cloud nodes after burst_after_s; Tidal's recovery defaults for Ray
+        with burst.burst_capacity(spec), recovery_settings(spec):
             _trainer(spec, run_id, callbacks or []).fit()
         ok = True
     except ray.train.TrainingFailedError as e:
@@ -112,6 +104,9 @@ def _complete(spec: JobSpec, found: Found, job: dict[str, Any], run_dir: RunDir,
           "  start over:    --restart (the old run's folder is kept aside)", flush=True)
     run_id, uri = job.get("mlflow_run_id") or None, job.get("tracking_uri") or spec.tracking.uri
     if MetricsBuffer(run_dir.fs, run_dir.path).load():
+        from tidal.tracking import mlflow as tracking
+        from tidal.tracking.tracker import Tracker
+
         tracker = Tracker(spec, run_id, record=job_record(spec, run_id), system_metrics=False, background=False)
         run_id, _, left = tracker.close()
         if left:
@@ -141,6 +136,8 @@ def _check_vocab(spec: JobSpec) -> None:
     """A tokenizer with more tokens than the model's embedding would fail deep inside a worker."""
     if spec.data.tokenizer is None:
         return
+    from tidal.worker import tokens
+
     size = tokens.vocab_size(spec.data.tokenizer)
     if size > spec.model.vocab_size:
         raise SpecError([("model.vocab_size", f"{spec.model.vocab_size} is below the {size} tokens of data.tokenizer "
@@ -150,6 +147,10 @@ def _check_vocab(spec: JobSpec) -> None:
 def _close_tracker(spec: JobSpec, tracker: Any, timeout_s: float) -> tuple[str | None, dict[str, float], int]:
     """Stop the tracker, first giving an unreachable MLflow up to `timeout_s` to come back. If the
     actor cannot be reached at all, a tracker in this process finishes from the event log."""
+    import ray
+
+    from tidal.tracking.tracker import Tracker
+
     try:
         left = ray.get(tracker.flush.remote(force=True))
         if left:
@@ -173,6 +174,8 @@ def _job_run_id(spec: JobSpec) -> str | None:
 
 
 def _open_mlflow_run(spec: JobSpec, run_id: str | None, tags: dict[str, str]) -> str | None:
+    from tidal.tracking import mlflow as tracking
+
     try:
         return tracking.start_run(spec, run_id, tags)
     except Exception as e:  # noqa: BLE001 - an unreachable tracking server must not stop training
@@ -182,6 +185,9 @@ def _open_mlflow_run(spec: JobSpec, run_id: str | None, tags: dict[str, str]) ->
 
 
 def _finish_mlflow_run(spec: JobSpec, run_id: str, ok: bool, latest: dict[str, float], wall_s: float) -> None:
+    from tidal.tracking import mlflow as tracking
+    from tidal.tracking.artifacts import log_artifacts
+
     summary = {"job": spec.name, "status": "FINISHED" if ok else "FAILED", "wall_s": wall_s,
                "gpu_hours": wall_s / 3600 * spec.scaling.gpus_per_worker * latest.get("world_size", 0), **latest}
     try:
@@ -197,12 +203,28 @@ def _start_tracker(spec: JobSpec, run_id: str | None, tags: dict[str, str], rec:
     Ray restarts it whenever it dies and retries the driver's calls to it: it recovers from the
     job's event log, and nothing in training waits on it (tracking/tracker.py).
     """
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from tidal.tracking.tracker import Tracker
+
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     actor = ray.remote(num_cpus=0, scheduling_strategy=here, max_restarts=-1, max_task_retries=-1)(Tracker)
     return actor.remote(spec, run_id, tags, record=rec)
 
 
 def _trainer(spec: JobSpec, run_id: str | None, callbacks: list[Any]) -> TorchTrainer:
+    from ray.train import (
+        CheckpointConfig,
+        DataConfig,
+        FailureConfig,
+        LoggingConfig,
+        RunConfig,
+        ScalingConfig,
+    )
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from tidal.launch.callbacks import FailureNotifier, Retention
     from tidal.worker.loop import train_loop
 
     s = spec.scaling
@@ -243,6 +265,8 @@ def _trainer(spec: JobSpec, run_id: str | None, callbacks: list[Any]) -> TorchTr
 
 
 def _connect_ray() -> None:
+    import ray
+
     if ray.is_initialized():
         return
     address = os.environ.get("RAY_ADDRESS")
@@ -254,6 +278,8 @@ def _connect_ray() -> None:
 
 
 def _ray_tags(spec: JobSpec, run_dir: RunDir) -> dict[str, str]:
+    import ray
+
     tags = {"tidal.run_dir": run_dir.path, "ray.run_name": spec.name}
     job_id = os.environ.get("RAY_JOB_SUBMISSION_ID") or (ray.get_runtime_context().get_job_id() if ray.is_initialized() else None)
     if job_id:
@@ -262,6 +288,8 @@ def _ray_tags(spec: JobSpec, run_dir: RunDir) -> dict[str, str]:
 
 
 def _safe_url(spec: JobSpec, run_id: str) -> str:
+    from tidal.tracking import mlflow as tracking
+
     try:
         return tracking.run_url(spec, run_id)
     except Exception:  # noqa: BLE001

@@ -181,6 +181,10 @@ class CheckpointSpec(Part):
         None, description="where each job's folder goes: a path every node shares, or a URI (s3://..., gs://...). "
         "Default: the cluster's $TIDAL_STORAGE, else ./tidal-runs"
     )
+    async_upload: bool = Field(
+        True, description="training waits only while the state is copied in memory; the write to storage runs in "
+        "the background, one at a time (the next checkpoint waits for it). false: training waits for the write"
+    )
 
 
 class FailureSpec(Part):

@@ -1,9 +1,11 @@
 """Save a DeepSpeed checkpoint through Ray Train, and restore it at any world size.
 
-Every rank saves its own files into a local folder, adds a manifest of them, and hands the
-folder to `ray.train.report`, which merges all ranks' folders into one on shared storage.
-Rank 0 also writes `tidal-state.json`: the step, the world size, the spec fingerprint and
-the MLflow run id. `tidal.storage` decides from those files which checkpoint is complete.
+Every rank snapshots its DeepSpeed state in memory and hands it to `ray.train.report`, whose
+upload thread writes it straight into the checkpoint's folder in storage (all ranks' files in
+one folder), then a manifest of the rank's files, last (see tidal.worker.snapshot). Training
+waits only for the snapshot unless the save must be synchronous. Rank 0 also writes
+`tidal-state.json`: the step, the world size, the spec fingerprint and the MLflow run id.
+`tidal.storage` decides from those files which checkpoint is complete.
 
 Resizing: DeepSpeed ZeRO checkpoints only load at the world size that wrote them. For another
 size rank 0 converts once to DeepSpeed's universal format (`ds_to_universal`), which keeps the
@@ -22,7 +24,6 @@ import io
 import json
 import logging
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -48,9 +49,9 @@ from tidal.storage import (
     check_complete,
     checkpoint_dir_name,
     find_resume_point,
-    manifest_name,
     quarantine,
 )
+from tidal.worker.snapshot import SnapshotEngine, StorageWriter
 
 log = logging.getLogger("tidal")
 T = TypeVar("T")
@@ -75,40 +76,75 @@ def tag(step: int) -> str:
 
 
 def save(engine: Any, state: TrainState, metrics: dict[str, Any],
-         save_data_position: Callable[[Path], None] | None = None) -> dict[str, float]:
+         save_data_position: Callable[[Path], None] | None = None, background: bool = True) -> dict[str, float]:
     """Save on every rank and report to Ray Train (a collective: all ranks call it together).
 
+    `background`: training waits only for a snapshot of the state in memory, and the write into
+    storage happens in Ray Train's upload thread (see tidal.worker.snapshot); otherwise this call
+    returns once the checkpoint is written (the preemption path and the last step do that).
+    Either way the files go straight into storage, once, and the manifest last.
     `metrics` go with the checkpoint to Ray (and so to Ray Tune in a sweep);
     `save_data_position(folder)`, a collective too, adds the data stream's position. Returns
-    this rank's save time, time training was blocked, and bytes written.
+    this rank's snapshot time, time training was blocked (including the wait for the previous
+    write) and the state's bytes.
     """
     rank = dist.get_rank()
-    local = Path(tempfile.mkdtemp(prefix="tidal-ckpt-"))
     t0 = time.perf_counter()
-    engine.save_checkpoint(
-        str(local),
-        tag=tag(state.step),
-        # ds_to_universal refuses checkpoints without this key.
-        client_state={"tidal": asdict(state), "universal_checkpoint_info": {"universal_checkpoint_version": 0.4}},
-    )
+    writer = _writer()
+    waited = writer.wait()  # at most one save in flight: also frees the buffers for reuse
+    local = Path(tempfile.mkdtemp(prefix="tidal-ckpt-"))  # only the few small files land here
+    snap = SnapshotEngine(local, writer.buffers if background else None)
+    zipfile_format = getattr(engine.checkpoint_engine, "zipfile_serialization", True)
+    before, engine.checkpoint_engine = engine.checkpoint_engine, snap
+    try:
+        engine.save_checkpoint(
+            str(local),
+            tag=tag(state.step),
+            # ds_to_universal refuses checkpoints without this key.
+            client_state={"tidal": asdict(state), "universal_checkpoint_info": {"universal_checkpoint_version": 0.4}},
+        )
+    finally:
+        engine.checkpoint_engine = before
     if save_data_position is not None:
         save_data_position(local)
     if rank == 0:
         (local / STATE_FILE).write_text(json.dumps(asdict(state), indent=2))
-    files = {str(p.relative_to(local)): p.stat().st_size for p in local.rglob("*") if p.is_file()}
-    # Written last and listing every file this rank wrote: its presence with matching sizes
-    # is what makes the checkpoint count as complete (see tidal.storage).
-    (local / manifest_name(rank)).write_text(json.dumps({"step": state.step, "files": files}))
     save_s = time.perf_counter() - t0
+    small = sum(p.stat().st_size for p in local.rglob("*") if p.is_file())
+    state_bytes = _tensor_bytes(snap.taken) + small
+    storage = ray.train.get_context().get_storage()
     ray.train.report(
         {**metrics, "step": state.step},
         checkpoint=ray.train.Checkpoint.from_directory(str(local)),
         checkpoint_dir_name=checkpoint_dir_name(state.step),
+        checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC if background else ray.train.CheckpointUploadMode.SYNC,
+        checkpoint_upload_fn=writer.upload_fn(rank, state.step, snap.taken, zipfile_format, storage.storage_filesystem,
+                                              storage.experiment_fs_path, ray.train.Checkpoint),
         delete_local_checkpoint_after_upload=True,
     )
-    shutil.rmtree(local, ignore_errors=True)
     return {"checkpoint_save_s": save_s, "checkpoint_blocked_s": time.perf_counter() - t0,
-            "checkpoint_bytes": float(sum(files.values()))}
+            "checkpoint_wait_s": waited, "checkpoint_bytes": float(state_bytes)}
+
+
+_WRITER: StorageWriter | None = None
+
+
+def _writer() -> StorageWriter:
+    """One writer per worker process; a restarted worker group starts new processes."""
+    global _WRITER
+    if _WRITER is None:
+        _WRITER = StorageWriter()
+    return _WRITER
+
+
+def _tensor_bytes(tree: Any) -> int:
+    if isinstance(tree, torch.Tensor):
+        return tree.numel() * tree.element_size()
+    if isinstance(tree, dict):
+        return sum(_tensor_bytes(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in tree)
+    return 0
 
 
 def needs_reshard(state: dict[str, Any], world_size: int) -> bool:

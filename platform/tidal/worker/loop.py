@@ -105,7 +105,10 @@ def train_loop(config: dict[str, Any]) -> None:
                 # checkpoint exists, training never redoes them, so no process's death may lose them.
                 events.metrics(metrics)
                 events.drain()
-            saved = checkpoint.save(engine, state, metrics, batches.save_position)
+            # A preemption warning's deadline cannot wait for a background write. (The last step's
+            # may run in the background: Ray waits for it before the worker exits.)
+            background = spec.checkpoint.async_upload and not preempted
+            saved = checkpoint.save(engine, state, metrics, batches.save_position, background=background)
             watchdog.beat(step)
             if rank == 0:
                 events.checkpointed(step, saved)

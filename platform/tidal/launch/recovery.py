@@ -1,0 +1,51 @@
+"""Ray Train settings that decide how fast a job recovers, where Tidal's defaults differ from Ray's.
+
+Ray Train V2 reads them from environment variables and hands the driver's values to its
+controller and workers (`get_env_vars_to_propagate`), so setting them in the driver around
+`fit()` is enough, on a local instance and on a cluster. A value the user set always wins.
+
+- `RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S` (Ray: 60 s) bounds only the wait for the worker
+  group's placement group. After a node is lost, the elastic policy can size the new group
+  from a resource view that still counts the dead node; that placement group never becomes
+  ready and the job sat out the whole 60 s. The timeout is a controller error that Ray retries
+  without limit (`controller_failure_limit=-1`) and never charges to `failure.max_restarts`,
+  and each retry sizes the group from a fresh view, so for an elastic job a short timeout
+  costs nothing and resumes at the size that fits within seconds. A fixed-size job keeps Ray's
+  value: it must wait for its nodes (an autoscaler may be starting them), not spin retrying.
+- `RAY_TRAIN_HEALTH_CHECK_INTERVAL_S` (Ray: 2 s): how often the controller polls the workers,
+  so how late it sees a dead worker or a report. One poll per second costs the driver little.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+
+from tidal.spec.job import JobSpec
+
+START_TIMEOUT = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
+POLL_INTERVAL = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
+ELASTIC_START_TIMEOUT_S = "5"
+POLL_INTERVAL_S = "1"
+
+
+def recovery_env(spec: JobSpec, environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables Tidal sets for `spec`: its defaults, less any the environment already has."""
+    wanted = {POLL_INTERVAL: POLL_INTERVAL_S}
+    if spec.elastic:
+        wanted[START_TIMEOUT] = ELASTIC_START_TIMEOUT_S
+    return {k: v for k, v in wanted.items() if k not in environ}
+
+
+@contextmanager
+def recovery_settings(spec: JobSpec) -> Iterator[None]:
+    """Set Tidal's recovery defaults for one `fit()`, then restore the environment (the SDK may
+    run another job with other needs in the same process)."""
+    added = recovery_env(spec, os.environ)
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)

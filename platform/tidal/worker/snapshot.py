@@ -1,0 +1,225 @@
+"""Asynchronous checkpoints: training waits only while its state is copied in memory.
+
+A save has two halves:
+
+1. **Snapshot** (the training thread waits): DeepSpeed's `save_checkpoint` runs as usual, but
+   with `SnapshotEngine` as its checkpoint engine, which copies each state dict DeepSpeed hands
+   it into host-memory buffers instead of serializing it to a file. The buffers are kept and
+   reused by the next save, so a save after the first pays a memory copy, not page faults.
+2. **Write** (in the background): `StorageWriter.upload` serializes each snapshot with
+   `torch.save` straight into the checkpoint's folder in storage (a local path, fsynced, or an
+   object store through pyarrow): written once, no local temporary copy re-copied. The rank's
+   manifest (see tidal.storage) is written last, only when every byte is durable, so a crash
+   during the write leaves the previous checkpoint as the resume point.
+
+The write runs as Ray Train's own `checkpoint_upload_fn` in its `CheckpointUploadMode.ASYNC`
+upload thread (one per worker), so Ray registers the checkpoint when it is written, keeps its
+reports in order and waits for the last write before the worker exits. At most one save is in
+flight: the next `save` waits for the previous write (back-pressure when storage is slower than
+the checkpoint interval), which also frees its buffers for reuse.
+
+Why not DeepSpeed's own asynchronous engines: `DecoupledCheckpointEngine` and
+`FastCheckpointEngine` write local POSIX paths through DeepSpeed's AIO op (libaio or GPUDirect
+Storage), not object stores, and commit on their own schedule with no hook that tells Ray when
+the bytes are durable. PyTorch DCP's `async_save` writes its own format, which DeepSpeed's
+loader and its universal-checkpoint converter (Tidal's resize path) do not read.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pyarrow.fs as pafs
+import torch
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
+    CheckpointCommitInfo,
+    CheckpointEngine,
+)
+
+from tidal import fs
+
+# Fault-injection for tests and benchmarks: seconds the background write pauses after a
+# rank's data files and before its manifest, as a slow store would, so a kill lands mid-write.
+WRITE_DELAY_ENV = "TIDAL_CHECKPOINT_WRITE_DELAY_S"
+
+
+class SnapshotEngine(CheckpointEngine):
+    """A DeepSpeed checkpoint engine that records what DeepSpeed would save, for a writer.
+
+    `copy=True` copies every tensor into buffers this engine owns (reused by the next save, see
+    `Buffers`); `copy=False` keeps references, for a save whose write finishes before training
+    continues. Loading is DeepSpeed's usual `torch.load`.
+    """
+
+    def __init__(self, root: Path, buffers: Buffers | None) -> None:
+        super().__init__()
+        self.name = "TidalSnapshotEngine"
+        self.root, self.buffers = root, buffers
+        self.taken: dict[str, Any] = {}  # path relative to root -> state (a copy or the original)
+
+    def create(self, info: CheckpointCommitInfo) -> None:
+        pass
+
+    def makedirs(self, path: str, exist_ok: bool = False) -> None:
+        os.makedirs(path, exist_ok=exist_ok)  # DeepSpeed writes a few small files itself (latest, a script)
+
+    def save(self, state_dict: Any, path: str) -> None:
+        rel = os.path.relpath(path, self.root)
+        self.taken[rel] = self.buffers.take(rel, state_dict) if self.buffers else state_dict
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        return torch.load(path, map_location=map_location, weights_only=False)
+
+    def commit(self, info: CheckpointCommitInfo) -> bool:
+        return True
+
+    def preserves_storage_sharing(self) -> bool:
+        # True makes DeepSpeed clone views before saving (as with its own engine); a snapshot
+        # copies every tensor into compact buffers anyway.
+        return self.buffers is None
+
+
+class Buffers:
+    """Host-memory copies of state dicts, one set per checkpoint file, reused from save to save.
+
+    A tensor goes into the buffer at the same position of the previous snapshot of the same file
+    when shape and dtype match (they do from step to step), else into a new one (pinned when the
+    source is on a GPU, so the copy is asynchronous DMA). Tensors that appear twice (tied
+    weights) are copied once and stay shared. Containers are rebuilt; other leaves (numbers,
+    strings, configs) are kept by reference: DeepSpeed builds them afresh for every save.
+    """
+
+    def __init__(self) -> None:
+        self.files: dict[str, list[torch.Tensor]] = {}
+        self.bytes = 0
+
+    def take(self, rel: str, state: Any) -> Any:
+        old, new, memo = self.files.get(rel, []), [], {}
+        on_gpu = False
+
+        def copy_of(x: Any) -> Any:
+            nonlocal on_gpu
+            if isinstance(x, torch.Tensor):
+                if id(x) in memo:
+                    return memo[id(x)]
+                src = x.detach()
+                i = len(new)
+                buf = old[i] if i < len(old) and old[i].shape == src.shape and old[i].dtype == src.dtype else None
+                if buf is None:
+                    buf = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=src.is_cuda)
+                on_gpu |= src.is_cuda
+                buf.copy_(src, non_blocking=src.is_cuda)
+                new.append(buf)
+                memo[id(x)] = buf
+                return buf
+            if isinstance(x, dict):
+                out = copy.copy(x)  # keeps the dict's class (OrderedDict, DeepSpeed's own)
+                for k, v in x.items():
+                    out[k] = copy_of(v)
+                return out
+            if isinstance(x, list):
+                return [copy_of(v) for v in x]
+            if isinstance(x, tuple):
+                items = [copy_of(v) for v in x]
+                return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
+            return x
+
+        out = copy_of(state)
+        if on_gpu:
+            torch.cuda.synchronize()  # the copies must have landed before training moves on
+        self.files[rel] = new
+        self.bytes += sum(b.numel() * b.element_size() for b in new)
+        return out
+
+
+class StorageWriter:
+    """Writes one rank's snapshot into storage; at most one write in flight per worker."""
+
+    def __init__(self) -> None:
+        self.last = threading.Event()  # set when the latest save's write ended
+        self.last.set()
+        self.buffers = Buffers()
+
+    def wait(self) -> float:
+        """Block until the previous write ended (written or failed); returns the seconds waited."""
+        t0 = time.perf_counter()
+        self.last.wait()
+        return time.perf_counter() - t0
+
+    def upload_fn(self, rank: int, step: int, taken: dict[str, Any], zipfile: bool, storage: pafs.FileSystem,
+                  experiment: str, checkpoint_cls: Any) -> Callable[[Any, str], Any]:
+        """Ray Train's `checkpoint_upload_fn` for this save: (local checkpoint, folder name) -> the
+        checkpoint in storage (a `checkpoint_cls`, i.e. `ray.train.Checkpoint`). `wait` blocks
+        from now until it has run."""
+        done = self.last = threading.Event()
+
+        def upload(local: Any, dir_name: str) -> Any:
+            dest = f"{experiment}/{dir_name}"
+            try:
+                write_checkpoint(Path(local.path), taken, storage, dest, rank, step, zipfile)
+            except BaseException:
+                # Ray may call this again (it retries transient S3 errors) with these buffers:
+                # later snapshots go into new ones, so the retry writes this step's state.
+                self.buffers = Buffers()
+                raise
+            finally:
+                done.set()
+            return checkpoint_cls(dest, filesystem=storage)
+
+        return upload
+
+
+def write_checkpoint(local: Path, taken: dict[str, Any], storage: pafs.FileSystem, dest: str, rank: int,
+                     step: int, zipfile: bool) -> dict[str, int]:
+    """Write `taken` (serialized) and the small files DeepSpeed and Tidal left under `local` into
+    `dest`, then this rank's manifest, last. Returns the files written and their sizes."""
+    from tidal.storage import manifest_name
+
+    manifest = f"{dest}/{manifest_name(rank)}"
+    fs.delete_file(storage, manifest)  # a retry of this step after a crash: not complete until rewritten
+    storage.create_dir(dest, recursive=True)
+    files = {rel: _write(storage, f"{dest}/{rel}", lambda f, s=state: torch.save(
+        s, f, _use_new_zipfile_serialization=zipfile)) for rel, state in taken.items()}
+    for p in sorted(local.rglob("*")):
+        if p.is_file():
+            rel = str(p.relative_to(local))
+            files[rel] = _write(storage, f"{dest}/{rel}", lambda f, p=p: f.write(p.read_bytes()))
+    if fs.is_local(storage):
+        _fsync_dirs(dest, files)
+    if delay := float(os.environ.get(WRITE_DELAY_ENV, "0") or 0):
+        time.sleep(delay)
+    fs.write_json(storage, manifest, {"step": step, "files": files})
+    return files
+
+
+def _write(storage: pafs.FileSystem, path: str, emit: Callable[[Any], Any]) -> int:
+    """Write one file durably: fsynced on a local or shared filesystem; on an object store the
+    upload's completion is its durability. Returns its size."""
+    if fs.is_local(storage):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            emit(f)
+            f.flush()
+            os.fsync(f.fileno())
+            return f.tell()
+    parent = path.rsplit("/", 1)[0]
+    storage.create_dir(parent, recursive=True)
+    with storage.open_output_stream(path) as f:
+        emit(f)
+        return f.tell()
+
+
+def _fsync_dirs(dest: str, files: dict[str, int]) -> None:
+    """Make the new files' directory entries durable too, before the manifest claims them."""
+    for d in sorted({os.path.dirname(os.path.join(dest, rel)) for rel in files} | {dest}):
+        fd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
