@@ -149,6 +149,14 @@ def test_optimizer_arguments_and_limits_are_checked_at_load():
     assert "universal checkpoints" in problems(elastic_sgd)["train.optimizer.name"]
 
 
+def test_a_resize_is_refused_for_optimizers_without_a_universal_form():
+    from tidal.spec.user_refs import resize_refusal
+
+    assert resize_refusal(JobSpec(train={"optimizer": {"name": "Adam"}}), 1) is None
+    why = resize_refusal(JobSpec(train={"optimizer": {"name": "SGD", "args": {"momentum": 0.9}}}), 1)
+    assert why is not None and "SGD's state does not convert" in why and "world size that wrote it" in why
+
+
 def test_linear_and_wsd_schedules():
     wsd = JobSpec(train={"schedule": "wsd", "steps": 20, "warmup_steps": 4, "decay_fraction": 0.25, "min_lr_ratio": 0.1}).train
     f = [lr_factor(wsd, i) for i in range(20)]

@@ -71,3 +71,13 @@ def _optimizer_problems(spec: JobSpec) -> list[tuple[str, str]]:
         problems.append(("train.optimizer.name", "DeepSpeed's Lion runs on GPUs (scaling.gpus_per_worker >= 1) or "
                          "as its CPU Lion with parallelism.offload_optimizer cpu; on CPU alone use AdamW, Adam or SGD"))
     return problems
+
+
+def resize_refusal(spec: JobSpec, world_size: int) -> str | None:
+    """Why a checkpoint written at another world size cannot load at `world_size` (None: it can)."""
+    name = spec.train.optimizer.name
+    if name in RESHARDABLE:
+        return None
+    return (f"cannot resume at {world_size} worker(s) from a checkpoint written at another world size: "
+            f"train.optimizer {name}'s state does not convert to DeepSpeed's universal checkpoint (Adam's only); "
+            "run the job at the world size that wrote it")

@@ -14,7 +14,7 @@ from tidal.errors import CheckpointError
 from tidal.spec.deepspeed import ds_config
 from tidal.spec.job import JobSpec
 from tidal.spec.schedule import DEEPSPEED_SCHEDULES, lr_factor
-from tidal.spec.user_refs import RESHARDABLE
+from tidal.spec.user_refs import resize_refusal
 from tidal.worker.models import build_model, gpt
 
 # DeepSpeed logs every config key at INFO on every rank; keep its warnings only.
@@ -27,11 +27,8 @@ def build_engine(spec: JobSpec, world_size: int, device: torch.device, load_univ
     torch.manual_seed(spec.train.seed)  # identical initial weights on every rank and restart
     ckpt = _checkpoint_fn() if spec.parallelism.activation_checkpointing else None
     model = _pipeline(spec) if spec.parallelism.pipeline_stages > 1 else build_model(spec.model, ckpt)
-    if load_universal and spec.train.optimizer.name not in RESHARDABLE:
-        raise CheckpointError(
-            f"cannot resume at {world_size} worker(s) from a checkpoint written at another world size: train.optimizer "
-            f"{spec.train.optimizer.name}'s state does not convert to DeepSpeed's universal checkpoint (Adam's only); "
-            "run the job at the world size that wrote it")
+    if load_universal and (why := resize_refusal(spec, world_size)):
+        raise CheckpointError(why)
     config = ds_config(spec, world_size, on_gpu=device.type == "cuda", load_universal=load_universal)
     params = [p for p in model.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=config,
