@@ -80,7 +80,7 @@ def test_malformed_params_fail_showing_the_accepted_forms(text, why):
         ("lr=uniform:0.1:1", "did you mean 'train.lr'?"),
         ("train.micro_bach=choice:4,8", "did you mean 'train.micro_batch'?"),
         ("scaling.max_worker=choice:1,2", "did you mean 'scaling.max_workers'?"),
-        ("optimizer.beta=choice:1,2", "sweepable fields: model.n_layer"),
+        ("foo.bar=choice:1,2", "sweepable fields: model.n_layer"),
         ("train=choice:1,2", "is a section, not a field; sweep one of: train.steps"),
         ("name=choice:a,b", "cannot be swept"),
         ("checkpoint.storage=choice:/a,/b", "cannot be swept"),

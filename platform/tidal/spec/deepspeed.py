@@ -6,6 +6,8 @@ from typing import Any
 
 from tidal.spec.batch import grad_accum_steps
 from tidal.spec.job import JobSpec
+from tidal.spec.passthrough import merged
+from tidal.spec.schedule import DEEPSPEED_SCHEDULES
 
 
 def ds_config(spec: JobSpec, world_size: int, on_gpu: bool, load_universal: bool = False) -> dict[str, Any]:
@@ -18,7 +20,7 @@ def ds_config(spec: JobSpec, world_size: int, on_gpu: bool, load_universal: bool
     # Without a GPU there is nothing to offload from, and DeepSpeed's CPU Adam is a JIT build
     # (about a minute); torch's AdamW does the same work there.
     cpu_torch_adam = not on_gpu
-    return {
+    derived = {
         "train_batch_size": t.global_batch,
         "train_micro_batch_size_per_gpu": t.micro_batch,
         "gradient_accumulation_steps": grad_accum_steps(t.global_batch, t.micro_batch, p.data_parallel_size(world_size)),
@@ -26,23 +28,30 @@ def ds_config(spec: JobSpec, world_size: int, on_gpu: bool, load_universal: bool
         "zero_optimization": zero,
         "bf16": {"enabled": p.precision == "bf16"},
         "fp16": {"enabled": p.precision == "fp16", "loss_scale": 0, "initial_scale_power": 16},
-        "optimizer": {
-            "type": "AdamW",
-            "params": {
-                "lr": t.lr,
-                "betas": [0.9, 0.95],
-                "eps": 1e-8,
-                "weight_decay": t.weight_decay,
-                **({"torch_adam": True} if cpu_torch_adam else {}),
-            },
-        },
-        "scheduler": _scheduler(spec),
+        "optimizer": _optimizer(spec, cpu_torch_adam),
+        # DeepSpeed has no linear-to-a-floor or WSD schedule: the engine passes a torch one for those.
+        **({"scheduler": _scheduler(spec)} if t.schedule in DEEPSPEED_SCHEDULES else {}),
+        # ZeRO checks the optimizer's class; torch's SGD is not on its list, and works.
+        **({"zero_allow_untested_optimizer": True} if t.optimizer.name == "SGD" and p.zero_stage else {}),
         "checkpoint": {"load_universal": load_universal},
         **({"zero_force_ds_cpu_optimizer": False} if cpu_torch_adam and p.offload_optimizer != "none" else {}),
         **({"pipeline": _pipeline(spec)} if p.pipeline_stages > 1 else {}),
         "steps_per_print": 10**9,  # Tidal prints its own progress lines
         "wall_clock_breakdown": False,
     }
+    return merged(derived, p.deepspeed)  # keys Tidal derives were refused at load (tidal.spec.passthrough)
+
+
+def _optimizer(spec: JobSpec, cpu_torch_adam: bool) -> dict[str, Any]:
+    t = spec.train
+    name, params = t.optimizer.name, {"lr": t.lr, "weight_decay": t.weight_decay}
+    if name in ("AdamW", "Adam"):
+        params |= {"betas": [0.9, 0.95], "eps": 1e-8, **({"torch_adam": True} if cpu_torch_adam else {})}
+        if name == "Adam":
+            params["adam_w_mode"] = False  # DeepSpeed's "Adam" is AdamW unless told otherwise
+    elif name == "Lion":
+        params["betas"] = [0.9, 0.99]
+    return {"type": name, "params": {**params, **t.optimizer.args}}
 
 
 def _scheduler(spec: JobSpec) -> dict[str, Any]:

@@ -10,11 +10,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tidal.errors import SpecError
 from tidal.spec.batch import bad_world_sizes
+from tidal.spec.passthrough import passthrough_problems
 from tidal.spec.sweep import SweepSpec
+from tidal.spec.user_refs import check_ref, user_code_problems
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$"
 REDACTED = "***"
@@ -44,10 +46,13 @@ class ModelSpec(Part):
     )
     hf_pretrained: str | None = Field(None, description="a local directory with Hugging Face pretrained weights")
     builder: str | None = Field(
-        None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
-        description="'pkg.module:function' returning an nn.Module whose forward(tokens, targets) returns the loss; "
-        "called as function(model_spec)",
+        None, description="'pkg.module:function' returning any torch nn.Module, imported on the workers from the job's "
+        "working directory; called as function(model_spec, **model.builder_args). Without train.step_fn its "
+        "forward(*batch) must return the loss",
     )
+    builder_args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for model.builder")
+
+    _builder_ref = field_validator("builder")(check_ref)
 
     @model_validator(mode="after")
     def _one_model(self) -> ModelSpec:
@@ -77,6 +82,28 @@ class DataSpec(Part):
         None, ge=1, description="with streaming: passes over the source, after which the job ends (train.steps is "
         "then an upper bound); default: as many as train.steps needs"
     )
+    dataset: str | None = Field(
+        None, description="'pkg.module:function' returning your own map-style torch Dataset (__len__ and "
+        "__getitem__), imported on the workers from the job's working directory and called as "
+        "function(**data.dataset_args); it must give the same samples on every worker. Tidal orders it by a seeded "
+        "permutation per epoch, so a sample index is its resumable position"
+    )
+    dataset_args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for data.dataset")
+
+    _dataset_ref = field_validator("dataset")(check_ref)
+
+
+OPTIMIZERS = ("AdamW", "Adam", "SGD", "Lion")
+
+
+class OptimizerSpec(Part):
+    name: Literal["AdamW", "Adam", "SGD", "Lion"] = Field(
+        "AdamW", description="Lion runs on GPUs, or on CPU with parallelism.offload_optimizer (DeepSpeed's Lion)"
+    )
+    args: dict[str, Any] = Field(
+        default_factory=dict, description="the optimizer's own arguments, e.g. {betas: [0.9, 0.99]} or "
+        "{momentum: 0.9, nesterov: true}; lr and weight_decay come from train.lr and train.weight_decay"
+    )
 
 
 class TrainSpec(Part):
@@ -92,7 +119,18 @@ class TrainSpec(Part):
     warmup: float | None = Field(
         None, ge=0.0, le=1.0, description="warmup as a fraction of train.steps (e.g. 0.05), instead of warmup_steps"
     )
-    schedule: Literal["cosine", "constant"] = "cosine"
+    schedule: Literal["cosine", "linear", "constant", "wsd"] = Field(
+        "cosine", description="after warmup: cosine or linear decay to train.min_lr_ratio, constant, or wsd "
+        "(warmup-stable-decay: constant, then a linear decay over the last train.decay_fraction of the steps)"
+    )
+    decay_fraction: float = Field(0.2, gt=0.0, le=1.0, description="with schedule wsd: the share of train.steps "
+                                  "spent decaying at the end")
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
+    step_fn: str | None = Field(
+        None, description="'pkg.module:function' returning the loss of one micro-batch, for objectives other than "
+        "next-token prediction: function(model, batch) -> scalar tensor (model is the DeepSpeed engine: call it like "
+        "your module). Default: model(*batch)"
+    )
     weight_decay: float = Field(0.0, ge=0.0)
     grad_clip: float = Field(1.0, ge=0.0, description="0 disables clipping")
     seed: int = Field(0, ge=0)
@@ -100,6 +138,8 @@ class TrainSpec(Part):
     stop_at: int | None = Field(
         None, ge=1, description="end this launch after that step, with a checkpoint; the same job run again continues"
     )
+
+    _step_ref = field_validator("step_fn")(check_ref)
 
     @model_validator(mode="after")
     def _one_warmup(self) -> TrainSpec:
@@ -141,6 +181,11 @@ class ParallelismSpec(Part):
     )
     pipeline_partition: Literal["parameters", "uniform"] = Field(
         "parameters", description="how layers go to stages: balanced by parameter count, or by layer count"
+    )
+    deepspeed: dict[str, Any] = Field(
+        default_factory=dict, description="DeepSpeed config keys merged into the one Tidal derives, e.g. "
+        "{zero_optimization: {reduce_bucket_size: 5.0e+7}}; a key Tidal derives from another field is refused "
+        "(set that field instead), or may be given as \"auto\""
     )
 
     def data_parallel_size(self, world_size: int) -> int:
@@ -262,7 +307,7 @@ class JobSpec(Part):
     def resume_fingerprint(self) -> dict[str, Any]:
         """Fields that must match between a checkpoint and the job resuming from it."""
         keep = ("model.", "parallelism.zero_stage", "parallelism.pipeline_stages", "train.global_batch", "train.seed",
-                "data.source", "data.tokenizer")
+                "data.source", "data.tokenizer", "data.dataset")
         return {k: v for k, v in self.flat().items() if k.startswith(keep)}
 
     def fingerprint_hash(self) -> str:
@@ -329,6 +374,8 @@ def consistency_problems(spec: JobSpec) -> list[tuple[str, str]]:
         problems.append(("parallelism.offload_params", "parameter offload needs parallelism.zero_stage 3"))
     if "nvme" in (par.offload_optimizer, par.offload_params) and not par.nvme_path:
         problems.append(("parallelism.nvme_path", "nvme offload needs a path to a fast local disk on every node"))
+    problems += user_code_problems(spec)
+    problems += passthrough_problems(par.deepspeed)
     return problems
 
 

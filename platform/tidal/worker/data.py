@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
@@ -19,6 +20,7 @@ import torch
 from tidal.spec.batch import rank_slice
 from tidal.spec.job import JobSpec
 from tidal.worker.tokens import encode
+from tidal.worker.user_code import UserDataset
 
 MAX_STRIDE = 8
 
@@ -94,11 +96,13 @@ class Batches:
 
     def __init__(self, spec: JobSpec, rank: int, world_size: int, device: torch.device) -> None:
         m, t = spec.model, spec.train
-        self.source = (
-            SyntheticTask(m.vocab_size, m.seq_len, t.seed)
-            if spec.data.source == "synthetic"
-            else TextWindows(spec.data.source, spec.data.text_field, m.seq_len, t.seed, spec.data.tokenizer)
-        )
+        self.source: SyntheticTask | TextWindows | UserDataset
+        if spec.data.dataset:
+            self.source = UserDataset(spec)
+        elif spec.data.source == "synthetic":
+            self.source = SyntheticTask(m.vocab_size, m.seq_len, t.seed)
+        else:
+            self.source = TextWindows(spec.data.source, spec.data.text_field, m.seq_len, t.seed, spec.data.tokenizer)
         self.global_batch, self.micro_batch = t.global_batch, t.micro_batch
         self.part = rank_slice(t.global_batch, world_size, rank)
         self.device = device
@@ -106,10 +110,15 @@ class Batches:
     def save_position(self, folder: Path) -> None:
         """Nothing to save: a step's samples follow from the step number."""
 
-    def for_step(self, step: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def for_step(self, step: int) -> Iterator[Any]:
+        """Token sources give (inputs, targets) pairs; a user dataset gives its own collated batches."""
+        first = (step - 1) * self.global_batch
+        if isinstance(self.source, UserDataset):
+            yield from self.source.micro_batches(first, self.part, self.micro_batch, self.device)
+            return
         # Every rank draws the step's whole batch and keeps its slice: the synthetic task draws
         # a step's samples from one seeded stream, so slices must come from the same draw.
-        mine = self.source.samples((step - 1) * self.global_batch, self.global_batch)[self.part]
+        mine = self.source.samples(first, self.global_batch)[self.part]
         for chunk in mine.split(self.micro_batch):
             chunk = chunk.to(self.device, non_blocking=True)
             yield chunk[:, :-1], chunk[:, 1:]

@@ -10,8 +10,11 @@ import deepspeed
 import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
+from tidal.errors import CheckpointError
 from tidal.spec.deepspeed import ds_config
 from tidal.spec.job import JobSpec
+from tidal.spec.schedule import DEEPSPEED_SCHEDULES, lr_factor
+from tidal.spec.user_refs import resize_refusal
 from tidal.worker.models import build_model, gpt
 
 # DeepSpeed logs every config key at INFO on every rank; keep its warnings only.
@@ -24,10 +27,22 @@ def build_engine(spec: JobSpec, world_size: int, device: torch.device, load_univ
     torch.manual_seed(spec.train.seed)  # identical initial weights on every rank and restart
     ckpt = _checkpoint_fn() if spec.parallelism.activation_checkpointing else None
     model = _pipeline(spec) if spec.parallelism.pipeline_stages > 1 else build_model(spec.model, ckpt)
+    if load_universal and (why := resize_refusal(spec, world_size)):
+        raise CheckpointError(why)
     config = ds_config(spec, world_size, on_gpu=device.type == "cuda", load_universal=load_universal)
     params = [p for p in model.parameters() if p.requires_grad]
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=config)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=config,
+                                      lr_scheduler=_torch_schedule(spec))
     return engine
+
+
+def _torch_schedule(spec: JobSpec) -> Any:
+    """For schedules DeepSpeed lacks: a callable DeepSpeed gives its optimizer to; it then steps the
+    scheduler with the optimizer and keeps its state in every checkpoint (exact resume)."""
+    t = spec.train
+    if t.schedule in DEEPSPEED_SCHEDULES:
+        return None
+    return lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, lambda done: lr_factor(t, done))
 
 
 def _pipeline(spec: JobSpec) -> PipelineModule:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import ray.train
@@ -18,6 +18,7 @@ from tidal.worker.data import Batches
 from tidal.worker.device import torch_device
 from tidal.worker.engine import build_engine, data_parallel_rank, is_pipeline, param_count
 from tidal.worker.metrics import PhaseClock, flops_per_token, resource_stats, worker_peak_flops
+from tidal.worker.user_code import step_function
 from tidal.worker.watchdog import StepWatchdog
 
 
@@ -57,6 +58,7 @@ def train_loop(config: dict[str, Any]) -> None:
     s = spec.scaling
     peak = world * worker_peak_flops(device, spec.parallelism.precision, s.cpus_per_worker, s.peak_tflops_per_worker)
     clock, loss_sum, loss_n = PhaseClock(device), torch.zeros(1), 0
+    step_fn = step_function(spec)  # the user's train.step_fn, or model(*batch)
     watchdog = StepWatchdog(spec.failure.step_timeout_s, rank, events)
     saved_for_preemption = False
 
@@ -64,7 +66,7 @@ def train_loop(config: dict[str, Any]) -> None:
     for step in range(state.step + 1, last + 1):
         torch.manual_seed(t.seed * 1_000_003 + step * 1_009 + rank)  # dropout depends on the step only
         clock.start_step(sync=step % t.log_every == 0)
-        loss, n = _train_step(engine, batches.for_step(step), clock)
+        loss, n = _train_step(engine, batches.for_step(step), clock, step_fn)
         loss_sum += loss
         loss_n += n
         clock.end_step()
@@ -124,7 +126,8 @@ def train_loop(config: dict[str, Any]) -> None:
     events.drain()  # the last checkpoint's event and notes reach storage before this process ends
 
 
-def _train_step(engine: Any, micro: Iterator[tuple[torch.Tensor, torch.Tensor]], clock: PhaseClock) -> tuple[torch.Tensor, int]:
+def _train_step(engine: Any, micro: Iterator[Any], clock: PhaseClock,
+                step_fn: Callable[[Any, Any], torch.Tensor]) -> tuple[torch.Tensor, int]:
     """One optimizer step over this worker's micro-batches: (sum of their losses, how many)."""
     if is_pipeline(engine):  # DeepSpeed's schedule runs all micro-batches and the optimizer step
         with clock.phase("forward_backward_s"):
@@ -136,7 +139,7 @@ def _train_step(engine: Any, micro: Iterator[tuple[torch.Tensor, torch.Tensor]],
         if batch is None:
             return total, n
         with clock.phase("forward_backward_s"):
-            loss = engine(*batch)
+            loss = step_fn(engine, batch)
             engine.backward(loss)
         with clock.phase("optimizer_s"):
             engine.step()  # DeepSpeed steps the optimizer only at the accumulation boundary

@@ -1,12 +1,11 @@
 """Models a job can train; `build_model(spec)` is the one entry point.
 
-Every model's forward is `(tokens, targets) -> mean next-token loss`, which is all the train
-loop and DeepSpeed need to know about it.
+Every built-in model's forward is `(tokens, targets) -> mean next-token loss`; a user model
+(`model.builder`) is any nn.Module, whose loss `train.step_fn` computes when its forward does not.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -30,11 +29,9 @@ def build_model(model: ModelSpec, checkpoint_fn: Callable[..., Any] | None = Non
 
 
 def _user_model(model: ModelSpec) -> nn.Module:
-    module_name, _, func = (model.builder or "").partition(":")
-    try:
-        built = getattr(importlib.import_module(module_name), func)(model)
-    except (ImportError, AttributeError) as e:
-        raise SpecError([("model.builder", f"cannot load {model.builder!r}: {e}")]) from e
+    from tidal.worker.user_code import load_ref
+
+    built = load_ref("model.builder", model.builder or "")(model, **model.builder_args)
     if not isinstance(built, nn.Module):
         raise SpecError([("model.builder", f"{model.builder!r} returned {type(built).__name__}, not a torch nn.Module")])
     return built
