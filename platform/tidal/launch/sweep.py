@@ -40,7 +40,7 @@ from tidal.launch.sweep_mlflow import close_parent, end_parent, open_parent
 from tidal.launch.trainer import _connect_ray, run
 from tidal.spec.job import JobSpec
 from tidal.spec.sweep import Param as SweepParam
-from tidal.spec.sweep import SweepSpec, merged, trial_label
+from tidal.spec.sweep import SweepSpec, check_metric, merged, trial_label
 from tidal.storage import RunDir
 
 SWEEP_FILE = "tidal-sweep.json"  # in the experiment folder: the MLflow parent run id and a fingerprint
@@ -110,6 +110,7 @@ def sweep(spec: JobSpec, params: dict[str, str] | list[str] | None = None, sampl
     base = _trial_base(spec, cfg)
     _check_values(base, cfg.parsed())
     _check_scheduler(base, cfg)
+    check_metric(base, cfg)
     _connect_ray()
     if cfg.scheduler == "asha":
         _check_state_api()
