@@ -70,6 +70,7 @@ def test_best_checkpoint_survives_retention_and_early_stopping_ends_the_job(tmp_
     evals = metric_history(bad, second.mlflow_run_id, "eval_loss")
     assert second.mlflow_run_id == first.mlflow_run_id and sorted(evals) == list(range(4, stop + 1, 4))
     assert all(evals[s] > evals[best.step] for s in (20, stop))
+    assert metric_history(bad, second.mlflow_run_id, "early_stopped") == {stop: 1.0}
     assert f"ended at step {stop} of 40: early stopping: eval_loss has not improved for 2 evaluation(s)" in out
     assert f"at step {best.step}" in out
 
@@ -81,3 +82,22 @@ def test_best_checkpoint_survives_retention_and_early_stopping_ends_the_job(tmp_
     out = capfd.readouterr().out
     assert f"already complete at step {stop}" in out and "early stopping" in out and "eval.patience=null" in out
     assert again.mlflow_run_id == first.mlflow_run_id
+
+
+def test_a_sweep_ranks_trials_by_eval_loss(tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    from tidal.launch.sweep import sweep
+
+    monkeypatch.chdir(tmp_path)  # MLflow puts a SQLite store's artifacts under ./mlruns
+    spec = tiny_spec(tmp_path, name="swe", **{"train.steps": 8, "checkpoint.every_steps": 4,
+                                              "eval": {"every_steps": 4, "batches": 1}})
+    result = sweep(spec, params={"train.lr": "grid:1e-2,1e-4"}, metric="eval_loss", max_concurrent=1)
+    assert result.metric == "eval_loss" and result.trials["eval_loss"].notna().all()
+    client = MlflowClient(spec.tracking.uri)
+    children = [client.get_run(c.info.run_id) for c in client.search_runs(
+        [client.get_experiment_by_name(spec.tracking.experiment).experiment_id],
+        f"tags.`mlflow.parentRunId` = '{result.parent_run_id}'")]
+    best = min(children, key=lambda c: c.data.metrics["eval_loss"])
+    assert result.best_spec.train.lr == pytest.approx(float(best.data.params["train.lr"]))
+    assert result.best_metrics["eval_loss"] == pytest.approx(best.data.metrics["eval_loss"])

@@ -310,8 +310,8 @@ def _row(result: Any, base: JobSpec, cfg: SweepSpec, children: dict[str, Any]) -
     step = m.get("step")
     if result.error is not None:
         status = "failed"
-    elif step is not None and int(step) >= last:
-        status = "completed"
+    elif step is not None and int(step) >= last or m.get("early_stopped"):
+        status = "completed"  # to the end, or ended by its own eval.patience
     else:
         status = "stopped_early"  # ASHA ended it at a checkpoint step
     row: dict[str, Any] = {"trial": int(index) if index.isdigit() else index, "name": f"{base.name}-t{index}"}

@@ -80,6 +80,8 @@ class Evaluator:
         record.update(step=step, metrics=metrics)
         stop = self.ev.patience is not None and record["since_best"] >= self.ev.patience
         record["stopped_early"] = stop
+        if stop:  # in MLflow, and for a sweep: this trial finished, no scheduler stopped it
+            metrics["early_stopped"] = 1.0
         return metrics, stop
 
     def _loss(self, engine: Any) -> float:
