@@ -4,6 +4,7 @@ field, the best checkpoint and what retention spares, the early-stopping decisio
 from __future__ import annotations
 
 import json
+import math
 import random
 import string
 from pathlib import Path
@@ -163,3 +164,38 @@ def test_improvement_and_early_stopping_decisions():
     assert not stopped_early(spec.with_overrides({"eval.patience": 3}), state), "a larger patience trains on"
     assert not stopped_early(spec.with_overrides({"eval.patience": None}), state)
     assert not stopped_early(spec, {"step": 30})
+
+
+def test_evaluation_is_the_mean_held_out_loss_and_leaves_training_as_it_was(tmp_path):
+    """On a real model (the built-in GPT with dropout, no DeepSpeed) in a one-process gloo group."""
+    import torch.distributed as dist
+
+    from tidal.worker.evaluate import Evaluator
+    from tidal.worker.models import build_model
+
+    spec = text_job(tmp_path, **{"model.dropout": 0.5, "eval.batches": 3})
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        batches = Batches(spec, 0, 1, CPU)
+        model = build_model(spec.model)
+        evaluator = Evaluator(spec, 0, 1, CPU, batches.held_out)
+        record: dict = {}
+        torch.manual_seed(1)
+        metrics, stop = evaluator.run(model, record, step=5)
+        after = torch.rand(1)
+        assert model.training, "back in train mode"
+        with torch.no_grad():  # every held-out window once per batch of 8 (the set cycles), in eval mode
+            model.eval()
+            seqs = torch.cat([evaluator.source.samples(b * 8, 8) for b in range(3)])
+            expected = sum(float(model(c[:, :-1], c[:, 1:])) * len(c) for c in seqs.split(2)) / len(seqs)
+            model.train()
+        assert metrics["eval_loss"] == pytest.approx(expected, rel=1e-6)
+        assert metrics["eval_perplexity"] == pytest.approx(math.exp(expected), rel=1e-6)
+        assert record == {"best": metrics["eval_loss"], "best_step": 5, "since_best": 0, "step": 5,
+                          "metrics": metrics, "stopped_early": False} and not stop
+        assert evaluator.run(model, record, step=10)[0] == metrics, "the same sequences every time"
+        assert record["since_best"] == 1
+        torch.manual_seed(1)
+        assert torch.equal(torch.rand(1), after), "evaluation draws nothing from the global RNG"
+    finally:
+        dist.destroy_process_group()
