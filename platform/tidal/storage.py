@@ -13,7 +13,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,12 +112,13 @@ class RunDir:
                                   "(a partial copy may sit beside it). Run the same command again.") from e
         return aside
 
-    def prune(self, keep: int) -> list[str]:
+    def prune(self, keep: int, spare: Collection[str] = ()) -> list[str]:
         """Delete the checkpoints Ray's retention never sees (those it did not register) once
-        `keep` newer complete ones exist; returns the folders deleted."""
+        `keep` newer complete ones exist, except those in `spare` (the best, under keep_best);
+        returns the folders deleted."""
         plan = prune_plan(self.checkpoints(), lambda p: check_complete(self.fs, p)[0] is None, keep)
         registered = set(CKPT_NAME.findall(self._ray_snapshot()))
-        doomed = [p for p in plan if p.rsplit("/", 1)[-1] not in registered]
+        doomed = [p for p in plan if p.rsplit("/", 1)[-1] not in registered and p not in spare]
         for path in doomed:
             try:
                 fs.delete_dir(self.fs, path)

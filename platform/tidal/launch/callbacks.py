@@ -7,6 +7,7 @@ from typing import Any
 
 from ray.train import UserCallback
 
+from tidal.eval_best import spared
 from tidal.spec.job import JobSpec
 from tidal.storage import RunDir
 from tidal.tracking.emitter import Emitter
@@ -37,12 +38,13 @@ class Retention(UserCallback):
     them: reported just before a crash, or written by an earlier driver). Runs in Ray's controller."""
 
     def __init__(self, spec: JobSpec) -> None:
-        self.storage, self.name, self.keep = spec.checkpoint.storage, spec.name, spec.checkpoint.keep
+        self.spec, self.storage, self.name, self.keep = spec, spec.checkpoint.storage, spec.name, spec.checkpoint.keep
 
     def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any) -> None:
         if checkpoint is None:
             return
         try:
-            RunDir(self.storage, self.name).prune(self.keep)
+            run_dir = RunDir(self.storage, self.name)
+            run_dir.prune(self.keep, spare=spared(self.spec, run_dir))
         except OSError as e:  # retention can wait for the next checkpoint; training must not
             log.warning("checkpoint retention skipped this time: %s", e)

@@ -40,7 +40,7 @@ from tidal.launch.sweep_mlflow import close_parent, end_parent, open_parent
 from tidal.launch.trainer import _connect_ray, run
 from tidal.spec.job import JobSpec
 from tidal.spec.sweep import Param as SweepParam
-from tidal.spec.sweep import SweepSpec, merged, trial_label
+from tidal.spec.sweep import SweepSpec, check_metric, merged, trial_label
 from tidal.storage import RunDir
 
 SWEEP_FILE = "tidal-sweep.json"  # in the experiment folder: the MLflow parent run id and a fingerprint
@@ -110,6 +110,7 @@ def sweep(spec: JobSpec, params: dict[str, str] | list[str] | None = None, sampl
     base = _trial_base(spec, cfg)
     _check_values(base, cfg.parsed())
     _check_scheduler(base, cfg)
+    check_metric(base, cfg)
     _connect_ray()
     if cfg.scheduler == "asha":
         _check_state_api()
@@ -309,8 +310,8 @@ def _row(result: Any, base: JobSpec, cfg: SweepSpec, children: dict[str, Any]) -
     step = m.get("step")
     if result.error is not None:
         status = "failed"
-    elif step is not None and int(step) >= last:
-        status = "completed"
+    elif step is not None and int(step) >= last or m.get("early_stopped"):
+        status = "completed"  # to the end, or ended by its own eval.patience
     else:
         status = "stopped_early"  # ASHA ended it at a checkpoint step
     row: dict[str, Any] = {"trial": int(index) if index.isdigit() else index, "name": f"{base.name}-t{index}"}

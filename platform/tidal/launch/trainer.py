@@ -10,7 +10,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
-from tidal import __version__
+from tidal import __version__, eval_best
 from tidal.cluster import burst
 from tidal.errors import SpecError, TidalError
 from tidal.launch.recovery import recovery_settings
@@ -23,6 +23,7 @@ from tidal.worker.device import dist_backend
 # Ray, torch and MLflow take seconds to import: they load only once a job is really going to
 # train, so running a finished job again answers at once (see _complete).
 if TYPE_CHECKING:
+    from ray.train import CheckpointConfig
     from ray.train.torch import TorchTrainer
 
 log = logging.getLogger("tidal")
@@ -61,7 +62,8 @@ def run(spec: JobSpec, restart: bool = False, mlflow_tags: dict[str, str] | None
                                   "tracking_uri": spec.tracking.uri, "tidal_version": __version__})
     record(spec, run_id)
     print(f"[tidal] job {spec.name!r}: {_describe_scaling(spec)}; MLflow run {run_id}", flush=True)
-    run_dir.prune(spec.checkpoint.keep)  # leftovers of an earlier launch that Ray never registered
+    # leftovers of an earlier launch that Ray never registered (the best one stays, under keep_best)
+    run_dir.prune(spec.checkpoint.keep, spare=eval_best.spared(spec, run_dir))
 
     tracker = _start_tracker(spec, run_id, tags, job_record(spec, run_id))
     ok = False
@@ -70,6 +72,7 @@ def run(spec: JobSpec, restart: bool = False, mlflow_tags: dict[str, str] | None
         with burst.burst_capacity(spec), recovery_settings(spec):
             _trainer(spec, run_id, callbacks or []).fit()
         ok = True
+        _say_if_stopped_early(spec, run_dir)
     except ray.train.TrainingFailedError as e:
         raise TidalError(f"job {spec.name!r} failed after {spec.failure.max_restarts} restart(s): {_root_cause(e)}\n"
                          f"Its checkpoints are in {run_dir.path}; run the same command again to resume.") from e
@@ -86,7 +89,15 @@ def run(spec: JobSpec, restart: bool = False, mlflow_tags: dict[str, str] | None
 
 def _already_complete(spec: JobSpec, state: dict[str, Any]) -> bool:
     t = spec.train
-    return bool(state.get("data_ended")) or int(state["step"]) >= min(t.steps, t.stop_at or t.steps)
+    return (bool(state.get("data_ended")) or eval_best.stopped_early(spec, state)
+            or int(state["step"]) >= min(t.steps, t.stop_at or t.steps))
+
+
+def _say_if_stopped_early(spec: JobSpec, run_dir: RunDir) -> None:
+    last = run_dir.latest_complete(warn=False) if spec.eval and spec.eval.patience else None
+    if last is not None and eval_best.stopped_early(spec, last.state):
+        print(f"[tidal] job {spec.name!r} ended at step {last.step} of {spec.train.steps}: "
+              f"{eval_best.stop_reason(spec, last.state)}", flush=True)
 
 
 def _complete(spec: JobSpec, found: Found, job: dict[str, Any], run_dir: RunDir, t0: float) -> RunResult:
@@ -95,6 +106,8 @@ def _complete(spec: JobSpec, found: Found, job: dict[str, Any], run_dir: RunDir,
     t = spec.train
     if found.state.get("data_ended"):
         why, more = "its data stream ended", "--set data.epochs=N with more passes"
+    elif eval_best.stopped_early(spec, found.state):
+        why, more = eval_best.stop_reason(spec, found.state), "--set eval.patience=null (or a larger patience)"
     elif t.stop_at and found.step >= t.stop_at and found.step < t.steps:
         why, more = f"train.stop_at is {t.stop_at}", "--set train.stop_at=null (or a later step)"
     else:
@@ -215,7 +228,6 @@ def _start_tracker(spec: JobSpec, run_id: str | None, tags: dict[str, str], rec:
 
 def _trainer(spec: JobSpec, run_id: str | None, callbacks: list[Any]) -> TorchTrainer:
     from ray.train import (
-        CheckpointConfig,
         DataConfig,
         FailureConfig,
         LoggingConfig,
@@ -238,7 +250,7 @@ def _trainer(spec: JobSpec, run_id: str | None, callbacks: list[Any]) -> TorchTr
         name=spec.name,
         storage_path=spec.checkpoint.storage,
         failure_config=FailureConfig(max_failures=spec.failure.max_restarts),
-        checkpoint_config=CheckpointConfig(num_to_keep=spec.checkpoint.keep),
+        checkpoint_config=_checkpoint_config(spec),
         callbacks=[FailureNotifier(spec), Retention(spec), *callbacks],
         # Ray Train logs every report at INFO; Tidal prints its own progress, restart and
         # checkpoint lines, so keep Ray's warnings and errors only.
@@ -262,6 +274,18 @@ def _trainer(spec: JobSpec, run_id: str | None, callbacks: list[Any]) -> TorchTr
         torch_config=TorchConfig(backend=dist_backend(s.gpus_per_worker)),
         **streaming,
     )
+
+
+def _checkpoint_config(spec: JobSpec) -> CheckpointConfig:
+    """Ray Train's retention: the newest `keep`, or with keep_best the `keep` best by the eval
+    metric each checkpoint reports (Ray always keeps the newest too, to resume from)."""
+    kb = spec.checkpoint.keep_best
+    from ray.train import CheckpointConfig
+
+    if kb is None:
+        return CheckpointConfig(num_to_keep=spec.checkpoint.keep)
+    return CheckpointConfig(num_to_keep=spec.checkpoint.keep, checkpoint_score_attribute=kb.metric,
+                            checkpoint_score_order=kb.mode)
 
 
 def _connect_ray() -> None:

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from tidal.errors import SpecError
 from tidal.spec.batch import bad_world_sizes
+from tidal.spec.evaluation import EvalSpec, KeepBestSpec, eval_problems
 from tidal.spec.passthrough import passthrough_problems
 from tidal.spec.sweep import SweepSpec
 from tidal.spec.user_refs import check_ref, user_code_problems
@@ -230,6 +231,10 @@ class CheckpointSpec(Part):
         True, description="training waits only while the state is copied in memory; the write to storage runs in "
         "the background, one at a time (the next checkpoint waits for it). false: training waits for the write"
     )
+    keep_best: KeepBestSpec | None = Field(
+        None, description="also keep the best checkpoints by an eval metric: Ray Train then keeps the `keep` best "
+        "by it, plus the newest (needs an eval section)"
+    )
 
 
 class FailureSpec(Part):
@@ -265,6 +270,7 @@ class JobSpec(Part):
     failure: FailureSpec = Field(default_factory=FailureSpec)
     tracking: TrackingSpec = Field(default_factory=TrackingSpec)
     sweep: SweepSpec | None = Field(None, description="run this job as a Ray Tune sweep with `tidal sweep`")
+    eval: EvalSpec | None = Field(None, description="held-out evaluation: eval_loss and eval_perplexity in MLflow")
     env: dict[str, str] = Field(
         default_factory=dict, description="environment variables for the workers (credentials...); never logged or printed"
     )
@@ -307,8 +313,9 @@ class JobSpec(Part):
     def resume_fingerprint(self) -> dict[str, Any]:
         """Fields that must match between a checkpoint and the job resuming from it."""
         keep = ("model.", "parallelism.zero_stage", "parallelism.pipeline_stages", "train.global_batch", "train.seed",
-                "data.source", "data.tokenizer", "data.dataset")
-        return {k: v for k, v in self.flat().items() if k.startswith(keep)}
+                "data.source", "data.tokenizer", "data.dataset", "eval.holdout")  # a holdout changes what training reads
+        # A job without a holdout has the fingerprint it had before eval existed (same MLflow run).
+        return {k: v for k, v in self.flat().items() if k.startswith(keep) and (v is not None or k != "eval.holdout")}
 
     def fingerprint_hash(self) -> str:
         blob = json.dumps(self.resume_fingerprint(), sort_keys=True).encode()
@@ -358,6 +365,7 @@ def consistency_problems(spec: JobSpec) -> list[tuple[str, str]]:
     if spec.parallelism.precision == "fp16" and s.gpus_per_worker == 0:
         problems.append(("parallelism.precision", "fp16 needs GPUs (scaling.gpus_per_worker >= 1); use fp32 or bf16 on CPU"))
     problems += _data_problems(spec.data)
+    problems += eval_problems(spec)
     if spec.data.source != "synthetic" and spec.data.tokenizer is None and spec.model.vocab_size < 256:
         problems.append(("model.vocab_size", f"text is tokenized to bytes, so it needs at least 256; got {spec.model.vocab_size}"))
     par = spec.parallelism
@@ -413,14 +421,19 @@ def _data_problems(data: DataSpec) -> list[tuple[str, str]]:
         return [("data.tokenizer", "tokenizes text sources; the synthetic task has its own tokens")]
     if tok is not None and "://" not in tok and not Path(tok).is_dir():
         return [("data.tokenizer", f"directory not found: {tok} (a Hugging Face tokenizer saved with save_pretrained)")]
-    src = data.source
+    bad = source_problem(data.source)
+    return [("data.source", bad)] if bad else []
+
+
+def source_problem(src: str) -> str | None:
+    """What is wrong with a data source ('synthetic', a file or a URI), or None."""
     if src == "synthetic" or "://" in src:
-        return []
+        return None
     if not src.endswith(DATA_SUFFIXES):
-        return [("data.source", f"{src!r}: use 'synthetic' or a file ending in {', '.join(DATA_SUFFIXES)}")]
+        return f"{src!r}: use 'synthetic' or a file ending in {', '.join(DATA_SUFFIXES)}"
     if not Path(src).is_file():
-        return [("data.source", f"file not found: {src} (relative paths are read from {os.getcwd()})")]
-    return []
+        return f"file not found: {src} (relative paths are read from {os.getcwd()})"
+    return None
 
 
 def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

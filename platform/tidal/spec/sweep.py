@@ -39,7 +39,8 @@ ACCEPTED_FORMS = (
 NOT_SWEEPABLE = ("name", "checkpoint.storage", "tracking.uri", "tracking.experiment", "sweep")
 # Some of what a checkpoint report carries (worker/loop.py), and so what Tune can rank trials by.
 # A metric close to one of these but not equal is a typo; others may be metrics added since.
-REPORTED_METRICS = ("loss", "lr", "tokens_per_s", "samples_per_s", "step_time_s", "mfu", "world_size")
+REPORTED_METRICS = ("loss", "eval_loss", "eval_perplexity", "lr", "tokens_per_s", "samples_per_s", "step_time_s",
+                    "mfu", "world_size")
 
 
 @dataclass(frozen=True)
@@ -174,6 +175,13 @@ class SweepSpec(BaseModel):
 
     def parsed(self) -> dict[str, Param]:
         return parse_params(self.params)
+
+
+def check_metric(spec: JobSpec, cfg: SweepSpec) -> None:
+    """An eval metric ranks trials only if the job evaluates (then every checkpoint report carries it)."""
+    if cfg.metric.startswith("eval_") and spec.eval is None:
+        raise SpecError([("sweep.metric", f"{cfg.metric} is measured only by jobs with an eval section: add one "
+                          "(e.g. --set eval.every_steps=50), or rank trials by loss")])
 
 
 def merged(base: SweepSpec | None, params: Mapping[str, str] | Iterable[str] | None = None,

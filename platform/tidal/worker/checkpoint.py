@@ -68,6 +68,7 @@ class TrainState:
     zero_stage: int = 0
     mlflow_run_id: str | None = None
     data_ended: bool = False  # a stream of data.epochs passes ran out: the job is done
+    evaluation: dict[str, Any] = field(default_factory=dict)  # the last eval and early stopping (tidal.eval_best)
     fingerprint: dict[str, Any] = field(default_factory=dict)
 
 

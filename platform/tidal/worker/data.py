@@ -17,12 +17,14 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import torch
 
+from tidal.errors import TidalError
 from tidal.spec.batch import rank_slice
 from tidal.spec.job import JobSpec
 from tidal.worker.tokens import encode
 from tidal.worker.user_code import UserDataset
 
 MAX_STRIDE = 8
+HOLDOUT_SEED = 7_919  # the held-out draw differs from the epoch orders drawn with the same train.seed
 
 
 class SyntheticTask:
@@ -75,6 +77,13 @@ class TextWindows:
         self.windows = tokens[: n * seq_len + 1].unfold(0, seq_len + 1, seq_len)
         self.seed = seed
 
+    def hold_out(self, holdout: int | float, seed: int) -> torch.Tensor:
+        """Take `holdout` windows out of this source for evaluation and return them: from now on no
+        training sample can be one of them. Call before the first `samples`."""
+        train, held = split_holdout(len(self.windows), holdout, seed)
+        out, self.windows = self.windows[held], self.windows[train]
+        return out
+
     def samples(self, first: int, count: int) -> torch.Tensor:
         n = len(self.windows)
         idx = torch.empty(count, dtype=torch.long)
@@ -87,6 +96,19 @@ class TextWindows:
         if getattr(self, "_epoch", None) != epoch:
             self._epoch, self._perm = epoch, torch.randperm(len(self.windows), generator=torch.Generator().manual_seed(self.seed + epoch))
         return self._perm
+
+
+def split_holdout(n: int, holdout: int | float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(training indices, held-out indices) of `n` samples: a seeded draw of `holdout` of them (a
+    count, or a fraction of `n`), the same on every rank and at every world size."""
+    k = holdout if isinstance(holdout, int) else max(1, round(holdout * n))
+    if not 0 < k < n:
+        raise TidalError(f"eval.holdout {holdout} sets aside {k} of the {n} samples of data.source: leave at least "
+                         "one for training and one for evaluation")
+    held = torch.randperm(n, generator=torch.Generator().manual_seed(seed + HOLDOUT_SEED))[:k].sort().values
+    keep = torch.ones(n, dtype=torch.bool)
+    keep[held] = False
+    return keep.nonzero().squeeze(1), held
 
 
 class Batches:
@@ -103,6 +125,9 @@ class Batches:
             self.source = SyntheticTask(m.vocab_size, m.seq_len, t.seed)
         else:
             self.source = TextWindows(spec.data.source, spec.data.text_field, m.seq_len, t.seed, spec.data.tokenizer)
+        holdout = spec.eval.holdout if spec.eval else None
+        # Set aside before any step reads the source: training indexes only what is left.
+        self.held_out = self.source.hold_out(holdout, t.seed) if holdout is not None else None
         self.global_batch, self.micro_batch = t.global_batch, t.micro_batch
         self.part = rank_slice(t.global_batch, world_size, rank)
         self.device = device

@@ -5,12 +5,14 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import asdict
 from typing import Any
 
 import ray.train
 import torch
 import torch.distributed as dist
 
+from tidal.eval_best import stopped_early
 from tidal.spec.job import JobSpec
 from tidal.tracking.emitter import Emitter
 from tidal.worker import checkpoint
@@ -61,8 +63,10 @@ def train_loop(config: dict[str, Any]) -> None:
     step_fn = step_function(spec)  # the user's train.step_fn, or model(*batch)
     watchdog = StepWatchdog(spec.failure.step_timeout_s, rank, events)
     saved_for_preemption = False
+    evaluator = _evaluator(spec, rank, world, device, batches)
 
-    last = state.step if state.data_ended else min(t.steps, t.stop_at or t.steps)
+    done = state.data_ended or stopped_early(spec, asdict(state))
+    last = state.step if done else min(t.steps, t.stop_at or t.steps)
     for step in range(state.step + 1, last + 1):
         torch.manual_seed(t.seed * 1_000_003 + step * 1_009 + rank)  # dropout depends on the step only
         clock.start_step(sync=step % t.log_every == 0)
@@ -83,7 +87,8 @@ def train_loop(config: dict[str, Any]) -> None:
         preempted = warning is not None
         saved_for_preemption |= preempted
         is_ckpt = step % spec.checkpoint.every_steps == 0 or final or preempted
-        if not (is_log or is_ckpt):
+        is_eval = evaluator is not None and evaluator.due(step, final or is_ckpt)
+        if not (is_log or is_ckpt or is_eval):
             continue
         dist.all_reduce(loss_sum)  # mean loss over ranks and micro-batches since the last report
         times = clock.take()
@@ -97,6 +102,11 @@ def train_loop(config: dict[str, Any]) -> None:
         }
         loss_sum.zero_()
         loss_n = 0
+        stop = False
+        if is_eval:  # before the save: the checkpoint records this step's score and patience
+            eval_metrics, stop = evaluator.run(engine, state.evaluation, step)
+            metrics.update(eval_metrics)
+            is_ckpt |= stop  # early stopping ends with a checkpoint at this step
         if rank == 0 and not is_ckpt:
             events.metrics(metrics)  # written in the background: tracking never blocks a step
         if is_ckpt:
@@ -117,6 +127,8 @@ def train_loop(config: dict[str, Any]) -> None:
         if warning is not None:
             watchdog.pause()
             _wait_for_reclaim(warning.deadline_ms)
+        if stop:  # the driver says why once the group has ended (launch.trainer)
+            break
         if data_ended and step < last:
             if rank == 0:
                 passes = f"{spec.data.epochs} epoch(s)" if spec.data.epochs else "the epochs estimated from its size"
@@ -124,6 +136,14 @@ def train_loop(config: dict[str, Any]) -> None:
                            "the job ends here", step)
             break
     events.drain()  # the last checkpoint's event and notes reach storage before this process ends
+
+
+def _evaluator(spec: JobSpec, rank: int, world: int, device: torch.device, batches: Any) -> Any:
+    if spec.eval is None:
+        return None
+    from tidal.worker.evaluate import Evaluator
+
+    return Evaluator(spec, rank, world, device, getattr(batches, "held_out", None))
 
 
 def _train_step(engine: Any, micro: Iterator[Any], clock: PhaseClock,
