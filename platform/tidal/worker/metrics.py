@@ -7,6 +7,7 @@ score and value products, which scale with context length T and have no paramete
 from __future__ import annotations
 
 import math
+import os
 import time
 import warnings
 from collections.abc import Iterator
@@ -128,6 +129,8 @@ class PhaseClock:
 
 def _comm_clock() -> CommClock | None:
     """DeepSpeed's comms timing once its process group is up (None before, e.g. in unit tests)."""
+    if os.environ.get("TIDAL_TELEMETRY", "1") == "0":  # see worker/telemetry.py
+        return None
     with suppress(Exception):
         import deepspeed.comm
 

@@ -15,6 +15,7 @@ group's cost per hour and its uptime (which tracking/usage.py integrates over ti
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -66,6 +67,11 @@ COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "group_starts": ("worker-group starts by reason: start, restart (same size) or resize", ("job", "reason")),
 }
 _metrics: dict[str, Any] = {}  # one Ray metric object per name and process
+OFF_VAR = "TIDAL_TELEMETRY"  # "0" turns all of this off (benchmarks/telemetry_overhead.py measures it)
+
+
+def enabled() -> bool:
+    return os.environ.get(OFF_VAR, "1") != "0"
 
 
 def exported_names() -> set[str]:
@@ -112,6 +118,9 @@ class Telemetry:
         ctx = ray.train.get_context()
         self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
         self.spec, self.tracker, self.device = spec, tracker, device
+        self.enabled = enabled()
+        if not self.enabled:
+            return
         self.place = Place.here(spec)
         self.tags = {"job": spec.name, "rank": str(self.rank), "node": self.place.node, "site": self.place.site}
         f = spec.failure
@@ -125,6 +134,8 @@ class Telemetry:
 
     def at_log_step(self, metrics: dict[str, Any]) -> dict[str, float]:
         """Gauges for this rank; for rank 0's metrics, the straggler and placement keys."""
+        if not self.enabled:
+            return {}
         if self.places is None:  # once per group: where every rank runs (a collective)
             self.places = [self.place] * self.world
             dist.all_gather_object(self.places, self.place)
