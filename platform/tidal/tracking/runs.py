@@ -95,7 +95,9 @@ def compare(uri: str, run_ids: list[str]) -> tuple[list[str], list[list[str]]]:
     header = ["", *[r.data.tags.get("tidal.job", r.info.run_id[:8]) + f" ({r.info.run_id[:8]})" for r in runs]]
     rows = [[k, *[r.data.params.get(k, "-") for r in runs]] for k in _differing(runs)]
     for label, key in (("final loss", "loss"), ("tokens/s", "tokens_per_s"), ("MFU", "mfu"), ("world size", "world_size"),
-                       ("restarts", "restarts"), ("steps lost", "steps_lost")):
+                       ("restarts", "restarts"), ("steps lost", "steps_lost"), ("GPU-hours", "gpu_hours"),
+                       ("cost", "cost"), ("scaling efficiency", "scaling_efficiency"), ("straggler ratio", "straggler_ratio"),
+                       ("comm share", "comm_frac")):
         rows.append([label, *[_fmt(r.data.metrics.get(key)) for r in runs]])
     return header, rows
 
