@@ -29,6 +29,7 @@ from tidal.cluster.burst import (
 from tidal.cluster.cli import register
 from tidal.cluster.configs import check_launcher, validate_cluster_config
 from tidal.cluster.kuberay import check_kuberay
+from tidal.cluster.prices import PRICE_LABEL, worker_price
 from tidal.cluster.status import format_demand, format_workers
 
 CONFIGS = sorted((ROOT / "cluster_configs").rglob("*.yaml"))
@@ -118,10 +119,29 @@ def test_missing_resources_are_refused():
 
 def test_missing_site_label_is_refused():
     c = aws()
-    del c["available_node_types"]["gpu.l40s.spot"]["labels"]
+    c["available_node_types"]["gpu.l40s.spot"]["labels"] = {PRICE_LABEL: "0.90"}
     problems = check_launcher(c)
     assert wheres(problems) == [f"{L40S}.labels.{SITE_LABEL}"]
     assert "onprem or cloud" in problems[0][1]
+
+
+@pytest.mark.parametrize(("price", "says"), [(None, "missing: what this node costs per hour"),
+                                              ("cheap", "is not a price"), ("-1", "is not a price")])
+def test_every_node_type_declares_a_price(price: str | None, says: str):
+    c = aws()
+    labels = c["available_node_types"]["gpu.l40s.spot"]["labels"]
+    labels.pop(PRICE_LABEL)
+    if price is not None:
+        labels[PRICE_LABEL] = price
+    problems = check_launcher(c)
+    assert wheres(problems) == [f"{L40S}.labels.{PRICE_LABEL}"] and says in problems[0][1]
+
+
+def test_a_worker_pays_its_share_of_the_node():
+    node = {"CPU": 192, "GPU": 8}
+    assert worker_price({PRICE_LABEL: "32.00"}, node, cpus=8, gpus=2) == pytest.approx(8.0)  # 2 of 8 GPUs
+    assert worker_price({PRICE_LABEL: "32.00"}, node, cpus=48, gpus=0) == pytest.approx(8.0)  # a CPU job: CPUs
+    assert worker_price({}, node, cpus=1, gpus=1) is None
 
 
 def test_site_resource_must_match_the_label():
@@ -260,7 +280,8 @@ def test_local_provider_declares_everything_on_ray_start_lines():
                                       "ray start --address=$RAY_HEAD_IP:6379 --num-gpus=1.5"]
     problems = check_launcher(c)
     assert set(wheres(problems)) == {"worker_start_ray_commands.--num-gpus",
-                                     f"worker_start_ray_commands.--labels {SITE_LABEL}"}
+                                     f"worker_start_ray_commands.--labels {SITE_LABEL}",
+                                     f"worker_start_ray_commands.--labels {PRICE_LABEL}"}
     c = load(ROOT / "cluster_configs" / "onprem.yaml")
     c["available_node_types"] = {"x": {"resources": {}, "node_config": {}}}
     assert "available_node_types" in wheres(check_launcher(c))
@@ -280,7 +301,9 @@ def test_kuberay_manifest_groups_carry_sites_and_bounds():
     sites = {}
     for g in m["spec"]["workerGroupSpecs"]:
         assert f"{SITE_LABEL}=" in g["rayStartParams"]["labels"]
-        sites[g["rayStartParams"]["labels"].split("=")[1]] = g
+        labels = dict(kv.split("=") for kv in g["rayStartParams"]["labels"].split(","))
+        sites[labels[SITE_LABEL]] = g
+        assert float(labels[PRICE_LABEL]) >= 0
         assert g["minReplicas"] <= g["replicas"] <= g["maxReplicas"]
     assert set(sites) == {"onprem", "cloud"}
     assert sites["cloud"]["minReplicas"] == 0

@@ -135,7 +135,7 @@ def _parser() -> argparse.ArgumentParser:
 
     rn = sub.add_parser("runs", help="table of Tidal runs in MLflow; `runs compare RUN RUN ...` puts runs side by side",
                         description="Tidal runs in MLflow: job, status, steps, final loss, tokens/s, MFU, world size, "
-                        "GPU-hours. `tidal runs compare RUN_ID RUN_ID ...` shows the params that differ and final metrics.")
+                        "GPU-hours (of them on cloud nodes), cost. `tidal runs compare RUN_ID RUN_ID ...` shows the params that differ and final metrics.")
     rn.add_argument("rest", nargs="*", metavar="compare RUN_ID", help="`compare` followed by two or more run ids")
     rn.add_argument("--uri", default=os.environ.get("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db"),
                     help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or sqlite:///mlflow.db)")

@@ -15,7 +15,8 @@ Tidal's conventions, on top of Ray's schema (docs/cluster.md explains them):
   `MLFLOW_TRACKING_URI` (an http(s):// server), since variables on that command line reach every
   job and worker the node starts; the head starts that `mlflow server`, with its database on the
   head's disk and its artifacts on the shared storage;
-- token auth stays on: `RAY_AUTH_MODE=disabled` anywhere is an error.
+- token auth stays on: `RAY_AUTH_MODE=disabled` anywhere is an error;
+- every node type says what it costs: the label `tidal.io/price-per-hour` (cluster/prices.py).
 
 A KubeRay `RayCluster` manifest gets the same conventions, checked on its groups (kuberay.py).
 """
@@ -34,6 +35,7 @@ from urllib.parse import urlparse
 import yaml
 
 from tidal.cluster import SITE_LABEL, SITES, site_resource
+from tidal.cluster.prices import PRICE_LABEL, price_problems
 from tidal.cluster.shell import (
     flags_of,
     number,
@@ -151,6 +153,7 @@ def node_type_problems(where: str, node: dict[str, Any], is_head: bool = False) 
     labels = node.get("labels") if isinstance(node.get("labels"), dict) else {}
     site = labels.get(SITE_LABEL)
     problems += site_problems(where, site, resources, f"labels.{SITE_LABEL}")
+    problems += price_problems(where, labels, f"labels.{PRICE_LABEL}")
     if site == "cloud" and not is_head and resources.get("GPU") and node.get("min_workers", 0) > 0:
         problems.append((f"{where}.min_workers", f"{node['min_workers']} keeps cloud GPU nodes up "
                          "while idle; set min_workers: 0 so the autoscaler starts them on demand"))
@@ -204,9 +207,11 @@ def _local_provider_problems(config: dict[str, Any]) -> list[Problem]:
             continue
         flags = flags_of(shell_words(line))
         problems += gpu_problems(f"{key}.--num-gpus", number(flags.get("num-gpus")))
-        site = parse_labels(flags.get("labels", "")).get(SITE_LABEL)
-        found = site_problems(key, site, parse_resources(flags.get("resources", "")), f"--labels {SITE_LABEL}")
+        labels = parse_labels(flags.get("labels", ""))
+        found = site_problems(key, labels.get(SITE_LABEL), parse_resources(flags.get("resources", "")),
+                              f"--labels {SITE_LABEL}")
         problems += [(w.replace(f"{key}.resources.", f"{key}.--resources."), m) for w, m in found]
+        problems += price_problems(key, labels, f"--labels {PRICE_LABEL}")
     return problems
 
 

@@ -24,6 +24,7 @@ from tidal.cluster.configs import (
     storage_problems,
     tracking_problems,
 )
+from tidal.cluster.prices import PRICE_LABEL, price_problems
 from tidal.cluster.shell import number, parse_labels, parse_resources, runs, shell_steps, under
 
 _SHARED_VOLUME_KINDS = {"persistentVolumeClaim", "nfs", "csi"}
@@ -65,6 +66,7 @@ def kuberay_group_problems(where: str, group: dict[str, Any], is_head: bool) -> 
     problems = site_problems(where, site, parse_resources(str(params.get("resources", ""))),
                              f"rayStartParams.labels {SITE_LABEL}")
     problems = [(w.replace(f"{where}.resources.", f"{where}.rayStartParams.resources."), m) for w, m in problems]
+    problems += price_problems(where, labels, f"rayStartParams.labels {PRICE_LABEL}")
     problems += gpu_problems(f"{where}.rayStartParams.num-gpus", number(params.get("num-gpus")))
     pod = (group.get("template") or {}).get("spec") or {}
     for c in pod.get("containers") or []:

@@ -200,9 +200,10 @@ def _open_mlflow_run(spec: JobSpec, run_id: str | None, tags: dict[str, str]) ->
 def _finish_mlflow_run(spec: JobSpec, run_id: str, ok: bool, latest: dict[str, float], wall_s: float) -> None:
     from tidal.tracking import mlflow as tracking
     from tidal.tracking.artifacts import log_artifacts
+    from tidal.tracking.usage import log_usage
 
-    summary = {"job": spec.name, "status": "FINISHED" if ok else "FAILED", "wall_s": wall_s,
-               "gpu_hours": wall_s / 3600 * spec.scaling.gpus_per_worker * latest.get("world_size", 0), **latest}
+    summary = {"job": spec.name, "status": "FINISHED" if ok else "FAILED", "wall_s": wall_s, **latest,
+               **log_usage(spec, run_id)}  # GPU-hours from the world-size timeline, cost, scaling
     try:
         log_artifacts(spec, run_id, summary)
     except Exception as e:  # noqa: BLE001 - artifacts are a convenience; the job's result stands

@@ -211,6 +211,10 @@ class ScalingSpec(Part):
     burst_after_s: float = Field(
         300.0, ge=0.0, description="with site 'any': how long to wait for on-prem room before asking for cloud nodes"
     )
+    reference_run: str | None = Field(
+        None, description="an MLflow run id (same tracking store) whose tokens/s per worker is the baseline for "
+        "scaling_efficiency_vs_reference"
+    )
 
     @model_validator(mode="after")
     def _range(self) -> ScalingSpec:
@@ -243,6 +247,18 @@ class FailureSpec(Part):
         900.0, ge=0.0, description="a worker with no finished step for this long (e.g. stuck in a collective) exits "
         "so the group restarts from the last checkpoint; 0 disables. Armed after the first step"
     )
+    straggler_ratio: float = Field(
+        1.5, ge=0.0, description="warn when one rank's time outside collectives is this many times the median "
+        "rank's (the others wait for it); 0 disables"
+    )
+    straggler_intervals: int = Field(3, ge=1, description="log intervals in a row above straggler_ratio before the warning")
+
+    @model_validator(mode="after")
+    def _straggler_ratio(self) -> FailureSpec:
+        if 0 < self.straggler_ratio <= 1:
+            raise ValueError(f"straggler_ratio: {self.straggler_ratio} would flag balanced ranks (1.0 is no spread); "
+                             "use a value above 1 such as 1.5, or 0 to turn the warning off")
+        return self
 
 
 class TrackingSpec(Part):

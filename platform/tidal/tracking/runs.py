@@ -10,10 +10,10 @@ from tidal.errors import TidalError
 if TYPE_CHECKING:
     from mlflow.tracking import MlflowClient
 
-COLUMNS = ("job", "status", "steps", "final loss", "tokens/s", "MFU", "world", "GPU-hours", "run id")
+COLUMNS = ("job", "status", "steps", "final loss", "tokens/s", "MFU", "world", "GPU-hours", "cloud", "cost", "run id")
 # `tidal runs --output json`: one object per run, numbers unformatted; times in ms since the epoch.
 RECORD_FIELDS = ("run_id", "job", "experiment_id", "status", "step", "steps", "loss", "tokens_per_s", "mfu",
-                 "world_size", "gpu_hours", "start_time", "end_time")
+                 "world_size", "gpu_hours", "gpu_hours_cloud", "cost", "scaling_efficiency", "start_time", "end_time")
 
 
 def _client(uri: str) -> MlflowClient:
@@ -53,7 +53,8 @@ def _row(run: Any) -> dict[str, Any]:
         "steps": f"{_last_step(run)}/{p.get('train.steps', '?')}",
         "final loss": _num(m.get("loss"), "{:.4f}"), "tokens/s": _num(m.get("tokens_per_s"), "{:,.0f}"),
         "MFU": _num(m.get("mfu"), "{:.1%}"), "world": _num(m.get("world_size"), "{:.0f}"),
-        "GPU-hours": f"{_gpu_hours(run):.2f}", "run id": info.run_id,
+        "GPU-hours": f"{_gpu_hours(run):.2f}", "cloud": _num(m.get("gpu_hours_cloud"), "{:.2f}"),
+        "cost": _num(m.get("cost"), "{:,.2f}"), "run id": info.run_id,
     }
 
 
@@ -65,11 +66,16 @@ def _record(run: Any) -> dict[str, Any]:
         "status": info.status, "step": _last_step(run), "steps": int(steps) if steps else None,
         "loss": m.get("loss"), "tokens_per_s": m.get("tokens_per_s"), "mfu": m.get("mfu"),
         "world_size": None if world is None else int(world), "gpu_hours": _gpu_hours(run),
+        "gpu_hours_cloud": m.get("gpu_hours_cloud"), "cost": m.get("cost"), "scaling_efficiency": m.get("scaling_efficiency"),
         "start_time": info.start_time, "end_time": info.end_time,
     }
 
 
 def _gpu_hours(run: Any) -> float:
+    """From the world-size timeline, as the job logged it at its end (tracking/usage.py); for a run
+    from before that, or one still running, the final world size times the wall time."""
+    if "gpu_hours" in run.data.metrics:
+        return run.data.metrics["gpu_hours"]
     info = run.info
     hours = ((info.end_time or info.start_time) - info.start_time) / 3.6e6 if info.start_time else 0.0
     return hours * float(run.data.params.get("scaling.gpus_per_worker", 0)) * run.data.metrics.get("world_size", 0)
@@ -89,7 +95,9 @@ def compare(uri: str, run_ids: list[str]) -> tuple[list[str], list[list[str]]]:
     header = ["", *[r.data.tags.get("tidal.job", r.info.run_id[:8]) + f" ({r.info.run_id[:8]})" for r in runs]]
     rows = [[k, *[r.data.params.get(k, "-") for r in runs]] for k in _differing(runs)]
     for label, key in (("final loss", "loss"), ("tokens/s", "tokens_per_s"), ("MFU", "mfu"), ("world size", "world_size"),
-                       ("restarts", "restarts"), ("steps lost", "steps_lost")):
+                       ("restarts", "restarts"), ("steps lost", "steps_lost"), ("GPU-hours", "gpu_hours"),
+                       ("cost", "cost"), ("scaling efficiency", "scaling_efficiency"), ("straggler ratio", "straggler_ratio"),
+                       ("comm share", "comm_frac")):
         rows.append([label, *[_fmt(r.data.metrics.get(key)) for r in runs]])
     return header, rows
 

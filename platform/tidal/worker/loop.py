@@ -20,6 +20,7 @@ from tidal.worker.data import Batches
 from tidal.worker.device import torch_device
 from tidal.worker.engine import build_engine, data_parallel_rank, is_pipeline, param_count
 from tidal.worker.metrics import PhaseClock, flops_per_token, resource_stats, worker_peak_flops
+from tidal.worker.telemetry import Telemetry
 from tidal.worker.user_code import step_function
 from tidal.worker.watchdog import StepWatchdog
 
@@ -36,6 +37,7 @@ def train_loop(config: dict[str, Any]) -> None:
 
     found = checkpoint.agree_on_resume_point(spec)  # rank 0 decides; every rank loads the same one
     reshard = bool(found) and checkpoint.needs_reshard(found.state, world)
+    telemetry = Telemetry(spec, events, device, found)  # Prometheus, stragglers, site, cost; from here on
     engine = build_engine(spec, world, device, load_universal=reshard)
     if found:
         state = checkpoint.restore(engine, found, reshard)
@@ -100,6 +102,7 @@ def train_loop(config: dict[str, Any]) -> None:
             "world_size": world, "tokens_seen": state.tokens_seen, "model_flops_per_token": model_flops, **times,
             **(resource_stats(device) if rank == 0 else {}),
         }
+        metrics |= telemetry.at_log_step(metrics)  # a collective: every rank, every log step
         loss_sum.zero_()
         loss_n = 0
         stop = False

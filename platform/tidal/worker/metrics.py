@@ -7,6 +7,7 @@ score and value products, which scale with context length T and have no paramete
 from __future__ import annotations
 
 import math
+import os
 import time
 import warnings
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ import psutil
 import torch
 
 from tidal.spec.job import ModelSpec
+from tidal.worker.comms import CommClock
 
 # Dense peak FLOP/s per device by precision: vendor specs without sparsity (fp32 without TF32,
 # which torch leaves off by default). Looked up by the first key contained in the device's name
@@ -72,25 +74,35 @@ class PhaseClock:
 
     On a GPU, kernels run asynchronously: phase times are only true if the device is synced at
     each boundary, which costs a little, so `sync` is set only on steps that will be logged.
+    Those sampled steps also time the collectives (`comms`, see worker/comms.py): `comm_s` is
+    the sampled step's time inside them, `comm_frac` its share of that step, and `busy_s` the
+    rest (what a straggler has more of: the others wait inside collectives).
     """
 
     PHASES = ("data_wait_s", "forward_backward_s", "optimizer_s")
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, comms: CommClock | None = None) -> None:
         self.cuda = device.type == "cuda"
-        self.sync = False
+        self.sync = self.sample = False
+        self.comms = comms if comms is not None else _comm_clock()
         self.totals = dict.fromkeys(self.PHASES, 0.0)
         self.step_total, self.steps = 0.0, 0
         self._step_t0 = 0.0
+        self.sampled: tuple[float, float] | None = None  # (step seconds, comm seconds) of the last sample
 
     def start_step(self, sync: bool) -> None:
-        self.sync = sync and self.cuda
+        self.sync, self.sample = sync and self.cuda, sync
+        if sync and self.comms is not None:
+            self.comms.start()
         self._step_t0 = time.perf_counter()
 
     def end_step(self) -> None:
         self._barrier()
-        self.step_total += time.perf_counter() - self._step_t0
+        took = time.perf_counter() - self._step_t0
+        self.step_total += took
         self.steps += 1
+        if self.sample and self.comms is not None:
+            self.sampled = (took, self.comms.stop())
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -102,13 +114,29 @@ class PhaseClock:
     def take(self) -> dict[str, float]:
         n = max(self.steps, 1)
         out = {k: v / n for k, v in self.totals.items()} | {"step_time_s": self.step_total / n}
+        if self.sampled is not None:
+            step_s, comm_s = self.sampled
+            out |= {"comm_s": comm_s, "comm_frac": comm_s / step_s if step_s > 0 else 0.0,
+                    "busy_s": max(0.0, step_s - comm_s)}
         self.totals = dict.fromkeys(self.PHASES, 0.0)
-        self.step_total, self.steps = 0.0, 0
+        self.step_total, self.steps, self.sampled = 0.0, 0, None
         return out
 
     def _barrier(self) -> None:
         if self.sync:
             torch.cuda.synchronize()
+
+
+def _comm_clock() -> CommClock | None:
+    """DeepSpeed's comms timing once its process group is up (None before, e.g. in unit tests)."""
+    if os.environ.get("TIDAL_TELEMETRY", "1") == "0":  # see worker/telemetry.py
+        return None
+    with suppress(Exception):
+        import deepspeed.comm
+
+        if deepspeed.comm.is_initialized():
+            return CommClock()
+    return None
 
 
 def resource_stats(device: torch.device) -> dict[str, float]:
@@ -121,6 +149,19 @@ def resource_stats(device: torch.device) -> dict[str, float]:
     }
     if device.type == "cuda":
         stats["gpu_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
-        with suppress(Exception):  # NVML (pynvml) missing: memory is still reported
-            stats["gpu_util_frac"] = torch.cuda.utilization(device) / 100
+    return stats | gpu_stats(device)
+
+
+def gpu_stats(device: torch.device) -> dict[str, float]:
+    """The device's own view (NVML through torch): utilization, power, memory in use by anyone.
+
+    NVML comes with the `nvidia-ml-py` package; where it is missing, or on a CPU worker, the
+    values it gives are left out and the rest is still reported."""
+    if device.type != "cuda":
+        return {}
+    free, total = torch.cuda.mem_get_info(device)
+    stats = {"gpu_memory_used_gb": (total - free) / 1e9, "gpu_memory_used_frac": (total - free) / total}
+    with suppress(Exception):  # no pynvml: no utilization or power
+        stats["gpu_util_frac"] = torch.cuda.utilization(device) / 100
+        stats["gpu_power_w"] = torch.cuda.power_draw(device) / 1000  # NVML reports milliwatts
     return stats

@@ -1,0 +1,61 @@
+"""Stragglers: which rank holds the others back, and when to say so. Pure functions, no torch.
+
+Every rank's step time is the same (the collectives make the fast ranks wait for the slow
+one), so the signal is each rank's *busy* time: its step time minus the time it spent inside
+collectives. A straggler is busy for long while the others wait for it.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Spread:
+    """How far the slowest rank is from the typical one in one log interval."""
+
+    ratio: float  # slowest busy time / median busy time (1.0: balanced)
+    slowest_rank: int
+
+
+def spread(busy_s: list[float]) -> Spread:
+    """The ratio of the slowest rank's busy time to the median's, and which rank it is.
+
+    The median is the lower median, so with two ranks the ratio compares the slow one with the
+    other (the mean of both would halve the signal); with many ranks it is the usual median.
+    """
+    if not busy_s:
+        return Spread(1.0, 0)
+    slowest = max(range(len(busy_s)), key=busy_s.__getitem__)
+    median = statistics.median_low(busy_s)
+    ratio = busy_s[slowest] / median if median > 0 else 1.0
+    return Spread(ratio, slowest)
+
+
+@dataclass
+class StragglerWatch:
+    """Warns when the same rank stays above `threshold` for `intervals` log intervals in a row.
+
+    `update` returns the rank to warn about, once per streak (None otherwise); a streak ends
+    when the ratio falls back under the threshold or another rank becomes the slowest.
+    `threshold` 0 turns the watch off.
+    """
+
+    threshold: float
+    intervals: int
+    rank: int | None = None
+    streak: int = 0
+    warned: bool = False
+
+    def update(self, s: Spread) -> int | None:
+        if not self.threshold or s.ratio < self.threshold:
+            self.rank, self.streak, self.warned = None, 0, False
+            return None
+        if s.slowest_rank != self.rank:
+            self.rank, self.streak, self.warned = s.slowest_rank, 0, False
+        self.streak += 1
+        if self.streak >= self.intervals and not self.warned:
+            self.warned = True
+            return self.rank
+        return None

@@ -1,0 +1,189 @@
+"""Training metrics for cluster operators: Ray's Prometheus endpoint, stragglers, site and cost.
+
+Ray runs a metrics agent on every node; a `ray.util.metrics` gauge set in any process there is
+served on the node's metrics export port with a `ray_` prefix, next to Ray's own metrics, and a
+cluster's Prometheus scrapes it through Ray's service discovery file (docs/cluster.md). So each
+worker sets its own gauges, tagged job, rank, node and site: nothing is sent anywhere by hand.
+
+At every log step each rank calls `Telemetry.at_log_step(metrics)` (a collective: every rank
+calls it at the same steps). It gathers every rank's busy time (its step time outside
+collectives, from the sampled step of worker/metrics.py) with one small all-gather, works out
+the straggler spread (worker/stragglers.py), sets the gauges, and returns keys that rank 0's
+metrics then carry to MLflow: the straggler ratio and rank, the workers on cloud nodes and the
+group's cost per hour and its uptime (which tracking/usage.py integrates over time).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+import ray.train
+import torch
+import torch.distributed as dist
+
+from tidal.cluster.burst import node_site
+from tidal.cluster.prices import worker_price
+from tidal.spec.job import JobSpec
+from tidal.storage import Found
+from tidal.worker.metrics import gpu_stats
+from tidal.worker.stragglers import Spread, StragglerWatch, spread
+
+TAGS = ("job", "rank", "node", "site")
+# Exported as ray_tidal_<key> (Ray adds the prefix). Keys of the loop's metrics dict, plus
+# what this module adds; cluster_configs/grafana/tidal-dashboard.json is built on these names.
+GAUGES: dict[str, str] = {
+    "step": "last optimizer step done",
+    "loss": "training loss (mean over ranks, since the last log step)",
+    "lr": "learning rate",
+    "tokens_per_s": "tokens per second, whole job",
+    "tokens_per_s_per_worker": "tokens per second per worker",
+    "samples_per_s": "sequences per second, whole job",
+    "mfu": "model FLOPs utilization",
+    "world_size": "workers in the group",
+    "step_time_s": "seconds per optimizer step on this rank",
+    "data_wait_s": "seconds per step waiting for data",
+    "forward_backward_s": "seconds per step in forward and backward",
+    "optimizer_s": "seconds per step in the optimizer step",
+    "comm_s": "seconds inside collectives in the last sampled step",
+    "comm_frac": "share of the last sampled step spent inside collectives",
+    "busy_s": "seconds of the last sampled step outside collectives (what a straggler has most of)",
+    "rank_slowness": "this rank's busy time over the median rank's",
+    "straggler_ratio": "slowest rank's busy time over the median rank's (rank 0 reports it)",
+    "straggler_rank": "rank with the most busy time (rank 0 reports it)",
+    "stall_s": "seconds outside training steps since the last log step (checkpoint saves mostly)",
+    "workers_cloud": "workers on cloud nodes (rank 0 reports it)",
+    "cost_per_hour": "what the group's workers cost per hour, from the nodes' price labels (rank 0)",
+    "gpu_util_frac": "GPU utilization (NVML)",
+    "gpu_memory_used_gb": "GPU memory in use on the device (NVML)",
+    "gpu_memory_used_frac": "share of the GPU's memory in use",
+    "gpu_power_w": "GPU power draw in watts (NVML)",
+}
+COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "group_starts": ("worker-group starts by reason: start, restart (same size) or resize", ("job", "reason")),
+}
+_metrics: dict[str, Any] = {}  # one Ray metric object per name and process
+OFF_VAR = "TIDAL_TELEMETRY"  # "0" turns all of this off (benchmarks/telemetry_overhead.py measures it)
+
+
+def enabled() -> bool:
+    return os.environ.get(OFF_VAR, "1") != "0"
+
+
+def exported_names() -> set[str]:
+    """Every name a Prometheus scrape shows for Tidal (Ray's prefix, and `_total` on counters)."""
+    return {f"ray_tidal_{k}" for k in GAUGES} | {f"ray_tidal_{k}_total" for k in COUNTERS}
+
+
+def _metric(name: str) -> Any:
+    from ray.util.metrics import Counter, Gauge
+
+    if name not in _metrics:
+        if name in COUNTERS:
+            description, tags = COUNTERS[name]
+            _metrics[name] = Counter(f"tidal_{name}", description, tag_keys=tags)
+        else:
+            _metrics[name] = Gauge(f"tidal_{name}", GAUGES[name], tag_keys=TAGS)
+    return _metrics[name]
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where one rank runs, and what it costs there."""
+
+    node: str  # the node's IP, as operators know it (Ray's own NodeAddress tag)
+    node_id: str
+    site: str  # onprem | cloud | unlabelled
+    price_per_hour: float | None
+
+    @classmethod
+    def here(cls, spec: JobSpec) -> Place:
+        ctx = ray.get_runtime_context()
+        node_id = ctx.get_node_id()
+        labels = ctx.get_node_labels() or {}
+        resources = next((n.get("Resources") or {} for n in ray.nodes() if n["NodeID"] == node_id), {})
+        s = spec.scaling
+        return cls(ray.util.get_node_ip_address(), node_id, node_site(resources, labels) or "unlabelled",
+                   worker_price(labels, resources, s.cpus_per_worker, s.gpus_per_worker))
+
+
+class Telemetry:
+    """One per worker; `at_log_step` is its only call from the training loop."""
+
+    def __init__(self, spec: JobSpec, events: Any, device: torch.device, found: Found | None) -> None:
+        ctx = ray.train.get_context()
+        self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
+        self.spec, self.events, self.device = spec, events, device
+        self.enabled = enabled()
+        if not self.enabled:
+            return
+        self.place = Place.here(spec)
+        self.tags = {"job": spec.name, "rank": str(self.rank), "node": self.place.node, "site": self.place.site}
+        f = spec.failure
+        self.watch = StragglerWatch(f.straggler_ratio, f.straggler_intervals)
+        self.places: list[Place] | None = None
+        self.last: tuple[int, float] | None = None  # (step, time) at the previous log step
+        self.started = time.time()  # before the engine build: start-up holds the devices too
+        if self.rank == 0:
+            reason = "start" if not found else "restart" if int(found.state["world_size"]) == self.world else "resize"
+            _metric("group_starts").inc(1.0, tags={"job": spec.name, "reason": reason})
+
+    def at_log_step(self, metrics: dict[str, Any]) -> dict[str, float]:
+        """Gauges for this rank; for rank 0's metrics, the straggler and placement keys."""
+        if not self.enabled:
+            return {}
+        if self.places is None:  # once per group: where every rank runs (a collective)
+            self.places = [self.place] * self.world
+            dist.all_gather_object(self.places, self.place)
+        extra = self._placement() | {"uptime_s": time.time() - self.started} if self.rank == 0 else {}
+        local: dict[str, float] = {}
+        if "busy_s" in metrics:  # a sampled step in this interval (the same on every rank)
+            every = self._gather(float(metrics["busy_s"]))
+            s, median = spread(every), statistics.median_low(every)
+            extra |= {"straggler_ratio": s.ratio, "straggler_rank": float(s.slowest_rank)}
+            local["rank_slowness"] = every[self.rank] / median if median > 0 else 1.0
+            if self.rank == 0:
+                self._warn(s, every, median, int(metrics["step"]))
+        now, step = time.time(), int(metrics["step"])
+        if self.last is not None:
+            trained = (step - self.last[0]) * float(metrics.get("step_time_s", 0.0))
+            local["stall_s"] = max(0.0, now - self.last[1] - trained)
+        self.last = (step, now)
+        self._export({**metrics, **local, **gpu_stats(self.device), **(extra if self.rank == 0 else {})})
+        return extra if self.rank == 0 else {}
+
+    def _gather(self, value: float) -> list[float]:
+        mine = torch.tensor([value], dtype=torch.float64, device=self.device)
+        out = [torch.zeros_like(mine) for _ in range(self.world)]
+        dist.all_gather(out, mine)
+        return [float(t.item()) for t in out]
+
+    def _placement(self) -> dict[str, float]:
+        places = self.places or []
+        out = {"workers_cloud": float(sum(p.site == "cloud" for p in places))}
+        prices = [p.price_per_hour for p in places]
+        if any(p is not None for p in prices):
+            out["cost_per_hour"] = float(sum(p or 0.0 for p in prices))
+        return out
+
+    def _warn(self, s: Spread, every: list[float], median: float, step: int) -> None:
+        rank = self.watch.update(s)
+        if rank is None:
+            return
+        p = (self.places or [self.place])[rank]
+        f = self.spec.failure
+        self.events.say(
+            f"WARNING: straggler: rank {rank} on node {p.node} ({p.site}, node id {p.node_id[:12]}) has been "
+            f"{s.ratio:.2f}x slower than the median rank for {f.straggler_intervals} log intervals "
+            f"({every[rank]:.3f}s busy per step against {median:.3f}s); the other ranks wait for it "
+            f"(failure.straggler_ratio: {f.straggler_ratio:g})", step)
+
+    def _export(self, values: dict[str, Any]) -> None:
+        for key in GAUGES:
+            v = values.get(key)
+            if isinstance(v, (int, float)) and v == v:  # NaN (e.g. MFU of an unknown GPU) is left out
+                _metric(key).set(float(v), tags=self.tags)

@@ -1,0 +1,67 @@
+"""Stragglers: the decision alone, then a real job with one rank slowed on purpose."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import tidal
+from tests.conftest import metric_history, tiny_spec
+from tidal.worker.stragglers import Spread, StragglerWatch, spread
+
+
+def test_spread_compares_the_slowest_rank_with_the_median():
+    assert spread([0.1, 0.1, 0.1, 0.1]) == Spread(1.0, 0)
+    s = spread([0.1, 0.1, 0.3, 0.1])
+    assert s.slowest_rank == 2 and s.ratio == pytest.approx(3.0)
+    # two ranks: the lower median, so the slow one is compared with the other, not with their mean
+    assert spread([0.02, 0.12]).ratio == pytest.approx(6.0)
+    assert spread([0.0, 0.0]) == Spread(1.0, 0)
+
+
+def test_watch_warns_once_per_streak_of_the_same_rank():
+    w = StragglerWatch(threshold=1.5, intervals=3)
+    slow1, slow2, fine = Spread(2.0, 1), Spread(2.0, 2), Spread(1.1, 0)
+    assert [w.update(x) for x in (slow1, slow1)] == [None, None]
+    assert w.update(slow1) == 1, "third interval in a row above the threshold"
+    assert w.update(slow1) is None, "said once for this streak"
+    assert [w.update(x) for x in (slow2, slow2, fine, slow2, slow2)] == [None] * 5, "another rank, then a break"
+    assert w.update(slow2) == 2
+    off = StragglerWatch(threshold=0, intervals=1)
+    assert off.update(Spread(9.0, 1)) is None
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_local")
+def test_a_slowed_rank_is_named_and_the_others_wait_in_collectives(tmp_path, capfd):
+    spec = tiny_spec(tmp_path, name="straggler", **{
+        "model.builder": "tests.straggler_model:build", "train.steps": 16, "train.log_every": 2,
+        "checkpoint.every_steps": 16, "failure.straggler_ratio": 1.5, "failure.straggler_intervals": 3,
+        "env": {"TIDAL_TEST_SLOW_RANK": "1", "TIDAL_TEST_SLOW_S": "0.05"},
+    })
+    run_id = tidal.run(spec).mlflow_run_id
+
+    ratio = metric_history(spec, run_id, "straggler_ratio")
+    rank = metric_history(spec, run_id, "straggler_rank")
+    assert sorted(ratio) == list(range(2, 17, 2))
+    assert all(ratio[s] > 1.5 and rank[s] == 1 for s in ratio), (ratio, rank)
+    # Rank 0 (whose metrics MLflow holds) spends most of its step waiting for rank 1 in collectives.
+    comm_frac = metric_history(spec, run_id, "comm_frac")
+    assert min(comm_frac.values()) > 0.5, comm_frac
+    out = _wait_for_output(capfd, "straggler: rank 1 on node")
+    line = next(ln for ln in out.splitlines() if "straggler: rank 1 on node" in ln)
+    assert "[tidal] WARNING" in line and "for 3 log intervals" in line, line
+    assert out.count("straggler: rank") == 1, "one warning for one streak"
+
+
+def _wait_for_output(capfd, text: str, timeout: float = 20) -> str:
+    """Actor output reaches the driver through Ray's log monitor, a moment after it is printed."""
+    out = ""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        out += capfd.readouterr().out
+        if text in out:
+            return out
+        time.sleep(0.2)
+    raise AssertionError(f"{text!r} never printed; output:\n{out[-3000:]}")
