@@ -116,3 +116,37 @@ def test_the_built_in_gpt_maps_exactly_onto_gpt2(tmp_path):
         again = load_torch(str(tmp_path / "pt"))(x, y).item()
     assert got == pytest.approx(expected, abs=1e-5)
     assert again == expected
+
+
+def test_an_hf_export_with_a_tokenizer_goes_to_mlflow_as_a_transformers_pipeline(tmp_path):
+    """MLflow's transformers flavour needs a tokenizer; with one the logged model generates through
+    pyfunc, and the job run's status is left as it was."""
+    transformers = pytest.importorskip("transformers")
+    import mlflow
+    from mlflow.tracking import MlflowClient
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from tidal.export_mlflow import log_exported
+    from tidal.export_model import Exported
+
+    spec = tiny_spec(tmp_path)
+    words = {f"w{i}": i for i in range(62)} | {"[UNK]": 62, "</s>": 63}
+    tok = Tokenizer(models.WordLevel(words, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    cfg = transformers.AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                            num_attention_heads=2, num_key_value_heads=2, vocab_size=64)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    model.save_pretrained(tmp_path / "hf")
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="</s>").save_pretrained(
+        tmp_path / "hf")
+    client = MlflowClient(spec.tracking.uri)
+    run_id = client.create_run(client.create_experiment("tests", artifact_location=str(tmp_path / "art"))).info.run_id
+
+    done = log_exported(Exported("tiny", str(tmp_path / "hf"), "hf", 7, "here"), model, spec, run_id,
+                        spec.tracking.uri, "tiny-llama")
+    assert done.model_uri == "models:/tiny-llama/1" and done.registered == "tiny-llama version 1"
+    mlflow.set_tracking_uri(spec.tracking.uri)
+    assert mlflow.transformers.load_model(done.model_uri, return_type="components")["model"].config.vocab_size == 64
+    [text] = mlflow.pyfunc.load_model(done.model_uri).predict(["w1 w2"], params={"max_new_tokens": 2})
+    assert text.startswith("w1 w2")
+    assert client.get_run(run_id).info.status == "RUNNING", "a job still training stays RUNNING"

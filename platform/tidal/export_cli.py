@@ -25,8 +25,9 @@ formats:
   torch  model.safetensors + tidal-model.json: tidal.load_exported(DIR) rebuilds the model the job
          trained, with torch alone; its forward(tokens, targets) returns the loss.
 
---mlflow logs the model on the job's own MLflow run (transformers flavour for hf, pytorch flavour
-for torch); --register NAME also registers it as a new version of model NAME.
+--mlflow logs the model on the job's own MLflow run: transformers flavour for hf when the job had a
+tokenizer (MLflow's pipeline needs one), else pytorch flavour; --register NAME also registers it
+as a new version of model NAME.
 
 exit codes: 0 exported; 2 bad arguments, no such job or checkpoint (nothing written; the message
 says what exists); 1 a checkpoint that cannot be read or an MLflow store that cannot be reached."""

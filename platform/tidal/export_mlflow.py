@@ -1,7 +1,8 @@
 """Log an exported model on the job's own MLflow run, and register it if asked.
 
-`--format hf` goes in as MLflow's transformers flavour (its folder, as `from_pretrained` reads
-it), `--format torch` as the pytorch flavour (the module itself). The run is the one the job
+`--format hf` goes in as MLflow's transformers flavour (model + tokenizer: its pipeline needs
+one; a job without data.tokenizer gets the pytorch flavour of the same Hugging Face model),
+`--format torch` as the pytorch flavour (the module itself, pickled). The run is the one the job
 tracked its metrics in (its id is in the checkpoint and in the run folder's job file), so the
 model sits beside the losses that produced it. Reopening a run marks it FINISHED on exit in
 MLflow; the status it had (RUNNING for a job still training, FAILED...) is put back.
@@ -55,11 +56,30 @@ def _log(format: str, folder: str, model: nn.Module, step: int, register: str | 
     import mlflow
 
     common = {"name": ARTIFACT, "step": step, "registered_model_name": register}
-    if format == "hf":
+    tokenizer = _tokenizer(folder) if format == "hf" else None
+    if tokenizer is not None:
         # Requirements given, not inferred: inference imports the model in a subprocess (slow).
-        return mlflow.transformers.log_model(transformers_model=folder, task="text-generation",
+        return mlflow.transformers.log_model(transformers_model={"model": model, "tokenizer": tokenizer},
+                                             task="text-generation",
                                              pip_requirements=_requirements("torch", "transformers"), **common)
-    return mlflow.pytorch.log_model(model, pip_requirements=_requirements("torch"), **common)
+    if format == "hf":
+        print("[tidal] the job had no tokenizer (data.tokenizer), which MLflow's transformers flavour needs: "
+              "logging the Hugging Face model with the pytorch flavour", file=sys.stderr)
+    # pickle: the module as torch.save writes it. MLflow's default, pt2, traces forward from an
+    # input example, and a Tidal model's forward takes (tokens, targets).
+    return mlflow.pytorch.log_model(model, serialization_format="pickle", pip_requirements=_requirements("torch"),
+                                    **common)
+
+
+def _tokenizer(folder: str) -> Any:
+    """The tokenizer the export saved beside the model, or None."""
+    import os
+
+    if not os.path.isfile(os.path.join(folder, "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder, local_files_only=True)
 
 
 def _requirements(*names: str) -> list[str]:
