@@ -29,6 +29,18 @@ os.environ.setdefault("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "0.5")  # default 
 os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "20")
 
 
+@pytest.fixture(autouse=True)
+def _mlflow_tracking_uri_put_back() -> Iterator[None]:
+    """A test that points MLflow's fluent API at its store (which also sets MLFLOW_TRACKING_URI)
+    must not decide where later tests' jobs track."""
+    before = os.environ.get("MLFLOW_TRACKING_URI")
+    yield
+    if os.environ.get("MLFLOW_TRACKING_URI") != before:
+        import mlflow
+
+        mlflow.set_tracking_uri(before)
+
+
 def tiny_spec(tmp: Path, name: str = "tiny", **overrides: Any) -> JobSpec:
     """A job that trains in a few seconds on 2 CPU workers; `overrides` use dotted keys."""
     base = JobSpec(

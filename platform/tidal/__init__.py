@@ -13,6 +13,11 @@ from tidal.spec.job import JobSpec
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
+    import os
+
+    from torch import nn
+
+    from tidal.export_model import Exported
     from tidal.launch.jobs import Job
     from tidal.launch.result import RunResult
     from tidal.launch.sweep import SweepResult
@@ -53,6 +58,27 @@ def sweep(spec: JobSpec, params: dict[str, str] | list[str] | None = None, sampl
                   max_concurrent=max_concurrent, restart=restart)
 
 
+def export(spec: JobSpec, checkpoint: str | int = "latest", format: str = "torch", output: str | os.PathLike[str] = "",
+           mlflow: bool = False, register: str | None = None) -> Exported:
+    """Consolidate a job's checkpoint into one model in `output`, loadable without DeepSpeed or Ray.
+
+    `checkpoint`: "latest" or a step. `format`: "hf" (a Hugging Face `save_pretrained` folder,
+    with the job's tokenizer; the built-in GPT as GPT-2) or "torch" (safetensors + config, for
+    `load_exported`). `mlflow=True` logs it on the job's MLflow run; `register="NAME"` registers it.
+    Runs on any machine that reaches the job's storage; no GPU needed.
+    """
+    from tidal.export_model import export as _export
+
+    return _export(spec, checkpoint=checkpoint, format=format, output=output, mlflow=mlflow, register=register)
+
+
+def load_exported(path: str | os.PathLike[str]) -> nn.Module:
+    """The model of a `--format torch` export, rebuilt with torch alone; `forward(tokens, targets)` is the loss."""
+    from tidal.export_model import load_exported as _load
+
+    return _load(path)
+
+
 def __getattr__(name: str) -> Any:
     if name == "RunResult":
         from tidal.launch.result import RunResult
@@ -62,6 +88,10 @@ def __getattr__(name: str) -> Any:
         from tidal.launch.sweep import SweepResult
 
         return SweepResult
+    if name == "Exported":
+        from tidal.export_model import Exported
+
+        return Exported
     if name == "Job":
         from tidal.launch.jobs import Job
 
@@ -69,5 +99,5 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(name)
 
 
-__all__ = ["CheckpointError", "ClusterError", "Job", "JobSpec", "RunResult", "SpecError", "SweepResult", "TidalError",
-           "run", "submit", "sweep"]
+__all__ = ["CheckpointError", "ClusterError", "Exported", "Job", "JobSpec", "RunResult", "SpecError", "SweepResult",
+           "TidalError", "export", "load_exported", "run", "submit", "sweep"]

@@ -17,6 +17,7 @@ import yaml
 
 from tidal.cluster.cli import register as register_cluster
 from tidal.errors import SpecError, TidalError, UsageError
+from tidal.export_cli import register as register_export
 from tidal.launch.jobs import JOB_FIELDS, PROGRESS_FIELDS, Job
 from tidal.launch.sweep_cli import register as register_sweep
 from tidal.output import add_output_flag, print_json
@@ -34,6 +35,7 @@ EPILOG = """examples:
   tidal submit jobs/quickstart.yaml --address http://head:8265   # follows it to its end; --no-wait returns at once
   tidal list --address http://head:8265; tidal logs ID --follow; tidal stop ID
   tidal runs; tidal runs compare RUN_ID RUN_ID
+  tidal export jobs/quickstart.yaml --format torch --output out/gpt --mlflow   # the trained model, one folder
   tidal runs --output json                            # also list, status, cluster status: fields in their --help
   tidal cluster validate cluster_configs/*.yaml
   tidal --version                                     # with the Ray, DeepSpeed, MLflow and torch versions
@@ -102,6 +104,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--restart", action="store_true", help="start over: set the job's old checkpoints aside and open a new MLflow run")
 
     register_sweep(sub)
+    register_export(sub)
 
     sc = sub.add_parser("schema", help="print the job spec's JSON Schema (for editors and CI checks)",
                         description="Print the JSON Schema of a job spec. jobs/tidal-job.schema.json is this output; "
