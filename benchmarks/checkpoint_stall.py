@@ -49,14 +49,14 @@ WIDE = {"n_layer": 4, "n_head": 8, "d_model": 1024, "vocab_size": 256, "seq_len"
 EVERY, STEPS = 5, 20
 
 
-def stall_spec(tmp: Path, storage: str) -> JobSpec:
+def stall_spec(tmp: Path, storage: str, every: int = EVERY) -> JobSpec:
     return JobSpec(
         name="bench-stall",
         model=WIDE,
-        train={"steps": STEPS, "micro_batch": 1, "global_batch": 2, "lr": 1e-4, "warmup_steps": 2, "log_every": 1},
+        train={"steps": every * (STEPS // EVERY), "micro_batch": 1, "global_batch": 2, "lr": 1e-4, "warmup_steps": 2, "log_every": 1},
         parallelism={"zero_stage": 2, "precision": "fp32"},
         scaling={"min_workers": 2, "max_workers": 2, "cpus_per_worker": 1},
-        checkpoint={"every_steps": EVERY, "keep": 1, "storage": storage},
+        checkpoint={"every_steps": every, "keep": 1, "storage": storage},
         tracking={"uri": f"sqlite:///{tmp}/mlflow.db", "experiment": "bench"},
     )
 
@@ -102,7 +102,7 @@ def baseline_save(state: dict[str, Any], storage: str, tmp: Path) -> tuple[float
 
 def stall(args: argparse.Namespace, tmp: Path) -> str:
     storage = str(tmp / "runs") if args.storage == "local" else f"{start_s3(tmp)}/runs"
-    spec = stall_spec(tmp, storage)
+    spec = stall_spec(tmp, storage, args.every)
     path = write_spec(spec, tmp / "stall.yaml")
     rounds = []
     state = None
@@ -122,17 +122,17 @@ def stall(args: argparse.Namespace, tmp: Path) -> str:
         print(f"round {i + 1}: Tidal blocked {r['later_s']:.3f} s per save (first save {r['first_s']:.3f} s, "
               f"waiting for the previous write {r['later_wait_s']:.3f} s), torch.save + sync "
               f"{r['torch_s']:.3f} s for {r['torch_bytes'] / 1e6:.0f} MB: ratio {r['ratio']:.3f}", flush=True)
-    rows = "\n".join(f"| {i + 1} | {r['later_s']:.3f} s | {r['first_s']:.3f} s | {r['torch_s']:.3f} s | {r['ratio']:.3f} |"
+    rows = "\n".join(f"| {i + 1} | {r['later_s']:.3f} s | {r['later_wait_s']:.3f} s | {r['first_s']:.3f} s | {r['torch_s']:.3f} s | {r['ratio']:.3f} |"
                      for i, r in enumerate(rounds))
     where = "a local path (fsync)" if args.storage == "local" else "moto's S3 server on 127.0.0.1 (PUT)"
-    return f"""Command: `python -m benchmarks.checkpoint_stall --storage {args.storage} --pairs {args.pairs}` ({time.strftime('%Y-%m-%d')}, {pyplatform.machine()}, {os.cpu_count()} cores, CPU only; other jobs shared the machine)
+    return f"""Command: `python -m benchmarks.checkpoint_stall --storage {args.storage} --pairs {args.pairs} --every {args.every}` ({time.strftime('%Y-%m-%d')}, {pyplatform.machine()}, {os.cpu_count()} cores, CPU only; other jobs shared the machine)
 
-Work: GPT {WIDE['n_layer']} layers x d{WIDE['d_model']}, ZeRO-2, fp32, 2 workers x 1 CPU, {STEPS} steps, a checkpoint every {EVERY}
+Work: GPT {WIDE['n_layer']} layers x d{WIDE['d_model']}, ZeRO-2, fp32, 2 workers x 1 CPU, {spec.train.steps} steps, a checkpoint every {args.every}
 into {where}; rank 0 holds {rounds[-1]['torch_bytes'] / 1e6:.0f} MB of it. Rounds alternate a `tidal run` and a synchronous
 `torch.save` of rank 0's files of its last checkpoint into the same storage (fsynced locally).
 
-| round | Tidal: training blocked per save (median of saves 2-{STEPS // EVERY}) | Tidal: first save (allocates the snapshot buffers) | torch.save + sync, same bytes | ratio |
-|---|---|---|---|---|
+| round | Tidal: training blocked per save (median of saves 2-{STEPS // EVERY}) | of which waiting for the previous write | Tidal: first save (allocates the snapshot buffers) | torch.save + sync, same bytes | ratio |
+|---|---|---|---|---|---|
 {rows}
 
 Median ratio: **{median([r['ratio'] for r in rounds]):.3f}** (goal <= 0.1).
@@ -202,6 +202,7 @@ def main() -> None:
     ap.add_argument("--storage", choices=("local", "s3"), default="local")
     ap.add_argument("--throughput", action="store_true", help="checkpoints every 2 steps vs none, instead of the stall")
     ap.add_argument("--pairs", type=int, default=4)
+    ap.add_argument("--every", type=int, default=EVERY, help="steps between checkpoints (stall); raise it for slow storage")
     ap.add_argument("--steps", type=int, default=60, help="steps per run (--throughput)")
     args = ap.parse_args()
     try:

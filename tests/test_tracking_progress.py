@@ -66,3 +66,37 @@ def test_progress_survives_a_reworded_console(tmp_path, mlflow_uri, capsys, monk
                                                     "start_time": 1, **want}]
     assert main(["status", "raysubmit_1", "--address", "http://h:8265"]) == 0
     assert "step 30/40" in capsys.readouterr().out
+
+
+class StreamingClient:
+    """The Jobs API's answers for a job that printed "abc": the websocket stream breaks after "ab"."""
+
+    def __init__(self) -> None:
+        self.tailed = False
+
+    async def tail_job_logs(self, sid):
+        self.tailed = True
+        yield "a"
+        yield "b"
+        raise RuntimeError("connection closed before the job ended")
+
+    def get_job_status(self, sid):
+        return type("S", (), {"value": "SUCCEEDED"})()
+
+    def get_job_logs(self, sid):
+        return "abc"
+
+
+def test_follow_streams_and_polls_where_it_cannot(monkeypatch):
+    import asyncio
+
+    client = StreamingClient()
+    monkeypatch.setattr(jobs, "connect", lambda address=None: client)
+    job = jobs.Job("raysubmit_1", "http://h:8265")
+    assert list(job.follow(poll_s=0)) == ["a", "b", "c"] and client.tailed, "streamed, then polled from where it broke"
+
+    async def in_a_notebook():  # a running event loop, as in a Jupyter kernel
+        return list(job.follow(poll_s=0))
+
+    client.tailed = False
+    assert asyncio.run(in_a_notebook()) == ["abc"] and not client.tailed

@@ -82,7 +82,7 @@ def save(engine: Any, state: TrainState, metrics: dict[str, Any],
 
     `background`: training waits only for a snapshot of the state in memory, and the write into
     storage happens in Ray Train's upload thread (see tidal.worker.snapshot); otherwise this call
-    returns once the checkpoint is written (the preemption path and the last step do that).
+    returns once the checkpoint is written (the preemption path does that).
     Either way the files go straight into storage, once, and the manifest last.
     `metrics` go with the checkpoint to Ray (and so to Ray Tune in a sweep);
     `save_data_position(folder)`, a collective too, adds the data stream's position. Returns
@@ -114,15 +114,20 @@ def save(engine: Any, state: TrainState, metrics: dict[str, Any],
     small = sum(p.stat().st_size for p in local.rglob("*") if p.is_file())
     state_bytes = _tensor_bytes(snap.taken) + small
     storage = ray.train.get_context().get_storage()
-    ray.train.report(
-        {**metrics, "step": state.step},
-        checkpoint=ray.train.Checkpoint.from_directory(str(local)),
-        checkpoint_dir_name=checkpoint_dir_name(state.step),
-        checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC if background else ray.train.CheckpointUploadMode.SYNC,
-        checkpoint_upload_fn=writer.upload_fn(rank, state.step, snap.taken, zipfile_format, storage.storage_filesystem,
-                                              storage.experiment_fs_path, ray.train.Checkpoint),
-        delete_local_checkpoint_after_upload=True,
-    )
+    upload = writer.upload_fn(rank, state.step, snap.taken, zipfile_format, storage.storage_filesystem,
+                              storage.experiment_fs_path, ray.train.Checkpoint)
+    try:
+        ray.train.report(
+            {**metrics, "step": state.step},
+            checkpoint=ray.train.Checkpoint.from_directory(str(local)),
+            checkpoint_dir_name=checkpoint_dir_name(state.step),
+            checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC if background else ray.train.CheckpointUploadMode.SYNC,
+            checkpoint_upload_fn=upload,
+            delete_local_checkpoint_after_upload=True,
+        )
+    except BaseException:
+        writer.abandon()  # nothing was handed to Ray's upload thread, or it ran and failed
+        raise
     return {"checkpoint_save_s": save_s, "checkpoint_blocked_s": time.perf_counter() - t0,
             "checkpoint_wait_s": waited, "checkpoint_bytes": float(state_bytes)}
 

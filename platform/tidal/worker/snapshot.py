@@ -97,7 +97,6 @@ class Buffers:
 
     def __init__(self) -> None:
         self.files: dict[str, list[torch.Tensor]] = {}
-        self.bytes = 0
 
     def take(self, rel: str, state: Any) -> Any:
         old, new, memo = self.files.get(rel, []), [], {}
@@ -134,7 +133,6 @@ class Buffers:
         if on_gpu:
             torch.cuda.synchronize()  # the copies must have landed before training moves on
         self.files[rel] = new
-        self.bytes += sum(b.numel() * b.element_size() for b in new)
         return out
 
 
@@ -147,10 +145,18 @@ class StorageWriter:
         self.buffers = Buffers()
 
     def wait(self) -> float:
-        """Block until the previous write ended (written or failed); returns the seconds waited."""
+        """Block until the previous write ended (written or failed); returns the seconds waited.
+
+        Ray skips a report's upload only when a peer has failed (its barrier was reset); it then
+        tears this worker group down, so a wait for a write that never runs ends with the group."""
         t0 = time.perf_counter()
         self.last.wait()
         return time.perf_counter() - t0
+
+    def abandon(self) -> None:
+        """The latest save never reached storage: stop waiting for it, and keep its buffers out of reuse."""
+        self.buffers = Buffers()
+        self.last.set()
 
     def upload_fn(self, rank: int, step: int, taken: dict[str, Any], zipfile: bool, storage: pafs.FileSystem,
                   experiment: str, checkpoint_cls: Any) -> Callable[[Any, str], Any]:
