@@ -173,3 +173,18 @@ def test_the_example_job_loads_and_its_code_builds():
     spec = load_spec(EXAMPLE)
     assert isinstance(build_model(spec.model), torch.nn.Module)
     assert isinstance(load_ref("data.dataset", spec.data.dataset)(**spec.data.dataset_args), Dataset)
+
+
+def test_a_user_dataset_reports_samples_per_second_and_no_made_up_tokens_or_mfu(capsys):
+    """A classifier's samples have no seq_len tokens: tokens/s and MFU would be invented (they showed MFU > 100%)."""
+    from tidal.tracking.console import Console
+    from tidal.worker.metrics import speed
+
+    lm = JobSpec(name="lm", train={"global_batch": 16, "micro_batch": 4})
+    own = JobSpec(name="own", model={"builder": "jobs.mlp_classifier:model"},
+                  data={"dataset": "jobs.mlp_classifier:dataset"}, train={"global_batch": 16, "micro_batch": 4})
+    assert set(speed(lm, 0.5, 2, 1e6, 1e12)) >= {"tokens_per_s", "mfu", "samples_per_s"}
+    assert speed(own, 0.5, 2, 1e6, 1e12) == {"samples_per_s": 32.0}
+    Console(10)({"kind": "metrics", "step": 1, "values": {"loss": 0.5, **speed(own, 0.5, 2, 1e6, 1e12)}})
+    line = capsys.readouterr().out
+    assert "32.0 samples/s" in line and "tok/s" not in line and "MFU" not in line

@@ -273,7 +273,8 @@ def _status(args: argparse.Namespace) -> int:
         return 0
     line = f"{job.submission_id}: {job.status()}"
     if p:
-        line += f" | step {p['step']}/{p['steps']} | loss {p['loss']:.4f} | {p['tokens_per_s']:,.0f} tok/s | world {p['world_size']}"
+        speed = f" | {p['tokens_per_s']:,.0f} tok/s" if p.get("tokens_per_s") is not None else ""  # none for a user dataset
+        line += f" | step {p['step']}/{p['steps']} | loss {p['loss']:.4f}{speed} | world {p['world_size']}"
     print(line)
     return 0
 

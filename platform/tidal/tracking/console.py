@@ -30,9 +30,14 @@ class Console:
             self.first_step, self.t0 = step, self.clock()
         elapsed, done = self.clock() - self.t0, step - self.first_step
         eta = elapsed / done * (self.total - step) if done > 0 else math.nan
-        return (f"step {step}/{self.total} | loss {m['loss']:.4f} | {m.get('tokens_per_s', 0):,.0f} tok/s | "
-                f"{m.get('samples_per_s', 0):,.1f} samples/s | MFU {100 * m.get('mfu', 0):.1f}% | "
-                f"world {m.get('world_size', 0):.0f} | elapsed {hms(elapsed)} | ETA {hms(eta)}")
+        parts = [f"step {step}/{self.total}", f"loss {m['loss']:.4f}"]
+        if "tokens_per_s" in m:  # not for a user's own dataset: its samples have no token count
+            parts.append(f"{m['tokens_per_s']:,.0f} tok/s")
+        parts.append(f"{m.get('samples_per_s', 0):,.1f} samples/s")
+        if "mfu" in m:
+            parts.append(f"MFU {100 * m['mfu']:.1f}%")
+        parts += [f"world {m.get('world_size', 0):.0f}", f"elapsed {hms(elapsed)}", f"ETA {hms(eta)}"]
+        return " | ".join(parts)
 
     def _checkpoint(self, e: dict[str, Any]) -> str | None:
         if e.get("replay"):

@@ -19,7 +19,13 @@ from tidal.worker import checkpoint
 from tidal.worker.data import Batches
 from tidal.worker.device import torch_device
 from tidal.worker.engine import build_engine, data_parallel_rank, is_pipeline, param_count
-from tidal.worker.metrics import PhaseClock, flops_per_token, resource_stats, worker_peak_flops
+from tidal.worker.metrics import (
+    PhaseClock,
+    flops_per_token,
+    resource_stats,
+    speed,
+    worker_peak_flops,
+)
 from tidal.worker.telemetry import Telemetry
 from tidal.worker.user_code import step_function
 from tidal.worker.watchdog import StepWatchdog
@@ -56,9 +62,7 @@ def train_loop(config: dict[str, Any]) -> None:
     else:
         batches = Batches(spec, *data_parallel_rank(engine, rank, world), device)
     t = spec.train
-    tokens_per_step = t.global_batch * spec.model.seq_len
     model_flops = flops_per_token(param_count(engine, spec), spec.model)
-    flops_per_step = model_flops * tokens_per_step
     s = spec.scaling
     peak = world * worker_peak_flops(device, spec.parallelism.precision, s.cpus_per_worker, s.peak_tflops_per_worker)
     clock, loss_sum, loss_n = PhaseClock(device), torch.zeros(1), 0
@@ -97,10 +101,8 @@ def train_loop(config: dict[str, Any]) -> None:
         step_s = times["step_time_s"]
         metrics = {
             "step": step, "loss": loss_sum.item() / (loss_n * world), "lr": engine.get_lr()[0],
-            "tokens_per_s": tokens_per_step / step_s, "tokens_per_s_per_worker": tokens_per_step / step_s / world,
-            "samples_per_s": t.global_batch / step_s, "mfu": flops_per_step / step_s / peak,
-            "world_size": world, "tokens_seen": state.tokens_seen, "model_flops_per_token": model_flops, **times,
-            **(resource_stats(device) if rank == 0 else {}),
+            **speed(spec, step_s, world, model_flops, peak), "world_size": world, "tokens_seen": state.tokens_seen,
+            **times, **(resource_stats(device) if rank == 0 else {}),
         }
         metrics |= telemetry.at_log_step(metrics)  # a collective: every rank, every log step
         loss_sum.zero_()

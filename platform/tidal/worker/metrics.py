@@ -16,7 +16,7 @@ from contextlib import contextmanager, suppress
 import psutil
 import torch
 
-from tidal.spec.job import ModelSpec
+from tidal.spec.job import JobSpec, ModelSpec
 from tidal.worker.comms import CommClock
 
 # Dense peak FLOP/s per device by precision: vendor specs without sparsity (fp32 without TF32,
@@ -41,6 +41,18 @@ def flops_per_token(n_params: int, model: ModelSpec) -> float:
         layers = int(model.hf_config.get("num_hidden_layers", layers))
         width = int(model.hf_config.get("hidden_size", width))
     return 6.0 * n_params + 12.0 * layers * width * model.seq_len
+
+
+def speed(spec: JobSpec, step_s: float, world: int, flops_per_tok: float, peak: float) -> dict[str, float]:
+    """How fast one step went. Tokens and MFU only for language models: a user's dataset
+    (data.dataset) holds samples of no known token count or FLOPs, and a made-up figure misleads."""
+    t = spec.train
+    out = {"samples_per_s": t.global_batch / step_s}
+    if spec.data.dataset:
+        return out
+    tokens = t.global_batch * spec.model.seq_len
+    return out | {"tokens_per_s": tokens / step_s, "tokens_per_s_per_worker": tokens / step_s / world,
+                  "mfu": flops_per_tok * tokens / step_s / peak, "model_flops_per_token": flops_per_tok}
 
 
 def worker_peak_flops(device: torch.device, precision: str, cpus: float, override_tflops: float | None) -> float:
