@@ -76,7 +76,7 @@ def eval_problems(spec: JobSpec) -> list[tuple[str, str]]:
         problems.append(("eval", "evaluation of pipeline-parallel jobs is not supported yet; remove the eval section "
                          "or set parallelism.pipeline_stages 1"))
     if ev.source is not None:
-        from tidal.spec.job import source_problem
+        from tidal.spec.consistency import source_problem
 
         if (bad := source_problem(ev.source)) is not None:
             problems.append(("eval.source", bad))
