@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
+from typing import Any
 
 import psutil
 from mlflow.tracking import MlflowClient
@@ -56,3 +58,24 @@ def wait_for_step(spec: JobSpec, step: int, timeout: float = 180) -> int:
 
 def kill(proc: psutil.Process, sig: int = signal.SIGKILL) -> None:
     proc.send_signal(sig)
+
+
+def run_killing_a_worker(spec: JobSpec, after_step: int) -> tuple[Any, bool]:
+    """`tidal.run(spec)` while a thread SIGKILLs one Ray Train worker once MLflow shows `after_step`;
+    returns (the run's result, whether a worker was killed)."""
+    import tidal
+
+    killed: list[int] = []
+
+    def kill_one() -> None:
+        wait_for_step(spec, after_step)
+        workers = our_processes("RayTrainWorker")
+        if workers:
+            killed.append(workers[-1].pid)
+            kill(workers[-1])
+
+    killer = threading.Thread(target=kill_one, daemon=True)
+    killer.start()
+    result = tidal.run(spec)
+    killer.join(timeout=5)
+    return result, bool(killed)

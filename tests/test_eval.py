@@ -5,13 +5,12 @@ retention, and early stopping that ends the job, says why, and leaves it complet
 from __future__ import annotations
 
 import math
-import threading
 
 import pytest
 
 import tidal
 from tests.conftest import metric_history, tiny_spec
-from tests.helpers import kill, our_processes, wait_for_step
+from tests.helpers import run_killing_a_worker
 from tidal.eval_best import best_checkpoint
 from tidal.storage import RunDir
 
@@ -22,27 +21,17 @@ EVAL = {"eval": {"every_steps": 5, "batches": 2}}
 
 
 def test_eval_loss_is_logged_once_per_eval_step_across_a_restart(tmp_path):
-    # Evaluation must not change training: the killed job with eval trains exactly like this one without.
+    """Also the exact-resume test: a worker killed mid-run, and the job with eval trains exactly
+    like an undisturbed one without it."""
     reference = tiny_spec(tmp_path, name="plain", **LONG)
     expected = metric_history(reference, tidal.run(reference).mlflow_run_id, "loss")
 
     spec = tiny_spec(tmp_path, name="evaluated", **LONG, **EVAL)
-    killed: list[int] = []
-
-    def kill_a_worker() -> None:
-        wait_for_step(spec, 25)  # past the checkpoint at step 20, with evaluations at 5..25 logged
-        victim = our_processes("RayTrainWorker")[-1]
-        killed.append(victim.pid)
-        kill(victim)
-
-    killer = threading.Thread(target=kill_a_worker, daemon=True)
-    killer.start()
-    result = tidal.run(spec)
-    killer.join(timeout=5)
-
+    result, killed = run_killing_a_worker(spec, 25)  # past the checkpoint at step 20, evaluations 5..25 logged
     assert killed, "no worker was killed"
     assert metric_history(spec, result.mlflow_run_id, "restarts")[60] >= 1
-    losses = metric_history(spec, result.mlflow_run_id, "loss")
+    losses = metric_history(spec, result.mlflow_run_id, "loss")  # fails on a step logged twice
+    assert sorted(losses) == list(range(1, 61)), "every step logged"
     for step in expected:
         assert losses[step] == pytest.approx(expected[step], rel=1e-6), step
     evals = metric_history(spec, result.mlflow_run_id, "eval_loss")  # fails on a step logged twice

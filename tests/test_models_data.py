@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-import threading
 
 import numpy as np
 import pyarrow as pa
@@ -16,7 +15,7 @@ import torch
 
 import tidal
 from tests.conftest import ROOT, metric_history, tiny_spec
-from tests.helpers import kill, our_processes, wait_for_step
+from tests.helpers import run_killing_a_worker
 from tidal.cli import main
 from tidal.errors import SpecError
 from tidal.spec import JobSpec, load_spec
@@ -102,11 +101,6 @@ def trained_on(spec: JobSpec, result: tidal.RunResult) -> list[int]:
     found = RunDir(spec.checkpoint.storage, spec.name).latest_complete()
     assert found is not None and found.step == len(DOCS) // 16, result
     return sorted(np.concatenate(list(read_seen(found).values())).tolist())
-
-
-def kill_a_worker_after(spec: JobSpec, step: int) -> None:
-    wait_for_step(spec, step)
-    kill(our_processes("RayTrainWorker")[-1])
 
 
 def test_validate_deepspeed_shows_offload(capsys):
@@ -206,10 +200,7 @@ class TestTrains:
         assert trained_on(steady, tidal.run(steady)) == expected
         for fmt, source in sources.items():
             spec = tiny_spec(tmp_path, name=f"stream-{fmt}", **common, **{"data.source": source})
-            killer = threading.Thread(target=kill_a_worker_after, args=(spec, 40), daemon=True)
-            killer.start()
-            result = tidal.run(spec)
-            killer.join(timeout=5)
+            result, _ = run_killing_a_worker(spec, 40)
             assert max(metric_history(spec, result.mlflow_run_id, "restarts").values()) >= 1, "no restart happened"
             assert trained_on(spec, result) == expected, fmt
             assert sorted(metric_history(spec, result.mlflow_run_id, "loss")) == list(range(1, len(DOCS) // 16 + 1))
