@@ -14,7 +14,7 @@ import torch
 from tests.conftest import tiny_spec
 from tidal.cli import main
 from tidal.errors import UsageError
-from tidal.export_model import Candidate, choose, parse_checkpoint
+from tidal.exporter.model import Candidate, choose, parse_checkpoint
 from tidal.storage import STATE_FILE, RunDir, checkpoint_dir_name, manifest_name
 
 
@@ -57,7 +57,7 @@ def test_a_step_without_a_checkpoint_lists_the_steps_that_have_one(tmp_path, cap
 
 @pytest.mark.parametrize("bad", ["newest", "-3", "0", "1.5", ""])
 def test_a_checkpoint_that_is_neither_latest_nor_a_step_is_refused(bad):
-    with pytest.raises(UsageError, match="latest or a step number|steps start at 1"):
+    with pytest.raises(UsageError, match="latest or best or a step number|steps start at 1"):
         parse_checkpoint(bad)
 
 
@@ -67,6 +67,18 @@ def test_latest_takes_the_newest_complete_checkpoint_and_a_step_takes_that_one(t
     assert choose(parse_checkpoint("latest"), found, spec).step == 24
     assert choose(parse_checkpoint("8"), found, spec).path == "p8"
     assert choose(parse_checkpoint(16), found, spec).path == "p16"
+
+
+def test_best_takes_the_lowest_eval_loss_each_checkpoint_carries_and_needs_one(tmp_path):
+    def at(step: int, loss: float | None) -> Candidate:
+        evaluation = {"step": step, "metrics": {"eval_loss": loss}} if loss is not None else {}
+        return Candidate(step, f"p{step}", {"step": step, "evaluation": evaluation})
+
+    spec = tiny_spec(tmp_path)
+    assert choose(parse_checkpoint("best"), [at(8, 2.0), at(16, 1.5), at(24, 1.7)], spec).step == 16
+    assert choose("best", [at(8, 1.5), at(16, 1.5), at(24, None)], spec).step == 16, "the newest on a tie"
+    with pytest.raises(UsageError, match="carries eval_loss"):
+        choose("best", [at(8, None)], spec)
 
 
 def test_an_output_folder_holding_other_files_is_refused(tmp_path, capsys):
@@ -88,7 +100,7 @@ def test_export_help_names_formats_mlflow_and_exit_codes(capsys):
     with pytest.raises(SystemExit):
         main(["export", "--help"])
     out = capsys.readouterr().out
-    for text in ("--checkpoint", "latest|STEP", "from_pretrained", "tidal.load_exported", "--register", "exit codes"):
+    for text in ("--checkpoint", "latest|best|STEP", "from_pretrained", "tidal.load_exported", "--register", "exit codes"):
         assert text in out
 
 
@@ -96,8 +108,8 @@ def test_the_built_in_gpt_maps_exactly_onto_gpt2(tmp_path):
     """Same loss from Hugging Face's GPT-2 loaded from the export as from the built-in GPT, on
     random (not initial: every weight differs) parameters, so a swapped or untransposed weight shows."""
     transformers = pytest.importorskip("transformers")
-    from tidal.export_gpt2 import to_gpt2
-    from tidal.export_save import load_torch, save_torch
+    from tidal.exporter.gpt2 import to_gpt2
+    from tidal.exporter.save import load_torch, save_torch
     from tidal.worker.models.gpt import GPT
 
     cfg = tiny_spec(tmp_path).model
@@ -127,8 +139,8 @@ def test_an_hf_export_with_a_tokenizer_goes_to_mlflow_as_a_transformers_pipeline
     from mlflow.tracking import MlflowClient
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from tidal.export_mlflow import log_exported
-    from tidal.export_model import Exported
+    from tidal.exporter.mlflow import log_exported
+    from tidal.exporter.model import Exported
 
     spec = tiny_spec(tmp_path)
     words = {f"w{i}": i for i in range(62)} | {"[UNK]": 62, "</s>": 63}

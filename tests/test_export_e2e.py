@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import tidal
 from tests.conftest import ROOT, metric_history
 from tidal.cli import main
-from tidal.export_model import EXPORT_FILE
+from tidal.exporter.model import EXPORT_FILE
 from tidal.spec.load import load_spec
 from tidal.worker.data import SyntheticTask
 

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
     from torch import nn
 
-    from tidal.export_model import Exported
+    from tidal.exporter.model import Exported
     from tidal.launch.jobs import Job
     from tidal.launch.result import RunResult
     from tidal.launch.sweep import SweepResult
@@ -67,14 +67,14 @@ def export(spec: JobSpec, checkpoint: str | int = "latest", format: str = "torch
     `load_exported`). `mlflow=True` logs it on the job's MLflow run; `register="NAME"` registers it.
     Runs on any machine that reaches the job's storage; no GPU needed.
     """
-    from tidal.export_model import export as _export
+    from tidal.exporter.model import export as _export
 
     return _export(spec, checkpoint=checkpoint, format=format, output=output, mlflow=mlflow, register=register)
 
 
 def load_exported(path: str | os.PathLike[str]) -> nn.Module:
     """The model of a `--format torch` export, rebuilt with torch alone; `forward(tokens, targets)` is the loss."""
-    from tidal.export_model import load_exported as _load
+    from tidal.exporter.model import load_exported as _load
 
     return _load(path)
 
@@ -89,7 +89,7 @@ def __getattr__(name: str) -> Any:
 
         return SweepResult
     if name == "Exported":
-        from tidal.export_model import Exported
+        from tidal.exporter.model import Exported
 
         return Exported
     if name == "Job":

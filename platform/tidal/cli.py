@@ -17,7 +17,7 @@ import yaml
 
 from tidal.cluster.cli import register as register_cluster
 from tidal.errors import SpecError, TidalError, UsageError
-from tidal.export_cli import register as register_export
+from tidal.exporter.cli import register as register_export
 from tidal.launch.jobs import JOB_FIELDS, PROGRESS_FIELDS, Job
 from tidal.launch.sweep_cli import register as register_sweep
 from tidal.output import add_output_flag, print_json

@@ -7,8 +7,8 @@ DeepSpeed folder, consolidates the ZeRO shards on this machine (no GPU, no proce
 DeepSpeed's `zero_to_fp32` does it), and writes the model in the chosen format, then optionally
 logs it to the job's MLflow run and registers it.
 
-Which checkpoint: `latest` or a step number today; every choice is a function in `CHOOSERS`
-from the complete checkpoints to one of them, so another (`best`) is one entry more.
+Which checkpoint: `latest`, `best` (by the job's eval metric) or a step number; every named choice is a
+function in `CHOOSERS` from the complete checkpoints to one of them.
 """
 
 from __future__ import annotations
@@ -37,8 +37,22 @@ class Candidate:
     state: dict[str, Any]
 
 
-Chooser = Callable[[list[Candidate]], Candidate]
-CHOOSERS: dict[str, Chooser] = {"latest": lambda found: max(found, key=lambda c: c.step)}
+Chooser = Callable[[list[Candidate], JobSpec], Candidate]
+def _best(found: list[Candidate], spec: JobSpec) -> Candidate:
+    """The checkpoint with the best score by checkpoint.keep_best (default eval_loss, lowest), the
+    newest on a tie: each checkpoint carries the evaluation at its own step (tidal.eval_best)."""
+    from tidal.eval_best import score
+
+    kb = spec.checkpoint.keep_best
+    metric, mode = (kb.metric, kb.mode) if kb else ("eval_loss", "min")
+    scored = [(v, c) for c in found if (v := score(c.state, metric)) is not None]
+    if not scored:
+        raise UsageError(f"--checkpoint best: no checkpoint of job {spec.name!r} carries {metric} (a job evaluates "
+                         "with an eval section); use --checkpoint latest or a step number")
+    return min(scored, key=lambda vc: (vc[0] if mode == "min" else -vc[0], -vc[1].step))[1]
+
+
+CHOOSERS: dict[str, Chooser] = {"latest": lambda found, spec: max(found, key=lambda c: c.step), "best": _best}
 
 
 @dataclass(frozen=True)
@@ -83,8 +97,8 @@ def export(spec: JobSpec, checkpoint: str | int = "latest", format: str = "torch
     chosen = choose(which, complete_checkpoints(run), spec)
     check_same_model(spec, chosen)
 
-    from tidal.export_save import save  # torch and DeepSpeed load only from here on
-    from tidal.export_weights import consolidated
+    from tidal.exporter.save import save  # torch and DeepSpeed load only from here on
+    from tidal.exporter.weights import consolidated
 
     if os.path.isdir(out):
         shutil.rmtree(out)  # an earlier export (check_output refuses any other folder)
@@ -92,7 +106,7 @@ def export(spec: JobSpec, checkpoint: str | int = "latest", format: str = "torch
         model = save(spec, state_dict, format, out)
     result = Exported(spec.name, out, format, chosen.step, _uri(run, chosen.path))
     if mlflow or register:
-        from tidal.export_mlflow import log_exported
+        from tidal.exporter.mlflow import log_exported
 
         job = run.read_json(JOB_FILE) or {}
         result = log_exported(result, model, spec, chosen.state.get("mlflow_run_id") or job.get("mlflow_run_id"),
@@ -160,7 +174,7 @@ def choose(which: str | int, found: list[Candidate], spec: JobSpec) -> Candidate
             "checkpoint.storage at where it ran (in the spec, --set checkpoint.storage=..., or $TIDAL_STORAGE); "
             "the job name must match too")
     if isinstance(which, str):
-        return CHOOSERS[which](found)
+        return CHOOSERS[which](found, spec)
     for c in found:
         if c.step == which:
             return c
@@ -191,7 +205,7 @@ def _uri(run: RunDir, path: str) -> str:
 def load_exported(path: str | os.PathLike[str]) -> Any:
     """A model exported with --format torch, rebuilt as the model the job trained (torch only:
     no DeepSpeed, no Ray). Its `forward(tokens, targets)` returns the mean next-token loss."""
-    from tidal.export_save import load_torch
+    from tidal.exporter.save import load_torch
 
     return load_torch(os.fspath(path))
 

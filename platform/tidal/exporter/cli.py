@@ -1,4 +1,4 @@
-"""`tidal export`: argument parsing and printing only; the work is `tidal.export_model.export`.
+"""`tidal export`: argument parsing and printing only; the work is `tidal.exporter.model.export`.
 
 Importing this module loads no torch, ray or deepspeed (`tidal --help` stays fast).
 """
@@ -42,8 +42,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("spec", metavar="SPEC", help="the job's spec YAML file (e.g. jobs/quickstart.yaml)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="the overrides the job ran with, e.g. --set checkpoint.storage=s3://bucket/runs (repeatable)")
-    p.add_argument("--checkpoint", default="latest", metavar="latest|STEP",
-                   help="which complete checkpoint: latest (default) or a step number")
+    p.add_argument("--checkpoint", default="latest", metavar="latest|best|STEP",
+                   help="which complete checkpoint: latest (default), best (lowest eval_loss, or the job's "
+                   "checkpoint.keep_best metric) or a step number")
     p.add_argument("--format", required=True, choices=["hf", "torch"], help="hf: save_pretrained folder; "
                    "torch: safetensors + config for tidal.load_exported (see below)")
     p.add_argument("--output", required=True, metavar="DIR",
@@ -57,7 +58,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def _export(args: argparse.Namespace) -> int:
     from tidal.cli import print_notes
-    from tidal.export_model import export
+    from tidal.exporter.model import export
     from tidal.output import print_json
     from tidal.spec.load import load_spec
 

@@ -3,7 +3,7 @@
 - `torch`: the model the job trained (built-in GPT, Hugging Face model or `model.builder`) as
   `model.safetensors` + `tidal-model.json` (its model spec); `load_torch` rebuilds it with torch.
 - `hf`: a Hugging Face `save_pretrained` folder (safetensors) with the job's tokenizer; the
-  built-in GPT goes out as GPT-2, onto which it maps exactly (see `tidal.export_gpt2`).
+  built-in GPT goes out as GPT-2, onto which it maps exactly (see `tidal.exporter.gpt2`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def save(spec: JobSpec, state_dict: dict[str, torch.Tensor], format: str, out: s
     if is_hf(spec.model):
         hf = model.model  # the transformers model inside Tidal's HFCausalLM adapter
     else:
-        from tidal.export_gpt2 import to_gpt2
+        from tidal.exporter.gpt2 import to_gpt2
 
         hf = to_gpt2(model)
     hf.save_pretrained(out)
