@@ -251,7 +251,7 @@ def test_the_cluster_decides_where_a_submitted_job_keeps_things(head, cluster_en
     assert result.error is None and result.path == f"{cluster_env['TIDAL_STORAGE']}/quickstart-twice/checkpoint_000000020"
     assert result.tracking_uri == cluster_env["MLFLOW_TRACKING_URI"] and "loss" in result.metrics
     cache = [p for p in tmp_path_factory.getbasetemp().glob("head*/ray/**/runtime_resources/**/*")
-             if p.name in ("tidal-runs", "mlflow.db", "mlruns") or p.name.startswith("checkpoint_")]
+             if p.name in ("tidal-runs", "mlflow.db", "mlruns") or (p.is_dir() and p.name.startswith("checkpoint_"))]
     assert cache == [], "nothing is kept inside Ray's working-dir cache"
 
     assert main(["submit", "quickstart.yaml", "--address", head, "--follow", *small]) == 0
