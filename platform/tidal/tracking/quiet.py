@@ -35,9 +35,12 @@ def quiet_libraries() -> None:
         return
     # DeepSpeed warns in every process without CUDA that it picked its CPU accelerator: on CPU
     # workers that is Tidal's own choice (worker/device.py), and GPU workers never see it.
+    # DeepSpeed's warmup schedules warn when the lr is read before their first step; the loop reads
+    # it at the first log step of every launch, and the value it gets is the schedule's start.
     deepspeed = logging.getLogger("DeepSpeed")
     if not any(isinstance(f, _Drop) for f in deepspeed.filters):
-        deepspeed.addFilter(_Drop("Setting accelerator to CPU"))
+        deepspeed.addFilter(_Drop("Setting accelerator to CPU",
+                                  "Attempting to get learning rate from scheduler before it has started"))
     # DeepSpeed wraps the optimizer, so torch's check of the scheduler/optimizer call order
     # misfires; the engine steps the scheduler after its optimizer step.
     for message in (r"Seems like `optimizer\.step\(\)` has been overridden",
