@@ -12,10 +12,13 @@ or not Ray's controller registered them, and survives any driver.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from tidal.spec.job import JobSpec
 from tidal.storage import Found, RunDir, check_complete
+
+T = TypeVar("T")
 
 
 def improved(value: float, best: float | None, min_delta: float = 0.0) -> bool:
@@ -35,16 +38,21 @@ def score(state: dict[str, Any], metric: str) -> float | None:
 def best_checkpoint(run_dir: RunDir, metric: str = "eval_loss", mode: str = "min") -> Found | None:
     """The complete checkpoint of the run with the best `metric` (the newest on a tie), or None
     when no checkpoint carries it. What `--checkpoint best` means."""
-    best: tuple[float, int, Found] | None = None
+    found = []
     for path in run_dir.checkpoints():
         problem, state = check_complete(run_dir.fs, path)
-        value = score(state, metric) if problem is None else None
-        if value is None:
-            continue
-        key = (value if mode == "min" else -value, -int(state["step"]))
-        if best is None or key < best[:2]:
-            best = (*key, Found(path, run_dir.fs, state))
-    return best[2] if best else None
+        if problem is None:
+            found.append(Found(path, run_dir.fs, state))
+    return pick_best(found, lambda f: f.state, metric, mode)
+
+
+def pick_best(items: list[T], state_of: Callable[[T], dict[str, Any]], metric: str, mode: str) -> T | None:
+    """The item whose checkpoint state scores best by `metric` (`mode` min or max; the newest step
+    on a tie), or None when none carries it."""
+    scored = [(v, int(state_of(i)["step"]), i) for i in items if (v := score(state_of(i), metric)) is not None]
+    if not scored:
+        return None
+    return min(scored, key=lambda s: (s[0] if mode == "min" else -s[0], -s[1]))[2]
 
 
 def spared(spec: JobSpec, run_dir: RunDir) -> list[str]:

@@ -41,15 +41,15 @@ Chooser = Callable[[list[Candidate], JobSpec], Candidate]
 def _best(found: list[Candidate], spec: JobSpec) -> Candidate:
     """The checkpoint with the best score by checkpoint.keep_best (default eval_loss, lowest), the
     newest on a tie: each checkpoint carries the evaluation at its own step (tidal.eval_best)."""
-    from tidal.eval_best import score
+    from tidal.eval_best import pick_best
 
     kb = spec.checkpoint.keep_best
     metric, mode = (kb.metric, kb.mode) if kb else ("eval_loss", "min")
-    scored = [(v, c) for c in found if (v := score(c.state, metric)) is not None]
-    if not scored:
+    best = pick_best(found, lambda c: c.state, metric, mode)
+    if best is None:
         raise UsageError(f"--checkpoint best: no checkpoint of job {spec.name!r} carries {metric} (a job evaluates "
                          "with an eval section); use --checkpoint latest or a step number")
-    return min(scored, key=lambda vc: (vc[0] if mode == "min" else -vc[0], -vc[1].step))[1]
+    return best
 
 
 CHOOSERS: dict[str, Chooser] = {"latest": lambda found, spec: max(found, key=lambda c: c.step), "best": _best}
