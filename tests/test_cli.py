@@ -84,7 +84,7 @@ def test_help_documents_the_exit_codes():
 
 @pytest.fixture(scope="module")
 def mlflow_store(tmp_path_factory) -> tuple[str, dict[str, str]]:
-    """A SQLite store holding two Tidal-shaped runs (what tracking/mlflow.py logs) and one other run.
+    """A SQLite store holding two Tidal-shaped runs (what tracking/writer.py logs) and one other run.
 
     Returns (tracking URI, job name -> run id)."""
     from mlflow.entities import Metric, Param

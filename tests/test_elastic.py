@@ -86,7 +86,7 @@ def test_preemption_warning_saves_at_the_step_reached_and_loses_nothing(cluster,
     del b
 
 
-def test_elastic_shrinks_on_node_loss_and_grows_back(cluster, tmp_path):
+def test_elastic_shrinks_on_node_loss_grows_back_and_counts_the_worker_hours_it_used(cluster, tmp_path):
     nodes = [n for n in cluster.worker_nodes]
     while len(nodes) < 2:
         nodes.append(add_worker_node(cluster))
@@ -117,6 +117,29 @@ def test_elastic_shrinks_on_node_loss_and_grows_back(cluster, tmp_path):
     steps = sorted(loss)
     for s in steps[1:]:  # continuous: no jump back towards the initial loss after a resize
         assert loss[s] < loss[1] * 0.9 or s < 20, (s, loss[s], loss[1])
+    assert_gpu_hours_follow_the_world_size(spec, run_id)
+
+
+def assert_gpu_hours_follow_the_world_size(spec, run_id: str) -> None:
+    """Issue 18: gpu_hours (worker-hours on CPU) is the integral of world size over time in the
+    logged series, within 5%, not the final world size times the wall time."""
+    client = __import__("mlflow").tracking.MlflowClient(spec.tracking.uri)
+    run = client.get_run(run_id)
+    # Each logged world size holds back to the previous point, or to its worker group's start if later.
+    up = {m.step: m.value for m in client.get_metric_history(run_id, "uptime_s")}
+    series = sorted((m.timestamp / 1000, m.value, up[m.step]) for m in client.get_metric_history(run_id, "world_size"))
+    integral, prev = 0.0, None
+    for t, w, uptime in series:
+        start = t - uptime if prev is None else max(prev, t - uptime)
+        integral += w * (t - start)
+        prev = t
+    gpu_hours = run.data.metrics["gpu_hours"]
+    naive = run.data.metrics["world_size"] * (run.info.end_time - run.info.start_time) / 1000
+    print(f"[gpu-hours] gpu_hours {gpu_hours * 3600:.1f} worker-s; integral of the series {integral:.1f}; "
+          f"final world x wall {naive:.1f}")
+    assert gpu_hours * 3600 == pytest.approx(integral, rel=0.05)
+    assert gpu_hours * 3600 < 0.95 * naive, "not the final world size times the wall time"
+    assert run.data.metrics["gpu_hours_cloud"] == 0, "no node here is labelled cloud"
 
 
 def wait_for_world_size(spec, size: int, timeout: float = 180) -> None:

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+from mlflow.tracking import MlflowClient
+
 from tests.conftest import metric_history, tiny_spec
 from tidal.storage import RunDir
-from tidal.tracking import mlflow as tracking
 from tidal.tracking.buffer import MetricsBuffer
 from tidal.tracking.emitter import Emitter
 from tidal.tracking.ledger import SENT_FILE, Ledger
-from tidal.tracking.mlflow import MlflowSink
 from tidal.tracking.tracker import Tracker
+from tidal.tracking.writer import RunWriter
 
 STEP = {"loss": 1.0, "tokens_per_s": 1.0, "samples_per_s": 1.0, "mfu": 0.1, "world_size": 2}
 
@@ -26,7 +27,7 @@ def test_a_new_tracker_knows_what_mlflow_holds_while_mlflow_is_down(tmp_path):
     events.checkpointed(4, {"checkpoint_bytes": 1.0, "checkpoint_save_s": 0.1, "checkpoint_blocked_s": 0.1})
     events.drain()
 
-    ledger = Ledger(MetricsBuffer(run.fs, run.path), run, MlflowSink(spec), "r" * 32, retry_s=60)
+    ledger = Ledger(MetricsBuffer(run.fs, run.path), run, RunWriter(spec), "r" * 32, retry_s=60)
     assert ledger.poll() == 1
     assert [e["step"] for e in ledger.pending] == [6]
     assert [e["step"] for e in MetricsBuffer(run.fs, run.path).load()] == [6], "the replays are forgotten"
@@ -36,15 +37,18 @@ def test_running_a_finished_job_again_sends_what_an_earlier_driver_left(tmp_path
     """What `tidal run` does for a complete job (launch/trainer.py `_complete`): a tracker in the
     driver's own process, no thread, sends the log and closes."""
     spec = tiny_spec(tmp_path, name="leftover", **{"tracking.uri": mlflow_uri})
-    run_id = tracking.start_run(spec, None, {})
+    run_id = RunWriter(spec).start(None)
     events = Emitter(spec.checkpoint.storage, spec.name)
     for step in (1, 2, 3):
         events.metrics({"step": step, **STEP, "loss": 5.0 - step})
     events.drain()
 
-    got_id, latest, left = Tracker(spec, run_id, system_metrics=False, background=False).close()
-    assert (got_id, left, latest["loss"]) == (run_id, 0, 2.0)
+    got_id, latest, left = Tracker(spec, system_metrics=False, background=False).close(True, 1.0)
+    assert (got_id, left, latest["loss"]) == (run_id, 0, 2.0), "the tracker reopens the run the job file names"
     assert metric_history(spec, run_id, "loss") == {1: 4.0, 2: 3.0, 3: 2.0}
+    closed = MlflowClient(mlflow_uri).get_run(run_id)
+    assert closed.info.status == "FINISHED"
+    assert "summary.json" in {a.path for a in MlflowClient(mlflow_uri).list_artifacts(run_id)}
     run = RunDir(spec.checkpoint.storage, spec.name)
     assert MetricsBuffer(run.fs, run.path).load() == []
 

@@ -9,11 +9,10 @@ import pytest
 
 from tests.conftest import metric_history, tiny_spec
 from tidal.storage import RunDir
-from tidal.tracking import mlflow as tracking
 from tidal.tracking.buffer import MetricsBuffer
 from tidal.tracking.emitter import Emitter
 from tidal.tracking.ledger import SENT_FILE, Ledger
-from tidal.tracking.mlflow import MlflowSink
+from tidal.tracking.writer import RunWriter
 
 STEP = {"loss": 1.0, "lr": 0.1, "tokens_per_s": 100.0, "samples_per_s": 1.0, "mfu": 0.1, "world_size": 2}
 
@@ -26,7 +25,7 @@ class Clock:
         return self.now
 
 
-class Server(MlflowSink):
+class Server(RunWriter):
     """The real MLflow sink, with a switch that makes the server unreachable, a gate that makes it
     slow, and a record of the batches it received."""
 
@@ -70,7 +69,7 @@ def emit(spec, steps, loss=lambda s: 10.0 - s / 10, checkpoints=()):
 
 def test_a_replayed_step_is_logged_once_across_restarts_of_training_and_tracker(mlflow_uri, tmp_path):
     spec, run, buffer = setup(tmp_path, mlflow_uri)
-    run_id = tracking.start_run(spec, None, {})
+    run_id = RunWriter(spec).start(None)
     server, seen = Server(spec), []
     first = ledger(spec, run, server, run_id, printed=seen)
     emit(spec, range(1, 7), checkpoints=(4,))
@@ -100,7 +99,7 @@ def test_a_replayed_step_is_logged_once_across_restarts_of_training_and_tracker(
 def test_a_crash_between_append_and_send_loses_nothing_and_sends_nothing_twice(mlflow_uri, tmp_path, where, request):
     storage = str(tmp_path / "runs") if where == "local" else request.getfixturevalue("bucket") + "/runs"
     spec, run, buffer = setup(tmp_path, mlflow_uri, **{"checkpoint.storage": storage})
-    run_id = tracking.start_run(spec, None, {})
+    run_id = RunWriter(spec).start(None)
     server = Server(spec)
     emit(spec, range(1, 4))
     crashed = ledger(spec, run, server, run_id)
@@ -120,7 +119,7 @@ def test_a_crash_between_append_and_send_loses_nothing_and_sends_nothing_twice(m
 
 def test_points_batch_up_behind_a_slow_server(mlflow_uri, tmp_path):
     spec, run, _ = setup(tmp_path, mlflow_uri)
-    run_id = tracking.start_run(spec, None, {})
+    run_id = RunWriter(spec).start(None)
     server = Server(spec)
     server.gate = threading.Event()
     core = ledger(spec, run, server, run_id)
@@ -169,7 +168,7 @@ def test_a_server_down_longer_than_the_job_gets_everything_at_the_next_launch(ml
 
 def test_counters_and_latest_values_survive_a_tracker_restart(mlflow_uri, tmp_path):
     spec, run, _ = setup(tmp_path, mlflow_uri)
-    run_id = tracking.start_run(spec, None, {})
+    run_id = RunWriter(spec).start(None)
     server = Server(spec)
     emit(spec, range(1, 4))
     Emitter(spec.checkpoint.storage, spec.name).failed({1: "killed"})

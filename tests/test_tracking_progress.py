@@ -11,12 +11,11 @@ from tidal.cli import main
 from tidal.launch import jobs
 from tidal.launch.result import print_record
 from tidal.storage import RunDir
-from tidal.tracking import mlflow as tracking
 from tidal.tracking.buffer import MetricsBuffer
 from tidal.tracking.console import Console
 from tidal.tracking.emitter import Emitter
 from tidal.tracking.ledger import Ledger
-from tidal.tracking.mlflow import MlflowSink
+from tidal.tracking.writer import RunWriter
 
 
 class Reworded(Console):
@@ -26,11 +25,11 @@ class Reworded(Console):
 
 def test_progress_survives_a_reworded_console(tmp_path, mlflow_uri, capsys, monkeypatch):
     spec = tiny_spec(tmp_path, name="reworded", **{"train.steps": 40, "tracking.uri": mlflow_uri})
-    run_id = tracking.start_run(spec, None, {})
+    run_id = RunWriter(spec).start(None)
     print_record({"name": spec.name, "tracking_uri": spec.tracking.uri, "experiment": "tests",
                   "mlflow_run_id": run_id, "storage": spec.checkpoint.storage})
     run = RunDir(spec.checkpoint.storage, spec.name)
-    ledger = Ledger(MetricsBuffer(run.fs, run.path), run, MlflowSink(spec), run_id, subscribers=[Reworded(40)])
+    ledger = Ledger(MetricsBuffer(run.fs, run.path), run, RunWriter(spec), run_id, subscribers=[Reworded(40)])
     events = Emitter(spec.checkpoint.storage, spec.name)
     for step in (10, 20, 30):
         events.metrics({"step": step, "loss": 4.0 - step / 10, "tokens_per_s": 1234.5, "samples_per_s": 3.0,

@@ -200,7 +200,7 @@ class Job:
 
     def metrics(self) -> Any:
         """A pandas DataFrame of the run's metrics from MLflow, one row per step."""
-        from tidal.tracking.artifacts import metrics_frame
+        from tidal.tracking.reader import metrics_frame
 
         rec = self._opened_record()
         return self._from_mlflow(rec, lambda: metrics_frame(rec["tracking_uri"], rec["mlflow_run_id"]))
@@ -239,11 +239,11 @@ class Job:
 
 
 def read_progress(rec: dict[str, Any]) -> dict[str, Any]:
-    """The structured progress the job keeps in its MLflow run (tracking.mlflow.PROGRESS_TAG), found
+    """The structured progress the job keeps in its MLflow run (tracking.reader.PROGRESS_TAG), found
     through the record it printed at start; never parsed from the printed progress lines."""
     if not rec.get("mlflow_run_id") or not rec.get("tracking_uri"):
         return {}
-    from tidal.tracking.mlflow import read_progress as from_run
+    from tidal.tracking.reader import read_progress as from_run
 
     try:
         return from_run(rec["tracking_uri"], rec["mlflow_run_id"])

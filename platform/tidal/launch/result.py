@@ -66,7 +66,7 @@ class RunResult:
     @property
     def metrics_dataframe(self) -> Any:
         """Every training metric of the job's MLflow run as a pandas DataFrame, one row per step."""
-        from tidal.tracking.artifacts import metrics_frame
+        from tidal.tracking.reader import metrics_frame
 
         return metrics_frame(self.tracking_uri, self.mlflow_run_id)
 

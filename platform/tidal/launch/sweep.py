@@ -28,7 +28,6 @@ from typing import Any
 
 import pyarrow.fs as pafs
 import ray
-from mlflow.entities import RunStatus
 from mlflow.tracking import MlflowClient
 from ray import tune
 from ray.tune.schedulers import ASHAScheduler
@@ -144,7 +143,7 @@ def sweep(spec: JobSpec, params: dict[str, str] | list[str] | None = None, sampl
         ok = True
     finally:
         if not ok:
-            end_parent(base, parent, RunStatus.KILLED)
+            end_parent(base, parent)
     return _finish(grid, base, cfg, parent, exp_path, time.time() - t0)
 
 
@@ -296,8 +295,7 @@ def _finish(grid: Any, base: JobSpec, cfg: SweepSpec, parent: str, exp_path: str
         best_spec = trial_spec(base.model_dump(mode="json"), configs[str(best["trial"])], str(best["trial"]))
         child = children.get(str(best["trial"]))
         best_metrics = dict(child.data.metrics) if child else {cfg.metric: float(best[cfg.metric])}
-    _close_children(client, trials, children)
-    close_parent(client, base, cfg, parent, trials, best_spec, best_metrics)
+    close_parent(base, cfg, parent, trials, children, best_spec, best_metrics)
     return SweepResult(base.name, best_spec, best_metrics, trials, parent, exp_path, base.tracking.uri,
                        cfg.metric, cfg.mode, wall_s, list(cfg.params))
 
@@ -342,17 +340,6 @@ def _children(client: MlflowClient, base: JobSpec, parent: str) -> dict[str, Any
     runs = client.search_runs([exp.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent}'",
                               order_by=["attributes.start_time ASC"], max_results=10_000)
     return {r.data.tags.get("tidal.trial", ""): r for r in runs}
-
-
-def _close_children(client: MlflowClient, trials: Any, children: dict[str, Any]) -> None:
-    """Tune ends a stopped trial by killing its actor, so its run never closed itself: close it here."""
-    for _, row in trials.iterrows():
-        child = children.get(str(row["trial"]))
-        if child is None:
-            continue
-        client.set_tag(child.info.run_id, "tidal.sweep_status", row["status"])
-        if row["status"] == "stopped_early" and child.info.status == "RUNNING":
-            client.set_terminated(child.info.run_id, RunStatus.to_string(RunStatus.KILLED))
 
 
 # --- small helpers ------------------------------------------------------------------------

@@ -57,15 +57,15 @@ def run(spec: JobSpec, restart: bool = False, mlflow_tags: dict[str, str] | None
 
     _connect_ray()
     tags = {**_ray_tags(spec, run_dir), **(mlflow_tags or {})}
-    run_id = _open_mlflow_run(spec, job.get("mlflow_run_id"), tags)
-    run_dir.write_json(JOB_FILE, {"mlflow_run_id": run_id, "fingerprint": spec.fingerprint_hash(),
+    # The job file names the run the tracker reopens (a new job under this name: none, a new run).
+    run_dir.write_json(JOB_FILE, {"mlflow_run_id": job.get("mlflow_run_id"), "fingerprint": spec.fingerprint_hash(),
                                   "tracking_uri": spec.tracking.uri, "tidal_version": __version__})
+    tracker = _start_tracker(spec, tags, job_record(spec, None))
+    run_id = ray.get(tracker.run_id.remote())
     record(spec, run_id)
     print(f"[tidal] job {spec.name!r}: {_describe_scaling(spec)}; MLflow run {run_id}", flush=True)
     # leftovers of an earlier launch that Ray never registered (the best one stays, under keep_best)
     run_dir.prune(spec.checkpoint.keep, spare=eval_best.spared(spec, run_dir))
-
-    tracker = _start_tracker(spec, run_id, tags, job_record(spec, run_id))
     ok = False
     try:
         # site "any": on-prem first, cloud nodes after burst_after_s; Tidal's recovery defaults for Ray
@@ -77,12 +77,10 @@ def run(spec: JobSpec, restart: bool = False, mlflow_tags: dict[str, str] | None
         raise TidalError(f"job {spec.name!r} failed after {spec.failure.max_restarts} restart(s): {_root_cause(e)}\n"
                          f"Its checkpoints are in {run_dir.path}; run the same command again to resume.") from e
     finally:
-        run_id, latest, left = _close_tracker(spec, tracker, spec.tracking.flush_timeout_s)
+        run_id, latest, left = _close_tracker(spec, tracker, ok, t0)
         if left:
             print(f"[tidal] WARNING: {left} metric point(s) could not reach MLflow; they stay in "
                   f"{run_dir.path}/{BUFFER_DIR} and are sent when this job runs again", flush=True)
-        if run_id:
-            _finish_mlflow_run(spec, run_id, ok, latest, time.time() - t0)
     return RunResult(spec.name, run_id or "", spec.tracking.uri, spec.checkpoint.storage, latest, time.time() - t0,
                      url=_safe_url(spec, run_id) if run_id else "")
 
@@ -117,16 +115,10 @@ def _complete(spec: JobSpec, found: Found, job: dict[str, Any], run_dir: RunDir,
           "  start over:    --restart (the old run's folder is kept aside)", flush=True)
     run_id, uri = job.get("mlflow_run_id") or None, job.get("tracking_uri") or spec.tracking.uri
     if MetricsBuffer(run_dir.fs, run_dir.path).load():
-        from tidal.tracking import mlflow as tracking
-        from tidal.tracking.tracker import Tracker
-
-        tracker = Tracker(spec, run_id, record=job_record(spec, run_id), system_metrics=False, background=False)
-        run_id, _, left = tracker.close()
+        run_id, _, left = _finish_here(spec, True, t0)
         if left:
             print(f"[tidal] WARNING: {left} metric point(s) still wait for MLflow in {run_dir.path}/{BUFFER_DIR}",
                   flush=True)
-        elif run_id:
-            tracking.end_run(spec, run_id, True)
     record(spec, run_id)
     return RunResult(spec.name, run_id or "", uri, spec.checkpoint.storage, {"step": float(found.step)},
                      time.time() - t0)
@@ -157,13 +149,12 @@ def _check_vocab(spec: JobSpec) -> None:
                           f"({spec.data.tokenizer}); set model.vocab_size: {size} or more")])
 
 
-def _close_tracker(spec: JobSpec, tracker: Any, timeout_s: float) -> tuple[str | None, dict[str, float], int]:
-    """Stop the tracker, first giving an unreachable MLflow up to `timeout_s` to come back. If the
-    actor cannot be reached at all, a tracker in this process finishes from the event log."""
+def _close_tracker(spec: JobSpec, tracker: Any, ok: bool, t0: float) -> tuple[str | None, dict[str, float], int]:
+    """Stop the tracker, first giving an unreachable MLflow up to `tracking.flush_timeout_s` to
+    come back; it ends the run. If the actor cannot be reached, one in this process does."""
     import ray
 
-    from tidal.tracking.tracker import Tracker
-
+    timeout_s = spec.tracking.flush_timeout_s
     try:
         left = ray.get(tracker.flush.remote(force=True))
         if left:
@@ -172,46 +163,23 @@ def _close_tracker(spec: JobSpec, tracker: Any, timeout_s: float) -> tuple[str |
         while left and time.time() < deadline:
             time.sleep(2)
             left = ray.get(tracker.flush.remote(force=True))
-        closed = ray.get(tracker.close.remote())
+        closed = ray.get(tracker.close.remote(ok, time.time() - t0))
     except ray.exceptions.RayError as e:
         print(f"[tidal] the tracker actor is gone ({type(e).__name__}); finishing tracking in the driver", flush=True)
         closed = None
     ray.kill(tracker)
-    if closed is None:
-        closed = Tracker(spec, _job_run_id(spec), system_metrics=False, background=False).close()
-    return closed
+    return closed if closed is not None else _finish_here(spec, ok, t0)
 
 
-def _job_run_id(spec: JobSpec) -> str | None:
-    return (RunDir(spec.checkpoint.storage, spec.name).read_json(JOB_FILE) or {}).get("mlflow_run_id")
+def _finish_here(spec: JobSpec, ok: bool, t0: float) -> tuple[str | None, dict[str, float], int]:
+    """The tracker, in this process: sends what the event log still holds and ends the run."""
+    from tidal.tracking.tracker import Tracker
+
+    rec = job_record(spec, None)
+    return Tracker(spec, record=rec, system_metrics=False, background=False).close(ok, time.time() - t0)
 
 
-def _open_mlflow_run(spec: JobSpec, run_id: str | None, tags: dict[str, str]) -> str | None:
-    from tidal.tracking import mlflow as tracking
-
-    try:
-        return tracking.start_run(spec, run_id, tags)
-    except Exception as e:  # noqa: BLE001 - an unreachable tracking server must not stop training
-        print(f"[tidal] WARNING: MLflow at {spec.tracking.uri} is unreachable ({type(e).__name__}): training starts "
-              "anyway; the run is created and filled in when MLflow answers", flush=True)
-        return run_id
-
-
-def _finish_mlflow_run(spec: JobSpec, run_id: str, ok: bool, latest: dict[str, float], wall_s: float) -> None:
-    from tidal.tracking import mlflow as tracking
-    from tidal.tracking.artifacts import log_artifacts
-    from tidal.tracking.usage import log_usage
-
-    summary = {"job": spec.name, "status": "FINISHED" if ok else "FAILED", "wall_s": wall_s, **latest,
-               **log_usage(spec, run_id)}  # GPU-hours from the world-size timeline, cost, scaling
-    try:
-        log_artifacts(spec, run_id, summary)
-    except Exception as e:  # noqa: BLE001 - artifacts are a convenience; the job's result stands
-        print(f"[tidal] WARNING: could not store the run's artifacts in MLflow: {e}", flush=True)
-    tracking.end_run(spec, run_id, ok)
-
-
-def _start_tracker(spec: JobSpec, run_id: str | None, tags: dict[str, str], rec: dict[str, Any] | None) -> Any:
+def _start_tracker(spec: JobSpec, tags: dict[str, str], rec: dict[str, Any] | None) -> Any:
     """The MLflow tracker actor, pinned to this (the driver's) node, where a SQLite store lives.
 
     Ray restarts it whenever it dies and retries the driver's calls to it: it recovers from the
@@ -224,7 +192,7 @@ def _start_tracker(spec: JobSpec, run_id: str | None, tags: dict[str, str], rec:
 
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     actor = ray.remote(num_cpus=0, scheduling_strategy=here, max_restarts=-1, max_task_retries=-1)(Tracker)
-    return actor.remote(spec, run_id, tags, record=rec)
+    return actor.remote(spec, tags, record=rec)
 
 
 def _trainer(spec: JobSpec, run_id: str | None, callbacks: list[Any]) -> TorchTrainer:
@@ -313,10 +281,10 @@ def _ray_tags(spec: JobSpec, run_dir: RunDir) -> dict[str, str]:
 
 
 def _safe_url(spec: JobSpec, run_id: str) -> str:
-    from tidal.tracking import mlflow as tracking
+    from tidal.tracking.reader import run_url
 
     try:
-        return tracking.run_url(spec, run_id)
+        return run_url(spec, run_id)
     except Exception:  # noqa: BLE001
         return spec.tracking.uri
 

@@ -1,7 +1,7 @@
 """What a person watching a job reads: one subscriber of the ledger's events, printing `[tidal]` lines.
 
 The wording here is for people only: `tidal status/list` and `Job.progress()` read the
-structured status record (tracking/status.py), never these lines.
+structured status record (the `tidal.progress` tag tracking/writer.py keeps on the run), never these lines.
 """
 
 from __future__ import annotations

@@ -1,63 +1,81 @@
-"""The tracker: a thin shell that runs the ledger (tracking/ledger.py) in a Ray actor.
+"""The tracker: owns the job's MLflow run for its whole life and runs the ledger
+(tracking/ledger.py) that fills it, in a Ray actor on the driver's node.
 
-It lives on the driver's node (where a SQLite store lives) and polls the job's event log
-every `poll_s`: new events are deduped, printed and sent to MLflow in batches. Nothing in
-training calls it (rank 0 writes the event log itself), so it may die at any time: Ray
-restarts it (`max_restarts=-1`), and the new one recovers from the log and the mark the last
-one kept beside it. The driver calls `flush` and `close` at the end of the job; those calls
-are retried by Ray across a restart (`max_task_retries=-1`), which is safe since both are
-idempotent.
+It opens (or reopens) the run when it starts, polls the job's event log every `poll_s` (new
+events are deduped, printed and sent to MLflow in batches) and, at `close`, ends the run with its
+usage, artifacts and status (tracking/writer.py). Nothing in training calls it (rank 0 writes the
+event log itself), so it may die at any time: Ray restarts it (`max_restarts=-1`) with the same
+arguments, and the new one reopens the run the job file names and recovers from the log and the
+mark the last one kept beside it. The driver calls `flush` and `close` at the end of the job;
+those calls are retried by Ray across a restart (`max_task_retries=-1`), which is safe since both
+are idempotent. If the actor cannot be reached at all, the driver builds a Tracker in its own
+process (`background=False`) and closes it: the same code finishes the run.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 from typing import Any
 
 from tidal.spec.job import JobSpec
-from tidal.storage import RunDir
+from tidal.storage import JOB_FILE, RunDir
 from tidal.tracking.buffer import MetricsBuffer
 from tidal.tracking.console import Console
 from tidal.tracking.ledger import Ledger
-from tidal.tracking.mlflow import MlflowSink
+from tidal.tracking.writer import RunWriter
 
 log = logging.getLogger("tidal")
 
 
 class Tracker:
-    def __init__(self, spec: JobSpec, run_id: str | None, tags: dict[str, str] | None = None,
-                 retry_s: float = 5.0, record: dict[str, Any] | None = None, system_metrics: bool = True,
+    def __init__(self, spec: JobSpec, tags: dict[str, str] | None = None, retry_s: float = 5.0,
+                 record: dict[str, Any] | None = None, system_metrics: bool = True,
                  poll_s: float = 0.5, background: bool = True) -> None:
         self.spec = spec
         run_dir = RunDir(spec.checkpoint.storage, spec.name)
-        self.ledger = Ledger(MetricsBuffer(run_dir.fs, run_dir.path), run_dir, MlflowSink(spec, tags, record), run_id,
-                             subscribers=[Console(spec.train.steps)],
-                             retry_s=retry_s)
-        self.monitor = self._start_system_metrics(run_id) if system_metrics else None
+        self.writer = RunWriter(spec, tags, record)
+        run_id = self._start((run_dir.read_json(JOB_FILE) or {}).get("mlflow_run_id"))
+        self.ledger = Ledger(MetricsBuffer(run_dir.fs, run_dir.path), run_dir, self.writer, run_id,
+                             subscribers=[Console(spec.train.steps)], retry_s=retry_s)
+        if system_metrics:
+            self.writer.start_system_metrics(run_id)
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._loop, args=(poll_s,), daemon=True, name="tidal-tracker")
         if background:
             self.thread.start()
+
+    def _start(self, run_id: str | None) -> str | None:
+        """The job's run, reopened or created; None while MLflow cannot be reached (the ledger
+        creates it on first contact, and training does not wait)."""
+        try:
+            return self.writer.start(run_id)
+        except Exception as e:  # noqa: BLE001 - an unreachable tracking server must not stop training
+            print(f"[tidal] WARNING: MLflow at {self.spec.tracking.uri} is unreachable ({type(e).__name__}): "
+                  "training starts anyway; the run is created and filled in when MLflow answers", flush=True)
+            return run_id
+
+    def run_id(self) -> str | None:
+        return self.ledger.run_id
 
     def flush(self, force: bool = False) -> int:
         """Take in the event log and send what is pending; returns the points left unsent."""
         self.ledger.poll()
         return self.ledger.flush(force)
 
-    def close(self) -> tuple[str | None, dict[str, float], int]:
-        """(MLflow run id, last values seen, points still unsent) after one more try to send."""
+    def close(self, ok: bool, wall_s: float) -> tuple[str | None, dict[str, float], int]:
+        """One more try to send, then end the run (usage, artifacts, status `ok`).
+        Returns (MLflow run id, last values seen, points still unsent)."""
         self.stopped.set()
         if self.thread.is_alive():
             self.thread.join()
-        if self.monitor is not None:
-            # MLflow publishes a sample only after a full interval; keep a short run's samples too.
-            with contextlib.suppress(Exception):
-                self.monitor.publish_metrics(self.monitor.aggregate_metrics())
-            self.monitor.finish()
+        self.writer.stop_system_metrics()
         left = self.flush(force=True)
-        return self.ledger.run_id, dict(self.ledger.latest), left
+        run_id, latest = self.ledger.run_id, dict(self.ledger.latest)
+        if run_id:
+            summary = {"job": self.spec.name, "status": "FINISHED" if ok else "FAILED", "wall_s": wall_s, **latest}
+            self.writer.finish(run_id, ok, summary)
+        return run_id, latest, left
 
     def _loop(self, poll_s: float) -> None:
         while not self.stopped.wait(poll_s):
@@ -65,19 +83,3 @@ class Tracker:
                 self.flush()
             except Exception as e:  # noqa: BLE001 - a storage hiccup must not end the tracker
                 log.warning("[tidal] tracking: %s; retrying", e)
-
-    def _start_system_metrics(self, run_id: str | None) -> Any:
-        """MLflow's system metrics (CPU, memory, GPU, disk, network) of the driver's node."""
-        if run_id is None:
-            return None
-        logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)
-        try:
-            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-
-            monitor = SystemMetricsMonitor(run_id, sampling_interval=10, resume_logging=True,
-                                           node_id="driver", tracking_uri=self.spec.tracking.uri)
-            monitor.start()
-            return monitor
-        except Exception as e:  # noqa: BLE001 - optional telemetry; say why it is missing
-            log.warning("MLflow system metrics are off: %s", e)
-            return None

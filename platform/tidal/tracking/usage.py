@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,21 +110,3 @@ def describe(u: dict[str, float], gpus_per_worker: int) -> str:
     if "scaling_efficiency_vs_reference" in u:
         line += f", {100 * u['scaling_efficiency_vs_reference']:.0f}% of the reference run's"
     return line
-
-
-def log_usage(spec: JobSpec, run_id: str) -> dict[str, float]:
-    """At the end of a launch: compute the run's usage, log it on the run, print the summary line."""
-    from mlflow.entities import Metric
-    from mlflow.tracking import MlflowClient
-
-    try:
-        client = MlflowClient(spec.tracking.uri)
-        u = run_usage(spec, client, run_id)
-        step = max((m.step for m in client.get_metric_history(run_id, "world_size")), default=0)
-        now = int(time.time() * 1000)
-        client.log_batch(run_id, metrics=[Metric(k, v, now, step) for k, v in u.items()], synchronous=True)
-    except Exception as e:  # noqa: BLE001 - accounting must not turn a finished job into a failed one
-        print(f"[tidal] WARNING: could not work out the run's GPU-hours and cost: {e}", flush=True)
-        return {}
-    print(f"[tidal] {describe(u, spec.scaling.gpus_per_worker)}", flush=True)
-    return u
