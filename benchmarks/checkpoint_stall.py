@@ -8,10 +8,12 @@ reported; and what checkpoints every 2 steps cost in throughput against none.
 
 Stall: a GPT wide enough that rank 0 holds over 400 MB of checkpoint state (2 workers, ZeRO-2,
 fp32, CPU). Blocked time is what each rank-0 save reported as `checkpoint_blocked_s` (the
-snapshot, the wait for the previous write if any, and Ray's report); the baseline loads rank 0's
+snapshot, the wait for the previous write if any, and Ray's report) plus what the next step's
+optimizer update waited for the write (`checkpoint_gate_s`: on CPU the write reads the live
+tensors, so the first update after a save waits for it); the baseline loads rank 0's
 files of the run's last checkpoint and saves them again with `torch.save` into a local file +
-fsync (local) or an S3 object through pyarrow (s3). The first save of a run also allocates the
-snapshot buffers that later saves reuse, so it is reported apart.
+fsync (local) or an S3 object through pyarrow (s3). The first save of a run is reported apart (on a
+GPU it also allocates the pinned buffers that later saves reuse).
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ def stall_spec(tmp: Path, storage: str, every: int = EVERY) -> JobSpec:
     return JobSpec(
         name="bench-stall",
         model=WIDE,
-        train={"steps": every * (STEPS // EVERY), "micro_batch": 1, "global_batch": 2, "lr": 1e-4, "warmup_steps": 2, "log_every": 1},
+        # A few steps after the last timed save, so that its next update (and wait) is measured too.
+        train={"steps": every * (STEPS // EVERY) + 2, "micro_batch": 1, "global_batch": 2, "lr": 1e-4, "warmup_steps": 2, "log_every": 1},
         parallelism={"zero_stage": 2, "precision": "fp32"},
         scaling={"min_workers": 2, "max_workers": 2, "cpus_per_worker": 1},
         checkpoint={"every_steps": every, "keep": 1, "storage": storage},
@@ -68,10 +71,13 @@ def tidal_saves(spec: JobSpec, path: Path) -> dict[str, Any]:
     run_id = latest_run_id(spec)
     blocked = history(spec, run_id, "checkpoint_blocked_s")
     waited = history(spec, run_id, "checkpoint_wait_s")
+    gate = history(spec, run_id, "checkpoint_gate_s")
     size = history(spec, run_id, "checkpoint_bytes")
-    steps = sorted(blocked)
-    return {"first_s": blocked[steps[0]][0], "later_s": median([blocked[s][0] for s in steps[1:]]),
-            "later_wait_s": median([waited[s][0] for s in steps[1:]]), "bytes": size[steps[-1]][0]}
+    steps = [s for s in sorted(blocked) if s + 1 in gate]  # the final save has no next update
+    total = {s: blocked[s][0] + gate[s + 1][0] for s in steps}
+    return {"first_s": total[steps[0]], "later_s": median([total[s] for s in steps[1:]]),
+            "later_wait_s": median([waited[s][0] for s in steps[1:]]),
+            "later_gate_s": median([gate[s + 1][0] for s in steps[1:]]), "bytes": size[steps[-1]][0]}
 
 
 def rank0_state(spec: JobSpec) -> dict[str, Any]:
@@ -120,19 +126,20 @@ def stall(args: argparse.Namespace, tmp: Path) -> str:
         r["ratio"] = r["later_s"] / r["torch_s"]
         rounds.append(r)
         print(f"round {i + 1}: Tidal blocked {r['later_s']:.3f} s per save (first save {r['first_s']:.3f} s, "
-              f"waiting for the previous write {r['later_wait_s']:.3f} s), torch.save + sync "
+              f"waiting for the previous write {r['later_wait_s']:.3f} s, the next update waiting for this "
+              f"write {r['later_gate_s']:.3f} s), torch.save + sync "
               f"{r['torch_s']:.3f} s for {r['torch_bytes'] / 1e6:.0f} MB: ratio {r['ratio']:.3f}", flush=True)
-    rows = "\n".join(f"| {i + 1} | {r['later_s']:.3f} s | {r['later_wait_s']:.3f} s | {r['first_s']:.3f} s | {r['torch_s']:.3f} s | {r['ratio']:.3f} |"
+    rows = "\n".join(f"| {i + 1} | {r['later_s']:.3f} s | {r['later_wait_s']:.3f} s | {r['later_gate_s']:.3f} s | {r['first_s']:.3f} s | {r['torch_s']:.3f} s | {r['ratio']:.3f} |"
                      for i, r in enumerate(rounds))
     where = "a local path (fsync)" if args.storage == "local" else "moto's S3 server on 127.0.0.1 (PUT)"
-    return f"""Command: `python -m benchmarks.checkpoint_stall --storage {args.storage} --pairs {args.pairs} --every {args.every}` ({time.strftime('%Y-%m-%d')}, {pyplatform.machine()}, {os.cpu_count()} cores, CPU only; other jobs shared the machine)
+    return f"""Command: `python -m benchmarks.checkpoint_stall --storage {args.storage} --pairs {args.pairs} --every {args.every}` ({time.strftime('%Y-%m-%d')}, {pyplatform.machine()}, {os.cpu_count()} cores, CPU only)
 
 Work: GPT {WIDE['n_layer']} layers x d{WIDE['d_model']}, ZeRO-2, fp32, 2 workers x 1 CPU, {spec.train.steps} steps, a checkpoint every {args.every}
 into {where}; rank 0 holds {rounds[-1]['torch_bytes'] / 1e6:.0f} MB of it. Rounds alternate a `tidal run` and a synchronous
 `torch.save` of rank 0's files of its last checkpoint into the same storage (fsynced locally).
 
-| round | Tidal: training blocked per save (median of saves 2-{STEPS // EVERY}) | of which waiting for the previous write | Tidal: first save (allocates the snapshot buffers) | torch.save + sync, same bytes | ratio |
-|---|---|---|---|---|---|
+| round | Tidal: training blocked per save (median of saves 2-{STEPS // EVERY}) | of which waiting for the previous write | of which the next update waiting for this write | Tidal: first save | torch.save + sync, same bytes | ratio |
+|---|---|---|---|---|---|---|
 {rows}
 
 Median ratio: **{median([r['ratio'] for r in rounds]):.3f}** (goal <= 0.1).
@@ -155,7 +162,7 @@ def throughput(args: argparse.Namespace, tmp: Path) -> str:
               f"{r['every2'] * 1000:.1f} ms/step: throughput ratio {r['ratio']:.3f}", flush=True)
     rows = "\n".join(f"| {i + 1} | {r['none'] * 1000:.1f} ms | {r['every2'] * 1000:.1f} ms | {r['ratio']:.3f} |"
                      for i, r in enumerate(rounds))
-    return f"""Command: `python -m benchmarks.checkpoint_stall --throughput --pairs {args.pairs} --steps {args.steps}` ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, CPU only; other jobs shared the machine)
+    return f"""Command: `python -m benchmarks.checkpoint_stall --throughput --pairs {args.pairs} --steps {args.steps}` ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, CPU only)
 
 Work: the throughput benchmark's job (GPT 4 layers x d256, ZeRO-2, fp32, 2 workers, local storage), {args.steps} steps,
 timed from step 10 to step {args.steps - 10}; `tidal run` with a checkpoint every 2 steps vs none in that window, alternating.

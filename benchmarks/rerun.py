@@ -43,7 +43,7 @@ def main() -> None:
             rounds.append(pair)
             print(f"round {i + 1}: finished job run again {pair['rerun']:.2f} s, `tidal --help` {pair['floor']:.2f} s",
                   flush=True)
-    body = f"""Command: `python -m benchmarks.rerun --rounds {args.rounds}` ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores; other jobs shared the machine)
+    body = f"""Command: `python -m benchmarks.rerun --rounds {args.rounds}` ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores)
 
 `tidal run jobs/quickstart.yaml --set train.steps=4` once to the end, then again {args.rounds} times (it answers "already
 complete"), alternating with `tidal --help` (Python start plus the CLI's imports: the floor).

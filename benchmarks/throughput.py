@@ -120,7 +120,7 @@ def main() -> None:
         f"| {i + 1} | {r['plain']['step_s'] * 1000:.1f} | {r['bare']['step_s'] * 1000:.1f} | {r['tidal']['step_s'] * 1000:.1f} "
         f"| {r['bare']['step_s'] / r['tidal']['step_s']:.3f} | {r['plain']['step_s'] / r['tidal']['step_s']:.3f} "
         f"| {r['plain']['step_s'] / r['bare']['step_s']:.3f} |" for i, r in enumerate(rounds))
-    body = f"""Command: `python -m benchmarks.throughput --repeats {args.repeats} --steps {args.steps}` ({time.strftime('%Y-%m-%d')}, {pyplatform.machine()}, {torch.get_num_threads()} threads, CPU only; other jobs shared the machine)
+    body = f"""Command: `python -m benchmarks.throughput --repeats {args.repeats} --steps {args.steps}` ({time.strftime('%Y-%m-%d')}, {pyplatform.machine()}, {torch.get_num_threads()} threads, CPU only)
 
 Work: GPT 4 layers x d256 (3.3M params), ZeRO-2, fp32, 2 workers x 1 CPU, micro batch 8, global batch 32, seq 64,
 {args.steps} steps, the first {WARMUP} (and, for Tidal, the last 10 with the final checkpoint) left out of the timing.

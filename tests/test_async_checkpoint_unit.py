@@ -1,17 +1,27 @@
 """The two halves of an asynchronous checkpoint without Ray: the snapshot is a copy that later
-training does not change (in buffers reused from save to save), and the write puts the manifest
-last, so a checkpoint counts as complete only once every file is written."""
+training does not change (in buffers reused from save to save) or, on CPU, the live state with
+the next weight update waiting for the write; and the write puts the manifest last, so a
+checkpoint counts as complete only once every file is written."""
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from pathlib import Path
 
 import pyarrow.fs as pafs
+import pytest
 import torch
 
 from tidal.storage import STATE_FILE, check_complete, manifest_name
-from tidal.worker.snapshot import Buffers, write_checkpoint
+from tidal.worker.snapshot import (
+    LIVE,
+    WRITE_DELAY_ENV,
+    Buffers,
+    SnapshotEngine,
+    StorageWriter,
+    write_checkpoint,
+)
 
 
 def state(w: torch.Tensor) -> dict:
@@ -53,3 +63,40 @@ def test_write_puts_the_manifest_last_and_replaces_a_stale_one(tmp_path: Path):
     (dest / "latest").write_text("x")
     assert check_complete(pafs.LocalFileSystem(), str(dest))[0] is not None
 
+
+
+class FakeCheckpoint:
+    def __init__(self, path: str, filesystem=None) -> None:
+        self.path = path
+
+
+def test_a_live_save_holds_the_update_until_the_step_is_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """On CPU nothing is copied: the write reads the training tensors themselves, so the next
+    weight update must wait for it, and a forward pass's changes to module buffers (BatchNorm
+    statistics) must not leak in: those are copied at the save."""
+    monkeypatch.setenv(WRITE_DELAY_ENV, "0.5")  # a slow store: the write ends 0.5 s after its files
+    w, running = torch.zeros(1000), torch.zeros(3)
+    local = tmp_path / "local"
+    local.mkdir()
+    (local / STATE_FILE).write_text('{"step": 7, "world_size": 1}')
+    writer = StorageWriter()
+    engine = SnapshotEngine(local, writer.buffers, LIVE, mutable={running.untyped_storage().data_ptr()})
+    engine.save({"module": OrderedDict(w=w, running_mean=running), "step": 7}, str(local / "global_step7/model.pt"))
+    assert engine.taken["global_step7/model.pt"]["module"]["w"] is w, "the weights are not copied"
+    upload = writer.upload_fn(0, 7, engine.taken, True, pafs.LocalFileSystem(), str(tmp_path / "store"),
+                              FakeCheckpoint, LIVE)
+    write = threading.Thread(target=upload, args=(FakeCheckpoint(str(local)), "checkpoint_7"))
+    write.start()
+    running += 1  # the next forward pass, while the write runs
+
+    writer.before_update()  # what the training loop calls before the optimizer step
+    store = tmp_path / "store/checkpoint_7"
+    assert (store / manifest_name(0)).exists(), "the update waited for the whole write, manifest included"
+    w += 1  # the optimizer step
+    write.join()
+    saved = torch.load(tmp_path / "store/checkpoint_7/global_step7/model.pt", weights_only=False)
+    assert torch.equal(saved["module"]["w"], torch.zeros(1000)), "the step's weights, not the next step's"
+    assert torch.equal(saved["module"]["running_mean"], torch.zeros(3)), "buffers as they were at the save"
+    assert check_complete(pafs.LocalFileSystem(), str(store))[0] is None
+    assert writer.gate_waited() > 0, "the wait is reported (it is part of the checkpoint's stall)"
+    assert writer.gate_waited() == 0.0

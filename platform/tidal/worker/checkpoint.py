@@ -51,7 +51,8 @@ from tidal.storage import (
     find_resume_point,
     quarantine,
 )
-from tidal.worker.snapshot import SnapshotEngine, StorageWriter
+from tidal.worker.engine import is_pipeline
+from tidal.worker.snapshot import SnapshotEngine, StorageWriter, snapshot_mode
 
 log = logging.getLogger("tidal")
 T = TypeVar("T")
@@ -94,7 +95,9 @@ def save(engine: Any, state: TrainState, metrics: dict[str, Any],
     writer = _writer()
     waited = writer.wait()  # at most one save in flight: also frees the buffers for reuse
     local = Path(tempfile.mkdtemp(prefix="tidal-ckpt-"))  # only the few small files land here
-    snap = SnapshotEngine(local, writer.buffers if background else None)
+    mode = snapshot_mode(background, engine.device.type, is_pipeline(engine))
+    mutable = {b.untyped_storage().data_ptr() for b in engine.module.buffers()}
+    snap = SnapshotEngine(local, writer.buffers, mode, mutable)
     zipfile_format = getattr(engine.checkpoint_engine, "zipfile_serialization", True)
     before, engine.checkpoint_engine = engine.checkpoint_engine, snap
     try:
@@ -115,7 +118,7 @@ def save(engine: Any, state: TrainState, metrics: dict[str, Any],
     state_bytes = _tensor_bytes(snap.taken) + small
     storage = ray.train.get_context().get_storage()
     upload = writer.upload_fn(rank, state.step, snap.taken, zipfile_format, storage.storage_filesystem,
-                              storage.experiment_fs_path, ray.train.Checkpoint)
+                              storage.experiment_fs_path, ray.train.Checkpoint, mode)
     try:
         ray.train.report(
             {**metrics, "step": state.step},
@@ -130,6 +133,18 @@ def save(engine: Any, state: TrainState, metrics: dict[str, Any],
         raise
     return {"checkpoint_save_s": save_s, "checkpoint_blocked_s": time.perf_counter() - t0,
             "checkpoint_wait_s": waited, "checkpoint_bytes": float(state_bytes)}
+
+
+def before_update(engine: Any) -> None:
+    """Before DeepSpeed's step: a checkpoint still being written from the live state (CPU) ends
+    first, if this step updates the weights (the last micro-batch of the step)."""
+    if _WRITER is not None and engine.is_gradient_accumulation_boundary():
+        _WRITER.before_update()
+
+
+def gate_waited() -> float:
+    """Seconds optimizer steps waited for checkpoint writes since the last call (part of the stall)."""
+    return _WRITER.gate_waited() if _WRITER is not None else 0.0
 
 
 _WRITER: StorageWriter | None = None

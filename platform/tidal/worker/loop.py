@@ -102,7 +102,7 @@ def train_loop(config: dict[str, Any]) -> None:
         metrics = {
             "step": step, "loss": loss_sum.item() / (loss_n * world), "lr": engine.get_lr()[0],
             **speed(spec, step_s, world, model_flops, peak), "world_size": world, "tokens_seen": state.tokens_seen,
-            **times, **(resource_stats(device) if rank == 0 else {}),
+            **times, "checkpoint_gate_s": checkpoint.gate_waited(), **(resource_stats(device) if rank == 0 else {}),
         }
         metrics |= telemetry.at_log_step(metrics)  # a collective: every rank, every log step
         loss_sum.zero_()
@@ -167,6 +167,7 @@ def _train_step(engine: Any, micro: Iterator[Any], clock: PhaseClock,
             loss = step_fn(engine, batch)
             engine.backward(loss)
         with clock.phase("optimizer_s"):
+            checkpoint.before_update(engine)  # a checkpoint written from the live state (CPU) ends first
             engine.step()  # DeepSpeed steps the optimizer only at the accumulation boundary
         total += loss.detach().float().cpu()
         n += 1

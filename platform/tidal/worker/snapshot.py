@@ -3,9 +3,13 @@
 A save has two halves:
 
 1. **Snapshot** (the training thread waits): DeepSpeed's `save_checkpoint` runs as usual, but
-   with `SnapshotEngine` as its checkpoint engine, which copies each state dict DeepSpeed hands
-   it into host-memory buffers instead of serializing it to a file. The buffers are kept and
-   reused by the next save, so a save after the first pays a memory copy, not page faults.
+   with `SnapshotEngine` as its checkpoint engine, which records each state dict DeepSpeed hands
+   it instead of serializing it to a file. On a GPU it copies every tensor into pinned host
+   buffers (device-to-host DMA, fast); the buffers are kept and reused by the next save, so a
+   save after the first pays a copy, not page faults. On CPU a copy costs as much as the write
+   into the page cache it would spare, so the engine keeps the live tensors instead ("live"
+   mode) and the next optimizer step, the first thing that changes them, waits until the write
+   has read them (`before_update`): the write overlaps the next forward and backward.
 2. **Write** (in the background): `StorageWriter.upload` serializes each snapshot with
    `torch.save` straight into the checkpoint's folder in storage (a local path, fsynced, or an
    object store through pyarrow): written once, no local temporary copy re-copied. The rank's
@@ -49,18 +53,33 @@ from tidal import fs
 WRITE_DELAY_ENV = "TIDAL_CHECKPOINT_WRITE_DELAY_S"
 
 
-class SnapshotEngine(CheckpointEngine):
-    """A DeepSpeed checkpoint engine that records what DeepSpeed would save, for a writer.
+COPY, LIVE, CLONE = "copy", "live", "clone"
 
-    `copy=True` copies every tensor into buffers this engine owns (reused by the next save, see
-    `Buffers`); `copy=False` keeps references, for a save whose write finishes before training
-    continues. Loading is DeepSpeed's usual `torch.load`.
+
+def snapshot_mode(background: bool, device_type: str, pipeline: bool) -> str:
+    """How a save holds the state until it is written.
+
+    copy: into reused host buffers (GPU; and pipelines, whose `train_batch` runs the optimizer
+    step inside DeepSpeed, so there is no point where an update could wait for the write).
+    live: the tensors themselves, with the next optimizer step waiting for the write (CPU).
+    clone: DeepSpeed's own clone of views, for a write that ends before training goes on.
     """
+    if not background:
+        return CLONE
+    return LIVE if device_type == "cpu" and not pipeline else COPY
 
-    def __init__(self, root: Path, buffers: Buffers | None) -> None:
+
+class SnapshotEngine(CheckpointEngine):
+    """A DeepSpeed checkpoint engine that records what DeepSpeed would save, for a writer
+    (`mode`: see `snapshot_mode`). Loading is DeepSpeed's usual `torch.load`."""
+
+    def __init__(self, root: Path, buffers: Buffers, mode: str, mutable: set[int] | None = None) -> None:
         super().__init__()
         self.name = "TidalSnapshotEngine"
-        self.root, self.buffers = root, buffers
+        self.root, self.buffers, self.mode = root, buffers, mode
+        # Storages a forward pass may change (a module's buffers, e.g. BatchNorm's running
+        # statistics): a live save copies these, since only the optimizer step waits for it.
+        self.mutable = mutable or set()
         self.taken: dict[str, Any] = {}  # path relative to root -> state (a copy or the original)
 
     def create(self, info: CheckpointCommitInfo) -> None:
@@ -71,7 +90,12 @@ class SnapshotEngine(CheckpointEngine):
 
     def save(self, state_dict: Any, path: str) -> None:
         rel = os.path.relpath(path, self.root)
-        self.taken[rel] = self.buffers.take(rel, state_dict) if self.buffers else state_dict
+        if self.mode == COPY:
+            self.taken[rel] = self.buffers.take(rel, state_dict)
+        elif self.mode == LIVE and self.mutable:
+            self.taken[rel] = _clone_where(state_dict, lambda t: t.untyped_storage().data_ptr() in self.mutable)
+        else:
+            self.taken[rel] = state_dict
 
     def load(self, path: str, map_location: Any = None) -> Any:
         return torch.load(path, map_location=map_location, weights_only=False)
@@ -80,9 +104,25 @@ class SnapshotEngine(CheckpointEngine):
         return True
 
     def preserves_storage_sharing(self) -> bool:
-        # True makes DeepSpeed clone views before saving (as with its own engine); a snapshot
-        # copies every tensor into compact buffers anyway.
-        return self.buffers is None
+        # True makes DeepSpeed clone views before saving (as with its own engine, so a parameter
+        # that is a view of a flat buffer is not saved with the whole buffer). A copy goes into
+        # compact buffers anyway; a live save must not copy (torch.save writes a storage shared
+        # by several views once per file, and the loader reads the views back as they were).
+        return self.mode == CLONE
+
+
+def _clone_where(tree: Any, pick: Callable[[torch.Tensor], bool]) -> Any:
+    """`tree` with the tensors `pick` chooses cloned, containers rebuilt, all else as it was."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone() if pick(tree) else tree
+    if isinstance(tree, dict):
+        out = copy.copy(tree)  # keeps the dict's class
+        for k, v in tree.items():
+            out[k] = _clone_where(v, pick)
+        return out
+    if isinstance(tree, list | tuple) and not hasattr(tree, "_fields"):
+        return type(tree)(_clone_where(v, pick) for v in tree)
+    return tree
 
 
 class Buffers:
@@ -143,6 +183,20 @@ class StorageWriter:
         self.last = threading.Event()  # set when the latest save's write ended
         self.last.set()
         self.buffers = Buffers()
+        self.live = False  # the latest save holds live tensors: updates wait for its write
+        self.gate_s = 0.0  # seconds updates waited for live writes, since `gate_waited`
+
+    def before_update(self) -> None:
+        """Called before every optimizer step: a live save's tensors must be written first."""
+        if self.live and not self.last.is_set():
+            t0 = time.perf_counter()
+            self.last.wait()
+            self.gate_s += time.perf_counter() - t0
+
+    def gate_waited(self) -> float:
+        """Seconds optimizer steps waited for live writes since the last call."""
+        waited, self.gate_s = self.gate_s, 0.0
+        return waited
 
     def wait(self) -> float:
         """Block until the previous write ended (written or failed); returns the seconds waited.
@@ -159,20 +213,25 @@ class StorageWriter:
         self.last.set()
 
     def upload_fn(self, rank: int, step: int, taken: dict[str, Any], zipfile: bool, storage: pafs.FileSystem,
-                  experiment: str, checkpoint_cls: Any) -> Callable[[Any, str], Any]:
+                  experiment: str, checkpoint_cls: Any, mode: str) -> Callable[[Any, str], Any]:
         """Ray Train's `checkpoint_upload_fn` for this save: (local checkpoint, folder name) -> the
         checkpoint in storage (a `checkpoint_cls`, i.e. `ray.train.Checkpoint`). `wait` blocks
-        from now until it has run."""
+        from now until it has run, and so, for a live save, does `before_update`."""
         done = self.last = threading.Event()
+        self.live = mode == LIVE
 
         def upload(local: Any, dir_name: str) -> Any:
             dest = f"{experiment}/{dir_name}"
             try:
                 write_checkpoint(Path(local.path), taken, storage, dest, rank, step, zipfile)
             except BaseException:
-                # Ray may call this again (it retries transient S3 errors) with these buffers:
-                # later snapshots go into new ones, so the retry writes this step's state.
+                # Should this be called again with the same state, it must write this step's:
+                # later copies go into new buffers, and live tensors are copied before the
+                # optimizer step waiting on this write may change them.
                 self.buffers = Buffers()
+                if mode == LIVE:
+                    fresh = Buffers()
+                    taken.update({rel: fresh.take(rel, state) for rel, state in taken.items()})
                 raise
             finally:
                 done.set()
