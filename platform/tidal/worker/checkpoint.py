@@ -95,7 +95,8 @@ def save(engine: Any, state: TrainState, metrics: dict[str, Any],
     writer = _writer()
     waited = writer.wait()  # at most one save in flight: also frees the buffers for reuse
     local = Path(tempfile.mkdtemp(prefix="tidal-ckpt-"))  # only the few small files land here
-    mode = snapshot_mode(background, engine.device.type, is_pipeline(engine))
+    storage = ray.train.get_context().get_storage()
+    mode = snapshot_mode(background, engine.device.type, is_pipeline(engine), fs.is_local(storage.storage_filesystem))
     mutable = {b.untyped_storage().data_ptr() for b in engine.module.buffers()}
     snap = SnapshotEngine(local, writer.buffers, mode, mutable)
     zipfile_format = getattr(engine.checkpoint_engine, "zipfile_serialization", True)
@@ -116,7 +117,6 @@ def save(engine: Any, state: TrainState, metrics: dict[str, Any],
     save_s = time.perf_counter() - t0
     small = sum(p.stat().st_size for p in local.rglob("*") if p.is_file())
     state_bytes = _tensor_bytes(snap.taken) + small
-    storage = ray.train.get_context().get_storage()
     upload = writer.upload_fn(rank, state.step, snap.taken, zipfile_format, storage.storage_filesystem,
                               storage.experiment_fs_path, ray.train.Checkpoint, mode)
     try:

@@ -4,12 +4,13 @@ A save has two halves:
 
 1. **Snapshot** (the training thread waits): DeepSpeed's `save_checkpoint` runs as usual, but
    with `SnapshotEngine` as its checkpoint engine, which records each state dict DeepSpeed hands
-   it instead of serializing it to a file. On a GPU it copies every tensor into pinned host
-   buffers (device-to-host DMA, fast); the buffers are kept and reused by the next save, so a
-   save after the first pays a copy, not page faults. On CPU a copy costs as much as the write
-   into the page cache it would spare, so the engine keeps the live tensors instead ("live"
-   mode) and the next optimizer step, the first thing that changes them, waits until the write
-   has read them (`before_update`): the write overlaps the next forward and backward.
+   it instead of serializing it to a file. On a GPU, or into an object store, it copies every
+   tensor into host buffers (pinned on a GPU: DMA); the buffers are kept and reused by the next
+   save, so a save after the first pays a copy, not page faults. On CPU into a filesystem a copy
+   costs about as much as the write into the page cache it would spare, so the engine keeps the
+   live tensors instead ("live" mode) and the next optimizer step, the first thing that changes
+   them, waits until the write has read them (`before_update`): the write overlaps the next
+   forward and backward (`snapshot_mode` decides).
 2. **Write** (in the background): `StorageWriter.upload` serializes each snapshot with
    `torch.save` straight into the checkpoint's folder in storage (a local path, fsynced, or an
    object store through pyarrow): written once, no local temporary copy re-copied. The rank's
@@ -56,17 +57,20 @@ WRITE_DELAY_ENV = "TIDAL_CHECKPOINT_WRITE_DELAY_S"
 COPY, LIVE, CLONE = "copy", "live", "clone"
 
 
-def snapshot_mode(background: bool, device_type: str, pipeline: bool) -> str:
+def snapshot_mode(background: bool, device_type: str, pipeline: bool, local_storage: bool) -> str:
     """How a save holds the state until it is written.
 
-    copy: into reused host buffers (GPU; and pipelines, whose `train_batch` runs the optimizer
-    step inside DeepSpeed, so there is no point where an update could wait for the write).
-    live: the tensors themselves, with the next optimizer step waiting for the write (CPU).
+    live: the tensors themselves, with the next optimizer step waiting for the write: on CPU,
+    into a filesystem, whose write takes about what a copy would (the page cache) and overlaps
+    the next forward and backward.
+    copy: into reused host buffers: on a GPU (a fast DMA); into an object store, whose upload
+    outlasts a step, so a waiting update would stall; and for pipelines, whose `train_batch`
+    runs the optimizer step inside DeepSpeed, with no point where an update could wait.
     clone: DeepSpeed's own clone of views, for a write that ends before training goes on.
     """
     if not background:
         return CLONE
-    return LIVE if device_type == "cpu" and not pipeline else COPY
+    return LIVE if device_type == "cpu" and not pipeline and local_storage else COPY
 
 
 class SnapshotEngine(CheckpointEngine):
