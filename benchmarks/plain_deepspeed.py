@@ -37,11 +37,11 @@ def train(path: str) -> dict[str, float] | None:
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                       config=ds_config(spec, world, on_gpu=False))
     batches = Batches(spec, rank, world, torch.device("cpu"))
-    t_start = 0.0
+    t_start = warm_at = 0.0
     for step in range(1, spec.train.steps + 1):
         if step == WARMUP + 1:
             dist.barrier()
-            t_start = time.perf_counter()
+            t_start, warm_at = time.perf_counter(), time.time()  # warm_at: step WARMUP done, wall clock
         for tokens, targets in batches.for_step(step):
             loss = engine(tokens, targets)
             engine.backward(loss)
@@ -52,7 +52,8 @@ def train(path: str) -> dict[str, float] | None:
     if rank != 0:
         return None
     steps = spec.train.steps - WARMUP
-    return {"steps": steps, "seconds": elapsed, "step_s": elapsed / steps, "torch_save_s": save_s, "loss": loss.item()}
+    return {"steps": steps, "seconds": elapsed, "step_s": elapsed / steps, "torch_save_s": save_s, "loss": loss.item(),
+            "warm_at": warm_at}
 
 
 if __name__ == "__main__":

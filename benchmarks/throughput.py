@@ -56,25 +56,31 @@ def _json_run(cmd: list[str]) -> dict:
 
 
 def plain(spec_path: Path) -> dict:
-    return _json_run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29533",
-                      "-m", "benchmarks.plain_deepspeed", str(spec_path)])
+    t0 = time.time()
+    r = _json_run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29533",
+                   "-m", "benchmarks.plain_deepspeed", str(spec_path)])
+    return {**r, "launch_s": r["warm_at"] - t0}
 
 
 def bare_ray(spec_path: Path) -> dict:
-    return _json_run([sys.executable, "-m", "benchmarks.bare_ray", str(spec_path)])
+    t0 = time.time()
+    r = _json_run([sys.executable, "-m", "benchmarks.bare_ray", str(spec_path)])
+    return {**r, "launch_s": r["warm_at"] - t0}
 
 
 def tidal(spec: JobSpec, spec_path: Path) -> dict:
+    t0 = time.time()
     tidal_run(spec_path, "--restart")
     run_id = latest_run_id(spec)
     loss = history(spec, run_id, "loss")
-    # Wall clock between the tracker's receipt of step WARMUP and of step N-10: everything Tidal
-    # adds (reporting, preemption checks, tracking) is inside; the final checkpoint is not.
+    # Rank 0's wall clock between logging step WARMUP and step N-10: everything Tidal adds
+    # (reporting, preemption checks, tracking) is inside; the final checkpoint is not.
     last = spec.train.steps - 10
     seconds = (loss[last][1] - loss[WARMUP][1]) / 1000
     blocked = history(spec, run_id, "checkpoint_blocked_s")[spec.train.steps][0]
     size = history(spec, run_id, "checkpoint_bytes")[spec.train.steps][0]
-    return {"step_s": seconds / (last - WARMUP), "blocked_s": blocked, "ckpt_bytes": size, "run_id": run_id}
+    return {"step_s": seconds / (last - WARMUP), "blocked_s": blocked, "ckpt_bytes": size, "run_id": run_id,
+            "launch_s": loss[WARMUP][1] / 1000 - t0}  # the step's time as rank 0 logged it
 
 
 def conversion(spec: JobSpec) -> tuple[float, float]:
@@ -116,6 +122,9 @@ def main() -> None:
     ckpt_mb = rounds[-1]["tidal"]["ckpt_bytes"] / 1e6
     torch_save = median([r["plain"]["torch_save_s"] for r in rounds])
     tokens = spec.train.global_batch * spec.model.seq_len
+    launch = {k: median([r[k]["launch_s"] for r in rounds]) for k in kinds}
+    launch_rows = "\n".join(f"| {i + 1} | {r['plain']['launch_s']:.1f} s | {r['bare']['launch_s']:.1f} s | {r['tidal']['launch_s']:.1f} s |"
+                             for i, r in enumerate(rounds))
     rows = "\n".join(
         f"| {i + 1} | {r['plain']['step_s'] * 1000:.1f} | {r['bare']['step_s'] * 1000:.1f} | {r['tidal']['step_s'] * 1000:.1f} "
         f"| {r['bare']['step_s'] / r['tidal']['step_s']:.3f} | {r['plain']['step_s'] / r['tidal']['step_s']:.3f} "
@@ -132,6 +141,15 @@ Each round runs the three in a rotating order; throughput ratios are step-time r
 
 Medians: plain {step['plain'] * 1000:.1f} ms, bare Ray Train {step['bare'] * 1000:.1f} ms, Tidal {step['tidal'] * 1000:.1f} ms
 ({tokens / step['tidal']:,.0f} tokens/s); Tidal / bare Ray **{step['bare'] / step['tidal']:.3f}**, Tidal / plain **{step['plain'] / step['tidal']:.3f}**.
+
+Fixed cost, the same runs: seconds from the command's start to step {WARMUP} done (the first {WARMUP} steps take
+about {WARMUP * step['plain']:.1f} s of it), process start, imports, Ray and the engines included:
+
+| round | plain DeepSpeed (torchrun) | bare Ray Train (starts a local Ray instance) | `tidal run` (the same, and the tracker and MLflow run) |
+|---|---|---|---|
+{launch_rows}
+
+Medians: plain {launch['plain']:.1f} s, bare Ray Train {launch['bare']:.1f} s, Tidal {launch['tidal']:.1f} s.
 
 Checkpoint at the last step: training blocked {blocked:.3f} s for {ckpt_mb:.1f} MB on rank 0; a synchronous `torch.save` +
 fsync of rank 0's state in the plain runs took {torch_save:.3f} s. Resize: universal conversion {conv_s:.1f} s for
