@@ -14,7 +14,7 @@ from tests.test_cli import tidal_cli
 from tidal.tracking.quiet import quiet_libraries
 
 CHATTER = ("TrainingReport(", "Setting accelerator to CPU", "all_gather_into_tensor", "lr_scheduler.step()",
-           "optimizer.step()` has been overridden")
+           "optimizer.step()` has been overridden", "built successfully", "Creating initial MLflow database tables")
 
 
 def deepspeed_says(message: str) -> list[str]:

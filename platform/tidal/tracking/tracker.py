@@ -23,6 +23,7 @@ from tidal.storage import JOB_FILE, RunDir
 from tidal.tracking.buffer import MetricsBuffer
 from tidal.tracking.console import Console
 from tidal.tracking.ledger import Ledger
+from tidal.tracking.quiet import quiet_libraries
 from tidal.tracking.writer import RunWriter
 
 log = logging.getLogger("tidal")
@@ -32,6 +33,7 @@ class Tracker:
     def __init__(self, spec: JobSpec, tags: dict[str, str] | None = None, retry_s: float = 5.0,
                  record: dict[str, Any] | None = None, system_metrics: bool = True,
                  poll_s: float = 0.5, background: bool = True) -> None:
+        quiet_libraries()  # this may be its own process (a Ray actor)
         self.spec = spec
         run_dir = RunDir(spec.checkpoint.storage, spec.name)
         self.writer = RunWriter(spec, tags, record)
