@@ -36,6 +36,7 @@ from benchmarks.common import (
     history,
     latest_run_id,
     median,
+    settle,
     tidal_run,
     torch_save_fsync,
     update_doc,
@@ -115,6 +116,7 @@ def stall(args: argparse.Namespace, tmp: Path) -> str:
     for i in range(args.pairs):
         r: dict[str, Any] = {}
         for kind in (("tidal", "torch") if i % 2 == 0 else ("torch", "tidal")):
+            settle()
             if kind == "tidal":
                 r.update(tidal_saves(spec, path))
                 state = None  # the newest checkpoint changed: load its bytes again
@@ -155,6 +157,7 @@ def throughput(args: argparse.Namespace, tmp: Path) -> str:
     for i in range(args.pairs):
         r = {}
         for kind in (("none", "every2") if i % 2 == 0 else ("every2", "none")):
+            settle()
             r[kind] = timed_tidal_run(specs[kind], paths[kind])["step_s"]
         r["ratio"] = r["none"] / r["every2"]
         rounds.append(r)

@@ -15,13 +15,22 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import history, latest_run_id, median, tidal_run, update_doc, write_spec
+from benchmarks.common import (
+    history,
+    latest_run_id,
+    median,
+    settle,
+    tidal_run,
+    update_doc,
+    write_spec,
+)
 from benchmarks.throughput import WARMUP, bench_spec
 
 
 def step_s(spec_path: Path, spec) -> float:  # noqa: ANN001 - a JobSpec
-    """Seconds per step between the tracker's receipt of step WARMUP and of the last log step
-    before the final checkpoint, as benchmarks/throughput.py measures it."""
+    """Seconds per step between rank 0 logging step WARMUP and the last log step before the
+    final checkpoint, as benchmarks/throughput.py measures it."""
+    settle()
     tidal_run(spec_path, "--restart")
     loss = history(spec, latest_run_id(spec), "loss")
     last = spec.train.steps - spec.train.log_every
@@ -50,7 +59,7 @@ def main() -> None:
     ratios = [b / a for a, b in pairs]
     rows = "\n".join(f"| {i + 1} | {a * 1000:.1f} | {b * 1000:.1f} | {r:.3f} |" for i, ((a, b), r) in
                      enumerate(zip(pairs, ratios, strict=True)))
-    body = f"""Command: `python -m benchmarks.telemetry_overhead --pairs {args.pairs} --steps {args.steps}` ({time.strftime('%Y-%m-%d')}, {pyplatform.machine()}, {torch.get_num_threads()} threads, CPU only; other jobs were loading the machine)
+    body = f"""Command: `python -m benchmarks.telemetry_overhead --pairs {args.pairs} --steps {args.steps}` ({time.strftime('%Y-%m-%d')}, {pyplatform.machine()}, {torch.get_num_threads()} threads, CPU only)
 
 Work: as in the throughput benchmark (GPT 4 layers x d256, ZeRO-2, fp32, 2 workers, log every 10 steps), {args.steps} steps;
 `tidal run` with the telemetry (Prometheus gauges, straggler all-gather, comms logger on one step per log interval)

@@ -25,6 +25,7 @@ from benchmarks.common import (
     history,
     latest_run_id,
     median,
+    settle,
     tidal_run,
     update_doc,
     write_spec,
@@ -110,7 +111,10 @@ def main() -> None:
         rounds: list[dict[str, dict]] = []
         for i in range(args.repeats):  # rotate the order, so drift in the machine hits all alike
             order = kinds[i % 3:] + kinds[:i % 3]
-            rounds.append({k: run[k]() for k in order})
+            rounds.append({})
+            for k in order:
+                settle()  # the previous run's Ray instance gone
+                rounds[-1][k] = run[k]()
             r = rounds[-1]
             print(f"round {i + 1} ({' -> '.join(order)}): plain {r['plain']['step_s'] * 1000:.1f} ms/step, "
                   f"bare Ray Train {r['bare']['step_s'] * 1000:.1f}, tidal {r['tidal']['step_s'] * 1000:.1f}; "
