@@ -72,8 +72,9 @@ class FakeCheckpoint:
 
 def test_a_live_save_holds_the_update_until_the_step_is_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """On CPU nothing is copied: the write reads the training tensors themselves, so the next
-    weight update must wait for it, and a forward pass's changes to module buffers (BatchNorm
-    statistics) must not leak in: those are copied at the save."""
+    weight update must wait until they are serialized (not for the fsync and manifest after), and
+    a forward pass's changes to module buffers (BatchNorm statistics) must not leak in: those are
+    copied at the save."""
     monkeypatch.setenv(WRITE_DELAY_ENV, "0.5")  # a slow store: the write ends 0.5 s after its files
     w, running = torch.zeros(1000), torch.zeros(3)
     local = tmp_path / "local"
@@ -91,7 +92,8 @@ def test_a_live_save_holds_the_update_until_the_step_is_written(tmp_path: Path, 
 
     writer.before_update()  # what the training loop calls before the optimizer step
     store = tmp_path / "store/checkpoint_7"
-    assert (store / manifest_name(0)).exists(), "the update waited for the whole write, manifest included"
+    assert (store / "global_step7/model.pt").exists(), "the update waited until the tensors were written out"
+    assert not (store / manifest_name(0)).exists(), "but not for the slow store's fsync and manifest"
     w += 1  # the optimizer step
     write.join()
     saved = torch.load(tmp_path / "store/checkpoint_7/global_step7/model.pt", weights_only=False)

@@ -9,8 +9,9 @@ A save has two halves:
    save, so a save after the first pays a copy, not page faults. On CPU into a filesystem a copy
    costs about as much as the write into the page cache it would spare, so the engine keeps the
    live tensors instead ("live" mode) and the next optimizer step, the first thing that changes
-   them, waits until the write has read them (`before_update`): the write overlaps the next
-   forward and backward (`snapshot_mode` decides).
+   them, waits until the write has serialized them (`before_update`; their fsync and the
+   manifest need not hold it): the write overlaps the next forward and backward
+   (`snapshot_mode` decides).
 2. **Write** (in the background): `StorageWriter.upload` serializes each snapshot with
    `torch.save` straight into the checkpoint's folder in storage (a local path, fsynced, or an
    object store through pyarrow): written once, no local temporary copy re-copied. The rank's
@@ -48,6 +49,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
 )
 
 from tidal import fs
+from tidal.errors import CheckpointError
 
 # Fault-injection for tests and benchmarks: seconds the background write pauses after a
 # rank's data files and before its manifest, as a slow store would, so a kill lands mid-write.
@@ -186,15 +188,18 @@ class StorageWriter:
     def __init__(self) -> None:
         self.last = threading.Event()  # set when the latest save's write ended
         self.last.set()
+        self.read = threading.Event()  # set when the latest save's tensors are serialized
+        self.read.set()
         self.buffers = Buffers()
-        self.live = False  # the latest save holds live tensors: updates wait for its write
+        self.live = False  # the latest save holds live tensors: updates wait until they are read
         self.gate_s = 0.0  # seconds updates waited for live writes, since `gate_waited`
 
     def before_update(self) -> None:
-        """Called before every optimizer step: a live save's tensors must be written first."""
-        if self.live and not self.last.is_set():
+        """Called before every optimizer step: a live save's tensors must have been serialized
+        (into the page cache or the upload) first; their fsync and the manifest need not wait."""
+        if self.live and not self.read.is_set():
             t0 = time.perf_counter()
-            self.last.wait()
+            self.read.wait()
             self.gate_s += time.perf_counter() - t0
 
     def gate_waited(self) -> float:
@@ -214,6 +219,7 @@ class StorageWriter:
     def abandon(self) -> None:
         """The latest save never reached storage: stop waiting for it, and keep its buffers out of reuse."""
         self.buffers = Buffers()
+        self.read.set()
         self.last.set()
 
     def upload_fn(self, rank: int, step: int, taken: dict[str, Any], zipfile: bool, storage: pafs.FileSystem,
@@ -221,23 +227,31 @@ class StorageWriter:
         """Ray Train's `checkpoint_upload_fn` for this save: (local checkpoint, folder name) -> the
         checkpoint in storage (a `checkpoint_cls`, i.e. `ray.train.Checkpoint`). `wait` blocks
         from now until it has run, and so, for a live save, does `before_update`."""
-        done = self.last = threading.Event()
+        done, read = self.last, self.read = threading.Event(), threading.Event()
         self.live = mode == LIVE
+        stale = False  # a live save that failed after training moved on: its state is gone
 
         def upload(local: Any, dir_name: str) -> Any:
+            nonlocal stale
+            if stale:
+                raise CheckpointError(f"checkpoint of step {step} failed after training had moved on from its state; "
+                                      "it is not written again (the previous checkpoint stays the resume point)")
             dest = f"{experiment}/{dir_name}"
             try:
-                write_checkpoint(Path(local.path), taken, storage, dest, rank, step, zipfile)
+                write_checkpoint(Path(local.path), taken, storage, dest, rank, step, zipfile, on_read=read.set)
             except BaseException:
                 # Should this be called again with the same state, it must write this step's:
-                # later copies go into new buffers, and live tensors are copied before the
-                # optimizer step waiting on this write may change them.
+                # later copies go into new buffers; live tensors not yet read are copied before
+                # the optimizer step waiting on them may change them.
                 self.buffers = Buffers()
-                if mode == LIVE:
+                if mode == LIVE and read.is_set():
+                    stale = True
+                elif mode == LIVE:
                     fresh = Buffers()
                     taken.update({rel: fresh.take(rel, state) for rel, state in taken.items()})
                 raise
             finally:
+                read.set()
                 done.set()
             return checkpoint_cls(dest, filesystem=storage)
 
@@ -245,16 +259,22 @@ class StorageWriter:
 
 
 def write_checkpoint(local: Path, taken: dict[str, Any], storage: pafs.FileSystem, dest: str, rank: int,
-                     step: int, zipfile: bool) -> dict[str, int]:
+                     step: int, zipfile: bool, on_read: Callable[[], None] | None = None) -> dict[str, int]:
     """Write `taken` (serialized) and the small files DeepSpeed and Tidal left under `local` into
-    `dest`, then this rank's manifest, last. Returns the files written and their sizes."""
+    `dest`, then this rank's manifest, last. `on_read` is called once every tensor of `taken` is
+    serialized, before the fsyncs. Returns the files written and their sizes."""
     from tidal.storage import manifest_name
 
     manifest = f"{dest}/{manifest_name(rank)}"
     fs.delete_file(storage, manifest)  # a retry of this step after a crash: not complete until rewritten
     storage.create_dir(dest, recursive=True)
     files = {rel: _write(storage, f"{dest}/{rel}", lambda f, s=state: torch.save(
-        s, f, _use_new_zipfile_serialization=zipfile)) for rel, state in taken.items()}
+        s, f, _use_new_zipfile_serialization=zipfile), sync=False) for rel, state in taken.items()}
+    if on_read is not None:
+        on_read()
+    if fs.is_local(storage):
+        for rel in files:
+            _fsync_path(f"{dest}/{rel}")
     for p in sorted(local.rglob("*")):
         if p.is_file():
             rel = str(p.relative_to(local))
@@ -267,21 +287,32 @@ def write_checkpoint(local: Path, taken: dict[str, Any], storage: pafs.FileSyste
     return files
 
 
-def _write(storage: pafs.FileSystem, path: str, emit: Callable[[Any], Any]) -> int:
-    """Write one file durably: fsynced on a local or shared filesystem; on an object store the
-    upload's completion is its durability. Returns its size."""
+def _write(storage: pafs.FileSystem, path: str, emit: Callable[[Any], Any], sync: bool = True) -> int:
+    """Write one file durably: fsynced on a local or shared filesystem (unless `sync` is False:
+    the caller does it with `_fsync_path`); on an object store the upload's completion is its
+    durability. Returns its size."""
     if fs.is_local(storage):
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "wb") as f:
             emit(f)
             f.flush()
-            os.fsync(f.fileno())
+            if sync:
+                os.fsync(f.fileno())
             return f.tell()
     parent = path.rsplit("/", 1)[0]
     storage.create_dir(parent, recursive=True)
     with storage.open_output_stream(path) as f:
         emit(f)
         return f.tell()
+
+
+def _fsync_path(path: str) -> None:
+    """fsync a file written and closed earlier (fsync flushes the file, whichever descriptor asks)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _fsync_dirs(dest: str, files: dict[str, int]) -> None:
