@@ -16,25 +16,19 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import (
-    history,
-    latest_run_id,
     median,
     settle,
-    tidal_run,
     update_doc,
     write_spec,
 )
-from benchmarks.throughput import WARMUP, bench_spec
+from benchmarks.throughput import bench_spec
+from benchmarks.throughput import tidal as timed_tidal_run
 
 
 def step_s(spec_path: Path, spec) -> float:  # noqa: ANN001 - a JobSpec
-    """Seconds per step between rank 0 logging step WARMUP and the last log step before the
-    final checkpoint, as benchmarks/throughput.py measures it."""
+    """Seconds per step of one `tidal run`, timed as benchmarks/throughput.py times it."""
     settle()
-    tidal_run(spec_path, "--restart")
-    loss = history(spec, latest_run_id(spec), "loss")
-    last = spec.train.steps - spec.train.log_every
-    return (loss[last][1] - loss[WARMUP][1]) / 1000 / (last - WARMUP)
+    return timed_tidal_run(spec, spec_path)["step_s"]
 
 
 def main() -> None:

@@ -71,7 +71,7 @@ class Tracker:
         self.stopped.set()
         if self.thread.is_alive():
             self.thread.join()
-        self.writer.stop_system_metrics()
+        self.writer.stop_system_metrics()  # its last samples go with the final flush
         left = self.flush(force=True)
         run_id, latest = self.ledger.run_id, dict(self.ledger.latest)
         if run_id:

@@ -83,7 +83,6 @@ class RunWriter:
         tried alone, and none turns a finished job into a failed one. Returns the usage."""
         from tidal.tracking.artifacts import write_artifacts
 
-        self.stop_system_metrics()
         used = self._log_usage(run_id)
         try:
             with tempfile.TemporaryDirectory() as tmp:
