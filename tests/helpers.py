@@ -1,18 +1,21 @@
-"""Test helpers that touch real processes: find Ray workers we started, wait on MLflow progress."""
+"""Test helpers that touch real processes: find Ray workers we started, wait on MLflow progress,
+register checkpoints with Ray Train's own checkpoint manager."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import psutil
 from mlflow.tracking import MlflowClient
 
 from tidal.spec.job import JobSpec
-from tidal.storage import RunDir
+from tidal.storage import RunDir, checkpoint_dir_name
 
 
 def our_processes(fragment: str, root: int | None = None) -> list[psutil.Process]:
@@ -79,3 +82,25 @@ def run_killing_a_worker(spec: JobSpec, after_step: int) -> tuple[Any, bool]:
     result = tidal.run(spec)
     killer.join(timeout=5)
     return result, bool(killed)
+
+
+def ray_registers(run: RunDir, keep: int) -> Callable[[int], None]:
+    """Ray Train's own checkpoint manager over the run folder, as its controller runs it (no Ray
+    instance needed): registering a step writes Ray's snapshot and deletes what num_to_keep drops,
+    and fails, as in the controller, if a checkpoint it registered has vanished."""
+    from ray.train import Checkpoint, CheckpointConfig
+    from ray.train.v2._internal.execution.checkpoint.checkpoint_manager import CheckpointManager
+    from ray.train.v2._internal.execution.storage import StorageContext
+    from ray.train.v2._internal.execution.training_report import _TrainingReport
+
+    root, name = run.path.rsplit("/", 1)
+    manager = CheckpointManager(CheckpointConfig(num_to_keep=keep), StorageContext(root, name, run.fs))
+
+    def register(step: int) -> None:
+        async def in_controller() -> None:  # it notifies its listeners on the controller's event loop
+            checkpoint = Checkpoint(f"{run.path}/{checkpoint_dir_name(step)}", filesystem=run.fs)
+            manager.register_checkpoint(_TrainingReport(checkpoint, {"step": step}, validation=False))
+
+        asyncio.run(in_controller())
+
+    return register

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import ray_registers
 from tests.test_storage import fake_checkpoint
 from tidal.errors import SpecError
 from tidal.eval_best import best_checkpoint, improved, spared, stopped_early
@@ -152,8 +153,9 @@ def test_retention_spares_the_best_checkpoint(tmp_path):
     for step, loss in [(10, 2.0), (20, 1.5), (30, 1.7), (40, 1.9)]:
         evaluated(run, step, loss)
     rd = RunDir(str(tmp_path), "job")
+    ray_registers(rd, keep=1)(40)  # Ray registered the newest; the others it never saw
     rd.prune(1, spare=spared(spec, rd))
-    assert sorted(p.name for p in run.iterdir()) == ["checkpoint_000000020", "checkpoint_000000040"]
+    assert sorted(p.name for p in run.iterdir() if p.is_dir()) == ["checkpoint_000000020", "checkpoint_000000040"]
     assert spared(spec.with_overrides({"checkpoint.keep_best": None}), rd) == []
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import ray_registers
 from tidal import fs
 from tidal.spec.job import JobSpec
 from tidal.storage import STATE_FILE, RunDir, checkpoint_dir_name, manifest_name, prune_plan
@@ -62,18 +63,23 @@ def test_restart_sets_the_run_aside_whole(root):
     assert RunDir(root, "never-ran").set_aside() is None
 
 
-def test_retention_keeps_the_newest_complete_and_what_ray_registered(root):
-    for step in (10, 20, 30, 40, 50):
+def test_retention_deletes_what_ray_never_registers_and_leaves_it_the_rest(root):
+    for step in (10, 20):  # complete, from an earlier launch whose driver died before Ray registered them
+        fake_checkpoint(root, "job", step)
+    run = RunDir(root, "job")
+    assert run.prune(keep=1) == [], "nothing is known to be behind Ray before it registers anything"
+    for step in (30, 40, 50):  # this launch: written asynchronously, ahead of Ray's registration
         fake_checkpoint(root, "job", step)
     fake_checkpoint(root, "job", 60, complete=False)  # in flight: never touched
-    run = RunDir(root, "job")
-    # Ray registered 10 (it deletes its own registered ones, and refuses to resume if they vanish).
-    put(run.fs, f"{run.path}/checkpoint_manager_snapshot.json",
-        json.dumps({"checkpoints": [{"dir": checkpoint_dir_name(10)}]}).encode())
-    deleted = run.prune(keep=2)
+    register = ray_registers(run, keep=1)
+    register(30)
+    deleted = run.prune(keep=1)  # what Tidal's Retention callback does after each registration
+    assert sorted(p.rsplit("/", 1)[-1] for p in deleted) == [checkpoint_dir_name(s) for s in (10, 20)]
+    for step in (40, 50):  # 40 and 50 were complete but not yet registered: Ray finds them and deletes 30, 40
+        register(step)
+        run.prune(keep=1)
     left = sorted(p.rsplit("/", 1)[-1] for p in run.checkpoints())
-    assert left == [checkpoint_dir_name(s) for s in (10, 40, 50, 60)]
-    assert sorted(p.rsplit("/", 1)[-1] for p in deleted) == [checkpoint_dir_name(s) for s in (20, 30)]
+    assert left == [checkpoint_dir_name(s) for s in (50, 60)]
 
 
 def test_prune_plan_never_touches_anything_newer_than_the_oldest_kept():

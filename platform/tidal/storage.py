@@ -113,12 +113,22 @@ class RunDir:
         return aside
 
     def prune(self, keep: int, spare: Collection[str] = ()) -> list[str]:
-        """Delete the checkpoints Ray's retention never sees (those it did not register) once
-        `keep` newer complete ones exist, except those in `spare` (the best, under keep_best);
-        returns the folders deleted."""
+        """Delete the checkpoints Ray's retention never sees, those it did not register and never
+        will (reported just before a crash, or written by an earlier driver), once `keep` newer
+        complete ones exist, except those in `spare` (the best, under keep_best); returns the
+        folders deleted.
+
+        Only checkpoints older than the one Ray registered last count as never registered: Ray
+        registers in report order, and with asynchronous uploads it registers a checkpoint only
+        once every rank's write has ended and its controller has polled the reports, which can be
+        several checkpoints behind at short intervals. A newer complete one is on its way; deleting
+        it would make Ray's own retention fail on it later, and the job with it."""
+        registered, latest = self._ray_registered()
+        if latest is None:
+            return []  # Ray has registered nothing yet: nothing is known to be behind it
         plan = prune_plan(self.checkpoints(), lambda p: check_complete(self.fs, p)[0] is None, keep)
-        registered = set(CKPT_NAME.findall(self._ray_snapshot()))
-        doomed = [p for p in plan if p.rsplit("/", 1)[-1] not in registered and p not in spare]
+        names = {p: p.rsplit("/", 1)[-1] for p in plan}
+        doomed = [p for p in plan if names[p] not in registered and names[p] < latest and p not in spare]
         for path in doomed:
             try:
                 fs.delete_dir(self.fs, path)
@@ -126,14 +136,17 @@ class RunDir:
                 log.debug("could not delete %s: %s", path, e)
         return doomed
 
-    def _ray_snapshot(self) -> str:
-        """Ray's record of the checkpoints it registered: it deletes those itself (num_to_keep)
-        and refuses to resume a run whose registered checkpoint is gone, so Tidal leaves them be."""
+    def _ray_registered(self) -> tuple[set[str], str | None]:
+        """From Ray's snapshot of its checkpoint manager: the checkpoints it registered (it deletes
+        those itself, num_to_keep, and refuses to resume a run whose registered checkpoint is
+        gone, so Tidal leaves them be) and the one it registered last (None: none yet)."""
         try:
             with self.fs.open_input_stream(f"{self.path}/{RAY_SNAPSHOT}") as f:
-                return f.read().decode(errors="replace")
-        except (FileNotFoundError, OSError):
-            return ""
+                text = f.read().decode(errors="replace")
+            latest = (json.loads(text).get("latest_checkpoint_result") or {}).get("checkpoint_dir_name")
+        except (FileNotFoundError, OSError, ValueError, AttributeError):
+            return set(), None
+        return set(CKPT_NAME.findall(text)), latest if isinstance(latest, str) else None
 
 
 def prune_plan(newest_first: list[str], complete: Callable[[str], bool], keep: int) -> list[str]:
