@@ -74,7 +74,10 @@ def run(spec: JobSpec, restart: bool = False, mlflow_tags: dict[str, str] | None
         ok = True
         _say_if_stopped_early(spec, run_dir)
     except ray.train.TrainingFailedError as e:
-        raise TidalError(f"job {spec.name!r} failed after {spec.failure.max_restarts} restart(s): {_root_cause(e)}\n"
+        # A controller error ends the run at once, with no worker restarts spent.
+        how = ("in Ray Train's controller" if isinstance(e, ray.train.ControllerError)
+               else f"after {spec.failure.max_restarts} restart(s)")
+        raise TidalError(f"job {spec.name!r} failed {how}: {_root_cause(e)}\n"
                          f"Its checkpoints are in {run_dir.path}; run the same command again to resume.") from e
     finally:
         run_id, latest, left = _close_tracker(spec, tracker, ok, t0)
