@@ -29,16 +29,16 @@ def ray_with_state_api():
 
 
 def tracker_pid(other_than: int | None = None, timeout: float = 120) -> int:
-    """The process id of the job's live Tracker actor (a new one after a kill)."""
+    """The process id of the job's live TrackerActor (a new one after a kill)."""
     from ray.util.state import list_actors
 
     deadline = time.time() + timeout
     while time.time() < deadline:
-        for actor in list_actors(filters=[("class_name", "=", "Tracker"), ("state", "=", "ALIVE")]):
+        for actor in list_actors(filters=[("class_name", "=", "TrackerActor"), ("state", "=", "ALIVE")]):
             if actor.pid and actor.pid != other_than:
                 return actor.pid
         time.sleep(0.2)
-    raise TimeoutError("no live Tracker actor")
+    raise TimeoutError("no live TrackerActor")
 
 
 @pytest.mark.usefixtures("ray_with_state_api")

@@ -55,22 +55,22 @@ def run(spec: JobSpec, restart: bool = False, mlflow_tags: dict[str, str] | None
 
     import ray
 
+    from tidal.tracking.actor import start_tracker
+
     _connect_ray()
     tags = {**_ray_tags(spec, run_dir), **(mlflow_tags or {})}
     # The job file names the run the tracker reopens (a new job under this name: none, a new run).
     run_dir.write_json(JOB_FILE, {"mlflow_run_id": job.get("mlflow_run_id"), "fingerprint": spec.fingerprint_hash(),
                                   "tracking_uri": spec.tracking.uri, "tidal_version": __version__})
-    tracker = _start_tracker(spec, tags, job_record(spec, None))
-    run_id = ray.get(tracker.run_id.remote())
-    record(spec, run_id)
-    print(f"[tidal] job {spec.name!r}: {_describe_scaling(spec)}; MLflow run {run_id}", flush=True)
+    # The tracker opens the MLflow run while Ray starts the controller and the workers.
+    tracker, run_ref = start_tracker(spec, tags, job_record(spec, None), lambda run_id: _announce(spec, run_id))
     # leftovers of an earlier launch that Ray never registered (the best one stays, under keep_best)
     run_dir.prune(spec.checkpoint.keep, spare=eval_best.spared(spec, run_dir))
     ok = False
     try:
         # site "any": on-prem first, cloud nodes after burst_after_s; Tidal's recovery defaults for Ray
         with burst.burst_capacity(spec), recovery_settings(spec):
-            _trainer(spec, run_id, callbacks or []).fit()
+            _trainer(spec, run_ref, callbacks or []).fit()
         ok = True
         _say_if_stopped_early(spec, run_dir)
     except ray.train.TrainingFailedError as e:
@@ -182,23 +182,14 @@ def _finish_here(spec: JobSpec, ok: bool, t0: float) -> tuple[str | None, dict[s
     return Tracker(spec, record=rec, system_metrics=False, background=False).close(ok, time.time() - t0)
 
 
-def _start_tracker(spec: JobSpec, tags: dict[str, str], rec: dict[str, Any] | None) -> Any:
-    """The MLflow tracker actor, pinned to this (the driver's) node, where a SQLite store lives.
-
-    Ray restarts it whenever it dies and retries the driver's calls to it: it recovers from the
-    job's event log, and nothing in training waits on it (tracking/tracker.py).
-    """
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    from tidal.tracking.tracker import Tracker
-
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    actor = ray.remote(num_cpus=0, scheduling_strategy=here, max_restarts=-1, max_task_retries=-1)(Tracker)
-    return actor.remote(spec, tags, record=rec)
+def _announce(spec: JobSpec, run_id: str | None) -> None:
+    """Once the tracker has opened the run: the job's line, and its record for a submitter."""
+    record(spec, run_id)
+    print(f"[tidal] job {spec.name!r}: {_describe_scaling(spec)}; MLflow run {run_id}", flush=True)
 
 
-def _trainer(spec: JobSpec, run_id: str | None, callbacks: list[Any]) -> TorchTrainer:
+def _trainer(spec: JobSpec, run_id: Any, callbacks: list[Any]) -> TorchTrainer:
+    """`run_id`: a reference to the tracker's run id, which the workers take once it is there."""
     from ray.train import (
         DataConfig,
         FailureConfig,
@@ -209,7 +200,7 @@ def _trainer(spec: JobSpec, run_id: str | None, callbacks: list[Any]) -> TorchTr
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from tidal.launch.callbacks import FailureNotifier, Retention
-    from tidal.worker.loop import train_loop
+    from tidal.worker import train_loop
 
     s = spec.scaling
     scaling = ScalingConfig(

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from tidal.eval_best import stopped_early
 from tidal.spec.job import JobSpec
+from tidal.tracking.actor import known_run_id
 from tidal.tracking.emitter import Emitter
 from tidal.worker import checkpoint
 from tidal.worker.data import Batches
@@ -52,7 +53,8 @@ def train_loop(config: dict[str, Any]) -> None:
     else:
         state = checkpoint.TrainState()
     state.world_size, state.zero_stage = world, spec.parallelism.zero_stage
-    state.mlflow_run_id, state.fingerprint = config.get("mlflow_run_id"), spec.resume_fingerprint()
+    state.fingerprint = spec.resume_fingerprint()
+    run_id = config.get("mlflow_run_id")  # a reference to the tracker's answer: taken at saves, never waited for
 
     if spec.data.streaming:
         # Imported here: it imports Ray Data, which other jobs do not need.
@@ -115,6 +117,7 @@ def train_loop(config: dict[str, Any]) -> None:
         if rank == 0 and not is_ckpt:
             events.metrics(metrics)  # written in the background: tracking never blocks a step
         if is_ckpt:
+            state.mlflow_run_id = known_run_id(run_id) or state.mlflow_run_id
             if rank == 0:
                 if preempted:
                     events.say(f"preemption warning: saving an emergency checkpoint at step {step}", step)

@@ -1,0 +1,65 @@
+"""The tracker as a Ray actor on the driver's node, started without waiting for it.
+
+MLflow takes seconds to import and a store a moment to open a run; both happen in the actor's
+process while Ray starts the controller and the workers, instead of before them. The driver
+never imports MLflow on this path (this module does not), and no worker waits for the run id:
+`known_run_id` takes it once the tracker has answered (tracking/tracker.py says why nothing in
+training may wait on tracking).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import ray
+
+from tidal.spec.job import JobSpec
+
+
+class TrackerActor:
+    """tracking.tracker.Tracker, built in the actor's own process (Ray needs a class it can name
+    without importing MLflow in the driver)."""
+
+    def __init__(self, spec: JobSpec, tags: dict[str, str], record: dict[str, Any] | None) -> None:
+        from tidal.tracking.tracker import Tracker
+
+        self.tracker = Tracker(spec, tags, record=record)
+
+    def run_id(self) -> str | None:
+        return self.tracker.run_id()
+
+    def flush(self, force: bool = False) -> int:
+        return self.tracker.flush(force)
+
+    def close(self, ok: bool, wall_s: float) -> tuple[str | None, dict[str, float], int]:
+        return self.tracker.close(ok, wall_s)
+
+
+def start_tracker(spec: JobSpec, tags: dict[str, str], record: dict[str, Any] | None,
+                  on_run_id: Callable[[str | None], None]) -> tuple[Any, ray.ObjectRef]:
+    """(the actor, a reference to its MLflow run id); `on_run_id` is called with the id once the
+    tracker has opened the run (None: MLflow was unreachable; the tracker creates it later).
+
+    Pinned to this (the driver's) node, where a SQLite store lives. Ray restarts it whenever it
+    dies and retries the driver's calls to it: it recovers from the job's event log.
+    """
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    actor = ray.remote(num_cpus=0, scheduling_strategy=here, max_restarts=-1,
+                       max_task_retries=-1)(TrackerActor).remote(spec, tags, record)
+    run_id = actor.run_id.remote()
+    run_id.future().add_done_callback(lambda f: on_run_id(None if f.exception() else f.result()))
+    return actor, run_id
+
+
+def known_run_id(run_id: str | ray.ObjectRef | None) -> str | None:
+    """The run id if the tracker has answered by now, else None; never waits."""
+    if not isinstance(run_id, ray.ObjectRef):
+        return run_id
+    ready, _ = ray.wait([run_id], timeout=0)
+    try:
+        return ray.get(ready[0]) if ready else None
+    except ray.exceptions.RayError:  # the tracker failed to start: the driver finishes tracking
+        return None
