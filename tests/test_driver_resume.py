@@ -24,7 +24,7 @@ from tidal.storage import RunDir
 pytestmark = pytest.mark.slow
 
 # Long enough that the driver is surely still training when the test kills it at step 25.
-STEPS = 300
+STEPS = 120
 LONG = {"train.steps": STEPS, "train.global_batch": 64, "checkpoint.every_steps": 10}
 
 

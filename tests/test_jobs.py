@@ -67,7 +67,10 @@ def head(tmp_path_factory, cluster_env) -> Iterator[str]:
     port, dash = free_port(), free_port()
     # The head's environment is the cluster's Python environment: `python` and `tidal` from this venv.
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-    env = {**os.environ, **cluster_env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token, "PATH": path}
+    env = {**os.environ, **cluster_env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token, "PATH": path,
+           # On SIGTERM the head first drains itself through its GCS, which the same signal to the
+           # session has just stopped: it waits out the 30 s default before it exits.
+           "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.Popen(
         [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={port}",

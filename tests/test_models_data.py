@@ -189,15 +189,13 @@ class TestTrains:
 
     def test_streamed_sources_survive_a_restart_without_repeats_or_gaps(self, tmp_path):
         """One epoch of jsonl and parquet through Ray Data to 2 workers, one of them killed mid-run:
-        the windows trained on are every window once, as in an undisturbed run."""
+        the windows trained on are every window of the source once (what an undisturbed run trains on)."""
         sources = write_stream_sources(tmp_path)
         # data.epochs 1: the job ends when the stream does, after every window (a step takes 16).
         common = {"data.streaming": True, "data.epochs": 1, "model.vocab_size": 256, "train.steps": 10_000,
                   "checkpoint.every_steps": 16, "scaling.cpus_per_worker": 0.5}  # a CPU left for Ray Data
         expected = sorted(window_id(d) for d in DOCS)
 
-        steady = tiny_spec(tmp_path, name="stream-steady", **common, **{"data.source": sources["jsonl"]})
-        assert trained_on(steady, tidal.run(steady)) == expected
         for fmt, source in sources.items():
             spec = tiny_spec(tmp_path, name=f"stream-{fmt}", **common, **{"data.source": source})
             result, _ = run_killing_a_worker(spec, 40)

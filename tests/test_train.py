@@ -9,6 +9,7 @@ from mlflow.tracking import MlflowClient
 
 import tidal
 from tests.conftest import metric_history, tiny_spec
+from tidal.storage import RunDir
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local")]
 
@@ -29,6 +30,9 @@ def test_zero_stage_trains_and_tracks(tmp_path, stage):
     assert run.data.tags["tidal.job"] == spec.name
     assert run.info.status == "FINISHED"
     assert result.final_loss == pytest.approx(loss[24])
+    # The tracker opens the run while the workers start; each checkpoint still names it (tidal export logs there).
+    last = RunDir(spec.checkpoint.storage, spec.name).latest_complete()
+    assert last is not None and last.state["mlflow_run_id"] == result.mlflow_run_id
 
 
 def test_one_and_two_workers_agree(tmp_path):
