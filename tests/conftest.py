@@ -41,6 +41,11 @@ def _mlflow_tracking_uri_put_back() -> Iterator[None]:
         mlflow.set_tracking_uri(before)
 
 
+# For a test head from `ray start --block`: on SIGTERM a head first drains itself through its GCS,
+# which the teardown's signal to the whole session has just stopped, and waits out the 30 s default.
+NO_DRAIN_ON_SIGTERM = {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+
+
 def tiny_spec(tmp: Path, name: str = "tiny", **overrides: Any) -> JobSpec:
     """A job that trains in a few seconds on 2 CPU workers; `overrides` use dotted keys."""
     base = JobSpec(

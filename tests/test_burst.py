@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.conftest import ROOT, metric_history, tiny_spec
+from tests.conftest import NO_DRAIN_ON_SIGTERM, ROOT, metric_history, tiny_spec
 
 pytestmark = pytest.mark.slow
 
@@ -86,10 +86,7 @@ def burst_cluster() -> Iterator[str]:
     config.write_text(yaml.safe_dump(burst_config(port, node_ip)))
     token = secrets.token_hex(16)
     auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
-    env = {**os.environ, **auth, "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1",
-           # No drain on SIGTERM: the teardown signals the whole session, GCS included, and a drain
-           # through a stopped GCS waits out its 30 s default.
-           "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+    env = {**os.environ, **auth, **NO_DRAIN_ON_SIGTERM, "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1"}
     cmd = [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--disable-usage-stats",
            f"--port={port}", f"--dashboard-port={free_port()}", f"--ray-client-server-port={free_port()}",
            f"--dashboard-agent-listen-port={free_port()}", f"--temp-dir={tmp}",

@@ -18,7 +18,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import ROOT, free_port, restore_env, stop_session, tiny_spec
+from tests.conftest import (
+    NO_DRAIN_ON_SIGTERM,
+    ROOT,
+    free_port,
+    restore_env,
+    stop_session,
+    tiny_spec,
+)
 from tidal.cli import main
 from tidal.errors import TidalError
 from tidal.launch.jobs import submit
@@ -67,10 +74,8 @@ def head(tmp_path_factory, cluster_env) -> Iterator[str]:
     port, dash = free_port(), free_port()
     # The head's environment is the cluster's Python environment: `python` and `tidal` from this venv.
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-    env = {**os.environ, **cluster_env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token, "PATH": path,
-           # On SIGTERM the head first drains itself through its GCS, which the same signal to the
-           # session has just stopped: it waits out the 30 s default before it exits.
-           "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+    env = {**os.environ, **cluster_env, **NO_DRAIN_ON_SIGTERM, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token,
+           "PATH": path}
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.Popen(
         [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={port}",

@@ -188,8 +188,8 @@ def _announce(spec: JobSpec, run_id: str | None) -> None:
     print(f"[tidal] job {spec.name!r}: {_describe_scaling(spec)}; MLflow run {run_id}", flush=True)
 
 
-def _trainer(spec: JobSpec, run_id: Any, callbacks: list[Any]) -> TorchTrainer:
-    """`run_id`: a reference to the tracker's run id, which the workers take once it is there."""
+def _trainer(spec: JobSpec, run_ref: Any, callbacks: list[Any]) -> TorchTrainer:
+    """`run_ref`: a reference to the tracker's run id, which the workers take once it is there."""
     from ray.train import (
         DataConfig,
         FailureConfig,
@@ -231,7 +231,7 @@ def _trainer(spec: JobSpec, run_id: Any, callbacks: list[Any]) -> TorchTrainer:
                      "dataset_config": DataConfig(execution_options=ExecutionOptions(preserve_order=True))}
     return TorchTrainer(
         train_loop,
-        train_loop_config={"spec": spec.model_dump(mode="json"), "mlflow_run_id": run_id},
+        train_loop_config={"spec": spec.model_dump(mode="json"), "mlflow_run_id": run_ref},
         scaling_config=scaling,
         run_config=run_config,
         torch_config=TorchConfig(backend=dist_backend(s.gpus_per_worker)),
