@@ -32,3 +32,14 @@ def dist_backend(gpus_per_worker: int) -> str:
     import torch.distributed as dist  # the driver's torch; a CPU-only build has no NCCL to offer
 
     return "cpu:gloo,cuda:nccl" if gpus_per_worker > 0 and dist.is_nccl_available() else "gloo"
+
+
+def seed_step(device: torch.device, seed: int) -> None:
+    """Seed the generators this worker's step draws from (dropout). `torch.manual_seed` does the
+    same for every device type torch knows, through a TorchDynamo wrapper: about 80 us a call
+    on CPU, 1% of a small model's step when it runs every step."""
+    import torch
+
+    torch.default_generator.manual_seed(seed)
+    if device.type == "cuda":
+        torch.cuda.manual_seed(seed)  # the current device: the one this worker uses

@@ -10,7 +10,6 @@ from typing import Any
 
 import ray.train
 import torch
-import torch.distributed as dist
 
 from tidal.eval_best import stopped_early
 from tidal.spec.job import JobSpec
@@ -18,8 +17,9 @@ from tidal.tracking.actor import known_run_id
 from tidal.tracking.emitter import Emitter
 from tidal.worker import checkpoint
 from tidal.worker.data import Batches
-from tidal.worker.device import torch_device
+from tidal.worker.device import seed_step, torch_device
 from tidal.worker.engine import build_engine, data_parallel_rank, is_pipeline, param_count
+from tidal.worker.logsync import LogSync
 from tidal.worker.metrics import (
     PhaseClock,
     flops_per_token,
@@ -67,7 +67,7 @@ def train_loop(config: dict[str, Any]) -> None:
     model_flops = flops_per_token(param_count(engine, spec), spec.model)
     s = spec.scaling
     peak = world * worker_peak_flops(device, spec.parallelism.precision, s.cpus_per_worker, s.peak_tflops_per_worker)
-    clock, loss_sum, loss_n = PhaseClock(device), torch.zeros(1), 0
+    clock, sync, loss_sum, loss_n = PhaseClock(device), LogSync(), torch.zeros(1), 0
     step_fn = step_function(spec)  # the user's train.step_fn, or model(*batch)
     watchdog = StepWatchdog(spec.failure.step_timeout_s, rank, events)
     saved_for_preemption = False
@@ -76,7 +76,7 @@ def train_loop(config: dict[str, Any]) -> None:
     done = state.data_ended or stopped_early(spec, asdict(state))
     last = state.step if done else min(t.steps, t.stop_at or t.steps)
     for step in range(state.step + 1, last + 1):
-        torch.manual_seed(t.seed * 1_000_003 + step * 1_009 + rank)  # dropout depends on the step only
+        seed_step(device, t.seed * 1_000_003 + step * 1_009 + rank)  # dropout depends on the step only
         clock.start_step(sync=step % t.log_every == 0)
         loss, n = _train_step(engine, batches.for_step(step), clock, step_fn)
         loss_sum += loss
@@ -89,24 +89,26 @@ def train_loop(config: dict[str, Any]) -> None:
         data_ended = state.data_ended = batches.ended  # a stream of data.epochs ran out
         final = step == last or data_ended
         is_log = step % t.log_every == 0 or final
-        # Ray warns when a node of this group is being drained or reclaimed. The check is a
-        # barrier across workers, so it runs at log steps only.
-        warning = ray.train.get_preemption_info() if is_log and not saved_for_preemption else None
-        preempted = warning is not None
-        saved_for_preemption |= preempted
-        is_ckpt = step % spec.checkpoint.every_steps == 0 or final or preempted
+        is_ckpt = step % spec.checkpoint.every_steps == 0 or final
         is_eval = evaluator is not None and evaluator.due(step, final or is_ckpt)
         if not (is_log or is_ckpt or is_eval):
             continue
-        dist.all_reduce(loss_sum)  # mean loss over ranks and micro-batches since the last report
         times = clock.take()
+        # One collective: the loss over ranks, their busy times, and whether to ask Ray now if a
+        # node of this group is being drained or reclaimed (its check is a barrier of its own).
+        agreed = sync.exchange(loss_sum.item(), loss_n, times.get("busy_s"), is_log and not saved_for_preemption)
+        warning = ray.train.get_preemption_info() if agreed.check_preemption else None
+        preempted = warning is not None
+        saved_for_preemption |= preempted
+        is_ckpt |= preempted
+        is_eval = evaluator is not None and evaluator.due(step, final or is_ckpt)
         step_s = times["step_time_s"]
         metrics = {
-            "step": step, "loss": loss_sum.item() / (loss_n * world), "lr": engine.get_lr()[0],
+            "step": step, "loss": agreed.loss, "lr": engine.get_lr()[0],
             **speed(spec, step_s, world, model_flops, peak), "world_size": world, "tokens_seen": state.tokens_seen,
             **times, "checkpoint_gate_s": checkpoint.gate_waited(), **(resource_stats(device) if rank == 0 else {}),
         }
-        metrics |= telemetry.at_log_step(metrics)  # a collective: every rank, every log step
+        metrics |= telemetry.at_log_step(metrics, agreed.busy_s)
         loss_sum.zero_()
         loss_n = 0
         stop = False

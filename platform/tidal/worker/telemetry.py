@@ -132,8 +132,9 @@ class Telemetry:
             reason = "start" if not found else "restart" if int(found.state["world_size"]) == self.world else "resize"
             _metric("group_starts").inc(1.0, tags={"job": spec.name, "reason": reason})
 
-    def at_log_step(self, metrics: dict[str, Any]) -> dict[str, float]:
-        """Gauges for this rank; for rank 0's metrics, the straggler and placement keys."""
+    def at_log_step(self, metrics: dict[str, Any], busy_s: list[float] | None) -> dict[str, float]:
+        """Gauges for this rank; for rank 0's metrics, the straggler and placement keys.
+        `busy_s`: every rank's busy time on the interval's sampled step (worker/logsync.py)."""
         if not self.enabled:
             return {}
         if self.places is None:  # once per group: where every rank runs (a collective)
@@ -141,8 +142,8 @@ class Telemetry:
             dist.all_gather_object(self.places, self.place)
         extra = self._placement() | {"uptime_s": time.time() - self.started} if self.rank == 0 else {}
         local: dict[str, float] = {}
-        if "busy_s" in metrics:  # a sampled step in this interval (the same on every rank)
-            every = self._gather(float(metrics["busy_s"]))
+        if busy_s is not None:  # a sampled step in this interval (the same on every rank)
+            every = busy_s
             s, median = spread(every), statistics.median_low(every)
             extra |= {"straggler_ratio": s.ratio, "straggler_rank": float(s.slowest_rank)}
             local["rank_slowness"] = every[self.rank] / median if median > 0 else 1.0
@@ -155,12 +156,6 @@ class Telemetry:
         self.last = (step, now)
         self._export({**metrics, **local, **gpu_stats(self.device), **(extra if self.rank == 0 else {})})
         return extra if self.rank == 0 else {}
-
-    def _gather(self, value: float) -> list[float]:
-        mine = torch.tensor([value], dtype=torch.float64, device=self.device)
-        out = [torch.zeros_like(mine) for _ in range(self.world)]
-        dist.all_gather(out, mine)
-        return [float(t.item()) for t in out]
 
     def _placement(self) -> dict[str, float]:
         places = self.places or []
