@@ -20,6 +20,7 @@ from typing import Any
 import ray
 
 import tidal
+from benchmarks.common import update_doc
 from tidal.spec.job import JobSpec
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "reliability.md"
@@ -222,8 +223,6 @@ def main() -> None:
     finally:
         ray.shutdown()
     if args.fault_every_s:
-        from benchmarks.common import update_doc
-
         cmd = (f"python -m benchmarks.chaos --fault-every-s {args.fault_every_s:g} --steps {args.steps} "
                f"--every {args.every} --seed {args.seed}")
         update_doc("Effective training time under a fault every 2 minutes", periodic_report(r, cmd))

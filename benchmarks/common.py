@@ -16,6 +16,9 @@ from tidal.spec.job import JobSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "benchmarks.md"
+# As in tests/conftest.py: this venv's `ninja` first, so DeepSpeed never recompiles its CPU
+# shared-memory op (about 40 s) in the middle of a timed run because another ninja built it last.
+os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
 def write_spec(spec: JobSpec, path: Path) -> Path:
