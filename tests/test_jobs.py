@@ -72,10 +72,9 @@ def head(tmp_path_factory, cluster_env) -> Iterator[str]:
     tmp = tmp_path_factory.mktemp("head")
     token = secrets.token_hex(16)
     port, dash = free_port(), free_port()
-    # The head's environment is the cluster's Python environment: `python` and `tidal` from this venv.
-    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-    env = {**os.environ, **cluster_env, **NO_DRAIN_ON_SIGTERM, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token,
-           "PATH": path}
+    # The head's environment is the cluster's Python environment: `python` and `tidal` from this venv
+    # (first on PATH: tests/conftest.py).
+    env = {**os.environ, **cluster_env, **NO_DRAIN_ON_SIGTERM, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.Popen(
         [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={port}",
