@@ -49,8 +49,10 @@ def run_chaos(tmp: Path, faults: int, steps: int, every: int, seed: int) -> dict
 
     spec = chaos_spec(tmp, "chaos", steps, every)
     rng = random.Random(seed)
-    # Fault k lands at a random step in the k-th slice of the run, so faults spread over it.
-    targets = sorted(rng.randrange(k * steps // (faults + 1) + 5, (k + 1) * steps // (faults + 1)) for k in range(1, faults + 1))
+    # Fault k lands at a random step in the k-th of faults + 2 slices of the run, so faults spread
+    # over it and none is planned in the last slice: the job could end before the kill lands.
+    width = steps // (faults + 2)
+    targets = sorted(rng.randrange(k * width + 5, (k + 1) * width) for k in range(1, faults + 1))
     injected: list[int] = []
     kill_times: list[tuple[float, int]] = []  # (wall time of the kill, highest step logged by then)
 

@@ -11,7 +11,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local")]
 
 
 def test_three_faults_survived_with_exact_losses(tmp_path):
-    r = run_chaos(tmp_path, faults=3, steps=140, every=20, seed=0)
+    r = run_chaos(tmp_path, faults=3, steps=200, every=20, seed=0)
     assert len(r["faults_injected"]) == 3
     assert r["restarts"] >= 3
     assert r["steps_done"], "every step done and logged exactly once"
