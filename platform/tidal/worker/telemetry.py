@@ -5,10 +5,11 @@ served on the node's metrics export port with a `ray_` prefix, next to Ray's own
 cluster's Prometheus scrapes it through Ray's service discovery file (docs/cluster.md). So each
 worker sets its own gauges, tagged job, rank, node and site: nothing is sent anywhere by hand.
 
-At every log step each rank calls `Telemetry.at_log_step(metrics)` (a collective: every rank
-calls it at the same steps). It gathers every rank's busy time (its step time outside
-collectives, from the sampled step of worker/metrics.py) with one small all-gather, works out
-the straggler spread (worker/stragglers.py), sets the gauges, and returns keys that rank 0's
+At every log step each rank calls `Telemetry.at_log_step(metrics, busy_s)` (a collective: every
+rank calls it at the same steps; it gathers the ranks' placements once per group). `busy_s` is
+every rank's busy time (its step time outside collectives, from the sampled step of
+worker/metrics.py), gathered with the loss in the log step's one all-gather (worker/logsync.py).
+It works out the straggler spread (worker/stragglers.py), sets the gauges, and returns keys that rank 0's
 metrics then carry to MLflow: the straggler ratio and rank, the workers on cloud nodes and the
 group's cost per hour and its uptime (which tracking/usage.py integrates over time).
 """
@@ -143,12 +144,11 @@ class Telemetry:
         extra = self._placement() | {"uptime_s": time.time() - self.started} if self.rank == 0 else {}
         local: dict[str, float] = {}
         if busy_s is not None:  # a sampled step in this interval (the same on every rank)
-            every = busy_s
-            s, median = spread(every), statistics.median_low(every)
+            s, median = spread(busy_s), statistics.median_low(busy_s)
             extra |= {"straggler_ratio": s.ratio, "straggler_rank": float(s.slowest_rank)}
-            local["rank_slowness"] = every[self.rank] / median if median > 0 else 1.0
+            local["rank_slowness"] = busy_s[self.rank] / median if median > 0 else 1.0
             if self.rank == 0:
-                self._warn(s, every, median, int(metrics["step"]))
+                self._warn(s, busy_s, median, int(metrics["step"]))
         now, step = time.time(), int(metrics["step"])
         if self.last is not None:
             trained = (step - self.last[0]) * float(metrics.get("step_time_s", 0.0))
