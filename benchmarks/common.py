@@ -16,9 +16,21 @@ from tidal.spec.job import JobSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "benchmarks.md"
-# As in tests/conftest.py: this venv's `ninja` first, so DeepSpeed never recompiles its CPU
-# shared-memory op (about 40 s) in the middle of a timed run because another ninja built it last.
-os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
+def venv_tools_first() -> None:
+    """Put this venv's bin first on PATH, as an activated venv does (tests and benchmarks alike).
+
+    DeepSpeed compiles its CPU shared-memory op with whichever `ninja` is on PATH, and two ninja
+    versions (the venv's and the system's) read each other's build log as stale: every switch
+    between them recompiled the op, about 40 s of both cores, in the middle of a run."""
+    bin_dir = str(Path(sys.executable).parent)
+    path = os.environ.get("PATH", "")
+    if path.split(os.pathsep)[0] != bin_dir:
+        os.environ["PATH"] = f"{bin_dir}{os.pathsep}{path}"
+
+
+venv_tools_first()  # before any benchmark starts Ray or a job: their processes inherit it
 
 
 def write_spec(spec: JobSpec, path: Path) -> Path:

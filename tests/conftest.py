@@ -16,15 +16,12 @@ from typing import Any
 
 import pytest
 
+from benchmarks.common import venv_tools_first
 from tidal.spec.job import JobSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# As in an activated venv (and on the test heads, whose PATH starts there too): every process finds
-# this venv's tools first. DeepSpeed compiles its CPU shared-memory op with whichever `ninja` is on
-# PATH, and two ninja versions (the venv's and the system's) read each other's build log as stale:
-# every switch between them recompiled the op, about 40 s of both cores, twice per suite run.
-os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+venv_tools_first()  # every process of the suite, test heads included, uses this venv's ninja
 # The Train controller polls workers this often; the default 2 s makes every test slower and
 # leaves a checkpoint unregistered if a worker dies within that window after reporting it.
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
