@@ -15,6 +15,7 @@ import torch
 
 from tidal.storage import STATE_FILE, check_complete, manifest_name
 from tidal.worker.snapshot import (
+    COPY,
     LIVE,
     WRITE_DELAY_ENV,
     Buffers,
@@ -41,6 +42,23 @@ def test_snapshot_is_a_copy_in_reused_buffers():
     second = buffers.take("a.pt", state(w))
     assert second["module"]["w"] is kept, "the next save copies into the same buffer"
     assert torch.equal(kept, w)
+
+
+def test_saves_of_later_steps_reuse_the_host_buffers(tmp_path: Path):
+    """DeepSpeed writes each step's files under its own folder (global_stepN/): a later save must
+    copy into the buffers of the earlier one, not allocate (pinned, on a GPU) a whole new copy
+    of the state and keep the old ones: one copy of the state in host memory, however many saves."""
+    w = torch.arange(6.0)
+    buffers = Buffers()
+    taken = []
+    for step in (2, 4, 6):
+        w += 1  # training moves on
+        engine = SnapshotEngine(tmp_path, buffers, COPY)
+        engine.save(state(w), str(tmp_path / f"global_step{step}" / "mp_rank_00_model_states.pt"))
+        taken.append(engine.taken[f"global_step{step}/mp_rank_00_model_states.pt"])
+    assert taken[2]["module"]["w"] is taken[0]["module"]["w"], "the third save copied into the first one's buffer"
+    assert torch.equal(taken[2]["module"]["w"], w)
+    assert len(buffers.files) == 1, f"buffers held for {sorted(buffers.files)}"
 
 
 def test_write_puts_the_manifest_last_and_replaces_a_stale_one(tmp_path: Path):

@@ -97,7 +97,10 @@ class SnapshotEngine(CheckpointEngine):
     def save(self, state_dict: Any, path: str) -> None:
         rel = os.path.relpath(path, self.root)
         if self.mode == COPY:
-            self.taken[rel] = self.buffers.take(rel, state_dict)
+            # DeepSpeed puts every file in a folder named for the step (global_step12/...): the
+            # buffers go by the name inside it, so the next save reuses them instead of holding
+            # one more copy of the whole state per checkpoint.
+            self.taken[rel] = self.buffers.take(rel.split(os.sep, 1)[-1], state_dict)
         elif self.mode == LIVE and self.mutable:
             self.taken[rel] = _clone_where(state_dict, lambda t: t.untyped_storage().data_ptr() in self.mutable)
         else:
