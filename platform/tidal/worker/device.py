@@ -6,11 +6,15 @@ so trust torch's own view of the hardware instead of `ray.train.torch.get_device
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
+
+log = logging.getLogger(__name__)
 
 
 def torch_device() -> torch.device:
@@ -43,3 +47,27 @@ def seed_step(device: torch.device, seed: int) -> None:
     torch.default_generator.manual_seed(seed)
     if device.type == "cuda":
         torch.cuda.manual_seed(seed)  # the current device: the one this worker uses
+
+
+ARCH_LIST_ENV = "TORCH_CUDA_ARCH_LIST"
+
+
+def plain_arch_list(value: str) -> str:
+    """`value` without architecture-variant suffixes: "9.0a;10.0f+PTX" -> "9.0;10.0+PTX"."""
+    entries = value.replace(" ", ";").split(";")
+    plain = [re.sub(r"^(\d+\.\d+)[a-z]+", r"\1", e.strip()) for e in entries if e.strip()]
+    return ";".join(dict.fromkeys(plain))  # "9.0;9.0a" would otherwise build 9.0 twice
+
+
+def arch_list_for_deepspeed() -> None:
+    """Let DeepSpeed JIT-build its CUDA ops (FusedAdam at the first engine) where
+    TORCH_CUDA_ARCH_LIST names architecture variants ("9.0a" for Hopper), as some CUDA images
+    set it: DeepSpeed 0.19 parses each entry as numbers and fails with "invalid literal for
+    int() with base 10: '0a'" (deepspeedai/DeepSpeed#7589, fix pending in #8619). Its ops use
+    no variant-specific instructions, so this worker builds for the plain architecture."""
+    value = os.environ.get(ARCH_LIST_ENV, "")
+    plain = plain_arch_list(value)
+    if plain != value.strip().replace(" ", ";"):
+        log.warning("%s=%r: DeepSpeed cannot parse architecture variants; this worker uses %r "
+                    "(deepspeedai/DeepSpeed#8619)", ARCH_LIST_ENV, value, plain)
+        os.environ[ARCH_LIST_ENV] = plain

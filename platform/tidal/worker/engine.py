@@ -16,6 +16,7 @@ from tidal.spec.job import JobSpec
 from tidal.spec.schedule import DEEPSPEED_SCHEDULES, lr_factor
 from tidal.spec.user_refs import resize_refusal
 from tidal.tracking.quiet import quiet_deepspeed_comm
+from tidal.worker.device import arch_list_for_deepspeed
 from tidal.worker.models import build_model, gpt
 
 quiet_deepspeed_comm()  # before any engine brings up DeepSpeed's communication backend
@@ -33,6 +34,8 @@ def build_engine(spec: JobSpec, world_size: int, device: torch.device, load_univ
     if load_universal and (why := resize_refusal(spec, world_size)):
         raise CheckpointError(why)
     config = ds_config(spec, world_size, on_gpu=device.type == "cuda", load_universal=load_universal)
+    if device.type == "cuda":
+        arch_list_for_deepspeed()  # before FusedAdam's JIT build
     params = [p for p in model.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=config,
                                       lr_scheduler=_torch_schedule(spec))
