@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from tidal.storage import STATE_FILE, check_complete, manifest_name
+from tidal.worker.host_buffers import Buffers
 from tidal.worker.snapshot import (
     COPY,
     LIVE,
     WRITE_DELAY_ENV,
-    Buffers,
     SnapshotEngine,
     StorageWriter,
     write_checkpoint,
@@ -42,6 +42,33 @@ def test_snapshot_is_a_copy_in_reused_buffers():
     second = buffers.take("a.pt", state(w))
     assert second["module"]["w"] is kept, "the next save copies into the same buffer"
     assert torch.equal(kept, w)
+
+
+def test_a_snapshot_holds_every_dtype_and_shape_in_one_block():
+    """What DeepSpeed saves mixes dtypes (bf16 weights, fp32 master weights, int64 counters,
+    flags), scalars and empty tensors: each comes back equal from the one host block, tied
+    tensors stay one tensor, and the next save of a changed layout gets a block of its own."""
+    w = torch.randn(3, 5, dtype=torch.bfloat16)
+    state = {"module": OrderedDict(w=w, tied=w), "fp32": torch.randn(7), "step": torch.tensor(12),
+             "flags": torch.tensor([True, False, True]), "empty": torch.empty(0, 4), "c": torch.randn(2, dtype=torch.complex64),
+             "nested": [(torch.arange(5), 3)], "name": "x"}
+    buffers = Buffers()
+    taken = buffers.take("mp_rank_00_model_states.pt", state)
+    for path, got, want in [("w", taken["module"]["w"], w), ("fp32", taken["fp32"], state["fp32"]),
+                            ("step", taken["step"], state["step"]), ("flags", taken["flags"], state["flags"]),
+                            ("empty", taken["empty"], state["empty"]), ("c", taken["c"], state["c"]),
+                            ("nested", taken["nested"][0][0], state["nested"][0][0])]:
+        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want), path
+        assert want.numel() == 0 or got.data_ptr() != want.data_ptr(), f"{path} is not a copy"
+    assert taken["module"]["tied"] is taken["module"]["w"] and taken["name"] == "x" and taken["nested"][0][1] == 3
+    storages = {t.untyped_storage().data_ptr() for t in (taken["module"]["w"], taken["fp32"], taken["step"], taken["c"])}
+    assert len(storages) == 1, "one host block per file"
+
+    state["fp32"] = torch.randn(9)  # a changed layout: a new block, the old one released
+    again = buffers.take("mp_rank_00_model_states.pt", state)
+    assert torch.equal(again["fp32"], state["fp32"]) and torch.equal(again["module"]["w"], w)
+    assert again["fp32"].untyped_storage().data_ptr() != taken["fp32"].untyped_storage().data_ptr()
+    assert torch.equal(taken["fp32"], taken["fp32"]), "the earlier snapshot stays readable while its write may run"
 
 
 def test_saves_of_later_steps_reuse_the_host_buffers(tmp_path: Path):

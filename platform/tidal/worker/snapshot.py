@@ -33,7 +33,6 @@ loader and its universal-checkpoint converter (Tidal's resize path) do not read.
 
 from __future__ import annotations
 
-import copy
 import os
 import threading
 import time
@@ -50,6 +49,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
 
 from tidal import fs
 from tidal.errors import CheckpointError
+from tidal.worker.host_buffers import Buffers, rebuilt, tensors_in
 
 # Fault-injection for tests and benchmarks: seconds the background write pauses after a
 # rank's data files and before its manifest, as a slow store would, so a kill lands mid-write.
@@ -122,67 +122,7 @@ class SnapshotEngine(CheckpointEngine):
 
 def _clone_where(tree: Any, pick: Callable[[torch.Tensor], bool]) -> Any:
     """`tree` with the tensors `pick` chooses cloned, containers rebuilt, all else as it was."""
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().clone() if pick(tree) else tree
-    if isinstance(tree, dict):
-        out = copy.copy(tree)  # keeps the dict's class
-        for k, v in tree.items():
-            out[k] = _clone_where(v, pick)
-        return out
-    if isinstance(tree, list | tuple) and not hasattr(tree, "_fields"):
-        return type(tree)(_clone_where(v, pick) for v in tree)
-    return tree
-
-
-class Buffers:
-    """Host-memory copies of state dicts, one set per checkpoint file, reused from save to save.
-
-    A tensor goes into the buffer at the same position of the previous snapshot of the same file
-    when shape and dtype match (they do from step to step), else into a new one (pinned when the
-    source is on a GPU, so the copy is asynchronous DMA). Tensors that appear twice (tied
-    weights) are copied once and stay shared. Containers are rebuilt; other leaves (numbers,
-    strings, configs) are kept by reference: DeepSpeed builds them afresh for every save.
-    """
-
-    def __init__(self) -> None:
-        self.files: dict[str, list[torch.Tensor]] = {}
-
-    def take(self, rel: str, state: Any) -> Any:
-        old, new, memo = self.files.get(rel, []), [], {}
-        on_gpu = False
-
-        def copy_of(x: Any) -> Any:
-            nonlocal on_gpu
-            if isinstance(x, torch.Tensor):
-                if id(x) in memo:
-                    return memo[id(x)]
-                src = x.detach()
-                i = len(new)
-                buf = old[i] if i < len(old) and old[i].shape == src.shape and old[i].dtype == src.dtype else None
-                if buf is None:
-                    buf = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=src.is_cuda)
-                on_gpu |= src.is_cuda
-                buf.copy_(src, non_blocking=src.is_cuda)
-                new.append(buf)
-                memo[id(x)] = buf
-                return buf
-            if isinstance(x, dict):
-                out = copy.copy(x)  # keeps the dict's class (OrderedDict, DeepSpeed's own)
-                for k, v in x.items():
-                    out[k] = copy_of(v)
-                return out
-            if isinstance(x, list):
-                return [copy_of(v) for v in x]
-            if isinstance(x, tuple):
-                items = [copy_of(v) for v in x]
-                return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
-            return x
-
-        out = copy_of(state)
-        if on_gpu:
-            torch.cuda.synchronize()  # the copies must have landed before training moves on
-        self.files[rel] = new
-        return out
+    return rebuilt(tree, {id(t): t.detach().clone() if pick(t) else t for t in tensors_in(tree)})
 
 
 class StorageWriter:
