@@ -131,10 +131,15 @@ def test_a_live_save_holds_the_update_until_the_step_is_written(tmp_path: Path, 
     assert engine.taken["global_step7/model.pt"]["module"]["w"] is w, "the weights are not copied"
     upload = writer.upload_fn(0, 7, engine.taken, True, pafs.LocalFileSystem(), str(tmp_path / "store"),
                               FakeCheckpoint, LIVE)
+    # The write starts serializing 0.2 s after the update begins to wait, so the wait is certain
+    # (a write that ran first would leave nothing to wait for, and nothing to check).
+    go, save = threading.Event(), torch.save
+    monkeypatch.setattr(torch, "save", lambda *a, **k: (go.wait(10), save(*a, **k))[1])
     write = threading.Thread(target=upload, args=(FakeCheckpoint(str(local)), "checkpoint_7"))
     write.start()
     running += 1  # the next forward pass, while the write runs
 
+    threading.Timer(0.2, go.set).start()
     writer.before_update()  # what the training loop calls before the optimizer step
     store = tmp_path / "store/checkpoint_7"
     assert (store / "global_step7/model.pt").exists(), "the update waited until the tensors were written out"
@@ -145,5 +150,5 @@ def test_a_live_save_holds_the_update_until_the_step_is_written(tmp_path: Path, 
     assert torch.equal(saved["module"]["w"], torch.zeros(1000)), "the step's weights, not the next step's"
     assert torch.equal(saved["module"]["running_mean"], torch.zeros(3)), "buffers as they were at the save"
     assert check_complete(pafs.LocalFileSystem(), str(store))[0] is None
-    assert writer.gate_waited() > 0, "the wait is reported (it is part of the checkpoint's stall)"
+    assert writer.gate_waited() >= 0.15, "the wait is reported (it is part of the checkpoint's stall)"
     assert writer.gate_waited() == 0.0
