@@ -66,8 +66,9 @@ def arch_list_for_deepspeed() -> None:
     int() with base 10: '0a'" (deepspeedai/DeepSpeed#7589, fix pending in #8619). Its ops use
     no variant-specific instructions, so this worker builds for the plain architecture."""
     value = os.environ.get(ARCH_LIST_ENV, "")
+    if not re.search(r"\d+\.\d+[a-z]", value):  # no variant: DeepSpeed parses it as it is
+        return
     plain = plain_arch_list(value)
-    if plain != value.strip().replace(" ", ";"):
-        log.warning("%s=%r: DeepSpeed cannot parse architecture variants; this worker uses %r "
-                    "(deepspeedai/DeepSpeed#8619)", ARCH_LIST_ENV, value, plain)
-        os.environ[ARCH_LIST_ENV] = plain
+    log.warning("%s=%r: DeepSpeed cannot parse architecture variants; this worker uses %r "
+                "(deepspeedai/DeepSpeed#8619)", ARCH_LIST_ENV, value, plain)
+    os.environ[ARCH_LIST_ENV] = plain

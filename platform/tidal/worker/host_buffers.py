@@ -15,6 +15,7 @@ lock 16 GB) and allocates each tensor separately.
 from __future__ import annotations
 
 import copy
+import math
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,23 +74,16 @@ class HostBlock:
     views: list[torch.Tensor] = field(init=False)
 
     def __post_init__(self) -> None:
-        offsets, total = [], 0
+        spans, total = [], 0  # (offset, bytes) of each tensor in the block
         for shape, dtype in self.layout:
-            offsets.append(total)
-            nbytes = _numel(shape) * dtype.itemsize
+            nbytes = math.prod(shape) * dtype.itemsize
+            spans.append((total, nbytes))
             total += -(-nbytes // ALIGN) * ALIGN
         flat = torch.empty(max(total, ALIGN), dtype=torch.uint8)
         if self.pinned:
             _page_lock(flat)
-        self.views = [flat[o:o + _numel(shape) * dtype.itemsize].view(dtype).view(shape)
-                      for o, (shape, dtype) in zip(offsets, self.layout, strict=True)]
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+        self.views = [flat[o:o + n].view(dtype).view(shape)
+                      for (o, n), (shape, dtype) in zip(spans, self.layout, strict=True)]
 
 
 def _page_lock(flat: torch.Tensor) -> None:

@@ -5,8 +5,8 @@ A save has two halves:
 1. **Snapshot** (the training thread waits): DeepSpeed's `save_checkpoint` runs as usual, but
    with `SnapshotEngine` as its checkpoint engine, which records each state dict DeepSpeed hands
    it instead of serializing it to a file. On a GPU, or into an object store, it copies every
-   tensor into host buffers (pinned on a GPU: DMA); the buffers are kept and reused by the next
-   save, so a save after the first pays a copy, not page faults. On CPU into a filesystem a copy
+   tensor into one host block per file (page-locked on a GPU: DMA; see tidal.worker.host_buffers),
+   kept and reused by the next save, so a save after the first pays a copy, not page faults. On CPU into a filesystem a copy
    costs about as much as the write into the page cache it would spare, so the engine keeps the
    live tensors instead ("live" mode) and the next optimizer step, the first thing that changes
    them, waits until the write has serialized them (`before_update`; their fsync and the
