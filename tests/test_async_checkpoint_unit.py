@@ -153,3 +153,48 @@ def test_a_live_save_holds_the_update_until_the_step_is_written(tmp_path: Path, 
     assert check_complete(pafs.LocalFileSystem(), str(store))[0] is None
     assert writer.gate_waited() >= 0.15, "the wait is reported (it is part of the checkpoint's stall)"
     assert writer.gate_waited() == 0.0
+
+
+def _ray_hand_over(writer: StorageWriter, tmp_path: Path, saves: int, poll_s: float) -> float:
+    """`saves` checkpoints back to back through Ray Train's hand-over as ray/train/v2 builds it
+    (one upload thread; each upload's report then goes into a queue of one, which the controller
+    empties once per poll), then what the writer says its writes waited for Ray."""
+    import contextlib
+    import queue
+    from concurrent.futures import ThreadPoolExecutor
+
+    reports: queue.Queue = queue.Queue(maxsize=1)
+    stop = threading.Event()
+
+    def controller() -> None:
+        while not stop.wait(poll_s):
+            with contextlib.suppress(queue.Empty):
+                reports.get_nowait()
+
+    threading.Thread(target=controller, daemon=True).start()
+    with ThreadPoolExecutor(max_workers=1) as ray_upload_thread:
+        for step in range(1, saves + 1):
+            writer.wait()
+            local = tmp_path / f"local{step}"
+            local.mkdir(parents=True)
+            upload = writer.upload_fn(0, step, {"model.pt": {"w": torch.zeros(10)}}, True, pafs.LocalFileSystem(),
+                                      str(tmp_path / "store"), FakeCheckpoint, COPY)
+            ray_upload_thread.submit(lambda u=upload, p=local, s=step: reports.put(u(FakeCheckpoint(str(p)), f"c{s}")))
+        writer.wait()
+    stop.set()
+    return writer.ray_held()
+
+
+def test_writes_held_by_rays_report_queue_are_measured_and_named(tmp_path: Path):
+    """Ray Train takes one report per worker per poll: saves faster than that wait for Ray, not
+    for storage, and the user is told what to change; saves Ray keeps up with wait for nothing."""
+    held = _ray_hand_over(StorageWriter(), tmp_path / "slow", saves=4, poll_s=0.3)
+    assert held >= 0.3, "four saves at once through a queue emptied every 0.3 s wait for at least one poll"
+    assert _ray_hand_over(StorageWriter(), tmp_path / "fast", saves=4, poll_s=0.001) < 0.1
+
+    from tidal.worker.checkpoint import ray_backlog
+
+    note = ray_backlog(held, every_steps=2, interval_s="1")
+    assert note is not None and "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S = 1 s" in note
+    assert "checkpoint.every_steps (now 2)" in note
+    assert ray_backlog(0.05, every_steps=2, interval_s="1") is None, "a wait below a tenth of a second is noise"

@@ -13,7 +13,14 @@ controller and workers (`get_env_vars_to_propagate`), so setting them in the dri
   costs nothing and resumes at the size that fits within seconds. A fixed-size job keeps Ray's
   value: it must wait for its nodes (an autoscaler may be starting them), not spin retrying.
 - `RAY_TRAIN_HEALTH_CHECK_INTERVAL_S` (Ray: 2 s): how often the controller polls the workers,
-  so how late it sees a dead worker or a report. One poll per second costs the driver little.
+  so how late it sees a dead worker, and **how many checkpoints per second a job can save**.
+  Each poll takes one report from each worker's queue, which holds one; with asynchronous
+  uploads, the worker's single upload thread then waits to hand over the next report, and the
+  save after that waits for the thread (`StorageWriter.upload_fn` measures the wait). So
+  checkpoints faster than one per interval hold training back: on 2 cores, a checkpoint every
+  2 steps of a 280 ms step ran at 495 ms/step with a poll every 1 s and 319 ms/step every 0.5 s
+  (no checkpoints: 276 ms; polling faster gained nothing more). A poll is two actor calls: twice
+  a second costs the controller about 1% of a core.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from tidal.spec.job import JobSpec
 START_TIMEOUT = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
 POLL_INTERVAL = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
 ELASTIC_START_TIMEOUT_S = "5"
-POLL_INTERVAL_S = "1"
+POLL_INTERVAL_S = "0.5"
 
 
 def recovery_env(spec: JobSpec, environ: Mapping[str, str]) -> dict[str, str]:

@@ -132,7 +132,19 @@ def save(engine: Any, state: TrainState, metrics: dict[str, Any],
         writer.abandon()  # nothing was handed to Ray's upload thread, or it ran and failed
         raise
     return {"checkpoint_save_s": save_s, "checkpoint_blocked_s": time.perf_counter() - t0,
-            "checkpoint_wait_s": waited, "checkpoint_bytes": float(state_bytes)}
+            "checkpoint_wait_s": waited, "checkpoint_bytes": float(state_bytes),
+            "checkpoint_ray_held_s": writer.ray_held()}
+
+
+def ray_backlog(held_s: float, every_steps: int, interval_s: str | None) -> str | None:
+    """A warning when checkpoint writes waited for Ray Train to take earlier reports (it takes one
+    per worker per poll, see tidal.launch.recovery): training then waits for Ray, not storage."""
+    if held_s < 0.1:
+        return None
+    return (f"WARNING: checkpoints come faster than Ray Train takes their reports (one per "
+            f"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S = {interval_s or 2} s): writes waited {held_s:.2f} s for Ray "
+            f"since the last save, and training waits with them. Raise checkpoint.every_steps (now "
+            f"{every_steps}) or lower RAY_TRAIN_HEALTH_CHECK_INTERVAL_S.")
 
 
 def before_update(engine: Any) -> None:

@@ -12,6 +12,7 @@ import ray.train
 import torch
 
 from tidal.eval_best import stopped_early
+from tidal.launch.recovery import POLL_INTERVAL
 from tidal.spec.job import JobSpec
 from tidal.tracking.actor import known_run_id
 from tidal.tracking.emitter import Emitter
@@ -70,7 +71,7 @@ def train_loop(config: dict[str, Any]) -> None:
     clock, sync, loss_sum, loss_n = PhaseClock(device), LogSync(), torch.zeros(1), 0
     step_fn = step_function(spec)  # the user's train.step_fn, or model(*batch)
     watchdog = StepWatchdog(spec.failure.step_timeout_s, rank, events)
-    saved_for_preemption = False
+    saved_for_preemption = backlog_said = False
     evaluator = _evaluator(spec, rank, world, device, batches)
 
     done = state.data_ended or stopped_early(spec, asdict(state))
@@ -134,6 +135,10 @@ def train_loop(config: dict[str, Any]) -> None:
             watchdog.beat(step)
             if rank == 0:
                 events.checkpointed(step, saved)
+                if not backlog_said and (note := checkpoint.ray_backlog(
+                        saved["checkpoint_ray_held_s"], spec.checkpoint.every_steps, os.environ.get(POLL_INTERVAL))):
+                    events.say(note, step)
+                    backlog_said = True  # once per worker group: the cause does not change
         if warning is not None:
             watchdog.pause()
             _wait_for_reclaim(warning.deadline_ms)

@@ -136,6 +136,8 @@ class StorageWriter:
         self.buffers = Buffers()
         self.live = False  # the latest save holds live tensors: updates wait until they are read
         self.gate_s = 0.0  # seconds updates waited for live writes, since `gate_waited`
+        self.ended = 0.0  # perf_counter() when the latest write ended
+        self.held_s = 0.0  # seconds writes waited for Ray to take earlier reports, since `ray_held`
 
     def before_update(self) -> None:
         """Called before every optimizer step: a live save's tensors must have been serialized
@@ -149,6 +151,13 @@ class StorageWriter:
         """Seconds optimizer steps waited for live writes since the last call."""
         waited, self.gate_s = self.gate_s, 0.0
         return waited
+
+    def ray_held(self) -> float:
+        """Seconds writes waited, since the last call, for Ray Train's upload thread after their
+        report and the previous write had ended: the thread was handing an earlier report to a
+        controller that takes one per poll (tidal.launch.recovery)."""
+        held, self.held_s = self.held_s, 0.0
+        return held
 
     def wait(self) -> float:
         """Block until the previous write ended (written or failed); returns the seconds waited.
@@ -173,9 +182,11 @@ class StorageWriter:
         done, read = self.last, self.read = threading.Event(), threading.Event()
         self.live = mode == LIVE
         stale = False  # a live save that failed after training moved on: its state is gone
+        queued = time.perf_counter()
 
         def upload(local: Any, dir_name: str) -> Any:
             nonlocal stale
+            self.held_s += max(0.0, time.perf_counter() - max(queued, self.ended))
             if stale:
                 raise CheckpointError(f"checkpoint of step {step} failed after training had moved on from its state; "
                                       "it is not written again (the previous checkpoint stays the resume point)")
@@ -194,6 +205,7 @@ class StorageWriter:
                     taken.update({rel: fresh.take(rel, state) for rel, state in taken.items()})
                 raise
             finally:
+                self.ended = time.perf_counter()
                 read.set()
                 done.set()
             return checkpoint_cls(dest, filesystem=storage)
