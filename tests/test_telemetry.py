@@ -15,18 +15,39 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from mlflow.tracking import MlflowClient
 
 import tidal
 from tests.conftest import metric_history, tiny_spec
 from tidal.cli import main
 from tidal.spec.job import ModelSpec
-from tidal.worker.metrics import flops_per_token
+from tidal.worker.metrics import ResourceSampler, flops_per_token, sampling_interval_s
 from tidal.worker.models import build_model
 
 EXPECTED = ("loss", "lr", "tokens_per_s", "tokens_per_s_per_worker", "samples_per_s", "step_time_s", "data_wait_s",
             "forward_backward_s", "optimizer_s", "mfu", "model_flops_per_token", "world_size", "restarts",
-            "steps_lost", "host_memory_used_frac", "process_rss_gb", "cpu_util_frac")
+            "steps_lost")
+HOST = ("host_memory_used_frac", "process_rss_gb", "cpu_util_frac")  # read every 10 s (MLflow's interval)
+
+
+def test_host_stats_are_read_at_most_once_per_sampling_interval():
+    now = [100.0]
+    sample = ResourceSampler(torch.device("cpu"), every_s=10.0, clock=lambda: now[0])
+    first = sample()
+    assert set(first) == set(HOST) and 0 < first["host_memory_used_frac"] <= 1 and first["process_rss_gb"] > 0
+    now[0] = 109.9
+    assert sample() == {}, "a log step within the interval logs no host stats"
+    now[0] = 110.0
+    assert set(sample()) == set(HOST)
+
+
+def test_sampling_interval_follows_mlflows_variable():
+    assert sampling_interval_s({}) == 10.0
+    assert sampling_interval_s({"MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "2.5"}) == 2.5
+    assert sampling_interval_s({"MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "0"}) == 10.0, "MLflow reads 0 as unset"
+    with pytest.warns(UserWarning, match="MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL='often' is not a number"):
+        assert sampling_interval_s({"MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "often"}) == 10.0
 
 
 def test_flops_formula_matches_a_hand_count():
@@ -45,6 +66,8 @@ def test_run_leaves_metrics_artifacts_and_tables(tmp_path, capsys):
     run_id = tidal.run(spec).mlflow_run_id
     for key in EXPECTED:
         assert sorted(metric_history(spec, run_id, key)) == [2, 4, 6, 8, 10], key
+    for key in HOST:  # from the first log step on, at log steps only
+        assert 2 in metric_history(spec, run_id, key) and set(metric_history(spec, run_id, key)) <= {2, 4, 6, 8, 10}, key
     assert sorted(metric_history(spec, run_id, "checkpoint_blocked_s")) == [8, 10]
     c = MlflowClient(spec.tracking.uri)
     assert any(k.startswith("system/") for k in c.get_run(run_id).data.metrics), "MLflow system metrics"

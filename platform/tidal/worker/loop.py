@@ -23,8 +23,8 @@ from tidal.worker.engine import build_engine, data_parallel_rank, is_pipeline, p
 from tidal.worker.logsync import LogSync
 from tidal.worker.metrics import (
     PhaseClock,
+    ResourceSampler,
     flops_per_token,
-    resource_stats,
     speed,
     worker_peak_flops,
 )
@@ -69,6 +69,7 @@ def train_loop(config: dict[str, Any]) -> None:
     s = spec.scaling
     peak = world * worker_peak_flops(device, spec.parallelism.precision, s.cpus_per_worker, s.peak_tflops_per_worker)
     clock, sync, loss_sum, loss_n = PhaseClock(device), LogSync(), torch.zeros(1), 0
+    host_stats: Callable[[], dict[str, float]] = ResourceSampler(device) if rank == 0 else dict  # rank 0's only
     step_fn = step_function(spec)  # the user's train.step_fn, or model(*batch)
     watchdog = StepWatchdog(spec.failure.step_timeout_s, rank, events)
     saved_for_preemption = backlog_said = False
@@ -107,9 +108,9 @@ def train_loop(config: dict[str, Any]) -> None:
         metrics = {
             "step": step, "loss": agreed.loss, "lr": engine.get_lr()[0],
             **speed(spec, step_s, world, model_flops, peak), "world_size": world, "tokens_seen": state.tokens_seen,
-            **times, "checkpoint_gate_s": checkpoint.gate_waited(), **(resource_stats(device) if rank == 0 else {}),
+            **times, "checkpoint_gate_s": checkpoint.gate_waited(), **host_stats(),
         }
-        metrics |= telemetry.at_log_step(metrics, agreed.busy_s)
+        metrics |= telemetry.at_log_step(metrics, agreed.busy_s, final)
         loss_sum.zero_()
         loss_n = 0
         stop = False
