@@ -136,7 +136,7 @@ def test_resource_stats_report_the_gpu_while_it_works() -> None:
         # pass under load. (Timing a first batch to size a queue of work did not work: that
         # batch includes cuBLAS's start, so too little was queued and the GPU sat idle.)
         time.sleep(1.5)
-        stats = resource_stats(device)  # what rank 0 logs to MLflow with every step
+        stats = resource_stats(device)  # what rank 0 logs to MLflow (every MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL)
     finally:
         stop.set()
         busy.join()
