@@ -169,6 +169,22 @@ def sampling_interval_s(environ: Mapping[str, str] = os.environ) -> float:
         return SAMPLING_INTERVAL_S
 
 
+class Every:
+    """Due at most once per `every_s` seconds (the first call is due; `force` is due and restarts
+    the interval): for per-step work whose result changes over seconds, not steps."""
+
+    def __init__(self, every_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.every_s, self.clock = every_s, clock
+        self.last = -math.inf
+
+    def due(self, force: bool = False) -> bool:
+        now = self.clock()
+        if not force and now - self.last < self.every_s:
+            return False
+        self.last = now
+        return True
+
+
 class ResourceSampler:
     """Rank 0's host and device stats, read at most once per interval and logged at the log step
     that read them. Reading /proc (and NVML on a GPU) takes about 0.45 ms: a job logging every
@@ -177,16 +193,11 @@ class ResourceSampler:
 
     def __init__(self, device: torch.device, every_s: float | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.device, self.clock = device, clock
-        self.every_s = sampling_interval_s() if every_s is None else every_s
-        self.last = -math.inf
+        self.device = device
+        self.every = Every(sampling_interval_s() if every_s is None else every_s, clock)
 
     def __call__(self) -> dict[str, float]:
-        now = self.clock()
-        if now - self.last < self.every_s:
-            return {}
-        self.last = now
-        return resource_stats(self.device)
+        return resource_stats(self.device) if self.every.due() else {}
 
 
 def resource_stats(device: torch.device) -> dict[str, float]:

@@ -17,7 +17,6 @@ tracking/usage.py integrates over time).
 
 from __future__ import annotations
 
-import math
 import os
 import statistics
 import time
@@ -33,7 +32,7 @@ from tidal.cluster.burst import node_site
 from tidal.cluster.prices import worker_price
 from tidal.spec.job import JobSpec
 from tidal.storage import Found
-from tidal.worker.metrics import gpu_stats
+from tidal.worker.metrics import Every, gpu_stats
 from tidal.worker.stragglers import Spread, StragglerWatch, spread
 
 TAGS = ("job", "rank", "node", "site")
@@ -134,7 +133,7 @@ class Telemetry:
         self.watch = StragglerWatch(f.straggler_ratio, f.straggler_intervals)
         self.places: list[Place] | None = None
         self.last: tuple[int, float] | None = None  # (step, time) at the previous log step
-        self.exported = -math.inf  # when the gauges were last set
+        self.gauges_due = Every(EXPORT_EVERY_S)
         self.started = time.time()  # before the engine build: start-up holds the devices too
         if self.rank == 0:
             reason = "start" if not found else "restart" if int(found.state["world_size"]) == self.world else "resize"
@@ -162,8 +161,7 @@ class Telemetry:
             trained = (step - self.last[0]) * float(metrics.get("step_time_s", 0.0))
             local["stall_s"] = max(0.0, now - self.last[1] - trained)
         self.last = (step, now)
-        if final or now - self.exported >= EXPORT_EVERY_S:
-            self.exported = now
+        if self.gauges_due.due(force=final):
             self._export({**metrics, **local, **gpu_stats(self.device), **(extra if self.rank == 0 else {})})
         return extra if self.rank == 0 else {}
 
