@@ -23,6 +23,8 @@ from tidal.worker.data import Batches
 from tidal.worker.models import build_model
 
 WARMUP = 10  # steps left out of the timing: allocator, JIT and first-touch costs
+TAIL = 10  # nor the last 10: a Tidal run's timing ends there, before its final checkpoint, and
+# every kind of run must time the same steps (the later steps of a run are not the earlier's)
 
 
 def train(path: str) -> dict[str, float] | None:
@@ -37,7 +39,8 @@ def train(path: str) -> dict[str, float] | None:
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                       config=ds_config(spec, world, on_gpu=False))
     batches = Batches(spec, rank, world, torch.device("cpu"))
-    t_start = warm_at = 0.0
+    last = spec.train.steps - TAIL
+    t_start = warm_at = elapsed = 0.0
     for step in range(1, spec.train.steps + 1):
         if step == WARMUP + 1:
             dist.barrier()
@@ -46,12 +49,14 @@ def train(path: str) -> dict[str, float] | None:
             loss = engine(tokens, targets)
             engine.backward(loss)
             engine.step()
+        if step == last:
+            dist.barrier()
+            elapsed = time.perf_counter() - t_start
     dist.barrier()
-    elapsed = time.perf_counter() - t_start
     save_s = torch_save_fsync(engine_state(engine), Path(f"/tmp/plain-ds-{os.getpid()}.pt"))[0] if rank == 0 else 0.0
     if rank != 0:
         return None
-    steps = spec.train.steps - WARMUP
+    steps = last - WARMUP
     return {"steps": steps, "seconds": elapsed, "step_s": elapsed / steps, "torch_save_s": save_s, "loss": loss.item(),
             "warm_at": warm_at}
 

@@ -136,7 +136,8 @@ def main() -> None:
     body = f"""Command: `python -m benchmarks.throughput --repeats {args.repeats} --steps {args.steps}` ({time.strftime('%Y-%m-%d')}, {pyplatform.machine()}, {torch.get_num_threads()} threads, CPU only)
 
 Work: GPT 4 layers x d256 (3.3M params), ZeRO-2, fp32, 2 workers x 1 CPU, micro batch 8, global batch 32, seq 64,
-{args.steps} steps, the first {WARMUP} (and, for Tidal, the last 10 with the final checkpoint) left out of the timing.
+{args.steps} steps; every kind is timed over the same steps, {WARMUP + 1} to {args.steps - 10} (the first {WARMUP} warm up, the
+last 10 hold Tidal's final checkpoint).
 Each round runs the three in a rotating order; throughput ratios are step-time ratios within the round.
 
 | round | plain DeepSpeed (torchrun), ms/step | same loop, bare Ray Train | `tidal run` | Tidal / bare Ray | Tidal / plain | bare Ray / plain |
