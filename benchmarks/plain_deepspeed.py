@@ -36,8 +36,9 @@ def train(path: str) -> dict[str, float] | None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(spec.train.seed)
     model = build_model(spec.model)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                      config=ds_config(spec, world, on_gpu=False))
+    params = [p for p in model.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=params,  # as tidal.worker.engine does
+                                      config=ds_config(spec, world, on_gpu=False, trainable_params=sum(p.numel() for p in params)))
     batches = Batches(spec, rank, world, torch.device("cpu"))
     last = spec.train.steps - TAIL
     t_start = warm_at = elapsed = 0.0

@@ -9,10 +9,16 @@ from tidal.spec.job import JobSpec
 from tidal.spec.passthrough import merged
 from tidal.spec.schedule import DEEPSPEED_SCHEDULES
 
+# DeepSpeed's default gradient bucket, in elements (deepspeed.runtime.zero.config).
+DEEPSPEED_REDUCE_BUCKET = 500_000_000
 
-def ds_config(spec: JobSpec, world_size: int, on_gpu: bool, load_universal: bool = False) -> dict[str, Any]:
+
+def ds_config(spec: JobSpec, world_size: int, on_gpu: bool, load_universal: bool = False,
+              trainable_params: int | None = None) -> dict[str, Any]:
+    """`trainable_params`: the built model's (its pipeline stage's) trainable parameter count,
+    where the caller has the model; it sizes ZeRO's gradient bucket (`_reduce_bucket`)."""
     t, p = spec.train, spec.parallelism
-    zero: dict[str, Any] = {"stage": p.zero_stage}
+    zero: dict[str, Any] = {"stage": p.zero_stage, **_reduce_bucket(p.zero_stage, trainable_params)}
     if p.offload_optimizer != "none":
         zero["offload_optimizer"] = _offload(p.offload_optimizer, p.nvme_path, on_gpu)
     if p.offload_params != "none":
@@ -40,6 +46,19 @@ def ds_config(spec: JobSpec, world_size: int, on_gpu: bool, load_universal: bool
         "wall_clock_breakdown": False,
     }
     return merged(derived, p.deepspeed)  # keys Tidal derives were refused at load (tidal.spec.passthrough)
+
+
+def _reduce_bucket(zero_stage: int, trainable_params: int | None) -> dict[str, int]:
+    """ZeRO-1 and -2 allocate a new gradient bucket of `reduce_bucket_size` elements at every
+    micro-step (`setup_buckets`; two with overlap_comm). DeepSpeed's default, 5e8, suits models
+    larger than that; for a smaller one the bucket is a 2 GB fp32 allocation per step that holds
+    a few MB: on CPU a fresh mapping and its page faults every step, on a GPU up to 2 GB of memory
+    the caching allocator keeps reserved. A bucket the size of the model holds every gradient, as
+    the default does, so the reductions are the same ones. `parallelism.deepspeed` may still set
+    it. ZeRO-3 allocates its bucket once: left as DeepSpeed sets it."""
+    if zero_stage not in (1, 2) or not trainable_params or trainable_params >= DEEPSPEED_REDUCE_BUCKET:
+        return {}
+    return {"reduce_bucket_size": trainable_params}
 
 
 def _optimizer(spec: JobSpec, cpu_torch_adam: bool) -> dict[str, Any]:

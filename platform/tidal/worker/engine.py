@@ -33,10 +33,11 @@ def build_engine(spec: JobSpec, world_size: int, device: torch.device, load_univ
     model = _pipeline(spec) if spec.parallelism.pipeline_stages > 1 else build_model(spec.model, ckpt)
     if load_universal and (why := resize_refusal(spec, world_size)):
         raise CheckpointError(why)
-    config = ds_config(spec, world_size, on_gpu=device.type == "cuda", load_universal=load_universal)
+    params = [p for p in model.parameters() if p.requires_grad]
+    config = ds_config(spec, world_size, on_gpu=device.type == "cuda", load_universal=load_universal,
+                       trainable_params=sum(p.numel() for p in params))
     if device.type == "cuda":
         arch_list_for_deepspeed()  # before FusedAdam's JIT build
-    params = [p for p in model.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=config,
                                       lr_scheduler=_torch_schedule(spec))
     return engine
