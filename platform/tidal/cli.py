@@ -208,6 +208,9 @@ def _validate(args: argparse.Namespace) -> int:
         for world in sorted({spec.scaling.min_workers, spec.scaling.max_workers}):
             print(f"\n# DeepSpeed config at world size {world} ({'GPU' if on_gpu else 'CPU'})")
             print(json.dumps(ds_config(spec, world, on_gpu=on_gpu), indent=2))
+        if spec.parallelism.zero_stage in (1, 2):
+            print("# and, once the model is built, zero_optimization.reduce_bucket_size: its trainable parameter count "
+                  "where that is under DeepSpeed's 5e8, unless set above")
     return 0
 
 
