@@ -14,7 +14,8 @@ from tests.test_cli import tidal_cli
 from tidal.tracking.quiet import quiet_libraries
 
 CHATTER = ("TrainingReport(", "Setting accelerator to CPU", "all_gather_into_tensor", "lr_scheduler.step()",
-           "optimizer.step()` has been overridden", "built successfully", "Creating initial MLflow database tables")
+           "optimizer.step()` has been overridden", "built successfully", "Creating initial MLflow database tables",
+           "Failed to query Ray Train Controller actor state")
 
 
 def deepspeed_says(message: str) -> list[str]:
@@ -70,3 +71,4 @@ def test_a_short_run_prints_tidal_lines_and_no_library_chatter(tmp_path):
     assert len([line for line in lines if "[tidal] step " in line]) == 2, "one line per log interval (10 steps)"
     assert len([line for line in lines if "[tidal] checkpoint at step " in line]) == 2
     assert "[tidal] job 'quickstart' finished" in proc.stdout
+    assert "starting a local Ray instance (without its dashboard; TIDAL_RAY_DASHBOARD=1 starts it)" in proc.stdout

@@ -110,7 +110,7 @@ def sweep(spec: JobSpec, params: dict[str, str] | list[str] | None = None, sampl
     _check_values(base, cfg.parsed())
     _check_scheduler(base, cfg)
     check_metric(base, cfg)
-    _connect_ray()
+    _connect_ray(dashboard=cfg.scheduler == "asha")  # a local instance: ASHA needs the State API
     if cfg.scheduler == "asha":
         _check_state_api()
 
@@ -191,7 +191,8 @@ def _check_state_api() -> None:
     except (RayStateApiException, ConnectionError) as e:
         raise TidalError("sweep.scheduler asha needs Ray's State API (the dashboard) to free the workers of stopped "
                          "trials, and this Ray cluster has none (started with include_dashboard=False or without "
-                         "ray[default]?). Start Ray with its dashboard, or sweep with sweep.scheduler none.") from e
+                         "ray[default]?). Start Ray with its dashboard (a local instance: TIDAL_RAY_DASHBOARD=1), or sweep "
+                         "with sweep.scheduler none.") from e
 
 
 def _last_step(base: JobSpec) -> int:

@@ -93,3 +93,14 @@ def _quiet_ray_train_reports() -> None:
     spec = importlib.util.find_spec("ray.train.v2._internal.execution.context")
     if spec is not None and spec.origin:
         logging.getLogger(spec.origin).setLevel(logging.WARNING)
+
+
+def quiet_placement_group_cleaner() -> None:
+    """Ray's worker_process_setup_hook on a local instance Tidal starts without its dashboard
+    (tidal.launch.trainer): Ray Train's PlacementGroupCleaner asks the State API, which the
+    dashboard serves, whether the controller is alive, and warns "Failed to query Ray Train
+    Controller actor state" every second it cannot. The controller's driver is this instance's
+    only job, and its placement groups end with it."""
+    if debug():
+        return
+    logging.getLogger("ray.train.v2._internal.execution.controller.placement_group_cleaner").setLevel(logging.ERROR)
