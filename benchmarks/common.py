@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import subprocess
@@ -16,6 +17,14 @@ from tidal.spec.job import JobSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "benchmarks.md"
+
+
+def pair_args(doc: str | None) -> argparse.Namespace:
+    """The options of an A/B benchmark whose pairs alternate which run goes first."""
+    ap = argparse.ArgumentParser(description=doc)
+    ap.add_argument("--pairs", type=int, default=4, help="alternating pairs, each reported (at least 4)")
+    ap.add_argument("--steps", type=int, default=80, help="steps per run, timed from step 11 to N-10")
+    return ap.parse_args()
 
 
 def venv_tools_first() -> None:

@@ -8,19 +8,19 @@ every pair is reported, with the launch time to step 10.
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform as pyplatform
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import median, settle, update_doc, write_spec
+from benchmarks.common import median, pair_args, settle, update_doc, write_spec
 from benchmarks.throughput import bench_spec, tidal
 from tidal.launch.trainer import DASHBOARD_ENV
+from tidal.spec.job import JobSpec
 
 
-def run(spec, path: Path, dashboard: bool) -> tuple[float, float]:
+def run(spec: JobSpec, path: Path, dashboard: bool) -> tuple[float, float]:
     """(ms per step over steps 11 to N-10, seconds from the command's start to step 10)."""
     settle()
     os.environ[DASHBOARD_ENV] = "1" if dashboard else "0"
@@ -32,10 +32,7 @@ def run(spec, path: Path, dashboard: bool) -> tuple[float, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--pairs", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=80)
-    args = ap.parse_args()
+    args = pair_args(__doc__)
     with tempfile.TemporaryDirectory() as d:
         spec = bench_spec(Path(d), args.steps)
         path = write_spec(spec, Path(d) / "bench.yaml")

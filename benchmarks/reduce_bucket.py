@@ -8,14 +8,13 @@ alternating; every pair is reported, with the page faults of the run's processes
 
 from __future__ import annotations
 
-import argparse
 import platform as pyplatform
 import resource
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import median, update_doc, write_spec
+from benchmarks.common import median, pair_args, update_doc, write_spec
 from benchmarks.throughput import bench_spec, plain
 from tidal.spec.deepspeed import DEEPSPEED_REDUCE_BUCKET
 
@@ -28,10 +27,7 @@ def run(path: Path) -> tuple[float, int]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--pairs", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=80)
-    args = ap.parse_args()
+    args = pair_args(__doc__)
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         sized = bench_spec(tmp, args.steps)

@@ -7,7 +7,6 @@ work, runs alternating so drift in the machine hits both alike; every pair is re
 
 from __future__ import annotations
 
-import argparse
 import platform as pyplatform
 import tempfile
 import time
@@ -17,6 +16,7 @@ import torch
 
 from benchmarks.common import (
     median,
+    pair_args,
     settle,
     update_doc,
     write_spec,
@@ -32,10 +32,7 @@ def step_s(spec_path: Path, spec) -> float:  # noqa: ANN001 - a JobSpec
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--pairs", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=80)
-    args = ap.parse_args()
+    args = pair_args(__doc__)
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         on = bench_spec(tmp, args.steps).with_overrides({"name": "bench-telemetry-on"})
