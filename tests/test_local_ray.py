@@ -32,10 +32,14 @@ def test_the_setup_hook_names_a_function_that_lowers_the_cleaner_warning(monkeyp
     module, _, name = local_ray_options(False, {})["runtime_env"]["worker_process_setup_hook"].rpartition(".")
     hook = getattr(importlib.import_module(module), name)
     logger = logging.getLogger(CLEANER)
-    monkeypatch.setattr(logger, "level", logging.NOTSET)
-    monkeypatch.setenv("TIDAL_DEBUG", "1")
-    hook()
-    assert logger.isEnabledFor(logging.WARNING), "TIDAL_DEBUG=1 keeps every library line"
-    monkeypatch.delenv("TIDAL_DEBUG")
-    hook()
-    assert not logger.isEnabledFor(logging.WARNING) and logger.isEnabledFor(logging.ERROR)
+    before = logger.level
+    try:
+        logger.setLevel(logging.NOTSET)  # setLevel, not an attribute: it also clears logging's cache
+        monkeypatch.setenv("TIDAL_DEBUG", "1")
+        hook()
+        assert logger.isEnabledFor(logging.WARNING), "TIDAL_DEBUG=1 keeps every library line"
+        monkeypatch.delenv("TIDAL_DEBUG")
+        hook()
+        assert not logger.isEnabledFor(logging.WARNING) and logger.isEnabledFor(logging.ERROR)
+    finally:
+        logger.setLevel(before)

@@ -260,7 +260,7 @@ def _connect_ray(dashboard: bool = False) -> None:
 
     The local instance has no dashboard unless `dashboard` or TIDAL_RAY_DASHBOARD=1 asks for it:
     it serves Ray Train's PlacementGroupCleaner, which asks the State API about the controller every
-    second, and on a 2-core machine that costs training 2-3% (docs/benchmarks.md, "Ray's dashboard
+    second, and on a 2-core machine that costs training about 3% (docs/benchmarks.md, "Ray's dashboard
     on a local instance"). Without it the cleaner cannot ask; its warning about that is lowered
     (tidal.tracking.quiet.quiet_placement_group_cleaner). A cluster keeps whatever it was started with."""
     import ray
