@@ -71,10 +71,11 @@ is removed mid-run, on a fresh cluster each round. Time from the removal to the 
 size 1, per round: {", ".join(f"{t:.1f} s" for t in times)}; median **{seconds:.1f} s** (goal <= 20 s)
 (`RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S` = {timeout}).
 
-After the failure, Train V2 may first try to restart the group at its old size (its view of the cluster still
-counts the lost node) and gives up only when that start times out, then starts at the size that fits; Tidal
-shortens that timeout for elastic jobs (Ray's default is 60 s). Resharding the checkpoint (universal conversion)
-and reloading take a few seconds of the rest.
+Train V2 sizes the new group from Ray's autoscaling coordinator, which looks at the cluster's nodes every
+20 s; at the failure Tidal has it look again at once (`ClusterView`, tidal/launch/callbacks.py), so the group
+restarts at the size that fits instead of retrying the old size until a start timeout (5 s for an elastic job,
+tidal/launch/recovery.py; Ray's default is 60 s) ends each try. What is left: the workers' start, the checkpoint's
+universal conversion (a subprocess, about 3 s here) and the reload.
 """
     update_doc("Node loss: time to train again at the smaller size", body)
     print(body)

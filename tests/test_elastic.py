@@ -5,6 +5,7 @@ The head has no CPUs, so Ray Train workers land on the 1-CPU worker nodes the te
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -154,3 +155,36 @@ def wait_for_world_size(spec, size: int, timeout: float = 180) -> None:
             return
         time.sleep(0.2)
     raise TimeoutError(f"world size never became {size}")
+
+
+def test_after_a_failure_the_next_group_is_sized_without_the_lost_node(cluster):
+    """Train V2's elastic policy sizes a new group from Ray's autoscaling coordinator, which looks at
+    the nodes every 20 s; Tidal's ClusterView has it look again at a failure (tidal/launch/callbacks.py).
+    Asks the coordinator as Train does, through Ray's own client, so a change in Ray fails here."""
+    from ray.train import ScalingConfig
+    from ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_client import (
+        TrainAutoscalingCoordinatorClient,
+    )
+
+    from tidal.launch.callbacks import COORDINATOR, ClusterView
+
+    with contextlib.suppress(ValueError):  # a fresh coordinator: its next look is 20 s away
+        ray.kill(ray.get_actor(COORDINATOR, namespace=COORDINATOR), no_restart=True)
+    nodes = list(cluster.worker_nodes)
+    while len(nodes) < 2:
+        nodes.append(add_worker_node(cluster))
+    train = TrainAutoscalingCoordinatorClient("test-elastic")
+    train.send_resource_request(ScalingConfig(num_workers=(1, 2)), 2)
+
+    def reserved_nodes() -> int:
+        return len(ray.get(train._autoscaling_coordinator.get_reserved_resources.remote("test-elastic")))
+
+    assert reserved_nodes() == 2
+    cluster.remove_node(nodes[-1])
+    deadline = time.time() + 30
+    while any(n["Alive"] for n in ray.nodes() if n["NodeID"] == nodes[-1].node_id) and time.time() < deadline:
+        time.sleep(0.1)
+    assert reserved_nodes() == 2, "Ray's own view still counts the lost node (why ClusterView exists)"
+    ClusterView(every_s=0.1, for_s=0.0).after_exception(None, {0: RuntimeError("node lost")})
+    assert reserved_nodes() == 1
+    train.cancel_resource_request()

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from typing import Any
 
+import ray
 from ray.train import UserCallback
 
 from tidal.eval_best import spared
@@ -48,3 +51,62 @@ class Retention(UserCallback):
             run_dir.prune(self.keep, spare=spared(self.spec, run_dir))
         except OSError as e:  # retention can wait for the next checkpoint; training must not
             log.warning("checkpoint retention skipped this time: %s", e)
+
+
+# Ray's autoscaling coordinator: a detached actor, shared by Ray Data and Train V2's elastic policy
+# (ray/data/_internal/cluster_autoscaler/default_autoscaling_coordinator.py).
+COORDINATOR = "AutoscalingCoordinator"  # its name and its namespace
+
+
+class ClusterView(UserCallback):
+    """After a worker failure in an elastic job, has Ray look at the cluster's nodes again at once,
+    so the next worker group is sized for the nodes still alive. Runs in Ray's controller.
+
+    Why by hand: Train V2's elastic policy sizes a new group from what Ray's autoscaling
+    coordinator reserved for it, and the coordinator looks at the cluster only every 20 s
+    (`TICK_INTERVAL_S`). After a node died, the next group was sized for the dead node too; its
+    placement group never became ready, and the controller retried every start timeout
+    (tidal/launch/recovery.py) until the coordinator's next look: 4 timeouts of 5 s, 27.7 s from
+    a node's removal to the first step at the smaller size (benchmarks/node_loss.py). The
+    coordinator can look again on request (`get_reserved_resources(..., recompute=True)`), but
+    nothing in Ray asks it to after a failure, and it has no public API: if the call fails, the
+    start timeout is still there to fall back on. A node can be known dead a few seconds after its
+    workers' failure (GCS's health checks), so it looks again every `every_s` for `for_s`.
+    """
+
+    def __init__(self, every_s: float = 2.0, for_s: float = 30.0) -> None:
+        self.every_s, self.for_s = every_s, for_s
+        self.until = 0.0
+        self.lock = threading.Lock()
+        self.thread: threading.Thread | None = None
+
+    def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
+        refresh_cluster_view()  # before the controller sizes the next group, in this same loop step
+        with self.lock:
+            self.until = time.monotonic() + self.for_s
+            if self.thread is None or not self.thread.is_alive():
+                self.thread = threading.Thread(target=self._again, daemon=True, name="tidal-cluster-view")
+                self.thread.start()
+
+    def _again(self) -> None:
+        while time.monotonic() < self.until:
+            time.sleep(self.every_s)
+            refresh_cluster_view()
+
+    def __getstate__(self) -> dict[str, Any]:  # built in the driver, sent to the controller
+        return {"every_s": self.every_s, "for_s": self.for_s}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(**state)
+
+
+def refresh_cluster_view(timeout_s: float = 5.0) -> bool:
+    """Has Ray's autoscaling coordinator re-read the cluster's nodes and re-reserve its requests now
+    (a requester it does not know gets nothing and changes nothing). False if it could not."""
+    try:
+        coordinator = ray.get_actor(COORDINATOR, namespace=COORDINATOR)
+        ray.get(coordinator.get_reserved_resources.remote("tidal", recompute=True), timeout=timeout_s)
+        return True
+    except Exception as e:  # noqa: BLE001 - no coordinator yet, or another Ray: the start timeout remains
+        log.debug("could not refresh Ray's view of the cluster: %s: %s", type(e).__name__, e)
+        return False

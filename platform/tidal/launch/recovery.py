@@ -6,12 +6,14 @@ controller and workers (`get_env_vars_to_propagate`), so setting them in the dri
 
 - `RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S` (Ray: 60 s) bounds only the wait for the worker
   group's placement group. After a node is lost, the elastic policy can size the new group
-  from a resource view that still counts the dead node; that placement group never becomes
-  ready and the job sat out the whole 60 s. The timeout is a controller error that Ray retries
-  without limit (`controller_failure_limit=-1`) and never charges to `failure.max_restarts`,
-  and each retry sizes the group from a fresh view, so for an elastic job a short timeout
-  costs nothing and resumes at the size that fits within seconds. A fixed-size job keeps Ray's
-  value: it must wait for its nodes (an autoscaler may be starting them), not spin retrying.
+  from a resource view that still counts the dead node (Ray's autoscaling coordinator looks at
+  the nodes every 20 s; `ClusterView` in tidal/launch/callbacks.py has it look again at a
+  failure, which usually avoids this); that placement group never becomes ready and the job sat
+  out the whole 60 s. The timeout is a controller error that Ray retries without limit
+  (`controller_failure_limit=-1`) and never charges to `failure.max_restarts`, and each retry
+  sizes the group from the view then, so for an elastic job a short timeout costs nothing and
+  bounds what a stale view can cost. A fixed-size job keeps Ray's value: it must wait for its
+  nodes (an autoscaler may be starting them), not spin retrying.
 - `RAY_TRAIN_HEALTH_CHECK_INTERVAL_S` (Ray: 2 s): how often the controller polls the workers,
   so how late it sees a dead worker, and **how many checkpoints per second a job can save**.
   Each poll takes one report from each worker's queue, which holds one; with asynchronous

@@ -200,7 +200,7 @@ def _trainer(spec: JobSpec, run_ref: Any, callbacks: list[Any]) -> TorchTrainer:
     )
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from tidal.launch.callbacks import FailureNotifier, Retention
+    from tidal.launch.callbacks import ClusterView, FailureNotifier, Retention
     from tidal.worker import train_loop
 
     s = spec.scaling
@@ -215,7 +215,7 @@ def _trainer(spec: JobSpec, run_ref: Any, callbacks: list[Any]) -> TorchTrainer:
         storage_path=spec.checkpoint.storage,
         failure_config=FailureConfig(max_failures=spec.failure.max_restarts),
         checkpoint_config=_checkpoint_config(spec),
-        callbacks=[FailureNotifier(spec), Retention(spec), *callbacks],
+        callbacks=[FailureNotifier(spec), Retention(spec), *([ClusterView()] if spec.elastic else []), *callbacks],
         # Ray Train logs every report at INFO; Tidal prints its own progress, restart and
         # checkpoint lines, so keep Ray's warnings and errors only.
         logging_config=LoggingConfig(log_level="WARNING"),
