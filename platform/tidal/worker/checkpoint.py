@@ -263,14 +263,15 @@ def _damage(path: Path) -> str | None:
     """What is wrong with the bytes of one checkpoint file, or None.
 
     The bytes are read first, so a read error (a flaky mount, a dropped connection) propagates
-    rather than counting as damage; then the zip archive's CRCs are checked (torch.save writes
-    one per entry, which catches flipped bits inside tensors too) and the file is unpickled from
-    memory. A missing class (a library upgrade) or a lack of memory is no proof either.
+    rather than counting as damage; then the zip archive's CRCs are checked where it has them
+    (torch.save writes one per entry by default, which catches flipped bits inside tensors too;
+    Tidal's own saves write none, see tidal.worker.snapshot._without_crc32) and the file is
+    unpickled from memory. A missing class (a library upgrade) or a lack of memory is no proof either.
     """
     data = path.read_bytes()
     if zipfile.is_zipfile(io.BytesIO(data)):
         try:
-            bad = zipfile.ZipFile(io.BytesIO(data)).testzip()
+            bad = _failed_crc(zipfile.ZipFile(io.BytesIO(data)))
         except zipfile.BadZipFile as e:
             return f"is not a readable archive ({e})"
         if bad is not None:
@@ -281,6 +282,19 @@ def _damage(path: Path) -> str | None:
         raise
     except Exception as e:  # noqa: BLE001 - no I/O happens here: any other failure is the bytes'
         return f"does not unpickle ({type(e).__name__}: {str(e)[:200]})"
+    return None
+
+
+def _failed_crc(archive: zipfile.ZipFile) -> str | None:
+    """The first entry whose bytes differ from their CRC-32, skipping entries written without
+    one (0, as torch.save writes them with its CRCs turned off; a real CRC of 0 is 1 in 2**32)."""
+    for info in archive.infolist():
+        if info.CRC == 0:
+            continue
+        try:
+            archive.read(info)  # zipfile checks the CRC-32 as it reads
+        except zipfile.BadZipFile:
+            return info.filename
     return None
 
 
