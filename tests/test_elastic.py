@@ -185,6 +185,10 @@ def test_after_a_failure_the_next_group_is_sized_without_the_lost_node(cluster):
     while any(n["Alive"] for n in ray.nodes() if n["NodeID"] == nodes[-1].node_id) and time.time() < deadline:
         time.sleep(0.1)
     assert reserved_nodes() == 2, "Ray's own view still counts the lost node (why ClusterView exists)"
-    ClusterView(every_s=0.1, for_s=0.0).after_exception(None, {0: RuntimeError("node lost")})
+    view = ClusterView(every_s=0.1, for_s=0.0)
+    view.after_exception(None, {0: RuntimeError("node lost")})
     assert reserved_nodes() == 1
+    follow_up = view.thread
+    follow_up.join(10)  # its one more look ends before the cluster goes
+    assert not follow_up.is_alive() and view.thread is None
     train.cancel_resource_request()

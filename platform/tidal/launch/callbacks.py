@@ -77,21 +77,25 @@ class ClusterView(UserCallback):
     def __init__(self, every_s: float = 2.0, for_s: float = 30.0) -> None:
         self.every_s, self.for_s = every_s, for_s
         self.until = 0.0
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # `until` and whether a thread runs change together
         self.thread: threading.Thread | None = None
 
     def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
         refresh_cluster_view()  # before the controller sizes the next group, in this same loop step
         with self.lock:
             self.until = time.monotonic() + self.for_s
-            if self.thread is None or not self.thread.is_alive():
+            if self.thread is None:
                 self.thread = threading.Thread(target=self._again, daemon=True, name="tidal-cluster-view")
                 self.thread.start()
 
     def _again(self) -> None:
-        while time.monotonic() < self.until:
+        while True:
             time.sleep(self.every_s)
             refresh_cluster_view()
+            with self.lock:  # a failure meanwhile extends `until` and finds this thread still running
+                if time.monotonic() >= self.until:
+                    self.thread = None
+                    return
 
     def __getstate__(self) -> dict[str, Any]:  # built in the driver, sent to the controller
         return {"every_s": self.every_s, "for_s": self.for_s}
