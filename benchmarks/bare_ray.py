@@ -29,7 +29,7 @@ def worker(config: dict[str, str]) -> None:
 
 
 def main(spec_path: str) -> None:
-    ray.init(logging_level=logging.WARNING, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT / "platform") + ":" + str(ROOT)}})
+    ray.init(address="local", logging_level=logging.WARNING, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT / "platform") + ":" + str(ROOT)}})
     try:
         with tempfile.TemporaryDirectory() as d:
             out = Path(d) / "result.json"

@@ -215,7 +215,7 @@ def main() -> None:
     ap.add_argument("--fault-every-s", type=float, default=None,
                     help="kill a worker every this many seconds of wall time instead of --faults at spread steps")
     args = ap.parse_args()
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
     try:
         with tempfile.TemporaryDirectory() as d:
             if args.fault_every_s:

@@ -1,4 +1,4 @@
-"""What starting the local Ray instance without its dashboard gains (tidal.launch.trainer's
+"""What starting the local Ray instance without its dashboard gains (tidal.launch.connect's
 local_ray_options): the throughput benchmark's `tidal run`, with TIDAL_RAY_DASHBOARD=1 (Ray's
 dashboard, as a bare `ray.init()` starts it) and without (Tidal's default), runs alternating;
 every pair is reported, with the launch time to step 10.
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from benchmarks.common import median, pair_args, settle, update_doc, write_spec
 from benchmarks.throughput import bench_spec, tidal
-from tidal.launch.trainer import DASHBOARD_ENV
+from tidal.launch.connect import DASHBOARD_ENV
 from tidal.spec.job import JobSpec
 
 

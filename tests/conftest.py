@@ -67,7 +67,7 @@ def tiny_spec(tmp: Path, name: str = "tiny", **overrides: Any) -> JobSpec:
 def ray_local() -> Iterator[None]:
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
     yield
     ray.shutdown()
 

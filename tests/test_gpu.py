@@ -379,7 +379,7 @@ def test_worker_loop_in_ray_train_resumes_on_the_gpu(tmp_path: Path) -> None:
         return logged, events
 
     gpus = 1 if CUDA else 0
-    ray.init(num_cpus=4, num_gpus=gpus, include_dashboard=False, logging_level="WARNING")
+    ray.init(address="local", num_cpus=4, num_gpus=gpus, include_dashboard=False, logging_level="WARNING")
     try:
         def launch(spec: JobSpec) -> tuple[dict[int, dict[str, Any]], list[Any]]:
             TorchTrainer(

@@ -1,15 +1,23 @@
 """The local Ray instance `tidal run` and `tidal sweep` start without RAY_ADDRESS: without Ray's
 dashboard unless asked for, and then without the warning Ray Train's cleaner prints every second
-it cannot reach the State API (tests/test_tracking_console.py runs one and reads its output)."""
+it cannot reach the State API (tests/test_tracking_console.py runs one and reads its output); and
+where a driver connects instead: RAY_ADDRESS, or a live `ray start` cluster on this machine."""
 
 from __future__ import annotations
 
 import importlib
 import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
-from tidal.launch.trainer import local_ray_options
+from tests.conftest import ROOT, free_port
+from tidal.launch.connect import local_ray_options
 
 CLEANER = "ray.train.v2._internal.execution.controller.placement_group_cleaner"
 
@@ -43,3 +51,58 @@ def test_the_setup_hook_names_a_function_that_lowers_the_cleaner_warning(monkeyp
         assert not logger.isEnabledFor(logging.WARNING) and logger.isEnabledFor(logging.ERROR)
     finally:
         logger.setLevel(before)
+
+
+RECORDED = "10.1.2.3:6379"
+
+
+@pytest.mark.parametrize("env, recorded, alive, address, warns", [
+    ({"RAY_ADDRESS": "head:6379"}, RECORDED, True, "head:6379", False),  # RAY_ADDRESS wins
+    ({"RAY_ADDRESS": "local"}, RECORDED, True, None, False),  # Ray's own word for "start one"
+    ({}, None, False, None, False),  # nothing recorded: a local instance, as before
+    ({}, RECORDED, True, "auto", False),  # `ray start` on this machine, still up: use it, as ray.init does
+    ({}, RECORDED, False, None, True),  # ... but gone: a local instance, and say why
+])
+def test_where_a_driver_connects(env, recorded, alive, address, warns):
+    from tidal.launch.connect import ray_target
+
+    target = ray_target(env, recorded, lambda a: alive and a == RECORDED)
+    assert target.address == address
+    assert (target.warning is not None) is warns
+    if warns:
+        assert RECORDED in target.warning and "ray_current_cluster" in target.warning
+
+
+def test_the_address_file_is_where_ray_start_writes_it(tmp_path):
+    """Ray's own function decides where `ray start` records its address; ours must read the same file."""
+    from ray._common.utils import get_ray_address_file
+
+    from tidal.launch.connect import address_file
+
+    for env in ({}, {"TMPDIR": str(tmp_path)}, {"RAY_TMPDIR": str(tmp_path / "r"), "TMPDIR": str(tmp_path)}):
+        with pytest.MonkeyPatch.context() as mp:
+            for k in ("RAY_TMPDIR", "TMPDIR"):
+                mp.delenv(k, raising=False)
+            for k, v in env.items():
+                mp.setenv(k, v)
+            assert address_file(env) == Path(get_ray_address_file(None))
+
+
+@pytest.mark.slow
+def test_a_dead_recorded_cluster_does_not_stop_a_run(tmp_path):
+    """A `ray start` (or a test Cluster) killed without `ray stop` leaves its address recorded; a bare
+    ray.init() then retries it (20 s to minutes) and fails. Tidal starts a local instance and says why."""
+    short = Path(tempfile.mkdtemp(prefix="tr-", dir="/tmp"))  # Ray's socket paths have a length limit
+    try:
+        (short / "ray").mkdir()
+        (short / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{free_port()}")  # nobody listens there
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": str(short)}
+        code = ("from tidal.launch.connect import connect_ray; import ray; connect_ray(); "
+                "print('resources', ray.cluster_resources().get('CPU')); ray.shutdown()")
+        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                              cwd=ROOT)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        assert "no longer answers" in proc.stderr and "ray_current_cluster" in proc.stderr
+        assert "starting a local Ray instance" in proc.stdout and "resources " in proc.stdout
+    finally:
+        shutil.rmtree(short, ignore_errors=True)

@@ -38,7 +38,7 @@ def ray_with_metrics() -> Iterator[int]:
     """A local Ray instance whose metrics agent reports every half second; yields the port it serves."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", _metrics_export_port=free_port(),
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING", _metrics_export_port=free_port(),
              _system_config={"metrics_report_interval_ms": 500})
     try:
         yield int(ray.nodes()[0]["MetricsExportPort"])  # the public node table says where it serves

@@ -195,7 +195,7 @@ def ray_with_dashboard() -> Iterator[None]:
     that ASHA stopped only once the State API (served by the dashboard) shows its controller died."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=True, logging_level="WARNING")
+    ray.init(address="local", num_cpus=2, include_dashboard=True, logging_level="WARNING")
     yield
     ray.shutdown()
 

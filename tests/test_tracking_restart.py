@@ -23,7 +23,7 @@ def ray_with_state_api():
     """A local Ray instance with its dashboard: the state API (`ray.util.state`) is served there."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=True, dashboard_port=free_port(), logging_level="WARNING")
+    ray.init(address="local", num_cpus=2, include_dashboard=True, dashboard_port=free_port(), logging_level="WARNING")
     yield
     ray.shutdown()
 

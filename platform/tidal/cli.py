@@ -43,8 +43,10 @@ EPILOG = """examples:
 Cluster commands read the address from --address or RAY_ADDRESS, and the auth token from
 RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token, as Ray does.
 
-Without RAY_ADDRESS, run and sweep start a local Ray instance without Ray's dashboard (about 3% of a
-small machine's training); TIDAL_RAY_DASHBOARD=1 starts it (an ASHA sweep always does).
+Without RAY_ADDRESS, run and sweep use the cluster `ray start` started on this machine if it still
+answers, as ray.init() does; else (or with RAY_ADDRESS=local) they start a local Ray instance without
+Ray's dashboard (about 3% of a small machine's training); TIDAL_RAY_DASHBOARD=1 starts it (an ASHA
+sweep always does).
 
 Set TIDAL_DEBUG=1 to see tracebacks behind error messages.
 

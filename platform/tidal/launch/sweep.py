@@ -35,8 +35,9 @@ from ray.tune.search.basic_variant import BasicVariantGenerator
 
 from tidal import __version__, fs
 from tidal.errors import SpecError, TidalError
+from tidal.launch.connect import connect_ray
 from tidal.launch.sweep_mlflow import close_parent, end_parent, open_parent
-from tidal.launch.trainer import _connect_ray, run
+from tidal.launch.trainer import run
 from tidal.spec.job import JobSpec
 from tidal.spec.sweep import Param as SweepParam
 from tidal.spec.sweep import SweepSpec, check_metric, merged, trial_label
@@ -110,7 +111,7 @@ def sweep(spec: JobSpec, params: dict[str, str] | list[str] | None = None, sampl
     _check_values(base, cfg.parsed())
     _check_scheduler(base, cfg)
     check_metric(base, cfg)
-    _connect_ray(dashboard=cfg.scheduler == "asha")  # a local instance: ASHA needs the State API
+    connect_ray(dashboard=cfg.scheduler == "asha")  # a local instance: ASHA needs the State API
     if cfg.scheduler == "asha":
         _check_state_api()
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from tidal import __version__, eval_best
 from tidal.cluster import burst
 from tidal.errors import SpecError, TidalError
+from tidal.launch.connect import connect_ray
 from tidal.launch.recovery import recovery_settings
 from tidal.launch.result import RunResult, print_record
 from tidal.spec.job import JobSpec
@@ -58,7 +58,7 @@ def run(spec: JobSpec, restart: bool = False, mlflow_tags: dict[str, str] | None
 
     from tidal.tracking.actor import start_tracker
 
-    _connect_ray()
+    connect_ray()
     tags = {**_ray_tags(spec, run_dir), **(mlflow_tags or {})}
     # The job file names the run the tracker reopens (a new job under this name: none, a new run).
     run_dir.write_json(JOB_FILE, {"mlflow_run_id": job.get("mlflow_run_id"), "fingerprint": spec.fingerprint_hash(),
@@ -250,41 +250,6 @@ def _checkpoint_config(spec: JobSpec) -> CheckpointConfig:
         return CheckpointConfig(num_to_keep=spec.checkpoint.keep)
     return CheckpointConfig(num_to_keep=spec.checkpoint.keep, checkpoint_score_attribute=kb.metric,
                             checkpoint_score_order=kb.mode)
-
-
-DASHBOARD_ENV = "TIDAL_RAY_DASHBOARD"
-
-
-def _connect_ray(dashboard: bool = False) -> None:
-    """Connect to the cluster in RAY_ADDRESS, or start a local Ray instance for this process.
-
-    The local instance has no dashboard unless `dashboard` or TIDAL_RAY_DASHBOARD=1 asks for it:
-    it serves Ray Train's PlacementGroupCleaner, which asks the State API about the controller every
-    second, and on a 2-core machine that costs training about 3% (docs/benchmarks.md, "Ray's dashboard
-    on a local instance"). Without it the cleaner cannot ask; its warning about that is lowered
-    (tidal.tracking.quiet.quiet_placement_group_cleaner). A cluster keeps whatever it was started with."""
-    import ray
-
-    if ray.is_initialized():
-        return
-    address = os.environ.get("RAY_ADDRESS")
-    if address:
-        print(f"[tidal] connecting to the Ray cluster at {address}", flush=True)
-        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=True)
-        return
-    options = local_ray_options(dashboard, os.environ)
-    print("[tidal] no RAY_ADDRESS: starting a local Ray instance"
-          + ("" if options["include_dashboard"] else f" (without its dashboard; {DASHBOARD_ENV}=1 starts it)"), flush=True)
-    ray.init(logging_level=logging.WARNING, log_to_driver=True, **options)
-
-
-def local_ray_options(dashboard: bool, env: Mapping[str, str]) -> dict[str, Any]:
-    """ray.init's options for a local instance: the dashboard only if asked for (by the caller or
-    TIDAL_RAY_DASHBOARD); without it, a hook in every worker process lowers the cleaner's warning."""
-    if dashboard or env.get(DASHBOARD_ENV, "") not in ("", "0"):
-        return {"include_dashboard": True}
-    return {"include_dashboard": False,
-            "runtime_env": {"worker_process_setup_hook": "tidal.tracking.quiet.quiet_placement_group_cleaner"}}
 
 
 def _ray_tags(spec: JobSpec, run_dir: RunDir) -> dict[str, str]:

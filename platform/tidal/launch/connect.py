@@ -1,0 +1,108 @@
+"""Which Ray a driver uses: the cluster in RAY_ADDRESS, the one `ray start` started on this machine,
+or a local instance of its own.
+
+Ray's own `ray.init()` without an address connects to the cluster whose address `ray start` (or a
+test `Cluster`) wrote to `<temp dir>/ray/ray_current_cluster`, and when that cluster has since died
+(killed, crashed, the machine rebooted) it retries it for 20 s to minutes, then fails. Tidal keeps the first habit
+(run on a head node, use its cluster) and not the second: an address nobody answers at is a
+leftover, so Tidal says so and starts a local instance instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DASHBOARD_ENV = "TIDAL_RAY_DASHBOARD"
+log = logging.getLogger("tidal")
+
+
+@dataclass(frozen=True)
+class RayTarget:
+    address: str | None  # for ray.init; None: start a local instance
+    line: str  # what Tidal prints about it
+    warning: str | None = None  # a recorded cluster that no longer answers
+
+
+def address_file(env: Mapping[str, str]) -> Path:
+    """Where `ray start` records its cluster's address. Written by hand because Ray reads it only
+    inside ray.init (ray._common.utils.get_default_ray_temp_dir); this follows the same rules."""
+    if env.get("RAY_TMPDIR"):
+        base = env["RAY_TMPDIR"]
+    elif sys.platform.startswith("linux") and env.get("TMPDIR"):
+        base = env["TMPDIR"]
+    else:
+        base = "/tmp"
+    return Path(base) / "ray" / "ray_current_cluster"
+
+
+def answers(address: str, timeout_s: float = 1.0) -> bool:
+    """Whether anything accepts a TCP connection at host:port (a dead GCS's port refuses at once)."""
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def ray_target(env: Mapping[str, str], recorded: str | None, alive: Callable[[str], bool]) -> RayTarget:
+    """Decide where to connect: RAY_ADDRESS first (`local` forces a local instance), then a cluster
+    `ray start` recorded on this machine if it still answers, else a local instance."""
+    address = env.get("RAY_ADDRESS", "")
+    if address and address != "local":
+        return RayTarget(address, f"[tidal] connecting to the Ray cluster at {address}")
+    if address == "local":
+        return RayTarget(None, "[tidal] RAY_ADDRESS=local: starting a local Ray instance")
+    if not recorded:
+        return RayTarget(None, "[tidal] no RAY_ADDRESS: starting a local Ray instance")
+    if alive(recorded):
+        # "auto" reaches the same recorded address and, unlike the address itself, lets ray.init pick up
+        # the token `ray start` left on this machine (Ray enables token auth only for a cluster it found)
+        return RayTarget("auto", f"[tidal] connecting to the Ray cluster `ray start` started on this machine at "
+                                   f"{recorded} (RAY_ADDRESS=local starts a separate local instance)")
+    return RayTarget(None, "[tidal] no RAY_ADDRESS: starting a local Ray instance",
+                     f"the Ray cluster recorded in {address_file(env)} ({recorded}) no longer answers (stopped without "
+                     "`ray stop`?): ignoring it and starting a local Ray instance")
+
+
+def connect_ray(dashboard: bool = False) -> None:
+    """Connect this process to Ray as `ray_target` decides, unless it already is.
+
+    The local instance has no dashboard unless `dashboard` or TIDAL_RAY_DASHBOARD=1 asks for it:
+    it serves Ray Train's PlacementGroupCleaner, which asks the State API about the controller every
+    second, and on a 2-core machine that costs training about 3% (docs/benchmarks.md, "Ray's dashboard
+    on a local instance"). Without it the cleaner cannot ask; its warning about that is lowered
+    (tidal.tracking.quiet.quiet_placement_group_cleaner). A cluster keeps whatever it was started with."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    path = address_file(os.environ)
+    recorded = path.read_text().strip() if path.is_file() else None
+    target = ray_target(os.environ, recorded, answers)
+    if target.address is not None:
+        print(target.line, flush=True)
+        ray.init(address=target.address, logging_level=logging.WARNING, log_to_driver=True)
+        return
+    options = local_ray_options(dashboard, os.environ)
+    if target.warning:
+        log.warning(target.warning)
+    print(target.line + ("" if options["include_dashboard"] else f" (without its dashboard; {DASHBOARD_ENV}=1 starts it)"), flush=True)
+    # "local": never the recorded address, which ray.init would otherwise try again
+    ray.init(address="local", logging_level=logging.WARNING, log_to_driver=True, **options)
+
+
+def local_ray_options(dashboard: bool, env: Mapping[str, str]) -> dict[str, Any]:
+    """ray.init's options for a local instance: the dashboard only if asked for (by the caller or
+    TIDAL_RAY_DASHBOARD); without it, a hook in every worker process lowers the cleaner's warning."""
+    if dashboard or env.get(DASHBOARD_ENV, "") not in ("", "0"):
+        return {"include_dashboard": True}
+    return {"include_dashboard": False,
+            "runtime_env": {"worker_process_setup_hook": "tidal.tracking.quiet.quiet_placement_group_cleaner"}}
