@@ -66,10 +66,16 @@ def cluster_env(tmp_path_factory, s3_server) -> Iterator[dict[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def head(tmp_path_factory, cluster_env) -> Iterator[str]:
+def head_tmp(tmp_path_factory) -> Path:
+    """The head's folder: its log, and under ray/ its temp dir (where `ray start` records its address)."""
+    return tmp_path_factory.mktemp("head")
+
+
+@pytest.fixture(scope="module")
+def head(head_tmp, cluster_env) -> Iterator[str]:
     """A Ray head on 127.0.0.1 with its dashboard and token auth, its nodes' environment naming the
     cluster's tracking server and storage; stopped by killing its session."""
-    tmp = tmp_path_factory.mktemp("head")
+    tmp = head_tmp
     token = secrets.token_hex(16)
     port, dash = free_port(), free_port()
     # The head's environment is the cluster's Python environment: `python` and `tidal` from this venv
@@ -193,6 +199,22 @@ def test_plain_ray_job_submit_runs_tidal(head, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "[tidal] job 'quickstart' finished" in proc.stdout
     assert "succeeded" in proc.stdout.lower()
+
+
+def test_a_run_on_the_head_node_uses_its_cluster(head, head_tmp):
+    """Logged in to a head node, no RAY_ADDRESS: a driver joins the cluster `ray start` recorded there
+    (token auth included), as ray.init() does, rather than starting an instance of its own."""
+    recorded = head_tmp / "ray" / "ray_current_cluster"
+    deadline = time.time() + 60  # `ray start` records it once started, which can be after its dashboard answers
+    while not recorded.is_file() and time.time() < deadline:
+        time.sleep(0.2)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": str(head_tmp)}
+    code = ("from tidal.launch.connect import connect_ray; import ray; connect_ray(); "
+            "print('gcs', ray.get_runtime_context().gcs_address); ray.shutdown()")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "`ray start` started on this machine" in proc.stdout
+    assert f"gcs {recorded.read_text().strip()}" in proc.stdout
 
 
 def test_wrong_token_gets_a_friendly_message(head, monkeypatch, capsys):
