@@ -2,10 +2,10 @@
 or a local instance of its own.
 
 Ray's own `ray.init()` without an address connects to the cluster whose address `ray start` (or a
-test `Cluster`) wrote to `<temp dir>/ray/ray_current_cluster`, and when that cluster has since died
-(killed, crashed, the machine rebooted) it retries it for 20 s to minutes, then fails. Tidal keeps the first habit
-(run on a head node, use its cluster) and not the second: an address nobody answers at is a
-leftover, so Tidal says so and starts a local instance instead.
+test `Cluster`) wrote to `<temp dir>/ray/ray_current_cluster`; when that cluster has since died
+(killed, crashed, the machine rebooted) it retries the address for 20 s to minutes, then fails.
+Tidal keeps the first habit (run on a head node, use its cluster) and not the second: an address
+nobody answers at is a leftover, so Tidal says so and starts a local instance instead.
 """
 
 from __future__ import annotations
