@@ -26,6 +26,7 @@ from tests.conftest import (
     stop_session,
     tiny_spec,
 )
+from tests.test_local_ray import driver_in
 from tidal.cli import main
 from tidal.errors import TidalError
 from tidal.launch.jobs import submit
@@ -208,10 +209,7 @@ def test_a_run_on_the_head_node_uses_its_cluster(head, head_tmp):
     deadline = time.time() + 60  # `ray start` records it once started, which can be after its dashboard answers
     while not recorded.is_file() and time.time() < deadline:
         time.sleep(0.2)
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": str(head_tmp)}
-    code = ("from tidal.launch.connect import connect_ray; import ray; connect_ray(); "
-            "print('gcs', ray.get_runtime_context().gcs_address); ray.shutdown()")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    proc = driver_in(head_tmp)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "`ray start` started on this machine" in proc.stdout
     assert f"gcs {recorded.read_text().strip()}" in proc.stdout

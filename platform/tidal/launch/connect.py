@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 DASHBOARD_ENV = "TIDAL_RAY_DASHBOARD"
+LOCAL_START = "[tidal] no RAY_ADDRESS: starting a local Ray instance"
 log = logging.getLogger("tidal")
 
 
@@ -61,13 +62,13 @@ def ray_target(env: Mapping[str, str], recorded: str | None, alive: Callable[[st
     if address == "local":
         return RayTarget(None, "[tidal] RAY_ADDRESS=local: starting a local Ray instance")
     if not recorded:
-        return RayTarget(None, "[tidal] no RAY_ADDRESS: starting a local Ray instance")
+        return RayTarget(None, LOCAL_START)
     if alive(recorded):
         # "auto" reaches the same recorded address and, unlike the address itself, lets ray.init pick up
         # the token `ray start` left on this machine (Ray enables token auth only for a cluster it found)
         return RayTarget("auto", f"[tidal] connecting to the Ray cluster `ray start` started on this machine at "
                                    f"{recorded} (RAY_ADDRESS=local starts a separate local instance)")
-    return RayTarget(None, "[tidal] no RAY_ADDRESS: starting a local Ray instance",
+    return RayTarget(None, LOCAL_START,
                      f"the Ray cluster recorded in {address_file(env)} ({recorded}) no longer answers (stopped without "
                      "`ray stop`?): ignoring it and starting a local Ray instance")
 
