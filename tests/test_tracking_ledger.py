@@ -12,7 +12,6 @@ from tidal.storage import RunDir
 from tidal.tracking.buffer import MetricsBuffer
 from tidal.tracking.emitter import Emitter
 from tidal.tracking.ledger import SENT_FILE, Ledger
-from tidal.tracking.tracker import QUIET_POLL_S, next_poll_s
 from tidal.tracking.writer import RunWriter
 
 STEP = {"loss": 1.0, "lr": 0.1, "tokens_per_s": 100.0, "samples_per_s": 1.0, "mfu": 0.1, "world_size": 2}
@@ -182,28 +181,3 @@ def test_counters_and_latest_values_survive_a_tracker_restart(mlflow_uri, tmp_pa
     again.flush()
     assert metric_history(spec, run_id, "restarts")[4] == 1.0
     assert again.latest["loss"] == pytest.approx(9.6)
-
-
-def test_a_quiet_event_log_is_looked_at_less_often_and_a_busy_one_at_every_poll(mlflow_uri, tmp_path):
-    """Each look lists the log's folder (a billed request on an object store): while training
-    writes nothing the tracker looks less and less often, up to QUIET_POLL_S, and the first new
-    event brings it back to every poll."""
-    spec, run, _ = setup(tmp_path, mlflow_uri)
-    core = ledger(spec, run, Server(spec), RunWriter(spec).start(None))
-    waits, wait = [], 0.5
-
-    def look() -> None:
-        nonlocal wait
-        wait = next_poll_s(core.take_in(), wait, 0.5)
-        waits.append(wait)
-
-    emit(spec, [1, 2, 3])
-    look()  # three new events
-    for _ in range(5):
-        look()  # nothing new
-    emit(spec, [4])
-    look()
-    look()
-    assert waits == [0.5, 1.0, 2.0, QUIET_POLL_S, QUIET_POLL_S, QUIET_POLL_S, 0.5, 1.0]
-    assert next_poll_s(0, 10.0, 10.0) == 10.0, "never more often than the poll asked for"
-

@@ -72,12 +72,6 @@ class Ledger:
     def poll(self) -> int:
         """Take in new events; returns how many points wait to be sent."""
         with self.lock:
-            self.take_in()
-            return len(self.pending)
-
-    def take_in(self) -> int:
-        """Take in new events; returns how many there were."""
-        with self.lock:
             new = self.buffer.load(self.known)
             if self.recovered is None:
                 self.recovered = {e["id"] for e in new}
@@ -89,7 +83,7 @@ class Ledger:
             if new:
                 self._save_mark()  # counters first: a handled event is then forgotten
             self._forget(handled)
-            return len(new)
+            return len(self.pending)
 
     def _take(self, e: dict[str, Any]) -> bool:
         """Handle one event; True if it waits to be sent."""

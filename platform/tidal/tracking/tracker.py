@@ -1,16 +1,15 @@
 """The tracker: owns the job's MLflow run for its whole life and runs the ledger
 (tracking/ledger.py) that fills it, in a Ray actor on the driver's node.
 
-It opens (or reopens) the run when it starts, polls the job's event log every `poll_s`, less
-often while it is quiet (`next_poll_s`; new events are deduped, printed and sent to MLflow in
-batches) and, at `close`, ends the run with its usage, artifacts and status (tracking/writer.py).
-Nothing in training calls it (rank 0 writes the event log itself), so it may die at any time: Ray
-restarts it (`max_restarts=-1`) with the same arguments, and the new one reopens the run the job
-file names and recovers from the log and the mark the last one kept beside it. The driver calls
-`flush` and `close` at the end of the job; those calls are retried by Ray across a restart
-(`max_task_retries=-1`), which is safe since both are idempotent. If the actor cannot be reached
-at all, the driver builds a Tracker in its own process (`background=False`) and closes it: the
-same code finishes the run.
+It opens (or reopens) the run when it starts, polls the job's event log every `poll_s` (new
+events are deduped, printed and sent to MLflow in batches) and, at `close`, ends the run with its
+usage, artifacts and status (tracking/writer.py). Nothing in training calls it (rank 0 writes the
+event log itself), so it may die at any time: Ray restarts it (`max_restarts=-1`) with the same
+arguments, and the new one reopens the run the job file names and recovers from the log and the
+mark the last one kept beside it. The driver calls `flush` and `close` at the end of the job;
+those calls are retried by Ray across a restart (`max_task_retries=-1`), which is safe since both
+are idempotent. If the actor cannot be reached at all, the driver builds a Tracker in its own
+process (`background=False`) and closes it: the same code finishes the run.
 """
 
 from __future__ import annotations
@@ -28,15 +27,6 @@ from tidal.tracking.quiet import quiet_libraries
 from tidal.tracking.writer import RunWriter
 
 log = logging.getLogger("tidal")
-QUIET_POLL_S = 4.0  # the longest wait between two looks at a quiet event log
-
-
-def next_poll_s(new_events: int, last_s: float, base_s: float, most_s: float = QUIET_POLL_S) -> float:
-    """Seconds until the tracker looks at the event log again: `base_s` while events come in,
-    doubling up to `most_s` while none do. Each look lists the log's folder, on an object store a
-    billed request (at 0.5 s, 7,200 an hour per job), and most looks between two logged steps of
-    a large model find nothing; a quiet log's next event is then printed and sent within `most_s`."""
-    return base_s if new_events else min(max(most_s, base_s), last_s * 2)
 
 
 class Tracker:
@@ -90,11 +80,8 @@ class Tracker:
         return run_id, latest, left
 
     def _loop(self, poll_s: float) -> None:
-        wait_s = poll_s
-        while not self.stopped.wait(wait_s):
+        while not self.stopped.wait(poll_s):
             try:
-                new = self.ledger.take_in()
-                self.ledger.flush()
-                wait_s = next_poll_s(new, wait_s, poll_s)
+                self.flush()
             except Exception as e:  # noqa: BLE001 - a storage hiccup must not end the tracker
                 log.warning("[tidal] tracking: %s; retrying", e)
