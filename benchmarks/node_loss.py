@@ -21,6 +21,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import ray
 from mlflow.tracking import MlflowClient
@@ -56,12 +57,10 @@ def measure(name: str) -> tuple[float, float]:
             _wait(lambda: _last(client, run_id, "world_size") is not None and _last(client, run_id, "loss")[0] >= 30)
             t_loss = time.time()
             cluster.remove_node(nodes[1])
-            _wait(lambda: _first_at_size(client, run_id, 1, t_loss) is not None, timeout=600)
-            shrink = _first_at_size(client, run_id, 1, t_loss) - t_loss
+            shrink = _wait(lambda: _first_at_size(client, run_id, 1, t_loss), timeout=600) - t_loss
             cluster.add_node(num_cpus=1)  # returns once the node is registered
             t_back = time.time()
-            _wait(lambda: _first_at_size(client, run_id, 2, t_back) is not None, timeout=600)
-            grow = _first_at_size(client, run_id, 2, t_back) - t_back
+            grow = _wait(lambda: _first_at_size(client, run_id, 2, t_back), timeout=600) - t_back
     finally:
         ray.shutdown()
         cluster.shutdown()
@@ -136,11 +135,12 @@ def _first_at_size(client: MlflowClient, run_id: str, size: int, after: float) -
     return min(times) if times else None
 
 
-def _wait(cond, timeout: float = 300) -> None:
+def _wait(cond, timeout: float = 300) -> Any:
+    """The first truthy value `cond()` returns, polled every 0.3 s."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if cond():
-            return
+        if value := cond():
+            return value
         time.sleep(0.3)
     raise TimeoutError("condition not met")
 
