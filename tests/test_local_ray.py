@@ -110,5 +110,6 @@ def test_a_dead_recorded_cluster_does_not_stop_a_run(tmp_path):
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
         assert "no longer answers" in proc.stderr and "ray_current_cluster" in proc.stderr
         assert "starting a local Ray instance" in proc.stdout and "gcs " in proc.stdout
+        assert f"gcs {dead}" not in proc.stdout, "connected to a local instance, not the dead address"
     finally:
         shutil.rmtree(short, ignore_errors=True)
