@@ -7,7 +7,7 @@ import pyarrow.fs as pafs
 import pytest
 import torch
 
-from tidal.worker.checkpoint import _damage
+from tidal.worker.restore import _damage
 from tidal.worker.snapshot import write_checkpoint
 
 NAME = "zero_pp_rank_0_mp_rank_00_optim_states.pt"

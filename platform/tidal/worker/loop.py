@@ -16,7 +16,7 @@ from tidal.launch.recovery import POLL_INTERVAL
 from tidal.spec.job import JobSpec
 from tidal.tracking.actor import known_run_id
 from tidal.tracking.emitter import Emitter
-from tidal.worker import checkpoint
+from tidal.worker import checkpoint, restore
 from tidal.worker.data import Batches
 from tidal.worker.device import seed_step, torch_device
 from tidal.worker.engine import build_engine, data_parallel_rank, is_pipeline, param_count
@@ -43,12 +43,12 @@ def train_loop(config: dict[str, Any]) -> None:
     events = Emitter(spec.checkpoint.storage, spec.name)
     device = torch_device()
 
-    found = checkpoint.agree_on_resume_point(spec)  # rank 0 decides; every rank loads the same one
-    reshard = bool(found) and checkpoint.needs_reshard(found.state, world)
+    found = restore.agree_on_resume_point(spec)  # rank 0 decides; every rank loads the same one
+    reshard = bool(found) and restore.needs_reshard(found.state, world)
     telemetry = Telemetry(spec, events, device, found)  # Prometheus, stragglers, site, cost; from here on
     engine = build_engine(spec, world, device, load_universal=reshard)
     if found:
-        state = checkpoint.restore(engine, found, reshard)
+        state = restore.restore(engine, found, reshard)
         if rank == 0:
             events.resumed(found.name, state.step, state.world_size, world)
     else:

@@ -252,7 +252,7 @@ def _without_crc32() -> Iterator[None]:
     resume, and computing them was 2/3 of a save's CPU here: 31.6 vs 11.0 ms for 32 MB (median
     of 8, one thread), taken from a training core while the write overlaps the next step. What
     proves a checkpoint damaged stays: sizes against the manifest, and unpickling
-    (tidal.worker.checkpoint). The option is process-wide and read when a torch.save starts: a
+    (tidal.worker.restore). The option is process-wide and read when a torch.save starts: a
     torch.save of the user's in another thread meanwhile writes no CRCs either, which torch.load
     does not mind."""
     before = torch.serialization.get_crc32_options()
