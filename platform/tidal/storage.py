@@ -187,6 +187,25 @@ def check_complete(fs: pafs.FileSystem, path: str) -> tuple[str | None, dict[str
     return None, state
 
 
+def listed_files(fs: pafs.FileSystem, path: str) -> dict[str, int]:
+    """The files that make up the checkpoint at `path` (relative path -> size): those its ranks'
+    manifests list. Whatever else sits in the folder is no part of it, and nothing reads it
+    (conversion, export, damage checks). Empty when the checkpoint is not complete."""
+    problem, state = check_complete(fs, path)
+    if problem is not None:
+        return {}
+    files: dict[str, int] = {}
+    for rank in range(int(state["world_size"])):
+        manifest = fs_read_manifest(fs, path, rank)
+        files.update(manifest.get("files", {}))
+    return files
+
+
+def fs_read_manifest(fs: pafs.FileSystem, path: str, rank: int) -> dict[str, Any]:
+    with fs.open_input_stream(f"{path}/{manifest_name(rank)}") as f:
+        return json.loads(f.read())
+
+
 def quarantine(found: Found, reason: str) -> None:
     """Mark a checkpoint proven corrupt so no resume picks it again (its files stay for a person)."""
     with found.fs.open_output_stream(f"{found.path}/{QUARANTINE_FILE}") as f:
