@@ -26,6 +26,7 @@ from tidal.worker.metrics import (
     ResourceSampler,
     flops_per_token,
     speed,
+    trace_loss,
     worker_peak_flops,
 )
 from tidal.worker.telemetry import Telemetry
@@ -105,6 +106,8 @@ def train_loop(config: dict[str, Any]) -> None:
         is_ckpt |= preempted
         is_eval = evaluator is not None and evaluator.due(step, final or is_ckpt)
         step_s = times["step_time_s"]
+        if rank == 0 and is_log:
+            trace_loss(step, agreed.loss, world)
         metrics = {
             "step": step, "loss": agreed.loss, "lr": engine.get_lr()[0],
             **speed(spec, step_s, world, model_flops, peak), "world_size": world, "tokens_seen": state.tokens_seen,

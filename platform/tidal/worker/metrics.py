@@ -226,3 +226,16 @@ def gpu_stats(device: torch.device) -> dict[str, float]:
         stats["gpu_util_frac"] = torch.cuda.utilization(device) / 100
         stats["gpu_power_w"] = torch.cuda.power_draw(device) / 1000  # NVML reports milliwatts
     return stats
+
+
+LOSS_TRACE_ENV = "TIDAL_LOSS_TRACE"
+
+
+def trace_loss(step: int, loss: float, world: int) -> None:
+    """For chaos benchmarks and tests: append every log step's loss, in every life of the job, to
+    the file TIDAL_LOSS_TRACE names (rank 0 calls it). MLflow keeps a step's first value only, so
+    without this a replayed step that trained differently after a restart would go unseen."""
+    path = os.environ.get(LOSS_TRACE_ENV)
+    if path:
+        with open(path, "a") as f:
+            f.write(f'{{"step": {step}, "loss": {loss!r}, "world": {world}, "ts": {time.time():.3f}}}\n')

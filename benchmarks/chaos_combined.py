@@ -1,0 +1,473 @@
+"""Combined-fault chaos: one elastic job on object storage while faults of every kind Tidal claims
+to survive land at seeded random times, some of them in the middle of a save or of a resize's
+conversion. Reports each fault and its cost, steps lost, steps logged twice, every step's loss
+(replayed ones included) against an undisturbed run, and the effective training time.
+
+    python -m benchmarks.chaos_combined [--faults 10] [--steps 1500] [--every 25] [--seed 0]
+        # writes the "Combined faults" section of docs/reliability.md
+
+The whole cluster is real and on this machine: a moto S3 server (checkpoints, the event log),
+an `mlflow server` (tracking), a Ray cluster of one head and two 1-CPU worker nodes
+(`ray.cluster_utils.Cluster`), and the job's driver as a `tidal run` subprocess, as a user runs
+it. The faults:
+
+- worker: SIGKILL of a Ray Train worker process;
+- worker mid-save: the same while a checkpoint is being written (a write paused before its
+  manifests by TIDAL_CHECKPOINT_WRITE_DELAY_S, so the kill lands between a rank's files and its
+  manifest);
+- node: a worker node removed (the job shrinks to 1 worker), and returned some seconds later
+  (it grows back to 2, converting its checkpoint);
+- conversion: a worker killed while a resize's universal conversion is under way;
+- driver: SIGKILL of the `tidal run` process, then the same command again (it resumes);
+- tracker: SIGKILL of the job's tracker actor;
+- mlflow: the tracking server stopped for some seconds and started again.
+
+Every loss a step produced, in every life, is read from the loss trace rank 0 writes when
+TIDAL_LOSS_TRACE names a file (tidal.worker.loop): MLflow keeps one point per step (the first),
+which would hide a replayed step that trained differently.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")  # this process never becomes a Ray driver
+
+import argparse
+import json
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from contextlib import suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+from ray.cluster_utils import Cluster
+
+from benchmarks.common import write_spec
+from tidal.spec.job import JobSpec
+from tidal.storage import RunDir, check_complete
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "reliability.md"
+SECTION = "## Combined faults"
+KINDS = ("worker", "worker mid-save", "node", "conversion", "driver", "tracker", "mlflow")
+WRITE_DELAY_S = 0.5  # each rank's write pauses this long before its manifest: room to kill mid-save
+
+
+def chaos_spec(storage: str, tracking: str, name: str, steps: int, every: int, trace: Path) -> JobSpec:
+    return JobSpec(
+        name=name,
+        model={"n_layer": 2, "n_head": 2, "d_model": 128, "vocab_size": 64, "seq_len": 32},
+        train={"steps": steps, "micro_batch": 8, "global_batch": 64, "lr": 3e-3, "warmup_steps": 10, "log_every": 1},
+        parallelism={"zero_stage": 2},
+        scaling={"min_workers": 1, "max_workers": 2, "cpus_per_worker": 1, "elastic_check_s": 10},
+        checkpoint={"every_steps": every, "keep": 3, "storage": storage},
+        failure={"max_restarts": 100},
+        tracking={"uri": tracking, "experiment": "chaos-combined"},
+        # In the spec, not this process's environment: the workers' raylets started before it.
+        env={"TIDAL_LOSS_TRACE": str(trace), "TIDAL_CHECKPOINT_WRITE_DELAY_S": str(WRITE_DELAY_S)},
+    )
+
+
+# --- the servers and the cluster -----------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_port(port: int, proc: subprocess.Popen, log: Path, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        with suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+            return
+        if proc.poll() is not None:
+            raise RuntimeError(log.read_text()[-3000:])
+        time.sleep(0.3)
+    raise TimeoutError(f"nothing listens on 127.0.0.1:{port}")
+
+
+def _stop(proc: subprocess.Popen | None) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    with suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
+class Servers:
+    """moto's S3 server and an MLflow tracking server on 127.0.0.1, each in its own process group."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp, self.s3_port, self.mlflow_port = tmp, _free_port(), _free_port()
+        self.moto: subprocess.Popen | None = None
+        self.mlflow: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        log = self.tmp / "moto.log"
+        self.moto = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p",
+                                      str(self.s3_port)], stdout=log.open("w"), stderr=subprocess.STDOUT,  # noqa: SIM115
+                                     start_new_session=True)
+        _wait_port(self.s3_port, self.moto, log)
+        os.environ.update({"AWS_ENDPOINT_URL": f"http://127.0.0.1:{self.s3_port}", "AWS_ACCESS_KEY_ID": "test",
+                           "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1",
+                           "AWS_EC2_METADATA_DISABLED": "true"})
+        import boto3
+
+        boto3.client("s3").create_bucket(Bucket="chaos")
+        self.start_mlflow()
+
+    def start_mlflow(self) -> None:
+        log = self.tmp / "mlflow.log"
+        self.mlflow = subprocess.Popen(
+            [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.mlflow_port),
+             "--workers", "1", "--backend-store-uri", f"sqlite:///{self.tmp}/mlflow.db",
+             "--default-artifact-root", str(self.tmp / "artifacts")],
+            stdout=log.open("a"), stderr=subprocess.STDOUT, start_new_session=True)  # noqa: SIM115
+        _wait_port(self.mlflow_port, self.mlflow, log)
+
+    def stop_mlflow(self) -> None:
+        _stop(self.mlflow)
+        self.mlflow = None
+
+    @property
+    def tracking_uri(self) -> str:
+        return f"http://127.0.0.1:{self.mlflow_port}"
+
+    def close(self) -> None:
+        _stop(self.mlflow)
+        _stop(self.moto)
+
+
+class Driver:
+    """The job's `tidal run` process; run again after a driver kill, as a user (or Ray Jobs) would."""
+
+    def __init__(self, spec_path: Path, address: str, log: Path) -> None:
+        self.cmd = [sys.executable, "-m", "tidal", "run", str(spec_path)]
+        self.env = {**os.environ, "RAY_ADDRESS": address}
+        self.log, self.proc = log, None
+        self.lock = threading.Lock()
+        self.exits: list[int] = []
+
+    def start(self) -> None:
+        with self.lock:
+            self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=self.log.open("a"),  # noqa: SIM115
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+
+    def kill_and_restart(self) -> None:
+        with self.lock:
+            old = self.proc
+        _stop(old)
+        self.start()
+
+    def wait(self, timeout: float) -> int:
+        """Until a driver exits by itself (not killed by a fault); its exit code."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            with self.lock:
+                proc = self.proc
+            code = proc.poll()
+            if code is not None and code != -signal.SIGKILL:
+                self.exits.append(code)
+                return code
+            time.sleep(0.5)
+        raise TimeoutError("the job did not end")
+
+
+# --- where the job is ------------------------------------------------------------------------------
+
+def _ours(fragment: str) -> list[psutil.Process]:
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        with suppress(psutil.Error):
+            if fragment in " ".join(p.cmdline()):
+                out.append(p)
+    return out
+
+
+def _trace(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip().endswith("}")]
+
+
+def _top_step(path: Path) -> int:
+    return max((r["step"] for r in _trace(path)), default=0)
+
+
+def _save_in_flight(run: RunDir) -> bool:
+    """The newest checkpoint folder has its state file but not every manifest yet."""
+    folders = run.checkpoints()
+    if not folders:
+        return False
+    problem, _ = check_complete(run.fs, folders[0])
+    return problem is not None and "never finished writing" in problem
+
+
+def _converting(run: RunDir) -> bool:
+    """A universal conversion's files are being published and its marker is not written yet."""
+    from tidal import fs
+
+    for folder in run.checkpoints()[:2]:
+        names = {i.base_name for i in fs.list_dir(run.fs, folder)}
+        for name in names:
+            if name.endswith("_universal") and f"tidal-universal-{name.removesuffix('_universal')}.json" not in names:
+                return True
+    return False
+
+
+def _until(cond: Callable[[], Any], timeout: float, poll: float = 0.1) -> Any:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        with suppress(Exception):
+            if value := cond():
+                return value
+        time.sleep(poll)
+    return None
+
+
+@dataclass
+class Fault:
+    kind: str
+    at_step: int
+    t: float = 0.0
+    done: bool = False
+    note: str = ""
+
+
+@dataclass
+class Chaos:
+    """Carries out the planned faults one after another, each when the job passes its step."""
+
+    cluster: Cluster
+    servers: Servers
+    driver: Driver
+    run: RunDir
+    trace: Path
+    plan: list[Fault]
+    rng: random.Random
+    nodes: list[Any] = field(default_factory=list)
+
+    def go(self, stop: threading.Event) -> None:
+        for fault in self.plan:
+            if not _until(lambda f=fault: stop.is_set() or _top_step(self.trace) >= f.at_step, 3600, 0.3):
+                return
+            if stop.is_set():
+                return
+            getattr(self, "_" + fault.kind.replace(" ", "_").replace("-", "_"))(fault)
+            fault.done = fault.done or bool(fault.t)
+            time.sleep(2.0)
+
+    def _kill_worker(self, fault: Fault) -> bool:
+        workers = _until(lambda: _ours("RayTrainWorker"), 120, 0.2)
+        if not workers:
+            fault.note = "no worker found"
+            return False
+        fault.t = time.time()
+        with suppress(psutil.Error):
+            self.rng.choice(workers).send_signal(signal.SIGKILL)
+        return True
+
+    def _worker(self, fault: Fault) -> None:
+        self._kill_worker(fault)
+
+    def _worker_mid_save(self, fault: Fault) -> None:
+        if _until(lambda: _save_in_flight(self.run), 300, 0.05):
+            self._kill_worker(fault)
+            fault.note = "a checkpoint was being written"
+        else:
+            fault.note = "no save seen in flight; killed anyway"
+            self._kill_worker(fault)
+
+    def _conversion(self, fault: Fault) -> None:
+        """Take a node away and back, and kill a worker while the regrowth's conversion runs."""
+        self._node(fault, wait_back=False)
+        if _until(lambda: _converting(self.run), 300, 0.05):
+            self._kill_worker(fault)
+            fault.note += "; a worker killed mid-conversion"
+        else:
+            fault.note += "; no conversion seen in flight (a converted checkpoint was reused)"
+
+    def _node(self, fault: Fault, wait_back: bool = True) -> None:
+        workers = [n for n in self.cluster.list_all_nodes() if not n.head]
+        if not workers:
+            fault.note = "no worker node"
+            return
+        victim = self.rng.choice(workers)
+        fault.t = time.time()
+        self.cluster.remove_node(victim)
+        time.sleep(self.rng.uniform(15, 30))
+        self.cluster.add_node(num_cpus=1)
+        fault.note = "node removed, returned"
+        if wait_back:
+            time.sleep(1.0)
+
+    def _driver(self, fault: Fault) -> None:
+        fault.t = time.time()
+        self.driver.kill_and_restart()
+
+    def _tracker(self, fault: Fault) -> None:
+        trackers = _until(lambda: _ours("TrackerActor"), 60, 0.2)
+        if trackers:
+            fault.t = time.time()
+            with suppress(psutil.Error):
+                trackers[0].send_signal(signal.SIGKILL)
+        else:
+            fault.note = "no tracker found"
+
+    def _mlflow(self, fault: Fault) -> None:
+        fault.t = time.time()
+        self.servers.stop_mlflow()
+        down = self.rng.uniform(10, 25)
+        time.sleep(down)
+        self.servers.start_mlflow()
+        fault.note = f"down {down:.0f} s"
+
+
+def plan_faults(rng: random.Random, n: int, steps: int) -> list[Fault]:
+    """n faults, every kind at least once (n >= len(KINDS)), at spread-out steps in order."""
+    kinds = list(KINDS) + [rng.choice(KINDS) for _ in range(max(0, n - len(KINDS)))]
+    rng.shuffle(kinds)
+    width = steps // (n + 2)
+    return [Fault(kind, rng.randrange(k * width + 5, (k + 1) * width)) for k, kind in enumerate(kinds, start=1)]
+
+
+# --- one invocation --------------------------------------------------------------------------------
+
+def run_job(cluster: Cluster, servers: Servers, spec: JobSpec, tmp: Path, faults: list[Fault],
+            seed: int) -> dict[str, Any]:
+    trace = Path(spec.env["TIDAL_LOSS_TRACE"])
+    driver = Driver(write_spec(spec, tmp / f"{spec.name}.yaml"), cluster.address, tmp / f"{spec.name}.log")
+    chaos = Chaos(cluster, servers, driver, RunDir(spec.checkpoint.storage, spec.name), trace, faults,
+                  random.Random(seed))
+    stop = threading.Event()
+    injector = threading.Thread(target=chaos.go, args=(stop,), daemon=True)
+    t0 = time.time()
+    driver.start()
+    injector.start()
+    try:
+        code = driver.wait(timeout=4 * 3600)
+    finally:
+        stop.set()
+        injector.join(timeout=120)
+    return {"exit": code, "wall_s": time.time() - t0, "trace": _trace(trace), "log": driver.log}
+
+
+def summarize(spec: JobSpec, ref: dict[str, Any], got: dict[str, Any], faults: list[Fault]) -> dict[str, Any]:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(spec.tracking.uri)
+    exp = client.get_experiment_by_name(spec.tracking.experiment)
+    runs = client.search_runs([exp.experiment_id], f"tags.`tidal.job` = '{spec.name}'") if exp else []
+    hist = [m for r in runs for m in client.get_metric_history(r.info.run_id, "loss")]
+    counts = Counter(m.step for m in hist)
+    times = client.get_metric_history(runs[0].info.run_id, "step_time_s") if runs else []
+    expected = {r["step"]: r["loss"] for r in ref["trace"]}
+    lives = got["trace"]
+    diffs = [abs(r["loss"] - expected[r["step"]]) / max(abs(expected[r["step"]]), 1e-12)
+             for r in lives if r["step"] in expected]
+    steps = spec.train.steps
+    first = min(m.timestamp for m in hist) / 1000 if hist else 0.0
+    last = max(m.timestamp for m in hist) / 1000 if hist else 0.0
+    useful = sum(m.value for m in times)
+    return {
+        "runs": len(runs), "exit": got["exit"], "faults": faults,
+        "missing": [s for s in range(1, steps + 1) if counts[s] == 0],
+        "twice": sorted(s for s, c in counts.items() if c > 1),
+        "executions": len(lives), "replayed": len(lives) - len({r["step"] for r in lives}),
+        "max_rel_diff": max(diffs, default=float("nan")), "compared": len(diffs),
+        "useful_s": useful, "training_wall_s": last - first, "wall_s": got["wall_s"], "steps": steps,
+        "every": spec.checkpoint.every_steps,
+    }
+
+
+def report(r: dict[str, Any], command: str) -> str:
+    rows = "\n".join(f"| {i} | {f.kind} | {f.at_step} | {'yes' if f.done else 'no'} | {f.note} |"
+                     for i, f in enumerate(r["faults"], start=1))
+    eff = r["useful_s"] / r["training_wall_s"] if r["training_wall_s"] else float("nan")
+    return f"""{SECTION}
+
+Command: `{command}` ({time.strftime('%Y-%m-%d')}, 2-core CPU machine; moto S3, `mlflow server`, a Ray
+cluster of a head and two 1-CPU worker nodes, the driver as a `tidal run` process)
+
+A {r['steps']}-step elastic job (1-2 workers, GPT d128 L2, ZeRO-2, a checkpoint every {r['every']} steps on S3,
+each write paused {WRITE_DELAY_S} s before its manifests) under these faults, in this order:
+
+| # | fault | after step | injected | what happened |
+|---|---|---|---|---|
+{rows}
+
+| measure | value |
+|---|---|
+| the job ended | exit code {r['exit']}, {r['runs']} MLflow run(s) |
+| steps missing from MLflow / logged twice | {len(r['missing'])} / {len(r['twice'])} |
+| step executions (every life) / steps replayed | {r['executions']} / {r['replayed']} |
+| largest relative difference of any execution's loss vs the undisturbed run ({r['compared']} compared) | {r['max_rel_diff']:.2e} |
+| effective training time, first step to last (useful step time / wall time) | {r['useful_s']:.1f} s / {r['training_wall_s']:.1f} s = **{eff:.1%}** |
+| the same from the first `tidal run` (includes launch) | {r['useful_s']:.1f} s / {r['wall_s']:.1f} s |
+"""
+
+
+def write_section(text: str) -> None:
+    doc = DOC.read_text() if DOC.exists() else "# Reliability\n"
+    head, sep, rest = doc.partition(SECTION)
+    if sep:
+        nxt = rest.find("\n## ")
+        doc = head + text.rstrip() + "\n" + (rest[nxt:] if nxt >= 0 else "")
+    else:
+        doc = doc.rstrip() + "\n\n" + text
+    DOC.write_text(doc)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--faults", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=1500)
+    ap.add_argument("--every", type=int, default=25)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-doc", action="store_true", help="print the report only")
+    args = ap.parse_args()
+    if args.faults < len(KINDS):
+        ap.error(f"--faults must be at least {len(KINDS)}: one of each kind ({', '.join(KINDS)})")
+    with tempfile.TemporaryDirectory(prefix="tidal-chaos-") as d:
+        tmp = Path(d)
+        servers = Servers(tmp)
+        servers.start()  # first: every raylet inherits the S3 endpoint
+        cluster = Cluster(initialize_head=True, connect=False,
+                          head_node_args={"num_cpus": 0, "include_dashboard": False})
+        try:
+            for _ in range(2):
+                cluster.add_node(num_cpus=1)
+            cluster.wait_for_nodes()
+            ref_spec = chaos_spec("s3://chaos/runs", servers.tracking_uri, "undisturbed", args.steps, args.every,
+                                  tmp / "undisturbed.trace")
+            ref = run_job(cluster, servers, ref_spec, tmp, [], args.seed)
+            spec = chaos_spec("s3://chaos/runs", servers.tracking_uri, "chaos", args.steps, args.every,
+                              tmp / "chaos.trace")
+            faults = plan_faults(random.Random(args.seed), args.faults, args.steps)
+            got = run_job(cluster, servers, spec, tmp, faults, args.seed)
+            r = summarize(spec, ref, got, faults)
+        finally:
+            cluster.shutdown()
+            servers.close()
+        cmd = f"python -m benchmarks.chaos_combined --faults {args.faults} --steps {args.steps} --every {args.every} --seed {args.seed}"
+        text = report(r, cmd)
+        print(text)
+        if r["exit"] != 0:
+            print(Path(got["log"]).read_text()[-5000:])
+        if not args.no_doc:
+            write_section(text)
+
+
+if __name__ == "__main__":
+    main()
