@@ -10,6 +10,7 @@ times. Reports faults injected and survived, steps lost per fault, and effective
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import tempfile
 import threading
@@ -22,11 +23,13 @@ import ray
 import tidal
 from benchmarks.common import update_doc
 from tidal.spec.job import JobSpec
+from tidal.worker.metrics import LOSS_TRACE_ENV
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "reliability.md"
 
 
 def chaos_spec(tmp: Path, name: str, steps: int, every: int) -> JobSpec:
+    """The job; rank 0 traces every life's loss of every step into `<tmp>/<name>.trace`."""
     return JobSpec(
         name=name,
         model={"n_layer": 2, "n_head": 2, "d_model": 64, "vocab_size": 64, "seq_len": 16},
@@ -36,7 +39,15 @@ def chaos_spec(tmp: Path, name: str, steps: int, every: int) -> JobSpec:
         checkpoint={"every_steps": every, "keep": 3, "storage": str(tmp / "runs")},
         failure={"max_restarts": 50},
         tracking={"uri": f"sqlite:///{tmp}/mlflow.db", "experiment": "chaos"},
+        env={LOSS_TRACE_ENV: str(tmp / f"{name}.trace")},
     )
+
+
+def traced(spec: JobSpec) -> list[tuple[int, float]]:
+    """(step, loss) of every execution of every step, replays included, in order."""
+    path = Path(spec.env[LOSS_TRACE_ENV])
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return [(r["step"], r["loss"]) for r in rows]
 
 
 def run_chaos(tmp: Path, faults: int, steps: int, every: int, seed: int) -> dict[str, Any]:
@@ -45,7 +56,8 @@ def run_chaos(tmp: Path, faults: int, steps: int, every: int, seed: int) -> dict
     from tests.helpers import kill, our_processes, wait_for_step
 
     reference = chaos_spec(tmp, "undisturbed", steps, every)
-    expected = metric_history(reference, tidal.run(reference).mlflow_run_id, "loss")
+    tidal.run(reference)
+    expected = dict(traced(reference))
 
     spec = chaos_spec(tmp, "chaos", steps, every)
     rng = random.Random(seed)
@@ -74,6 +86,7 @@ def run_chaos(tmp: Path, faults: int, steps: int, every: int, seed: int) -> dict
     injector.join(timeout=10)
     run_id = result.mlflow_run_id
     loss = metric_history(spec, run_id, "loss")
+    lives = traced(spec)
     step_time = metric_history(spec, run_id, "step_time_s")
     return {
         "recovery_s": _recovery_seconds(spec, run_id, kill_times),
@@ -81,7 +94,9 @@ def run_chaos(tmp: Path, faults: int, steps: int, every: int, seed: int) -> dict
         "steps_lost": int(metric_history(spec, run_id, "steps_lost")[steps]),
         "max_steps_lost": int(metric_history(spec, run_id, "max_steps_lost")[steps]),
         "every_steps": every, "steps_done": sorted(loss) == list(range(1, steps + 1)),
-        "max_rel_loss_diff": max(abs(loss[s] - expected[s]) / abs(expected[s]) for s in expected),
+        # Every execution of every step, replays included (MLflow holds each step's first only).
+        "max_rel_loss_diff": max(abs(v - expected[s]) / abs(expected[s]) for s, v in lives),
+        "executions": len(lives),
         "useful_s": sum(step_time.values()), "wall_s": wall, "steps": steps,
     }
 
@@ -182,9 +197,7 @@ def _recovery_seconds(spec: JobSpec, run_id: str, kills: list[tuple[float, int]]
 
 
 def report(r: dict[str, Any], command: str) -> str:
-    return f"""# Reliability
-
-Command: `{command}` ({time.strftime('%Y-%m-%d')}, 2-core CPU machine, one local Ray instance)
+    return f"""Command: `{command}` ({time.strftime('%Y-%m-%d')}, 2-core CPU machine, one local Ray instance)
 
 A {r['steps']}-step job (tiny GPT, ZeRO-2, 2 workers, checkpoint every {r['every_steps']} steps) while a seeded
 injector SIGKILLs a random Ray Train worker process at spread-out steps. Node loss, preemption and regrowth are
@@ -196,7 +209,7 @@ exercised by `tests/test_elastic.py`; a frozen worker (SIGSTOP) by the watchdog 
 | faults survived (worker-group restarts) | {r['restarts']} |
 | steps lost in all / at most per fault | {r['steps_lost']} / {r['max_steps_lost']} (checkpoint interval {r['every_steps']}) |
 | every step done and logged once | {r['steps_done']} |
-| largest relative difference of a step's loss vs an undisturbed run | {r['max_rel_loss_diff']:.2e} |
+| largest relative difference of any step's loss, in any life (replays included: {r['executions']} executions), vs an undisturbed run | {r['max_rel_loss_diff']:.2e} |
 | kill to new progress, per fault (restart + reload + replay) | {r['recovery_s']} s |
 | effective training time (useful step time / wall time) | {r['useful_s']:.1f} s / {r['wall_s']:.1f} s = {r['useful_s'] / r['wall_s']:.1%} |
 
@@ -231,8 +244,8 @@ def main() -> None:
         print(periodic_report(r, cmd))
         return
     cmd = f"python -m benchmarks.chaos --faults {args.faults} --steps {args.steps} --every {args.every} --seed {args.seed}"
-    DOC.write_text(report(r, cmd))
-    print(DOC.read_text())
+    update_doc("Worker kills", report(r, cmd), DOC)
+    print(report(r, cmd))
 
 
 if __name__ == "__main__":

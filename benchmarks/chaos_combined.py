@@ -53,12 +53,12 @@ from typing import Any
 import psutil
 from ray.cluster_utils import Cluster
 
-from benchmarks.common import write_spec
+from benchmarks.common import update_doc, write_spec
 from tidal.spec.job import JobSpec
 from tidal.storage import RunDir, check_complete
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "reliability.md"
-SECTION = "## Combined faults"
+SECTION = "Combined faults"
 KINDS = ("worker", "worker mid-save", "node", "conversion", "driver", "tracker", "mlflow")
 WRITE_DELAY_S = 0.5  # each rank's write pauses this long before its manifest: room to kill mid-save
 
@@ -395,9 +395,7 @@ def report(r: dict[str, Any], command: str) -> str:
     rows = "\n".join(f"| {i} | {f.kind} | {f.at_step} | {'yes' if f.done else 'no'} | {f.note} |"
                      for i, f in enumerate(r["faults"], start=1))
     eff = r["useful_s"] / r["training_wall_s"] if r["training_wall_s"] else float("nan")
-    return f"""{SECTION}
-
-Command: `{command}` ({time.strftime('%Y-%m-%d')}, 2-core CPU machine; moto S3, `mlflow server`, a Ray
+    return f"""Command: `{command}` ({time.strftime('%Y-%m-%d')}, 2-core CPU machine; moto S3, `mlflow server`, a Ray
 cluster of a head and two 1-CPU worker nodes, the driver as a `tidal run` process)
 
 A {r['steps']}-step elastic job (1-2 workers, GPT d128 L2, ZeRO-2, a checkpoint every {r['every']} steps on S3,
@@ -416,17 +414,6 @@ each write paused {WRITE_DELAY_S} s before its manifests) under these faults, in
 | effective training time, first step to last (useful step time / wall time) | {r['useful_s']:.1f} s / {r['training_wall_s']:.1f} s = **{eff:.1%}** |
 | the same from the first `tidal run` (includes launch) | {r['useful_s']:.1f} s / {r['wall_s']:.1f} s |
 """
-
-
-def write_section(text: str) -> None:
-    doc = DOC.read_text() if DOC.exists() else "# Reliability\n"
-    head, sep, rest = doc.partition(SECTION)
-    if sep:
-        nxt = rest.find("\n## ")
-        doc = head + text.rstrip() + "\n" + (rest[nxt:] if nxt >= 0 else "")
-    else:
-        doc = doc.rstrip() + "\n\n" + text
-    DOC.write_text(doc)
 
 
 def main() -> None:
@@ -466,7 +453,7 @@ def main() -> None:
         if r["exit"] != 0:
             print(Path(got["log"]).read_text()[-5000:])
         if not args.no_doc:
-            write_section(text)
+            update_doc(SECTION, text, DOC)
 
 
 if __name__ == "__main__":

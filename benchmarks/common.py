@@ -119,14 +119,14 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
-def update_doc(section: str, body: str) -> None:
-    """Replace `## section` in docs/benchmarks.md where it is (or append it), keeping the other sections."""
-    text = DOC.read_text() if DOC.exists() else "# Benchmarks\n\nEvery figure below is a ratio or a time measured in one invocation on one machine; the command that produced it is given with it.\n"
+def update_doc(section: str, body: str, doc: Path = DOC) -> None:
+    """Replace `## section` in `doc` (docs/benchmarks.md) where it is (or append it), keeping the other sections."""
+    text = doc.read_text() if doc.exists() else "# Benchmarks\n\nEvery figure below is a ratio or a time measured in one invocation on one machine; the command that produced it is given with it.\n"
     parts = text.split("\n## ")
     new = f"{section}\n\n{body.strip()}\n"
     sections = [new if p.startswith(section) else p.rstrip() + "\n" for p in parts[1:]]
     if new not in sections:  # a new section goes last; an existing one keeps its place
         sections.append(new)
     text = "\n## ".join([parts[0].rstrip() + "\n", *sections]).rstrip() + "\n"
-    DOC.parent.mkdir(parents=True, exist_ok=True)
-    DOC.write_text(text)
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    doc.write_text(text)
