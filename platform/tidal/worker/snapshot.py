@@ -53,7 +53,8 @@ from tidal.errors import CheckpointError
 from tidal.worker.host_buffers import Buffers, rebuilt, tensors_in
 
 # Fault-injection for tests and benchmarks: seconds the background write pauses after a
-# rank's data files and before its manifest, as a slow store would, so a kill lands mid-write.
+# rank's data files and before its manifest, as a slow store would, so a kill lands mid-write
+# ("S@R": on rank R only, so a kill lands after the other ranks finished; see `write_delay`).
 WRITE_DELAY_ENV = "TIDAL_CHECKPOINT_WRITE_DELAY_S"
 
 
@@ -176,7 +177,7 @@ class StorageWriter:
         self.last.set()
 
     def upload_fn(self, rank: int, step: int, taken: dict[str, Any], zipfile: bool, storage: pafs.FileSystem,
-                  experiment: str, checkpoint_cls: Any, mode: str) -> Callable[[Any, str], Any]:
+                  experiment: str, checkpoint_cls: Any, mode: str, attempt: str | None = None) -> Callable[[Any, str], Any]:
         """Ray Train's `checkpoint_upload_fn` for this save: (local checkpoint, folder name) -> the
         checkpoint in storage (a `checkpoint_cls`, i.e. `ray.train.Checkpoint`). `wait` blocks
         from now until it has run, and so, for a live save, does `before_update`."""
@@ -193,7 +194,8 @@ class StorageWriter:
                                       "it is not written again (the previous checkpoint stays the resume point)")
             dest = f"{experiment}/{dir_name}"
             try:
-                write_checkpoint(Path(local.path), taken, storage, dest, rank, step, zipfile, on_read=read.set)
+                write_checkpoint(Path(local.path), taken, storage, dest, rank, step, zipfile, on_read=read.set,
+                                 attempt=attempt)
             except BaseException:
                 # Should this be called again with the same state, it must write this step's:
                 # later copies go into new buffers; live tensors not yet read are copied before
@@ -215,10 +217,12 @@ class StorageWriter:
 
 
 def write_checkpoint(local: Path, taken: dict[str, Any], storage: pafs.FileSystem, dest: str, rank: int,
-                     step: int, zipfile: bool, on_read: Callable[[], None] | None = None) -> dict[str, int]:
+                     step: int, zipfile: bool, on_read: Callable[[], None] | None = None,
+                     attempt: str | None = None) -> dict[str, int]:
     """Write `taken` (serialized) and the small files DeepSpeed and Tidal left under `local` into
-    `dest`, then this rank's manifest, last. `on_read` is called once every tensor of `taken` is
-    serialized, before the fsyncs. Returns the files written and their sizes."""
+    `dest`, then this rank's manifest, last, naming the `attempt` (worker-group start) that wrote
+    it. `on_read` is called once every tensor of `taken` is serialized, before the fsyncs. Returns
+    the files written and their sizes."""
     from tidal.storage import manifest_name
 
     manifest = f"{dest}/{manifest_name(rank)}"
@@ -238,10 +242,18 @@ def write_checkpoint(local: Path, taken: dict[str, Any], storage: pafs.FileSyste
             files[rel] = _write(storage, f"{dest}/{rel}", lambda f, p=p: f.write(p.read_bytes()))
     if fs.is_local(storage):
         _fsync_dirs(dest, files)
-    if delay := float(os.environ.get(WRITE_DELAY_ENV, "0") or 0):
+    if delay := write_delay(os.environ.get(WRITE_DELAY_ENV, ""), rank):
         time.sleep(delay)
-    fs.write_json(storage, manifest, {"step": step, "files": files})
+    fs.write_json(storage, manifest, {"step": step, "attempt": attempt, "files": files})
     return files
+
+
+def write_delay(value: str, rank: int) -> float:
+    """The fault-injected pause for `rank`: "3" pauses every rank 3 s, "3@0" only rank 0."""
+    seconds, _, only = value.partition("@")
+    if not seconds or (only and int(only) != rank):
+        return 0.0
+    return float(seconds)
 
 
 @contextmanager
