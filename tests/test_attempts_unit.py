@@ -1,7 +1,7 @@
 """A checkpoint is exactly the files its manifests list, written by one attempt (one worker-group
 start), on a local path and on a real S3 API: another attempt's manifests and files in the same
 folder never count, the clearing at an attempt's first save never touches a complete or a
-quarantined checkpoint."""
+quarantined checkpoint, and an fp16 snapshot keeps the loss scale it had when it was taken."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pathlib import Path
 import pyarrow.fs as pafs
 import pytest
 import torch
+from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
 
 from tidal import fs
 from tidal.storage import (
@@ -24,7 +25,8 @@ from tidal.storage import (
     manifest_name,
     stale_checkpoints,
 )
-from tidal.worker.snapshot import write_checkpoint
+from tidal.worker.host_buffers import Buffers
+from tidal.worker.snapshot import COPY, SnapshotEngine, write_checkpoint
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -144,3 +146,28 @@ def test_local_files_holds_exactly_the_listed_files(store, tmp_path):
     with fs.local_files(filesystem, folder, wanted) as local:
         assert sorted(os.listdir(os.path.join(local, "global_step8"))) == [os.path.basename(zero_file(8, 0))]
         assert torch.load(os.path.join(local, zero_file(8, 0)), weights_only=False)["attempt"] == "B"
+
+
+def test_an_fp16_snapshot_keeps_the_loss_scale_it_was_taken_with(tmp_path):
+    """DeepSpeed's fp16 optimizers put the live loss scaler object in their state dict. Training
+    goes on after the snapshot (the scale grows) before the background write runs:
+    the checkpoint must hold the scale of the step it was taken at."""
+    scaler = DynamicLossScaler(init_scale=2.0**16, scale_window=1, min_scale=1, delayed_shift=2,
+                               consecutive_hysteresis=False)
+    weights = torch.ones(4)
+    rel = zero_file(8, 0)
+    snap = SnapshotEngine(tmp_path / "small", Buffers(), COPY)
+    snap.save({"optimizer_state_dict": {"loss_scaler": scaler, "dynamic_loss_scale": True, "w": weights}},
+              str(tmp_path / "small" / rel))
+    for _ in range(2):  # two steps without overflow: the scale window (1) has passed, the scale doubles
+        scaler.update_scale(False)
+    weights += 1
+    assert scaler.cur_scale == 2.0**17
+
+    (tmp_path / "small").mkdir(exist_ok=True)
+    write_checkpoint(tmp_path / "small", snap.taken, pafs.LocalFileSystem(), str(tmp_path / "ckpt"), 0, 8, True)
+
+    saved = torch.load(tmp_path / "ckpt" / rel, weights_only=False)["optimizer_state_dict"]
+    assert saved["loss_scaler"].cur_scale == 2.0**16 and saved["loss_scaler"].cur_iter == 0
+    assert torch.equal(saved["w"], torch.ones(4))
+    assert scaler.cur_scale == 2.0**17, "training's own scaler is untouched"

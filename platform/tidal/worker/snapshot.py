@@ -33,6 +33,7 @@ loader and its universal-checkpoint converter (Tidal's resize path) do not read.
 
 from __future__ import annotations
 
+import copy
 import os
 import threading
 import time
@@ -107,6 +108,7 @@ class SnapshotEngine(CheckpointEngine):
             self.taken[rel] = _clone_where(state_dict, lambda t: t.untyped_storage().data_ptr() in self.mutable)
         else:
             self.taken[rel] = state_dict
+        self.taken[rel] = _scalers_copied(self.taken[rel])
 
     def load(self, path: str, map_location: Any = None) -> Any:
         return torch.load(path, map_location=map_location, weights_only=False)
@@ -120,6 +122,31 @@ class SnapshotEngine(CheckpointEngine):
         # compact buffers anyway; a live save must not copy (torch.save writes a storage shared
         # by several views once per file, and the loader reads the views back as they were).
         return self.mode == CLONE
+
+
+def _scalers_copied(tree: Any) -> Any:
+    """`tree` with every fp16 loss scaler replaced by a copy of it as it is now.
+
+    DeepSpeed's fp16 optimizers put the live scaler object in their state dict (`loss_scaler`),
+    not its values; a write that runs later, in the background, would pickle the scale of
+    whatever step training has reached by then. The scaler is a few numbers: copying it costs
+    nothing. (A live save's optimizer step waits for the write anyway; the copy makes the
+    snapshot hold, whatever the mode.)"""
+    from deepspeed.runtime.fp16.loss_scaler import LossScalerBase
+
+    def walk(x: Any) -> Any:
+        if isinstance(x, LossScalerBase):
+            return copy.deepcopy(x)
+        if isinstance(x, dict):
+            if not any(isinstance(v, LossScalerBase | dict) for v in x.values()):
+                return x
+            out = copy.copy(x)
+            for k, v in x.items():
+                out[k] = walk(v)
+            return out
+        return x
+
+    return walk(tree)
 
 
 def _clone_where(tree: Any, pick: Callable[[torch.Tensor], bool]) -> Any:
