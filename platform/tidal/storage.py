@@ -4,7 +4,9 @@ Ray registers a checkpoint once every rank has reported it, but a driver or work
 right after a report can leave a newer checkpoint that Ray's controller never recorded, or a
 half-copied one. So every rank writes a manifest of its files (name -> size) into its part
 of the checkpoint; a checkpoint counts as complete only when the manifests of all the ranks
-that wrote it are present and every listed file has its listed size. Needs pyarrow, not torch.
+that wrote it are present, all of the attempt (worker-group start) that wrote rank 0's state
+file, and every listed file has its listed size. It is those listed files and nothing else in
+its folder (`listed_files`). Needs pyarrow, not torch.
 """
 
 from __future__ import annotations
@@ -257,7 +259,10 @@ def clear_stale(store: pafs.FileSystem, run_path: str, first_step: int) -> list[
     doomed = stale_checkpoints(paths, lambda p: check_complete(store, p)[0], first_step)
     for path in doomed:
         log.warning("Clearing %s: a save that died left it incomplete, and this attempt saves that step again", path)
-        fs.delete_dir(store, path)
+        try:
+            fs.delete_dir(store, path)
+        except OSError as e:  # what is left counts for nothing (check_complete, listed_files): go on
+            log.warning("could not clear %s (%s); its files stay, unread", path, e)
     return doomed
 
 
