@@ -140,6 +140,24 @@ def local_copy(fs: pafs.FileSystem, path: str) -> Iterator[str]:
         yield local
 
 
+@contextmanager
+def local_files(fs: pafs.FileSystem, root: str, rels: list[str]) -> Iterator[str]:
+    """A private local folder holding exactly the files `rels` (paths relative to `root`), at the
+    same relative paths, removed afterwards. For a folder that holds more than the files that
+    count (a checkpoint folder written into by a save that died): readers that glob a folder
+    (DeepSpeed's converters count files) must see only these. On a local filesystem each is a
+    symbolic link (no bytes copied); otherwise a download of just these files."""
+    with tempfile.TemporaryDirectory(prefix="tidal-files-") as tmp:
+        for rel in rels:
+            dst = os.path.join(tmp, rel)
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            if is_local(fs):
+                os.symlink(f"{root}/{rel}", dst)
+            else:
+                pafs.copy_files(f"{root}/{rel}", dst, source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
+        yield tmp
+
+
 def upload_dir(local: str, fs: pafs.FileSystem, path: str) -> dict[str, int]:
     """Copy the local folder `local` to `path` in `fs` (replacing what was there); returns its files' sizes."""
     delete_dir(fs, path)

@@ -4,7 +4,9 @@ Ray registers a checkpoint once every rank has reported it, but a driver or work
 right after a report can leave a newer checkpoint that Ray's controller never recorded, or a
 half-copied one. So every rank writes a manifest of its files (name -> size) into its part
 of the checkpoint; a checkpoint counts as complete only when the manifests of all the ranks
-that wrote it are present and every listed file has its listed size. Needs pyarrow, not torch.
+that wrote it are present, all of the attempt (worker-group start) that wrote rank 0's state
+file, and every listed file has its listed size. It is those listed files and nothing else in
+its folder (`listed_files`). Needs pyarrow, not torch.
 """
 
 from __future__ import annotations
@@ -161,7 +163,13 @@ def prune_plan(newest_first: list[str], complete: Callable[[str], bool], keep: i
 
 
 def check_complete(fs: pafs.FileSystem, path: str) -> tuple[str | None, dict[str, Any]]:
-    """(None, state) when complete, else (what is wrong, {})."""
+    """(None, state) when complete, else (what is wrong, {}).
+
+    Complete: rank 0's state file names the world size and the attempt (one worker-group start)
+    that wrote it, and every rank below that world size has a manifest of the same attempt and
+    step whose files are all there at their sizes. A folder written into by two attempts (a save
+    that died, then the same step saved again after a resume) holds files of both; only the
+    manifests of the state file's attempt say which are this checkpoint's."""
     try:
         with fs.open_input_stream(f"{path}/{QUARANTINE_FILE}") as f:
             return f"quarantined as corrupt ({json.loads(f.read()).get('error', '?')})", {}
@@ -175,10 +183,12 @@ def check_complete(fs: pafs.FileSystem, path: str) -> tuple[str | None, dict[str
         return f"{STATE_FILE} is missing or unreadable (the save did not finish)", {}
     for rank in range(world_size):
         try:
-            with fs.open_input_stream(f"{path}/{manifest_name(rank)}") as f:
-                files: dict[str, int] = json.loads(f.read())["files"]
+            manifest = fs_read_manifest(fs, path, rank)
+            files: dict[str, int] = manifest["files"]
         except (FileNotFoundError, OSError, ValueError, KeyError):
             return f"rank {rank} of {world_size} never finished writing its files", {}
+        if (other := other_attempt(state, manifest)) is not None:
+            return f"rank {rank}'s manifest is {other}: the save of this attempt did not finish", {}
         infos = fs.get_file_info([f"{path}/{name}" for name in files])
         for info, (name, size) in zip(infos, files.items(), strict=True):
             if info.type != pafs.FileType.File or info.size != size:
@@ -187,10 +197,23 @@ def check_complete(fs: pafs.FileSystem, path: str) -> tuple[str | None, dict[str
     return None, state
 
 
+def other_attempt(state: dict[str, Any], manifest: dict[str, Any]) -> str | None:
+    """Why a rank's manifest belongs to another save than the state file's, or None.
+
+    Checkpoints written before attempts were recorded carry none: their manifests are taken as
+    they are (the step, which every manifest has, must still match)."""
+    if "step" in manifest and int(manifest["step"]) != int(state.get("step", -1)):
+        return f"of step {manifest['step']}, not {state.get('step')}"
+    if state.get("attempt") is not None and manifest.get("attempt") != state["attempt"]:
+        return f"of attempt {manifest.get('attempt')!r}, not {state['attempt']!r}"
+    return None
+
+
 def listed_files(fs: pafs.FileSystem, path: str) -> dict[str, int]:
-    """The files that make up the checkpoint at `path` (relative path -> size): those its ranks'
-    manifests list. Whatever else sits in the folder is no part of it, and nothing reads it
-    (conversion, export, damage checks). Empty when the checkpoint is not complete."""
+    """The files that make up the checkpoint at `path` (relative path -> size): those the
+    manifests of the attempt that wrote it list (see `check_complete`). Whatever else sits in the
+    folder (another attempt's files, a rank that no longer exists) is no part of it, and nothing
+    reads it (conversion, export, damage checks). Empty when the checkpoint is not complete."""
     problem, state = check_complete(fs, path)
     if problem is not None:
         return {}
@@ -204,6 +227,43 @@ def listed_files(fs: pafs.FileSystem, path: str) -> dict[str, int]:
 def fs_read_manifest(fs: pafs.FileSystem, path: str, rank: int) -> dict[str, Any]:
     with fs.open_input_stream(f"{path}/{manifest_name(rank)}") as f:
         return json.loads(f.read())
+
+
+def stale_checkpoints(newest_first: list[str], problems: Callable[[str], str | None], first_step: int) -> list[str]:
+    """The checkpoint folders an attempt whose first save is of `first_step` must clear before it
+    writes: every one of that step or later that is neither complete nor quarantined. This
+    attempt resumed from a checkpoint older than `first_step` (the newest complete one), so what
+    lies there was left by saves that died; it would otherwise mix with this attempt's files when
+    the same step is saved again. A complete or quarantined one is never touched."""
+    out = []
+    for path in newest_first:
+        m = CKPT_RE.match(path.rstrip("/").rsplit("/", 1)[-1])
+        if m is None or int(m.group(1)) < first_step:
+            continue
+        problem = problems(path)
+        if problem is not None and not problem.startswith("quarantined"):
+            out.append(path)
+    return out
+
+
+def clear_stale(store: pafs.FileSystem, run_path: str, first_step: int) -> list[str]:
+    """Delete the folders `stale_checkpoints` names under the run folder `run_path`; returns them.
+
+    Rank 0 calls it at an attempt's first save, before any rank writes (the others wait for the
+    attempt id it hands out then), and no rank of the attempt before is alive (Ray restarts the
+    whole group), so nothing writes into these folders meanwhile. A deletion, not a rename: an
+    object store has none for folders (see tidal.fs)."""
+    names = [i.base_name for i in fs.list_dir(store, run_path)
+             if i.type == pafs.FileType.Directory and CKPT_RE.match(i.base_name)]
+    paths = [f"{run_path}/{n}" for n in sorted(names, reverse=True)]
+    doomed = stale_checkpoints(paths, lambda p: check_complete(store, p)[0], first_step)
+    for path in doomed:
+        log.warning("Clearing %s: a save that died left it incomplete, and this attempt saves that step again", path)
+        try:
+            fs.delete_dir(store, path)
+        except OSError as e:  # what is left counts for nothing (check_complete, listed_files): go on
+            log.warning("could not clear %s (%s); its files stay, unread", path, e)
+    return doomed
 
 
 def quarantine(found: Found, reason: str) -> None:

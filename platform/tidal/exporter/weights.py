@@ -21,18 +21,25 @@ import torch
 from tidal import fs
 from tidal.errors import CheckpointError
 from tidal.spec.job import JobSpec
+from tidal.storage import check_complete, listed_files
 
 
 @contextlib.contextmanager
 def consolidated(filesystem: pafs.FileSystem, path: str, step: int, spec: JobSpec) -> Iterator[dict[str, torch.Tensor]]:
     """The state dict of the model the job trains (keys as in `build_model(spec.model)`), from
-    the checkpoint folder `path`. Only the step's DeepSpeed folder is downloaded, into a
-    temporary folder removed on exit."""
+    the checkpoint folder `path`. Only the files of the step's DeepSpeed folder that the
+    checkpoint's manifests list are read (a save that died may have left others there, which
+    `zero_to_fp32` would count as ranks), through a temporary folder removed on exit."""
     step_tag = f"global_step{step}"  # tidal.worker.checkpoint.tag, which would import Ray
-    if not fs.exists(filesystem, f"{path}/{step_tag}"):
+    listed = listed_files(filesystem, path)
+    if not listed:
+        raise CheckpointError(f"{path} is not a complete checkpoint ({check_complete(filesystem, path)[0]}); "
+                              "export a complete one (--checkpoint latest picks the newest)")
+    files = [rel for rel in listed if rel.startswith(f"{step_tag}/")]
+    if not files:
         raise CheckpointError(f"{path} has no DeepSpeed folder {step_tag}: it was not written by Tidal's trainer")
-    with fs.local_copy(filesystem, f"{path}/{step_tag}") as local:
-        yield state_dict(local, spec)
+    with fs.local_files(filesystem, path, files) as local:
+        yield state_dict(os.path.join(local, step_tag), spec)
 
 
 def state_dict(tag_dir: str, spec: JobSpec) -> dict[str, torch.Tensor]:

@@ -14,6 +14,7 @@ import json
 import logging
 import tempfile
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -27,6 +28,7 @@ from tidal import fs
 from tidal.storage import (
     STATE_FILE,
     checkpoint_dir_name,
+    clear_stale,
 )
 from tidal.worker.engine import is_pipeline
 from tidal.worker.snapshot import SnapshotEngine, StorageWriter, snapshot_mode
@@ -48,6 +50,7 @@ class TrainState:
     data_ended: bool = False  # a stream of data.epochs passes ran out: the job is done
     evaluation: dict[str, Any] = field(default_factory=dict)  # the last eval and early stopping (tidal.eval_best)
     fingerprint: dict[str, Any] = field(default_factory=dict)
+    attempt: str | None = None  # the worker-group start that wrote it (tidal.storage.check_complete)
 
 
 def tag(step: int) -> str:
@@ -73,6 +76,7 @@ def save(engine: Any, state: TrainState, metrics: dict[str, Any],
     waited = writer.wait()  # at most one save in flight: also frees the buffers for reuse
     local = Path(tempfile.mkdtemp(prefix="tidal-ckpt-"))  # only the few small files land here
     storage = ray.train.get_context().get_storage()
+    state.attempt = _attempt(storage.storage_filesystem, storage.experiment_fs_path, state.step)
     mode = snapshot_mode(background, engine.device.type, is_pipeline(engine), fs.is_local(storage.storage_filesystem))
     mutable = {b.untyped_storage().data_ptr() for b in engine.module.buffers()}
     snap = SnapshotEngine(local, writer.buffers, mode, mutable)
@@ -95,7 +99,7 @@ def save(engine: Any, state: TrainState, metrics: dict[str, Any],
     small = sum(p.stat().st_size for p in local.rglob("*") if p.is_file())
     state_bytes = _tensor_bytes(snap.taken) + small
     upload = writer.upload_fn(rank, state.step, snap.taken, zipfile_format, storage.storage_filesystem,
-                              storage.experiment_fs_path, ray.train.Checkpoint, mode)
+                              storage.experiment_fs_path, ray.train.Checkpoint, mode, state.attempt)
     try:
         ray.train.report(
             {**metrics, "step": state.step},
@@ -137,6 +141,26 @@ def gate_waited() -> float:
 
 
 _WRITER: StorageWriter | None = None
+_ATTEMPT: str | None = None
+
+
+def _attempt(storage: Any, run_path: str, step: int) -> str:
+    """This worker group's attempt id, the same on every rank (a collective at the first save).
+
+    At the group's first save rank 0 clears the incomplete checkpoint folders of this step and
+    later (tidal.storage.clear_stale: saves that died left them, and this group writes those
+    steps again), then draws the id and hands it to every rank, which waits for it: so no rank
+    writes before the clearing ends. Ray Train's public context (`ray.train.get_context()`) offers
+    nothing that is new at each group start, hence our own."""
+    global _ATTEMPT
+    if _ATTEMPT is None:
+        box: list[str | None] = [None]
+        if dist.get_rank() == 0:
+            clear_stale(storage, run_path, step)
+            box = [uuid.uuid4().hex[:12]]
+        dist.broadcast_object_list(box, src=0)
+        _ATTEMPT = box[0]
+    return _ATTEMPT
 
 
 def _writer() -> StorageWriter:

@@ -37,6 +37,7 @@ from tidal.storage import (
     RunDir,
     check_complete,
     find_resume_point,
+    listed_files,
     quarantine,
 )
 from tidal.worker.checkpoint import TrainState, tag
@@ -175,8 +176,11 @@ def _universal(found: Found, step_tag: str) -> str:
     if fs.published(found.fs, out, marker):
         return out_tag  # converted by an earlier attempt at this world size
     t0 = time.perf_counter()
-    with fs.local_copy(found.fs, f"{found.path}/{step_tag}") as src, tempfile.TemporaryDirectory() as tmp:
-        dst = os.path.join(tmp, out_tag)
+    # Only the files the checkpoint's manifests list: ds_to_universal infers the old data-parallel
+    # degree from how many ZeRO files it finds, and a save that died may have left more.
+    listed = [rel for rel in listed_files(found.fs, found.path) if rel.startswith(f"{step_tag}/")]
+    with fs.local_files(found.fs, found.path, listed) as root, tempfile.TemporaryDirectory() as tmp:
+        src, dst = os.path.join(root, step_tag), os.path.join(tmp, out_tag)
         cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", src,
                "--output_folder", dst, "--num_extract_workers", "1", "--num_merge_workers", "1"]
         proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})

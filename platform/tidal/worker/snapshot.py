@@ -33,6 +33,7 @@ loader and its universal-checkpoint converter (Tidal's resize path) do not read.
 
 from __future__ import annotations
 
+import copy
 import os
 import threading
 import time
@@ -53,7 +54,8 @@ from tidal.errors import CheckpointError
 from tidal.worker.host_buffers import Buffers, rebuilt, tensors_in
 
 # Fault-injection for tests and benchmarks: seconds the background write pauses after a
-# rank's data files and before its manifest, as a slow store would, so a kill lands mid-write.
+# rank's data files and before its manifest, as a slow store would, so a kill lands mid-write
+# ("S@R": on rank R only, so a kill lands after the other ranks finished; see `write_delay`).
 WRITE_DELAY_ENV = "TIDAL_CHECKPOINT_WRITE_DELAY_S"
 
 
@@ -106,6 +108,7 @@ class SnapshotEngine(CheckpointEngine):
             self.taken[rel] = _clone_where(state_dict, lambda t: t.untyped_storage().data_ptr() in self.mutable)
         else:
             self.taken[rel] = state_dict
+        self.taken[rel] = _scalers_copied(self.taken[rel])
 
     def load(self, path: str, map_location: Any = None) -> Any:
         return torch.load(path, map_location=map_location, weights_only=False)
@@ -119,6 +122,31 @@ class SnapshotEngine(CheckpointEngine):
         # compact buffers anyway; a live save must not copy (torch.save writes a storage shared
         # by several views once per file, and the loader reads the views back as they were).
         return self.mode == CLONE
+
+
+def _scalers_copied(tree: Any) -> Any:
+    """`tree` with every fp16 loss scaler replaced by a copy of it as it is now.
+
+    DeepSpeed's fp16 optimizers put the live scaler object in their state dict (`loss_scaler`),
+    not its values; a write that runs later, in the background, would pickle the scale of
+    whatever step training has reached by then. The scaler is a few numbers: copying it costs
+    nothing. (A live save's optimizer step waits for the write anyway; the copy makes the
+    snapshot hold, whatever the mode.)"""
+    from deepspeed.runtime.fp16.loss_scaler import LossScalerBase
+
+    def walk(x: Any) -> Any:
+        if isinstance(x, LossScalerBase):
+            return copy.deepcopy(x)
+        if isinstance(x, dict):
+            if not any(isinstance(v, LossScalerBase | dict) for v in x.values()):
+                return x
+            out = copy.copy(x)
+            for k, v in x.items():
+                out[k] = walk(v)
+            return out
+        return x
+
+    return walk(tree)
 
 
 def _clone_where(tree: Any, pick: Callable[[torch.Tensor], bool]) -> Any:
@@ -176,7 +204,7 @@ class StorageWriter:
         self.last.set()
 
     def upload_fn(self, rank: int, step: int, taken: dict[str, Any], zipfile: bool, storage: pafs.FileSystem,
-                  experiment: str, checkpoint_cls: Any, mode: str) -> Callable[[Any, str], Any]:
+                  experiment: str, checkpoint_cls: Any, mode: str, attempt: str | None = None) -> Callable[[Any, str], Any]:
         """Ray Train's `checkpoint_upload_fn` for this save: (local checkpoint, folder name) -> the
         checkpoint in storage (a `checkpoint_cls`, i.e. `ray.train.Checkpoint`). `wait` blocks
         from now until it has run, and so, for a live save, does `before_update`."""
@@ -193,7 +221,8 @@ class StorageWriter:
                                       "it is not written again (the previous checkpoint stays the resume point)")
             dest = f"{experiment}/{dir_name}"
             try:
-                write_checkpoint(Path(local.path), taken, storage, dest, rank, step, zipfile, on_read=read.set)
+                write_checkpoint(Path(local.path), taken, storage, dest, rank, step, zipfile, on_read=read.set,
+                                 attempt=attempt)
             except BaseException:
                 # Should this be called again with the same state, it must write this step's:
                 # later copies go into new buffers; live tensors not yet read are copied before
@@ -215,10 +244,12 @@ class StorageWriter:
 
 
 def write_checkpoint(local: Path, taken: dict[str, Any], storage: pafs.FileSystem, dest: str, rank: int,
-                     step: int, zipfile: bool, on_read: Callable[[], None] | None = None) -> dict[str, int]:
+                     step: int, zipfile: bool, on_read: Callable[[], None] | None = None,
+                     attempt: str | None = None) -> dict[str, int]:
     """Write `taken` (serialized) and the small files DeepSpeed and Tidal left under `local` into
-    `dest`, then this rank's manifest, last. `on_read` is called once every tensor of `taken` is
-    serialized, before the fsyncs. Returns the files written and their sizes."""
+    `dest`, then this rank's manifest, last, naming the `attempt` (worker-group start) that wrote
+    it. `on_read` is called once every tensor of `taken` is serialized, before the fsyncs. Returns
+    the files written and their sizes."""
     from tidal.storage import manifest_name
 
     manifest = f"{dest}/{manifest_name(rank)}"
@@ -238,10 +269,18 @@ def write_checkpoint(local: Path, taken: dict[str, Any], storage: pafs.FileSyste
             files[rel] = _write(storage, f"{dest}/{rel}", lambda f, p=p: f.write(p.read_bytes()))
     if fs.is_local(storage):
         _fsync_dirs(dest, files)
-    if delay := float(os.environ.get(WRITE_DELAY_ENV, "0") or 0):
+    if delay := write_delay(os.environ.get(WRITE_DELAY_ENV, ""), rank):
         time.sleep(delay)
-    fs.write_json(storage, manifest, {"step": step, "files": files})
+    fs.write_json(storage, manifest, {"step": step, "attempt": attempt, "files": files})
     return files
+
+
+def write_delay(value: str, rank: int) -> float:
+    """The fault-injected pause for `rank`: "3" pauses every rank 3 s, "3@0" only rank 0."""
+    seconds, _, only = value.partition("@")
+    if not seconds or (only and int(only) != rank):
+        return 0.0
+    return float(seconds)
 
 
 @contextmanager
