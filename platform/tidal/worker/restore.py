@@ -85,6 +85,11 @@ def restore(engine: Any, found: Found, reshard: bool) -> TrainState:
                 raise CheckpointError(f"DeepSpeed found nothing to load under tag {step_tag}")
         except Exception as e:
             raise _load_failed(found, files, step_tag, e) from e
+        if not fs.is_local(found.fs):
+            # The node's cache goes with the last rank that leaves it: without this, a rank done
+            # early removes it before a slower rank of its node arrives, which downloads again.
+            # The wait is for peers' loads, never for a conversion (tidal.worker.universal).
+            dist.barrier()
     return state
 
 
