@@ -219,5 +219,5 @@ def tag_folder(storage: pafs.FileSystem, root: str, tag: str, files: dict[str, i
         return
     with NodeCache(f"{root}/{tag}", name=f"{name}-{tag}") as cache:
         got = cache.fetch(storage, root, {f"{tag}/{rel}": size for rel, size in files.items()})
-        log.info("restore of %s/%s (pid %d): %s", name, tag, os.getpid(), got.line())
+        log.warning("Restore: %s/%s (pid %d): %s", name, tag, os.getpid(), got.line())
         yield cache.dir

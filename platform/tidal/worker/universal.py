@@ -140,8 +140,10 @@ class _Status:
 
     def __exit__(self, kind: Any, error: BaseException | None, tb: Any) -> None:
         self.stop.set()
-        self.thread.join()
-        if error is not None:
+        self.thread.join()  # first: no beat may overwrite the final state
+        if error is None:
+            self.write("done")
+        else:
             self.write("failed", error=f"{type(error).__name__}: {error}"[:2000])
 
 
@@ -167,7 +169,6 @@ def _convert(found: Found, step_tag: str, out_tag: str) -> None:
         fs.publish_dir(dst, found.fs, out, done)
         log.warning("Resharding: %s of %s converted and published in %.1f s (upload %.1f s)", step_tag,
                     found.name, time.monotonic() - t0, time.monotonic() - t1)
-        status.write("done")
 
 
 def _check_disk(folder: str, total: int, download: int) -> None:
