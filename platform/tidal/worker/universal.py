@@ -96,7 +96,8 @@ def _wait(found: Found, step_tag: str, out_tag: str) -> None:
     out, done = f"{found.path}/{out_tag}", f"{found.path}/{marker(step_tag)}"
     t0 = said = last_change = time.monotonic()
     beats = None
-    while not fs.published(found.fs, out, done):
+    # The marker alone first: one small read per poll, where `published` also lists the folder.
+    while not (fs.exists(found.fs, done) and fs.published(found.fs, out, done)):
         now = time.monotonic()
         status = fs.read_json(found.fs, status_path) or {}
         if status.get("state") == "failed":
