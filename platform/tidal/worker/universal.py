@@ -4,7 +4,7 @@ Rank 0 converts while the other ranks wait by polling storage, not inside a coll
 conversion longer than the process group's timeout (Ray's 1800 s) would time the group out
 while every rank sat in a broadcast, and each next attempt would start it over. Polling ranks
 hold no collective open; rank 0 writes a status file beside the checkpoint every few seconds
-(`tidal-universal-<tag>.status.json`), so a waiter fails with a clear error when rank 0 reports
+(`tidal-converting-<tag>.json`), so a waiter fails with a clear error when rank 0 reports
 a failure or stops reporting (its process died), and has a deadline of its own.
 
 Why in the worker group rather than before it forms (on the driver, as a Ray task): the world
@@ -58,7 +58,7 @@ def marker(step_tag: str) -> str:
 
 
 def status_name(step_tag: str) -> str:
-    return f"tidal-universal-{step_tag}.status.json"
+    return f"tidal-converting-{step_tag}.json"
 
 
 def workers(cpus: int, partitions: int, largest: int, available_mem: int) -> int:
