@@ -1,13 +1,17 @@
 """Restore a checkpoint at any world size: agree on the resume point, convert, load, condemn only proven damage.
 
 Resizing: DeepSpeed ZeRO checkpoints only load at the world size that wrote them. For another
-size rank 0 converts once to DeepSpeed's universal format (`ds_to_universal`), which keeps the
-optimizer state, and publishes it in storage beside the original as `global_stepN_universal`
-(a marker written last makes it count), where every rank on every node loads it.
+size rank 0 converts once to DeepSpeed's universal format, which keeps the optimizer state, and
+publishes it in storage beside the original as `global_stepN_universal` (a marker written last
+makes it count), while the other ranks wait for it outside any collective (tidal.worker.universal).
+
+Each rank reads only the files it loads, and only files the checkpoint's manifests list: from
+an object store into a cache its node shares (tidal.worker.fetch), from a filesystem in place.
 
 A checkpoint that fails to load is quarantined only when it is proven corrupt (a size that
 differs from its manifest, a file that does not unpickle); any other failure fails the attempt
-and Ray's restart tries the same checkpoint again.
+and Ray's restart tries the same checkpoint again. Too little local disk is the node's fault:
+a clear error, and the checkpoint is kept.
 """
 
 from __future__ import annotations
@@ -15,11 +19,6 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-import os
-import subprocess
-import sys
-import tempfile
-import time
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -40,6 +39,7 @@ from tidal.storage import (
     listed_files,
     quarantine,
 )
+from tidal.worker import fetch, universal
 from tidal.worker.checkpoint import TrainState, tag
 
 log = logging.getLogger("tidal")
@@ -58,7 +58,11 @@ def agree_on_resume_point(spec: JobSpec) -> Found | None:
     """
     def pick() -> tuple[str, dict[str, Any]] | None:
         found = find_resume_point(spec)
-        return (found.path, found.state) if found else None
+        if found is None:
+            return None
+        if needs_reshard(found.state, dist.get_world_size()):
+            universal.prepare(found, tag(found.step))  # before the others can read a stale status
+        return found.path, found.state
 
     chosen = _on_rank0(pick)
     if chosen is None:
@@ -71,27 +75,83 @@ def restore(engine: Any, found: Found, reshard: bool) -> TrainState:
     state = TrainState(**found.state)
     step_tag = tag(state.step)
     if reshard:
-        step_tag = _on_rank0(lambda: _universal(found, step_tag))
-    with fs.local_copy(found.fs, f"{found.path}/{step_tag}") as local_tag:
+        step_tag = _converted(found, step_tag)
+    files = rank_files(engine, found, step_tag)
+    with fetch.tag_folder(found.fs, found.path, step_tag, files, found.name) as load_dir:
         try:
-            load_path, _ = engine.load_checkpoint(os.path.dirname(local_tag), tag=step_tag,
+            load_path, _ = engine.load_checkpoint(load_dir, tag=step_tag,
                                                   load_optimizer_states=True, load_lr_scheduler_states=True)
             if load_path is None:
                 raise CheckpointError(f"DeepSpeed found nothing to load under tag {step_tag}")
         except Exception as e:
-            raise _load_failed(found, local_tag, step_tag, e) from e
+            raise _load_failed(found, files, step_tag, e) from e
+        if not fs.is_local(found.fs):
+            # The node's cache goes with the last rank that leaves it: without this, a rank done
+            # early removes it before a slower rank of its node arrives, which downloads again.
+            # The wait is for peers' loads, never for a conversion (tidal.worker.universal).
+            dist.barrier()
     return state
 
 
-def _load_failed(found: Found, local_tag: str, step_tag: str, error: BaseException) -> CheckpointError:
+def _converted(found: Found, step_tag: str) -> str:
+    """The universal tag of `step_tag`; a conversion that fails on checkpoint files proven
+    corrupt quarantines the checkpoint (rank 0, which read them)."""
+    try:
+        return universal.ensure(found, step_tag, dist.get_rank())
+    except fetch.LocalDiskFull:
+        raise
+    except CheckpointError as e:
+        if dist.get_rank() != 0:
+            raise
+        corrupt = _safe_corruption(found, tag_files(found, step_tag), step_tag)
+        if corrupt is None:
+            raise
+        quarantine(found, corrupt)
+        raise CheckpointError(f"converting {found.name} to a universal checkpoint failed ({corrupt}; "
+                              f"quarantined): {e}") from e
+
+
+def tag_files(found: Found, step_tag: str) -> dict[str, int]:
+    """The files of the folder `step_tag` of `found` (relative to it -> size) that a manifest
+    lists: the checkpoint's own manifests, or for a universal folder its conversion's marker."""
+    if step_tag.endswith("_universal"):
+        published = fs.read_json(found.fs, f"{found.path}/{universal_marker(step_tag)}") or {}
+        return dict(published.get("files", {}))
+    prefix = f"{step_tag}/"
+    return {rel[len(prefix):]: size for rel, size in listed_files(found.fs, found.path).items()
+            if rel.startswith(prefix)}
+
+
+def rank_files(engine: Any, found: Found, step_tag: str) -> dict[str, int]:
+    """The listed files of `step_tag` this rank's engine loads (see tidal.worker.fetch.rank_files)."""
+    listed = tag_files(found, step_tag)
+    if step_tag.endswith("_universal"):  # DeepSpeed reads the old rank 0's model states whatever the rank
+        return fetch.rank_files(listed, 0, _held_params(engine))
+    return fetch.rank_files(listed, _dp_rank(engine))
+
+
+# DeepSpeed internals, checked against 0.19.8: a ZeRO optimizer's data-parallel group, and for
+# ZeRO-1/2 (`stage_1_and_2.py`) its `bit16_groups` and `param_names`, whose parameters with an
+# `_hp_mapping` are those `load_hp_checkpoint_state_from_checkpoint_dir` reads `zero/<name>/` for.
+def _dp_rank(engine: Any) -> int:
+    group = getattr(engine.optimizer, "dp_process_group", None)
+    return dist.get_rank(group=group) if group is not None else dist.get_rank()
+
+
+def _held_params(engine: Any) -> set[str] | None:
+    """Names of the parameters whose fragments this rank's ZeRO-1/2 optimizer holds; None (all)
+    for others (ZeRO-3 loads every parameter's whole state and keeps its slice)."""
+    groups, names = getattr(engine.optimizer, "bit16_groups", None), getattr(engine.optimizer, "param_names", None)
+    if groups is None or names is None:
+        return None
+    return {names[p] for group in groups for p in group if getattr(p, "_hp_mapping", None) is not None}
+
+
+def _load_failed(found: Found, files: dict[str, int], step_tag: str, error: BaseException) -> CheckpointError:
     """Condemn a checkpoint only when it is proven corrupt; any other failure (out of memory, a
     network error, a bug) fails this attempt, and Ray's restart tries the same checkpoint again."""
     why = f"{type(error).__name__}: {error}"
-    try:
-        corrupt = _corruption(found, local_tag, step_tag)
-    except Exception as e:  # noqa: BLE001 - the check could not run: nothing is proven
-        log.warning("could not check %s for damage (%s: %s); keeping it", found.name, type(e).__name__, e)
-        corrupt = None
+    corrupt = _safe_corruption(found, files, step_tag)
     if corrupt is None:
         return CheckpointError(
             f"loading {found.name} failed ({why}). Its files are intact (every size matches its manifest and "
@@ -106,10 +166,20 @@ def _load_failed(found: Found, local_tag: str, step_tag: str, error: BaseExcepti
                            "resumes from the checkpoint before it")
 
 
-def _corruption(found: Found, local_tag: str, step_tag: str) -> str | None:
-    """What proves the checkpoint's files damaged: a size that differs from its manifest, or a
-    file whose bytes do not unpickle. None when neither holds: a read error, a missing import
-    or a lack of memory says nothing about the checkpoint, so it is not condemned for them."""
+def _safe_corruption(found: Found, files: dict[str, int], step_tag: str) -> str | None:
+    try:
+        return _corruption(found, files, step_tag)
+    except Exception as e:  # noqa: BLE001 - the check could not run: nothing is proven
+        log.warning("could not check %s for damage (%s: %s); keeping it", found.name, type(e).__name__, e)
+        return None
+
+
+def _corruption(found: Found, files: dict[str, int], step_tag: str) -> str | None:
+    """What proves the checkpoint's files damaged: a size that differs from its manifest, or one
+    of `files` (those this rank read, all listed) whose bytes in storage do not unpickle. None
+    when neither holds: a read error, a missing import or a lack of memory says nothing about
+    the checkpoint, so it is not condemned for them. Storage is read, not a local copy: a copy
+    damaged on this node proves nothing about the checkpoint."""
     if step_tag.endswith("_universal"):
         if not fs.published(found.fs, f"{found.path}/{step_tag}", f"{found.path}/{universal_marker(step_tag)}"):
             return "its files differ from the conversion's manifest"
@@ -117,10 +187,12 @@ def _corruption(found: Found, local_tag: str, step_tag: str) -> str | None:
         problem, _ = check_complete(found.fs, found.path)
         if problem is not None and problem.endswith(TRUNCATED):
             return problem
-    for path in sorted(Path(local_tag).rglob("*.pt")):
-        damage = _damage(path)
+    for rel in sorted(r for r in files if r.endswith(".pt")):
+        with found.fs.open_input_stream(f"{found.path}/{step_tag}/{rel}") as f:
+            data = f.read()
+        damage = _damaged_bytes(data)
         if damage is not None:
-            return f"{path.relative_to(local_tag)} {damage}"
+            return f"{rel} {damage}"
     return None
 
 
@@ -133,7 +205,10 @@ def _damage(path: Path) -> str | None:
     Tidal's own saves write none, see tidal.worker.snapshot._without_crc32) and the file is
     unpickled from memory. A missing class (a library upgrade) or a lack of memory is no proof either.
     """
-    data = path.read_bytes()
+    return _damaged_bytes(path.read_bytes())
+
+
+def _damaged_bytes(data: bytes) -> str | None:
     if zipfile.is_zipfile(io.BytesIO(data)):
         try:
             bad = _failed_crc(zipfile.ZipFile(io.BytesIO(data)))
@@ -165,38 +240,7 @@ def _failed_crc(archive: zipfile.ZipFile) -> str | None:
 
 def universal_marker(step_tag: str) -> str:
     """Written after a universal conversion's last file: without it the conversion does not count."""
-    return f"tidal-universal-{step_tag.removesuffix('_universal')}.json"
-
-
-def _universal(found: Found, step_tag: str) -> str:
-    """Convert `step_tag` of `found` to universal form once and publish it beside the original in
-    storage, where every rank on every node finds it (a rank's own download is private)."""
-    out_tag = f"{step_tag}_universal"
-    out, marker = f"{found.path}/{out_tag}", f"{found.path}/{universal_marker(step_tag)}"
-    if fs.published(found.fs, out, marker):
-        return out_tag  # converted by an earlier attempt at this world size
-    t0 = time.perf_counter()
-    # Only the files the checkpoint's manifests list: ds_to_universal infers the old data-parallel
-    # degree from how many ZeRO files it finds, and a save that died may have left more.
-    listed = [rel for rel in listed_files(found.fs, found.path) if rel.startswith(f"{step_tag}/")]
-    with fs.local_files(found.fs, found.path, listed) as root, tempfile.TemporaryDirectory() as tmp:
-        src, dst = os.path.join(root, step_tag), os.path.join(tmp, out_tag)
-        cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", src,
-               "--output_folder", dst, "--num_extract_workers", "1", "--num_merge_workers", "1"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
-        if proc.returncode != 0:
-            try:
-                corrupt = _corruption(found, src, step_tag)
-            except Exception:  # noqa: BLE001 - the check could not run: nothing is proven
-                corrupt = None
-            if corrupt is not None:
-                quarantine(found, corrupt)
-            raise CheckpointError(f"converting {found.name} to a universal checkpoint failed"
-                                  f"{f' ({corrupt}; quarantined)' if corrupt else ''}:\n{proc.stderr[-3000:]}")
-        fs.publish_dir(dst, found.fs, out, marker)
-    log.warning("Resharding: converted %s of %s to universal form in %.1fs", step_tag, found.name,
-                time.perf_counter() - t0)
-    return out_tag
+    return universal.marker(step_tag)
 
 
 def _on_rank0(fn: Callable[[], T]) -> T:

@@ -1,0 +1,223 @@
+"""Fetch from object storage only what a rank loads, once per node, into a bounded local cache.
+
+DeepSpeed (0.19, `engine._get_all_zero_checkpoint_state_dicts`) loads a rank's own ZeRO partition
+and the model states file, not its peers' partitions; from a universal folder a ZeRO-1/2 rank
+reads `zero/optimizer_state.pt` and the `zero/<param>/` folders of the parameters whose
+fragments it holds. Downloading the whole checkpoint on every rank (what `fs.local_copy` does)
+costs world-size times the egress and every partition's bytes of local disk on each rank.
+
+Why files are fetched before loading rather than on demand through a DeepSpeed
+`CheckpointEngine`: DeepSpeed finds the model states by `glob` in the local folder, and its
+universal loader reads `zero/` with `os.listdir`, `os.path.isfile` and `torch.load` directly,
+past any checkpoint engine. So the files a rank needs are chosen by name (`rank_files`, a pure
+function) and placed where DeepSpeed looks; a name this module does not recognise is fetched.
+
+Ranks on one node share one cache folder: a file is downloaded by whichever rank takes its
+lock first (`fcntl.flock`, released by the kernel if that process dies) into a `.part` file
+renamed into place once whole, and the others reuse it. The free disk is checked before any
+download: too little is a `LocalDiskFull` naming the folder and the bytes, never a retry, and
+never held against the checkpoint. The folder is removed by the last rank that leaves it; one
+left by a killed process is removed by the next restore on that node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import logging
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow.fs as pafs
+
+from tidal.errors import CheckpointError
+
+log = logging.getLogger("tidal")
+
+CACHE_ENV = "TIDAL_RESTORE_CACHE"  # a node-local folder for restores (default: the temp dir)
+PREFIX = "tidal-restore-"
+INUSE = ".inuse"  # every process using a cache folder holds a shared lock on this file
+_PARTITION = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_")
+
+
+class LocalDiskFull(CheckpointError):
+    """Too little local disk to fetch a checkpoint: a fault of the node, not of the checkpoint."""
+
+
+def rank_files(listed: dict[str, int], dp_rank: int, params: set[str] | None = None) -> dict[str, int]:
+    """Of a tag folder's files (path relative to the folder -> size), those a rank loads.
+
+    `dp_rank`: the rank's data-parallel rank; its peers' `zero_pp_rank_<r>_*` files (ZeRO
+    partitions; ZeRO-3 model states too) are left out. `params`: in a universal folder, the
+    parameters whose fragments the rank holds (None: all of them, as ZeRO-3 needs); other
+    parameters' `zero/<name>/` folders are left out. Everything else is kept.
+    """
+    out = {}
+    for rel, size in listed.items():
+        parts = rel.split("/")
+        if len(parts) == 1 and (m := _PARTITION.match(rel)) and int(m.group(1)) != dp_rank:
+            continue
+        if params is not None and len(parts) == 3 and parts[0] == "zero" and parts[1] not in params:
+            continue
+        out[rel] = size
+    return out
+
+
+@dataclass
+class Fetched:
+    """What a rank took from storage: files and bytes it downloaded, and those another rank of
+    its node had already downloaded."""
+
+    downloaded: dict[str, int] = field(default_factory=dict)
+    reused: dict[str, int] = field(default_factory=dict)
+
+    def line(self) -> str:
+        mb = sum(self.downloaded.values()) / 2**20
+        return (f"downloaded {len(self.downloaded)} file(s), {mb:.1f} MiB; reused {len(self.reused)} "
+                f"fetched by another rank of this node")
+
+
+class NodeCache:
+    """A cache folder shared by the ranks of one node for one checkpoint folder (`key`)."""
+
+    def __init__(self, key: str, name: str = "", root: str | None = None) -> None:
+        root = root or os.environ.get(CACHE_ENV) or tempfile.gettempdir()
+        tag = re.sub(r"[^A-Za-z0-9_.-]", "_", name)[-60:]
+        self.root = root
+        self.dir = os.path.join(root, f"{PREFIX}{tag}-{hashlib.sha1(key.encode()).hexdigest()[:12]}")
+        self._lock: Any = None
+
+    def __enter__(self) -> NodeCache:
+        os.makedirs(self.root, exist_ok=True)
+        sweep(self.root, keep=self.dir)
+        self._lock = _hold_shared(self.dir)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        lock, self._lock = self._lock, None
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        lock.close()
+        _remove_if_unused(self.dir)
+
+    def fetch(self, storage: pafs.FileSystem, src: str, files: dict[str, int]) -> Fetched:
+        """Make `files` (relative to `src` in `storage` -> size) present under `self.dir`."""
+        missing = {rel: size for rel, size in files.items() if not _present(self.path(rel), size)}
+        need = sum(missing.values())
+        free = shutil.disk_usage(self.dir).free
+        if need > free:
+            raise LocalDiskFull(
+                f"restoring {src} needs {need:,} bytes of local disk in {self.dir} and {free:,} are free. "
+                f"Free space there, or point {CACHE_ENV} at a larger node-local folder; the checkpoint "
+                "itself is sound and is kept.")
+        got = Fetched()
+        for rel, size in sorted(files.items()):
+            if self._fetch_one(storage, f"{src}/{rel}", rel, size):
+                got.downloaded[rel] = size
+            else:
+                got.reused[rel] = size
+        return got
+
+    def path(self, rel: str) -> str:
+        return os.path.join(self.dir, rel)
+
+    def _fetch_one(self, storage: pafs.FileSystem, src: str, rel: str, size: int) -> bool:
+        """Download one file unless another rank did; True when this process downloaded it."""
+        dst = self.path(rel)
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        with open(f"{dst}.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # one downloader per file; a dead one's lock is released
+            if _present(dst, size):
+                return False
+            part = f"{dst}.{os.getpid()}.part"
+            try:
+                pafs.copy_files(src, part, source_filesystem=storage,
+                                destination_filesystem=pafs.LocalFileSystem())
+            except OSError as e:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(part)
+                if e.errno == errno.ENOSPC or "No space left" in str(e):
+                    raise LocalDiskFull(f"the local disk under {self.dir} filled up while fetching {rel} "
+                                        f"({size:,} bytes); the checkpoint itself is sound and is kept") from e
+                raise
+            got = os.path.getsize(part)
+            if got != size:
+                os.remove(part)
+                raise CheckpointError(f"{src} is {got:,} bytes in storage, its manifest says {size:,}")
+            os.rename(part, dst)  # atomic: a reader sees no file or the whole file
+            return True
+
+
+def _present(path: str, size: int) -> bool:
+    try:
+        return os.path.getsize(path) == size
+    except OSError:
+        return False
+
+
+def _hold_shared(folder: str) -> Any:
+    """A shared lock on `folder`'s in-use file, created if need be. A folder removed between
+    opening and locking its file (by `_remove_if_unused`) is made again."""
+    while True:
+        os.makedirs(folder, exist_ok=True)
+        f = open(os.path.join(folder, INUSE), "a")  # noqa: SIM115 - held until __exit__
+        fcntl.flock(f, fcntl.LOCK_SH)
+        try:
+            if os.stat(f.name).st_ino == os.fstat(f.fileno()).st_ino:
+                return f
+        except FileNotFoundError:
+            pass
+        f.close()
+
+
+def _remove_if_unused(folder: str) -> bool:
+    """Remove `folder` when no process holds it (an exclusive lock is then free). The in-use
+    file goes last, so a process that opened it meanwhile sees it gone and starts over."""
+    try:
+        f = open(os.path.join(folder, INUSE), "a")  # noqa: SIM115
+    except FileNotFoundError:
+        return False
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        for entry in os.listdir(folder):
+            if entry != INUSE:
+                p = os.path.join(folder, entry)
+                shutil.rmtree(p, ignore_errors=True) if os.path.isdir(p) else os.remove(p)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(folder, INUSE))
+        with contextlib.suppress(OSError):
+            os.rmdir(folder)
+    return True
+
+
+def sweep(root: str, keep: str = "") -> list[str]:
+    """Remove cache folders under `root` that no process holds (left by killed processes)."""
+    gone = []
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.listdir(root):
+            path = os.path.join(root, entry)
+            if entry.startswith(PREFIX) and path != keep and os.path.isdir(path) and _remove_if_unused(path):
+                gone.append(path)
+    return gone
+
+
+@contextlib.contextmanager
+def tag_folder(storage: pafs.FileSystem, root: str, tag: str, files: dict[str, int], name: str) -> Iterator[str]:
+    """A local folder holding `files` of `root/tag` (relative to the tag folder), laid out as
+    DeepSpeed expects (`<dir>/<tag>/...`); yields `<dir>`. A local filesystem is read in place."""
+    if isinstance(storage, pafs.LocalFileSystem):
+        yield root
+        return
+    with NodeCache(f"{root}/{tag}", name=f"{name}-{tag}") as cache:
+        got = cache.fetch(storage, root, {f"{tag}/{rel}": size for rel, size in files.items()})
+        log.warning("Restore: %s/%s (pid %d): %s", name, tag, os.getpid(), got.line())
+        yield cache.dir

@@ -1,0 +1,264 @@
+"""Convert a checkpoint to DeepSpeed's universal form for a resize, outside any collective.
+
+Rank 0 converts while the other ranks wait by polling storage, not inside a collective: a
+conversion longer than the process group's timeout (Ray's 1800 s) would time the group out
+while every rank sat in a broadcast, and each next attempt would start it over. Polling ranks
+hold no collective open; rank 0 writes a status file beside the checkpoint every few seconds
+(`tidal-converting-<tag>.json`), so a waiter fails with a clear error when rank 0 reports
+a failure or stops reporting (its process died), and has a deadline of its own.
+
+Why in the worker group rather than before it forms (on the driver, as a Ray task): the world
+size that makes a conversion necessary is known only once Ray Train has formed the group (an
+elastic resize restarts it inside Ray's controller, with no public hook between choosing the
+size and starting the workers), and the group's nodes already have the storage credentials and
+the CPUs a conversion needs. Converting eagerly before every start would cost a full
+conversion even when the size did not change.
+
+The conversion reads only the files the checkpoint's manifests list (a dead attempt's stray
+partition would make `ds_to_universal` infer the wrong data-parallel degree), uses DeepSpeed's
+parallel extract and merge workers, and is published once (`fs.publish_dir`, marker last).
+It runs in its own process group that kills itself if rank 0 dies, so nothing is left running;
+a conversion killed half-way left no marker, and the next attempt converts again from scratch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow.fs as pafs
+
+import tidal
+from tidal import fs
+from tidal.errors import CheckpointError
+from tidal.storage import Found, listed_files
+from tidal.worker.fetch import LocalDiskFull, NodeCache
+
+log = logging.getLogger("tidal")
+
+TIMEOUT_ENV = "TIDAL_RESHARD_TIMEOUT_S"  # a conversion's deadline, rank 0's and the waiters' alike
+DEFAULT_TIMEOUT_S = 8 * 3600.0
+HEARTBEAT_S = 5.0  # rank 0 rewrites its status this often
+STALE_S = 120.0  # a status unchanged this long means rank 0's attempt died
+POLL_S = 2.0
+
+
+def marker(step_tag: str) -> str:
+    """Written after a universal conversion's last file: without it the conversion does not count."""
+    return f"tidal-universal-{step_tag.removesuffix('_universal')}.json"
+
+
+def status_name(step_tag: str) -> str:
+    return f"tidal-converting-{step_tag}.json"
+
+
+def workers(cpus: int, partitions: int, largest: int, available_mem: int) -> int:
+    """Extract/merge worker processes for `ds_to_universal`: one per CPU, no more than there are
+    partitions, and few enough that each can hold two copies of the largest partition in memory."""
+    by_memory = available_mem // max(1, 2 * largest)
+    return max(1, min(cpus, partitions, by_memory))
+
+
+def timeout_s() -> float:
+    return float(os.environ.get(TIMEOUT_ENV) or DEFAULT_TIMEOUT_S)
+
+
+def prepare(found: Found, step_tag: str) -> None:
+    """Rank 0, before it tells the others the resume point: a status of this attempt replaces
+    any earlier attempt's, so no waiter reads a failure that is not this attempt's."""
+    fs.write_json(found.fs, f"{found.path}/{status_name(step_tag)}", {"state": "pending", "beats": 0})
+
+
+def ensure(found: Found, step_tag: str, rank: int) -> str:
+    """The universal tag of `step_tag`, converted and published by rank 0 if need be; every
+    other rank waits for it by polling storage."""
+    out_tag = f"{step_tag}_universal"
+    if fs.published(found.fs, f"{found.path}/{out_tag}", f"{found.path}/{marker(step_tag)}"):
+        return out_tag  # converted by an earlier attempt
+    if rank == 0:
+        _convert(found, step_tag, out_tag)
+    else:
+        _wait(found, step_tag, out_tag)
+    return out_tag
+
+
+def _wait(found: Found, step_tag: str, out_tag: str) -> None:
+    status_path = f"{found.path}/{status_name(step_tag)}"
+    out, done = f"{found.path}/{out_tag}", f"{found.path}/{marker(step_tag)}"
+    t0 = said = last_change = time.monotonic()
+    beats = None
+    # The marker alone first: one small read per poll, where `published` also lists the folder.
+    while not (fs.exists(found.fs, done) and fs.published(found.fs, out, done)):
+        now = time.monotonic()
+        status = fs.read_json(found.fs, status_path) or {}
+        if status.get("state") == "failed":
+            raise CheckpointError(f"rank 0 could not convert {found.name} to universal form: {status.get('error')}")
+        if status.get("beats") != beats:
+            beats, last_change = status.get("beats"), now
+        elif now - last_change > STALE_S:
+            raise CheckpointError(f"rank 0's conversion of {found.name} reported nothing for {STALE_S:.0f} s (its "
+                                  "process died?); this attempt ends and the next one converts again")
+        if now - t0 > timeout_s() + STALE_S:
+            raise CheckpointError(f"waited {now - t0:.0f} s for rank 0's conversion of {found.name}, past "
+                                  f"{TIMEOUT_ENV}={timeout_s():.0f}")
+        if now - said >= 60:
+            log.warning("Resharding: waiting for rank 0 to convert %s (%.0f s; %s)", found.name, now - t0,
+                        status.get("stage", "starting"))
+            said = now
+        time.sleep(POLL_S)
+
+
+class _Status:
+    """Rank 0's heartbeat: rewrites the status file every HEARTBEAT_S with the current stage."""
+
+    def __init__(self, storage: pafs.FileSystem, path: str) -> None:
+        self.storage, self.path, self.stage, self.beats = storage, path, "starting", 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True, name="tidal-reshard-status")
+
+    def _run(self) -> None:
+        while not self.stop.wait(HEARTBEAT_S):
+            self.write("converting")
+
+    def write(self, state: str, **extra: Any) -> None:
+        self.beats += 1
+        with contextlib.suppress(OSError):  # a missed beat is retried; a waiter allows STALE_S
+            fs.write_json(self.storage, self.path, {"state": state, "beats": self.beats, "stage": self.stage,
+                                                    "host": os.uname().nodename, "pid": os.getpid(), **extra})
+
+    def __enter__(self) -> _Status:
+        self.thread.start()
+        return self
+
+    def __exit__(self, kind: Any, error: BaseException | None, tb: Any) -> None:
+        self.stop.set()
+        self.thread.join()  # first: no beat may overwrite the final state
+        if error is None:
+            self.write("done")
+        else:
+            self.write("failed", error=f"{type(error).__name__}: {error}"[:2000])
+
+
+def _convert(found: Found, step_tag: str, out_tag: str) -> None:
+    t0 = time.monotonic()
+    out, done = f"{found.path}/{out_tag}", f"{found.path}/{marker(step_tag)}"
+    fs.delete_file(found.fs, done)  # a stale marker must not bless a half-made upload
+    files = {rel: size for rel, size in listed_files(found.fs, found.path).items() if rel.startswith(f"{step_tag}/")}
+    if not files:
+        raise CheckpointError(f"{found.name} lists no files under {step_tag}: nothing to convert")
+    total = sum(files.values())
+    with _Status(found.fs, f"{found.path}/{status_name(step_tag)}") as status, \
+            NodeCache(f"convert:{found.path}/{step_tag}", name=f"convert-{found.name}") as cache:
+        _check_disk(cache.dir, total, 0 if fs.is_local(found.fs) else total)
+        status.stage = f"fetching {len(files)} files, {total / 2**20:.0f} MiB"
+        log.warning("Resharding: converting %s of %s (%d files, %.0f MiB) to universal form", step_tag, found.name,
+                    len(files), total / 2**20)
+        src = _input(found, cache, files, step_tag)
+        dst = os.path.join(cache.dir, "out", out_tag)
+        _run(src, dst, files, status)
+        status.stage = "publishing"
+        t1 = time.monotonic()
+        fs.publish_dir(dst, found.fs, out, done)
+        log.warning("Resharding: %s of %s converted and published in %.1f s (upload %.1f s)", step_tag,
+                    found.name, time.monotonic() - t0, time.monotonic() - t1)
+
+
+def _check_disk(folder: str, total: int, download: int) -> None:
+    """The conversion holds its input (when downloaded), DeepSpeed's fragments and the output at once."""
+    need, free = download + 2 * total, _free(folder)
+    if need > free:
+        raise LocalDiskFull(f"converting needs about {need:,} bytes of local disk in {folder} and {free:,} are free. "
+                            "Free space there or point TIDAL_RESTORE_CACHE at a larger node-local folder; the "
+                            "checkpoint itself is sound and is kept.")
+
+
+def _free(folder: str) -> int:
+    return shutil.disk_usage(folder).free
+
+
+def _input(found: Found, cache: NodeCache, files: dict[str, int], step_tag: str) -> str:
+    """A local folder with exactly the listed files of `step_tag`: downloaded, or on a local
+    filesystem links to them (whatever else sits in the folder stays out of the conversion)."""
+    if not fs.is_local(found.fs):
+        cache.fetch(found.fs, found.path, files)
+    else:
+        for rel in files:
+            link = Path(cache.path(rel))
+            link.parent.mkdir(parents=True, exist_ok=True)
+            if not link.is_symlink():
+                link.symlink_to(f"{found.path}/{rel}")
+    return cache.path(step_tag)
+
+
+def _run(src: str, dst: str, files: dict[str, int], status: _Status) -> None:
+    """Run `ds_to_universal` with parallel workers in its own process group; log its stages."""
+    import psutil
+
+    partitions = [size for rel, size in files.items() if "optim_states" in rel]
+    n = workers(len(os.sched_getaffinity(0)), max(1, len(partitions)), max(partitions, default=1),
+                psutil.virtual_memory().available)
+    here = os.path.dirname(os.path.dirname(tidal.__file__))
+    env = {**os.environ, "PYTHONWARNINGS": "ignore",
+           "PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)}
+    cmd = [sys.executable, "-m", "tidal.worker.universal", str(os.getpid()), "--input_folder", src,
+           "--output_folder", dst, "--num_extract_workers", str(n), "--num_merge_workers", str(n)]
+    out_log = os.path.join(os.path.dirname(dst), "convert.log")
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    status.stage = f"converting with {n} worker(s)"
+    t0, deadline = time.monotonic(), time.monotonic() + timeout_s()
+    with open(out_log, "w") as logf:
+        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        seen = 0
+        while proc.poll() is None:
+            if time.monotonic() > deadline:
+                raise CheckpointError(f"the conversion ran past {TIMEOUT_ENV}={timeout_s():.0f} s and was stopped")
+            seen = _stages(out_log, seen, status, t0)
+            time.sleep(1.0)
+        _stages(out_log, seen, status, t0)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # its pool workers too, whatever ended this
+        proc.wait()
+    if proc.returncode != 0:
+        tail = Path(out_log).read_text(errors="replace")[-3000:]
+        raise CheckpointError(f"converting to a universal checkpoint failed (exit {proc.returncode}):\n{tail}")
+
+
+def _stages(out_log: str, seen: int, status: _Status, t0: float) -> int:
+    """Log the stage lines (`*** ...`) the converter printed since line `seen`; returns the lines read."""
+    with contextlib.suppress(OSError), open(out_log, errors="replace") as f:
+        lines = f.read().splitlines()
+        for line in lines[seen:]:
+            if line.startswith("***"):
+                status.stage = line.strip("* ")
+                log.warning("Resharding: %s (%.0f s)", status.stage, time.monotonic() - t0)
+        return len(lines)
+    return seen
+
+
+def _die_with(parent: int) -> None:
+    """In the converter: end the whole process group (its pool workers too) once rank 0 is gone."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os.killpg(0, signal.SIGKILL)
+
+
+def _child(argv: list[str]) -> None:
+    threading.Thread(target=_die_with, args=(int(argv[0]),), daemon=True).start()
+    from deepspeed.checkpoint import ds_to_universal
+
+    sys.argv = ["ds_to_universal", *argv[1:]]
+    ds_to_universal.main(ds_to_universal.parse_arguments())
+
+if __name__ == "__main__":
+    _child(sys.argv[1:])

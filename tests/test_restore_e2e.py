@@ -1,0 +1,200 @@
+"""Restores end to end through Ray Train and real DeepSpeed engines: from S3 a 2-worker restore
+reads each file of the checkpoint once (each rank its own partition, the model states once for
+the node), counted by the S3 server itself; a resize's conversion killed half-way is made again
+by the next attempt, which loads it, while the waiting rank never sat in a collective."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+import tidal
+from tests.conftest import free_port, metric_history, restore_env, stop_session, tiny_spec
+from tidal import fs
+from tidal.storage import QUARANTINE_FILE, RunDir, checkpoint_dir_name, listed_files
+from tidal.worker import fetch, universal
+
+pytestmark = [pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def recorded_s3(tmp_path_factory) -> Iterator[str]:
+    """moto's S3 server with its request recorder (every request's method, URL and headers)."""
+    folder = tmp_path_factory.mktemp("moto-rec")
+    port = free_port()
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test",
+           "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=(folder / "moto.log").open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "MOTO_RECORDER_FILEPATH": str(folder / "recording.jsonl")})
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        deadline = time.time() + 30
+        while True:
+            try:
+                urllib.request.urlopen(f"{env['AWS_ENDPOINT_URL']}/moto-api/", timeout=1)
+                break
+            except OSError:
+                if time.time() > deadline:
+                    raise
+                time.sleep(0.2)
+        yield env["AWS_ENDPOINT_URL"]
+    finally:
+        restore_env(old)
+        stop_session(proc)
+
+
+@pytest.fixture(scope="module")
+def ray_here(recorded_s3) -> Iterator[None]:
+    import ray
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    yield
+    ray.shutdown()
+
+
+def recorder(endpoint: str, action: str) -> str:
+    method = "GET" if action == "download-recording" else "POST"
+    req = urllib.request.Request(f"{endpoint}/moto-api/recorder/{action}", method=method)
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return r.read().decode()
+
+
+def bytes_read(recording: str, folder: str, sizes: dict[str, int]) -> dict[str, int]:
+    """Bytes the server sent for each object under `folder` (key suffix -> bytes), from its GETs."""
+    got: dict[str, int] = {}
+    for line in recording.splitlines():
+        entry = json.loads(line)
+        path = urllib.parse.unquote(urllib.parse.urlsplit(entry["url"]).path)
+        if entry["method"] != "GET" or f"/{folder}/" not in path:
+            continue
+        rel = path.split(f"/{folder}/", 1)[1]
+        rng = {k.lower(): v for k, v in entry["headers"].items()}.get("range")
+        if rng:
+            first, last = rng.removeprefix("bytes=").split("-")
+            n = min(int(last), sizes[rel] - 1) - int(first) + 1
+        else:
+            n = sizes[rel]
+        got[rel] = got.get(rel, 0) + n
+    return got
+
+
+def test_a_two_worker_restore_from_s3_reads_each_file_once(tmp_path, recorded_s3, ray_here):
+    """Each rank reads its own ZeRO partition, and the model states are read once for the node:
+    the checkpoint's bytes cross the network once, where every rank used to read all of them."""
+    import boto3
+
+    bucket = f"tidal-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3").create_bucket(Bucket=bucket)
+    spec = tiny_spec(tmp_path, name="fetch", **{"train.steps": 10, "checkpoint.every_steps": 8,
+                                                "checkpoint.storage": f"s3://{bucket}/runs"},
+                     env={fetch.CACHE_ENV: str(tmp_path / "cache")})
+    tidal.run(spec.with_overrides({"train.stop_at": 8}))
+    run = RunDir(spec.checkpoint.storage, spec.name)
+    ckpt = f"{run.path}/{checkpoint_dir_name(8)}"
+    tag = {rel.removeprefix("global_step8/"): size for rel, size in listed_files(run.fs, ckpt).items()
+           if rel.startswith("global_step8/")}
+    partitions = sorted(rel for rel in tag if "optim_states" in rel)
+    assert len(partitions) == 2 and "mp_rank_00_model_states.pt" in tag
+
+    recorder(recorded_s3, "reset-recording")
+    recorder(recorded_s3, "start-recording")
+    try:
+        result = tidal.run(spec)
+    finally:
+        recorder(recorded_s3, "stop-recording")
+    read = bytes_read(recorder(recorded_s3, "download-recording"), f"{checkpoint_dir_name(8)}/global_step8", tag)
+
+    assert sorted(metric_history(spec, result.mlflow_run_id, "loss")) == list(range(1, 11))
+    assert metric_history(spec, result.mlflow_run_id, "steps_lost")[10] == 0, "resumed from step 8"
+    needed = {rel: size for rel, size in tag.items() if rel.endswith(".pt")}
+    assert read == needed, f"each file read exactly once for the node; read {read}, sizes {tag}"
+    whole = sum(tag.values())
+    print(f"restore read {sum(read.values())} bytes of a {whole}-byte step folder for 2 ranks on one node "
+          f"(partitions {[tag[p] for p in partitions]}, model states {tag['mp_rank_00_model_states.pt']})")
+    assert not list((tmp_path / "cache").iterdir()), "the node's cache was removed after the restore"
+
+
+class Killer:
+    """Kills this test's first universal conversion process (a descendant of this process) once,
+    when its log under `cache` shows it extracting, or `after_s` after it started: half-way."""
+
+    def __init__(self, cache: Path, after_s: float = 5.0) -> None:
+        self.cache, self.after_s, self.killed = cache, after_s, []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        me, seen = psutil.Process(), None
+        while not self.stop.wait(0.05):
+            procs = converters(me)
+            if not procs:
+                continue
+            seen = seen or time.monotonic()
+            logs = [p.read_text(errors="replace") for p in self.cache.rglob("convert.log")]
+            if any("Extracting" in text for text in logs) or time.monotonic() - seen > self.after_s:
+                os.kill(procs[0].pid, signal.SIGKILL)
+                self.killed.append(procs[0].pid)
+                return
+
+    def __enter__(self) -> Killer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+def converters(me: psutil.Process) -> list[psutil.Process]:
+    found = []
+    for p in me.children(recursive=True):
+        try:
+            if "tidal.worker.universal" in " ".join(p.cmdline()):
+                found.append(p)
+        except psutil.Error:
+            pass
+    return found
+
+
+def test_a_conversion_killed_half_way_is_made_again_and_loads(tmp_path, ray_here):
+    """1 worker to step 6, then 2 workers: rank 0 converts while rank 1 waits on storage; the
+    conversion is killed; the attempt fails, the next converts again, and training goes on with
+    the losses of a run that never resized. Nothing is quarantined, nothing is left running."""
+    common = {"train.steps": 12, "checkpoint.every_steps": 6}
+    reference = tiny_spec(tmp_path, name="steady", **common)
+    expected = metric_history(reference, tidal.run(reference).mlflow_run_id, "loss")
+
+    spec = tiny_spec(tmp_path, name="killed", **common, env={fetch.CACHE_ENV: str(tmp_path / "cache")})
+    tidal.run(spec.with_overrides({"train.stop_at": 6, "scaling.min_workers": 1, "scaling.max_workers": 1}))
+    with Killer(tmp_path / "cache") as killer:
+        result = tidal.run(spec)
+
+    assert killer.killed, "a conversion was running and was killed"
+    got = metric_history(spec, result.mlflow_run_id, "loss")
+    assert sorted(got) == list(range(1, 13))
+    for step in range(1, 13):
+        assert got[step] == pytest.approx(expected[step], rel=1e-4), step
+    assert metric_history(spec, result.mlflow_run_id, "restarts")[12] >= 1, "the killed attempt failed"
+    run = RunDir(spec.checkpoint.storage, spec.name)
+    ckpt = f"{run.path}/{checkpoint_dir_name(6)}"
+    assert fs.published(run.fs, f"{ckpt}/global_step6_universal", f"{ckpt}/{universal.marker('global_step6')}")
+    status = fs.read_json(run.fs, f"{ckpt}/{universal.status_name('global_step6')}")
+    assert status is not None and status["state"] == "done"
+    assert not [rel for rel in fs.files_under(run.fs, run.path) if QUARANTINE_FILE in rel]
+    assert not converters(psutil.Process()), "no conversion process outlived its attempt"
+    assert not list((tmp_path / "cache").iterdir()), "the conversion's local folders were removed"
