@@ -82,8 +82,10 @@ def test_a_streamed_job_resized_2_1_2_trains_the_windows_of_an_undisturbed_run(t
         assert got[step] == pytest.approx(expected[step], rel=1e-4), step
 
 
-def test_the_quickstart_streamed_with_one_cpu_per_worker_runs_on_two_cpus(tmp_path):
-    """Its two workers take both CPUs of this machine; Ray Data reads before they start."""
+def test_the_quickstart_streamed_with_one_cpu_per_worker_runs_on_two_cpus(tmp_path, capfd, monkeypatch):
+    """Its two workers take both CPUs of this machine; Ray Data reads before they start, and its
+    progress bars and log lines stay out of output that is not a terminal."""
+    monkeypatch.delenv("TIDAL_DEBUG", raising=False)
     source = tmp_path / "docs.txt"
     source.write_text("".join(d + "\n" for d in DOCS * 4))
     spec = load_spec(ROOT / "jobs" / "quickstart.yaml").with_overrides({
@@ -92,3 +94,7 @@ def test_the_quickstart_streamed_with_one_cpu_per_worker_runs_on_two_cpus(tmp_pa
     assert spec.scaling.cpus_per_worker == 1 and spec.scaling.max_workers == 2
     loss = metric_history(spec, tidal.run(spec).mlflow_run_id, "loss")
     assert sorted(loss) == [1, 2, 3, 4]
+    out = capfd.readouterr()
+    assert "tokenizing" in out.out
+    for noise in ("Progress bars", "Starting execution of Dataset", "%|"):
+        assert noise not in out.out + out.err, noise

@@ -127,3 +127,15 @@ def test_turning_streaming_on_is_refused_and_other_jobs_keep_their_fingerprint(t
     with pytest.raises(CheckpointError, match="data.streaming: None -> True"):
         check_compatible(plain.with_overrides({"data.streaming": True}),
                          {"fingerprint": plain.resume_fingerprint(), "step": 8})
+
+
+def test_shards_on_object_storage_give_the_same_steps(tmp_path, bucket):
+    """The index on S3 (moto's server): built there, found again, and read by the workers from it."""
+    local, local_uri, _ = streamed(tmp_path)
+    on_s3 = local.with_overrides({"checkpoint.storage": f"{bucket}/runs"})
+    chunks, calls = numbered_chunks(200)
+    uri = stream_prep.prepare(on_s3, chunks)
+    assert uri.startswith(f"{bucket}/runs/s/tidal-stream/") and calls == ["s"]
+    assert stream_prep.prepare(on_s3, chunks) == uri and calls == ["s"]
+    for step in (1, 13):
+        assert step_windows(on_s3, uri, 2, step) == step_windows(local, local_uri, 2, step)

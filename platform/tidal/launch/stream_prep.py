@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -179,15 +180,19 @@ def _read(source: str, num_blocks: int | None) -> Any:
 
 @contextmanager
 def _data_context() -> Iterator[None]:
-    """Source order, and Ray Data's progress bars only on a terminal or with TIDAL_DEBUG=1 (in a
-    log they are thousands of lines)."""
+    """Source order, and Ray Data's progress bars and per-dataset log lines only on a terminal or
+    with TIDAL_DEBUG=1 (in a log the bars are thousands of lines; Tidal says what it builds)."""
     from ray.data import DataContext
 
-    ctx = DataContext.get_current()
-    before = ctx.execution_options.preserve_order, ctx.enable_progress_bars
+    ctx, logger = DataContext.get_current(), logging.getLogger("ray.data")
+    before = ctx.execution_options.preserve_order, ctx.enable_progress_bars, logger.level
+    verbose = sys.stderr.isatty() or os.environ.get("TIDAL_DEBUG") == "1"
     ctx.execution_options.preserve_order = True
-    ctx.enable_progress_bars = sys.stderr.isatty() or os.environ.get("TIDAL_DEBUG") == "1"
+    ctx.enable_progress_bars = verbose
+    if not verbose:
+        logger.setLevel(logging.ERROR)
     try:
         yield
     finally:
-        ctx.execution_options.preserve_order, ctx.enable_progress_bars = before
+        ctx.execution_options.preserve_order, ctx.enable_progress_bars = before[:2]
+        logger.setLevel(before[2])
