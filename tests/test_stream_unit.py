@@ -139,3 +139,14 @@ def test_shards_on_object_storage_give_the_same_steps(tmp_path, bucket):
     assert stream_prep.prepare(on_s3, chunks) == uri and calls == ["s"]
     for step in (1, 13):
         assert step_windows(on_s3, uri, 2, step) == step_windows(local, local_uri, 2, step)
+
+
+def test_a_reader_holds_a_few_shards_and_fetches_the_next_steps_ahead(tmp_path):
+    spec, uri, _ = streamed(tmp_path, windows=600)  # 50 shards of 12 windows
+    batches = StreamBatches(spec, uri, 0, 2, torch.device("cpu"))
+    reader = batches.reader
+    for step in range(1, 30):
+        list(batches.for_step(step))
+        assert len(reader.cache) <= reader.limit < 50
+        upcoming = batches.order.windows_of(step * 16, 16)[batches.part]
+        assert set(reader._shards_of(upcoming).tolist()) <= set(reader.cache) | set(reader.loading), step

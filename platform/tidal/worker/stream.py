@@ -16,6 +16,7 @@ import io
 import json
 from collections import OrderedDict
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +32,10 @@ INDEX_FILE = "index.json"  # as tidal.launch.stream_prep writes it (the worker s
 
 
 class ShardReader:
-    """Windows by global index from a published shard index, holding at most `cache` shards."""
+    """Windows by global index from a published shard index, holding at most `cache` shards.
+
+    `prefetch` loads the next step's shards in a background thread, so that a step waits on
+    object storage only when a shard is still on its way."""
 
     def __init__(self, uri: str, cache: int = 2 * SHUFFLE_SHARDS) -> None:
         self.fs, self.path = fs.resolve(uri)
@@ -44,20 +48,34 @@ class ShardReader:
         self.starts = np.concatenate([[0], np.cumsum(self.counts)]).astype(np.int64)
         self.cache: OrderedDict[int, np.ndarray] = OrderedDict()
         self.limit = cache
+        self.loading: dict[int, Future[np.ndarray]] = {}  # only the training thread touches both dicts
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tidal-shards")
 
     def windows(self, indices: list[int]) -> np.ndarray:
-        shard_of = np.searchsorted(self.starts, indices, side="right") - 1
+        shard_of = self._shards_of(indices)
         return np.stack([self._shard(int(s))[i - self.starts[s]] for i, s in zip(indices, shard_of, strict=True)])
+
+    def prefetch(self, indices: list[int]) -> None:
+        for s in map(int, np.unique(self._shards_of(indices))):
+            if s not in self.cache and s not in self.loading:
+                self.loading[s] = self.pool.submit(self._load, s)
+
+    def _shards_of(self, indices: list[int]) -> np.ndarray:
+        return np.searchsorted(self.starts, indices, side="right") - 1
 
     def _shard(self, s: int) -> np.ndarray:
         if s in self.cache:
             self.cache.move_to_end(s)
             return self.cache[s]
-        with self.fs.open_input_file(f"{self.path}/{self.names[s]}") as f:
-            self.cache[s] = np.load(io.BytesIO(f.read()))
+        pending = self.loading.pop(s, None)
+        self.cache[s] = pending.result() if pending is not None else self._load(s)
         if len(self.cache) > self.limit:
             self.cache.popitem(last=False)
         return self.cache[s]
+
+    def _load(self, s: int) -> np.ndarray:
+        with self.fs.open_input_file(f"{self.path}/{self.names[s]}") as f:
+            return np.load(io.BytesIO(f.read()))
 
 
 class StreamBatches:
@@ -82,6 +100,8 @@ class StreamBatches:
         first = (step - 1) * self.global_batch
         mine = self.order.windows_of(first, self.global_batch)[self.part]
         tokens = torch.from_numpy(self.reader.windows(mine).astype(np.int64))
+        if not self.ended:
+            self.reader.prefetch(self.order.windows_of(first + self.global_batch, self.global_batch)[self.part])
         for chunk in tokens.split(self.micro_batch):
             chunk = chunk.to(self.device, non_blocking=True)
             yield chunk[:, :-1], chunk[:, 1:]

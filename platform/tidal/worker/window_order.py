@@ -40,13 +40,14 @@ class WindowOrder:
     def __init__(self, counts: list[int], seed: int) -> None:
         self.counts, self.seed = counts, seed
         self.windows = int(sum(counts))
-        self._epoch, self._order = -1, np.empty(0, np.int64)
+        self._orders: dict[int, np.ndarray] = {}  # two epochs at most: a step (and the next) spans two
 
     def window(self, sample: int) -> int:
         epoch, j = divmod(sample, self.windows)
-        if epoch != self._epoch:
-            self._epoch, self._order = epoch, epoch_order(self.counts, self.seed, epoch)
-        return int(self._order[j])
+        if epoch not in self._orders:
+            self._orders = {e: o for e, o in self._orders.items() if e == epoch - 1}
+            self._orders[epoch] = epoch_order(self.counts, self.seed, epoch)
+        return int(self._orders[epoch][j])
 
     def windows_of(self, first: int, count: int) -> list[int]:
         return [self.window(p) for p in range(first, first + count)]
