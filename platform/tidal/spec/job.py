@@ -336,8 +336,10 @@ class JobSpec(Part):
         keep = ("model.", "parallelism.zero_stage", "parallelism.pipeline_stages", "train.global_batch", "train.seed",
                 "data.source", "data.tokenizer", "data.dataset", "eval.holdout")  # a holdout changes what training reads
         # What a stream's windows and their order depend on; only for streamed jobs, so that others
-        # keep the fingerprint (and MLflow run) they had before streaming joined it.
-        stream = ("data.streaming", "data.epochs", "data.text_field", "data.shard_windows") if self.data.streaming else ()
+        # keep the fingerprint (and MLflow run) they had before streaming joined it. Not data.epochs:
+        # it says only where the job ends (as train.steps does), never which windows a step trains,
+        # so a finished job can go on for more passes (`--set data.epochs=N`, as the CLI suggests).
+        stream = ("data.streaming", "data.text_field", "data.shard_windows") if self.data.streaming else ()
         # A job without a holdout has the fingerprint it had before eval existed (same MLflow run).
         return {k: v for k, v in self.flat().items()
                 if (k.startswith(keep) or k in stream) and (v is not None or k != "eval.holdout")}

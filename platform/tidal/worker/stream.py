@@ -88,7 +88,8 @@ class StreamBatches:
         self.global_batch, self.micro_batch = t.global_batch, t.micro_batch
         self.part = rank_slice(t.global_batch, world_size, rank)
         self.device = device
-        self.last = last_whole_step(self.order.windows, spec.data.epochs, t.global_batch)
+        self.epochs = spec.data.epochs
+        self.last = last_whole_step(self.order.windows, self.epochs, t.global_batch)
         if self.last == 0:
             raise TidalError(f"data.source {spec.data.source} holds {self.order.windows} windows of "
                              f"{spec.model.seq_len + 1} tokens: {spec.data.epochs} epoch(s) make no whole step of "
@@ -96,6 +97,9 @@ class StreamBatches:
         self.ended = False  # no whole step is left after the current one (data.epochs ran out)
 
     def for_step(self, step: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        if self.last is not None and step > self.last:  # data.epochs lowered below where the job is
+            raise TidalError(f"data.epochs {self.epochs} ends the stream at step {self.last}, before step {step} of "
+                             f"this job; set data.epochs to {self.epochs + 1} or more to train on")
         self.ended = self.last is not None and step >= self.last
         first = (step - 1) * self.global_batch
         mine = self.order.windows_of(first, self.global_batch)[self.part]
