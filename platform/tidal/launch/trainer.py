@@ -192,7 +192,6 @@ def _announce(spec: JobSpec, run_id: str | None) -> None:
 def _trainer(spec: JobSpec, run_ref: Any, callbacks: list[Any]) -> TorchTrainer:
     """`run_ref`: a reference to the tracker's run id, which the workers take once it is there."""
     from ray.train import (
-        DataConfig,
         FailureConfig,
         LoggingConfig,
         RunConfig,
@@ -222,21 +221,17 @@ def _trainer(spec: JobSpec, run_ref: Any, callbacks: list[Any]) -> TorchTrainer:
     )
     streaming: dict[str, Any] = {}
     if spec.data.streaming:
-        from ray.data import ExecutionOptions
+        from tidal.launch.stream_prep import prepare
 
-        from tidal.worker.stream import StreamSource
-
-        # Called at every worker-group start, so a restarted group streams only what is left.
-        # In order, so that an epoch every worker has moved past is known to be done.
-        streaming = {"datasets": {"train": StreamSource(spec)},
-                     "dataset_config": DataConfig(execution_options=ExecutionOptions(preserve_order=True))}
+        # Tokenized into shards here, before the workers hold any CPU (or reused if already made);
+        # the workers read windows from it by global index.
+        streaming = {"stream_index": prepare(spec)}
     return TorchTrainer(
         train_loop,
-        train_loop_config={"spec": spec.model_dump(mode="json"), "mlflow_run_id": run_ref},
+        train_loop_config={"spec": spec.model_dump(mode="json"), "mlflow_run_id": run_ref, **streaming},
         scaling_config=scaling,
         run_config=run_config,
         torch_config=TorchConfig(backend=dist_backend(s.gpus_per_worker)),
-        **streaming,
     )
 
 

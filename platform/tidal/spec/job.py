@@ -75,12 +75,18 @@ class DataSpec(Part):
         "nothing is downloaded. Default: bytes, a vocabulary of 256"
     )
     streaming: bool = Field(
-        False, description="stream the source through Ray Data, sharded over the workers, for data larger than a "
-        "worker's memory; false: every worker reads it whole (exact order at any world size)"
+        False, description="for data larger than a worker's memory: Ray Data tokenizes the source once, before "
+        "training, into shards on the job's storage, and each worker reads only the shards of its windows; false: "
+        "every worker reads the source whole. Both train each window once per epoch in the same global batches at "
+        "any world size, across restarts and resizes"
     )
     epochs: int | None = Field(
-        None, ge=1, description="with streaming: passes over the source, after which the job ends (train.steps is "
-        "then an upper bound); default: as many as train.steps needs"
+        None, ge=1, description="with streaming: passes over the source, after which the job ends at the last whole "
+        "step (train.steps is then an upper bound); default: as many as train.steps needs"
+    )
+    shard_windows: int | None = Field(
+        None, ge=1, description="with streaming: windows (model.seq_len + 1 tokens) per shard; default: about 4 MiB "
+        "of tokens per shard"
     )
     dataset: str | None = Field(
         None, description="'pkg.module:function' returning your own map-style torch Dataset (__len__ and "
@@ -329,8 +335,14 @@ class JobSpec(Part):
         """Fields that must match between a checkpoint and the job resuming from it."""
         keep = ("model.", "parallelism.zero_stage", "parallelism.pipeline_stages", "train.global_batch", "train.seed",
                 "data.source", "data.tokenizer", "data.dataset", "eval.holdout")  # a holdout changes what training reads
+        # What a stream's windows and their order depend on; only for streamed jobs, so that others
+        # keep the fingerprint (and MLflow run) they had before streaming joined it. Not data.epochs:
+        # it says only where the job ends (as train.steps does), never which windows a step trains,
+        # so a finished job can go on for more passes (`--set data.epochs=N`, as the CLI suggests).
+        stream = ("data.streaming", "data.text_field", "data.shard_windows") if self.data.streaming else ()
         # A job without a holdout has the fingerprint it had before eval existed (same MLflow run).
-        return {k: v for k, v in self.flat().items() if k.startswith(keep) and (v is not None or k != "eval.holdout")}
+        return {k: v for k, v in self.flat().items()
+                if (k.startswith(keep) or k in stream) and (v is not None or k != "eval.holdout")}
 
     def fingerprint_hash(self) -> str:
         blob = json.dumps(self.resume_fingerprint(), sort_keys=True).encode()

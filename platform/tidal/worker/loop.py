@@ -59,10 +59,11 @@ def train_loop(config: dict[str, Any]) -> None:
     run_id = config.get("mlflow_run_id")  # a reference to the tracker's answer: taken at saves, never waited for
 
     if spec.data.streaming:
-        # Imported here: it imports Ray Data, which other jobs do not need.
+        # Imported here: only streamed jobs read shards.
         from tidal.worker.stream import StreamBatches
 
-        batches: Batches | StreamBatches = StreamBatches(spec, world, device, found)
+        batches: Batches | StreamBatches = StreamBatches(spec, config["stream_index"],
+                                                         *data_parallel_rank(engine, rank, world), device)
     else:
         batches = Batches(spec, *data_parallel_rank(engine, rank, world), device)
     t = spec.train
