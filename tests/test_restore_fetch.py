@@ -117,6 +117,19 @@ def test_two_ranks_of_a_node_download_the_shared_file_once_and_clean_up(bucket, 
     assert not os.listdir(tmp_path / "cache"), "the last rank out removed the cache"
 
 
+def test_the_fetched_folder_holds_exactly_the_fetched_files(bucket, tmp_path):
+    """DeepSpeed's converter lists a step folder by file-name prefix (`mp_rank_`, `zero_pp_rank_`):
+    a lock or part file beside a data file was taken for one (`EOFError: Ran out of input` on
+    the 0-byte `mp_rank_00_model_states.pt.lock`, every restart; found by the combined chaos run)."""
+    found = s3_checkpoint(bucket, {"mp_rank_00_model_states.pt": b"M" * 300,
+                                   "zero_pp_rank_0_mp_rank_00_optim_states.pt": b"0" * 500})
+    listed = {f"global_step8/{rel}": size for rel, size in restore.tag_files(found, "global_step8").items()}
+    with fetch.NodeCache("k", root=str(tmp_path)) as cache:
+        cache.fetch(found.fs, found.path, listed)
+        cache.fetch(found.fs, found.path, listed)  # again, as a peer rank of the node does
+        assert sorted(os.listdir(cache.path("global_step8"))) == sorted(rel.split("/")[1] for rel in listed)
+
+
 def test_a_cache_left_by_a_killed_rank_is_removed_by_the_next_restore(tmp_path):
     stale = tmp_path / f"{fetch.PREFIX}job-dead"
     (stale / "global_step8").mkdir(parents=True)

@@ -14,7 +14,8 @@ function) and placed where DeepSpeed looks; a name this module does not recognis
 
 Ranks on one node share one cache folder: a file is downloaded by whichever rank takes its
 lock first (`fcntl.flock`, released by the kernel if that process dies) into a `.part` file
-renamed into place once whole, and the others reuse it. The free disk is checked before any
+renamed into place once whole, and the others reuse it (locks and parts sit in a folder of their
+own: DeepSpeed lists the data folders by file-name prefix). The free disk is checked before any
 download: too little is a `LocalDiskFull` naming the folder and the bytes, never a retry, and
 never held against the checkpoint. The folder is removed by the last rank that leaves it; one
 left by a killed process is removed by the next restore on that node.
@@ -44,6 +45,7 @@ log = logging.getLogger("tidal")
 CACHE_ENV = "TIDAL_RESTORE_CACHE"  # a node-local folder for restores (default: the temp dir)
 PREFIX = "tidal-restore-"
 INUSE = ".inuse"  # every process using a cache folder holds a shared lock on this file
+WORK = ".tidal-fetch"  # download locks and partial files, apart from what DeepSpeed reads
 _PARTITION = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_")
 
 
@@ -128,14 +130,21 @@ class NodeCache:
         return os.path.join(self.dir, rel)
 
     def _fetch_one(self, storage: pafs.FileSystem, src: str, rel: str, size: int) -> bool:
-        """Download one file unless another rank did; True when this process downloaded it."""
+        """Download one file unless another rank did; True when this process downloaded it.
+
+        Its lock and partial download live in a folder of their own, never beside the data files:
+        DeepSpeed lists a step folder by file-name prefix, and took `mp_rank_00_model_states.pt.lock`
+        for a model file."""
         dst = self.path(rel)
         os.makedirs(os.path.dirname(dst), exist_ok=True)
-        with open(f"{dst}.lock", "a") as lock:
+        work = os.path.join(self.dir, WORK)
+        os.makedirs(work, exist_ok=True)
+        flat = rel.replace("/", "%")
+        with open(os.path.join(work, f"{flat}.lock"), "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # one downloader per file; a dead one's lock is released
             if _present(dst, size):
                 return False
-            part = f"{dst}.{os.getpid()}.part"
+            part = os.path.join(work, f"{flat}.{os.getpid()}.part")
             try:
                 pafs.copy_files(src, part, source_filesystem=storage,
                                 destination_filesystem=pafs.LocalFileSystem())
