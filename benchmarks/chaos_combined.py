@@ -215,14 +215,15 @@ def _save_in_flight(run: RunDir) -> bool:
 
 
 def _converting(run: RunDir) -> bool:
-    """A universal conversion's files are being published and its marker is not written yet."""
+    """Rank 0's status for a resize's universal conversion says it is under way (tidal.worker.universal)."""
     from tidal import fs
 
     for folder in run.checkpoints()[:2]:
-        names = {i.base_name for i in fs.list_dir(run.fs, folder)}
-        for name in names:
-            if name.endswith("_universal") and f"tidal-universal-{name.removesuffix('_universal')}.json" not in names:
-                return True
+        for info in fs.list_dir(run.fs, folder):
+            if info.base_name.startswith("tidal-converting-"):
+                status = fs.read_json(run.fs, info.path) or {}
+                if status.get("state") in ("pending", "converting"):
+                    return True
     return False
 
 
@@ -350,16 +351,16 @@ def run_job(cluster: Cluster, servers: Servers, spec: JobSpec, tmp: Path, faults
     driver = Driver(write_spec(spec, tmp / f"{spec.name}.yaml"), cluster.address, tmp / f"{spec.name}.log")
     chaos = Chaos(cluster, servers, driver, RunDir(spec.checkpoint.storage, spec.name), trace, faults,
                   random.Random(seed))
-    stop = threading.Event()
-    injector = threading.Thread(target=chaos.go, args=(stop,), daemon=True)
+    # The faults run on this (main) thread: Ray's Cluster adds a node only from the main thread.
+    stop, ended = threading.Event(), {}
+    waiter = threading.Thread(target=lambda: (ended.setdefault("code", driver.wait(4 * 3600)), stop.set()),
+                              daemon=True)
     t0 = time.time()
     driver.start()
-    injector.start()
-    try:
-        code = driver.wait(timeout=4 * 3600)
-    finally:
-        stop.set()
-        injector.join(timeout=120)
+    waiter.start()
+    chaos.go(stop)
+    waiter.join()
+    code = ended.get("code", -1)
     return {"exit": code, "wall_s": time.time() - t0, "trace": _trace(trace), "log": driver.log}
 
 
@@ -445,8 +446,10 @@ def main() -> None:
             got = run_job(cluster, servers, spec, tmp, faults, args.seed)
             r = summarize(spec, ref, got, faults)
         finally:
-            cluster.shutdown()
-            servers.close()
+            try:
+                cluster.shutdown()
+            finally:
+                servers.close()
         cmd = f"python -m benchmarks.chaos_combined --faults {args.faults} --steps {args.steps} --every {args.every} --seed {args.seed}"
         text = report(r, cmd)
         print(text)
