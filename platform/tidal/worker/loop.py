@@ -151,8 +151,8 @@ def train_loop(config: dict[str, Any]) -> None:
             break
         if data_ended and step < last:
             if rank == 0:
-                passes = f"{spec.data.epochs} epoch(s)" if spec.data.epochs else "the epochs estimated from its size"
-                events.say(f"the data stream ended after step {step} ({passes} of {spec.data.source}); "
+                # Only data.epochs ends a stream (without it, epochs follow one another as for indexed sources).
+                events.say(f"the data stream ended after step {step} ({spec.data.epochs} epoch(s) of {spec.data.source}); "
                            "the job ends here", step)
             break
     events.drain()  # the last checkpoint's event and notes reach storage before this process ends
