@@ -171,3 +171,33 @@ def test_an_fp16_snapshot_keeps_the_loss_scale_it_was_taken_with(tmp_path):
     assert saved["loss_scaler"].cur_scale == 2.0**16 and saved["loss_scaler"].cur_iter == 0
     assert torch.equal(saved["w"], torch.ones(4))
     assert scaler.cur_scale == 2.0**17, "training's own scaler is untouched"
+
+
+def _flaky_json_reads() -> pafs.FileSystem:
+    """A local filesystem whose reads of state files and manifests fail, as a flaky mount or an
+    object store answering 503 does for a moment."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    class Flaky(LocalFileSystem):
+        def _open(self, path, mode="rb", **kwargs):  # type: ignore[no-untyped-def]
+            if "r" in mode and str(path).endswith(".json"):
+                raise OSError(f"When reading information for key '{path}': AWS Error SLOW_DOWN (HTTP status 503)")
+            return super()._open(path, mode, **kwargs)
+
+    return pafs.PyFileSystem(pafs.FSSpecHandler(Flaky()))
+
+
+def test_a_checkpoint_that_cannot_be_read_for_a_moment_is_never_cleared(tmp_path):
+    """No good checkpoint is condemned for a transient error: a storage error while checking a
+    complete checkpoint (here every JSON read answers 503) says nothing about it, so the clearing
+    at an attempt's first save leaves it whole."""
+    run = str(tmp_path / "run")
+    local, folder = pafs.LocalFileSystem(), f"{run}/{checkpoint_dir_name(8)}"
+    for rank in (0, 1):
+        save_rank(local, folder, tmp_path, rank=rank, world=2, step=8, attempt="A")
+    before = fs.files_under(local, folder)
+    flaky = _flaky_json_reads()
+
+    assert check_complete(flaky, folder)[0] is not None, "unreadable: not known to be complete"
+    assert clear_stale(flaky, run, 8) == []
+    assert fs.files_under(local, folder) == before

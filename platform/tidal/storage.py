@@ -34,6 +34,9 @@ STATE_FILE = "tidal-state.json"  # written by rank 0: step, world size, fingerpr
 JOB_FILE = "tidal-job.json"  # written by the driver at start: MLflow run id, fingerprint
 QUARANTINE_FILE = "tidal-quarantined.json"  # a checkpoint proven corrupt; never tried again
 TRUNCATED = "(truncated save)"
+# A storage error while checking (a flaky mount, a 503): nothing is known about the checkpoint, so
+# it is skipped for now but never cleared or condemned for it.
+UNREADABLE = "could not read"
 
 
 def checkpoint_dir_name(step: int) -> str:
@@ -179,14 +182,18 @@ def check_complete(fs: pafs.FileSystem, path: str) -> tuple[str | None, dict[str
         with fs.open_input_stream(f"{path}/{STATE_FILE}") as f:
             state = json.loads(f.read())
         world_size = int(state["world_size"])
-    except (FileNotFoundError, OSError, ValueError, KeyError):
+    except (FileNotFoundError, ValueError, KeyError):
         return f"{STATE_FILE} is missing or unreadable (the save did not finish)", {}
+    except OSError as e:
+        return f"{UNREADABLE} {STATE_FILE} ({e})", {}
     for rank in range(world_size):
         try:
             manifest = fs_read_manifest(fs, path, rank)
             files: dict[str, int] = manifest["files"]
-        except (FileNotFoundError, OSError, ValueError, KeyError):
+        except (FileNotFoundError, ValueError, KeyError):
             return f"rank {rank} of {world_size} never finished writing its files", {}
+        except OSError as e:
+            return f"{UNREADABLE} rank {rank}'s manifest ({e})", {}
         if (other := other_attempt(state, manifest)) is not None:
             return f"rank {rank}'s manifest is {other}: the save of this attempt did not finish", {}
         infos = fs.get_file_info([f"{path}/{name}" for name in files])
@@ -234,14 +241,15 @@ def stale_checkpoints(newest_first: list[str], problems: Callable[[str], str | N
     writes: every one of that step or later that is neither complete nor quarantined. This
     attempt resumed from a checkpoint older than `first_step` (the newest complete one), so what
     lies there was left by saves that died; it would otherwise mix with this attempt's files when
-    the same step is saved again. A complete or quarantined one is never touched."""
+    the same step is saved again. A complete or quarantined one is never touched, nor one that
+    could not be read (a storage error proves nothing about it)."""
     out = []
     for path in newest_first:
         m = CKPT_RE.match(path.rstrip("/").rsplit("/", 1)[-1])
         if m is None or int(m.group(1)) < first_step:
             continue
         problem = problems(path)
-        if problem is not None and not problem.startswith("quarantined"):
+        if problem is not None and not problem.startswith(("quarantined", UNREADABLE)):
             out.append(path)
     return out
 
