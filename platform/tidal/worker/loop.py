@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -72,7 +73,8 @@ def train_loop(config: dict[str, Any]) -> None:
     host_stats: Callable[[], dict[str, float]] = ResourceSampler(device) if rank == 0 else dict  # rank 0's only
     step_fn = step_function(spec)  # the user's train.step_fn, or model(*batch)
     watchdog = StepWatchdog(spec.failure.step_timeout_s, rank, events)
-    saved_for_preemption = backlog_said = False
+    backlog_said = False
+    preemption_rearm_at = 0.0  # when to ask Ray about preemption again (time.time()); inf: never
     evaluator = _evaluator(spec, rank, world, device, batches)
 
     done = state.data_ended or stopped_early(spec, asdict(state))
@@ -98,10 +100,11 @@ def train_loop(config: dict[str, Any]) -> None:
         times = clock.take()
         # One collective: the loss over ranks, their busy times, and whether to ask Ray now if a
         # node of this group is being drained or reclaimed (its check is a barrier of its own).
-        agreed = sync.exchange(loss_sum.item(), loss_n, times.get("busy_s"), is_log and not saved_for_preemption)
+        agreed = sync.exchange(loss_sum.item(), loss_n, times.get("busy_s"), is_log and time.time() >= preemption_rearm_at)
         warning = ray.train.get_preemption_info() if agreed.check_preemption else None
         preempted = warning is not None
-        saved_for_preemption |= preempted
+        if preempted:
+            preemption_rearm_at = rearm_after_warning(warning.deadline_ms)
         is_ckpt |= preempted
         is_eval = evaluator is not None and evaluator.due(step, final or is_ckpt)
         step_s = times["step_time_s"]
@@ -184,7 +187,22 @@ def _train_step(engine: Any, micro: Iterator[Any], clock: PhaseClock,
         n += 1
 
 
-def _wait_for_reclaim(deadline_ms: int | None, margin_s: float = 30.0) -> None:
+RECLAIM_MARGIN_S = 30.0  # how long past a drain's deadline Ray is given to tear the group down
+
+
+def rearm_after_warning(deadline_ms: int | None, margin_s: float = RECLAIM_MARGIN_S) -> float:
+    """When (time.time()) to ask Ray about preemption again after a warning with `deadline_ms`.
+
+    One warning brings one emergency checkpoint; asking again while its drain is under way would
+    save at every log step. But a group still training after the deadline (plus Ray's margin to
+    tear it down) was not reclaimed: the drain was cancelled, and a later one must get its own
+    emergency checkpoint. Without a deadline there is no moment at which the warning is known to
+    be over, so it is never asked again (as before; the periodic checkpoints still run).
+    """
+    return deadline_ms / 1000 + margin_s if deadline_ms else math.inf
+
+
+def _wait_for_reclaim(deadline_ms: int | None, margin_s: float = RECLAIM_MARGIN_S) -> None:
     """After the emergency checkpoint, train no further until Ray tears the group down at the
     deadline: steps trained now would be lost with the node. Ray then restarts the group on
     other nodes from that checkpoint. Without a deadline, or if nothing happens, train on."""
