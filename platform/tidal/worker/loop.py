@@ -72,7 +72,7 @@ def train_loop(config: dict[str, Any]) -> None:
     clock, sync, loss_sum, loss_n = PhaseClock(device), LogSync(), torch.zeros(1), 0
     host_stats: Callable[[], dict[str, float]] = ResourceSampler(device) if rank == 0 else dict  # rank 0's only
     step_fn = step_function(spec)  # the user's train.step_fn, or model(*batch)
-    watchdog = StepWatchdog(spec.failure.step_timeout_s, rank, events)
+    watchdog = StepWatchdog(spec.failure.step_timeout_s, rank, events, spec.failure.phase_timeout_s)
     backlog_said = False
     preemption_rearm_at = 0.0  # when to ask Ray about preemption again (time.time()); inf: never
     evaluator = _evaluator(spec, rank, world, device, batches)
@@ -118,25 +118,26 @@ def train_loop(config: dict[str, Any]) -> None:
         loss_n = 0
         stop = False
         if is_eval:  # before the save: the checkpoint records this step's score and patience
-            eval_metrics, stop = evaluator.run(engine, state.evaluation, step)
+            with watchdog.phase("eval"):
+                eval_metrics, stop = evaluator.run(engine, state.evaluation, step)
             metrics.update(eval_metrics)
             is_ckpt |= stop  # early stopping ends with a checkpoint at this step
         if rank == 0 and not is_ckpt:
             events.metrics(metrics)  # written in the background: tracking never blocks a step
         if is_ckpt:
             state.mlflow_run_id = known_run_id(run_id) or state.mlflow_run_id
-            if rank == 0:
-                if preempted:
-                    events.say(f"preemption warning: saving an emergency checkpoint at step {step}", step)
-                # Wait until every step up to this one is durable on the job's storage: once the
-                # checkpoint exists, training never redoes them, so no process's death may lose them.
-                events.metrics(metrics)
-                events.drain()
-            # A preemption warning's deadline cannot wait for a background write. (The last step's
-            # may run in the background: Ray waits for it before the worker exits.)
-            background = spec.checkpoint.async_upload and not preempted
-            saved = checkpoint.save(engine, state, metrics, batches.save_position, background=background)
-            watchdog.beat(step)
+            with watchdog.phase("save"):
+                if rank == 0:
+                    if preempted:
+                        events.say(f"preemption warning: saving an emergency checkpoint at step {step}", step)
+                    # Wait until every step up to this one is durable on the job's storage: once the
+                    # checkpoint exists, training never redoes them, so no process's death may lose them.
+                    events.metrics(metrics)
+                    events.drain()
+                # A preemption warning's deadline cannot wait for a background write. (The last step's
+                # may run in the background: Ray waits for it before the worker exits.)
+                background = spec.checkpoint.async_upload and not preempted
+                saved = checkpoint.save(engine, state, metrics, batches.save_position, background=background)
             if rank == 0:
                 events.checkpointed(step, saved)
                 if not backlog_said and (note := checkpoint.ray_backlog(
@@ -144,8 +145,9 @@ def train_loop(config: dict[str, Any]) -> None:
                     events.say(note, step)
                     backlog_said = True  # once per worker group: the cause does not change
         if warning is not None:
-            watchdog.pause()
-            _wait_for_reclaim(warning.deadline_ms)
+            # The wait ends by itself at the deadline; the drain phase only keeps the step timeout off it.
+            with watchdog.phase("drain", max(0.0, preemption_rearm_at - time.time()) + RECLAIM_MARGIN_S):
+                _wait_for_reclaim(warning.deadline_ms)
         if stop:  # the driver says why once the group has ended (launch.trainer)
             break
         if data_ended and step < last:
