@@ -12,6 +12,7 @@ from typing import Any
 import ray.train
 import torch
 
+from tidal import fs
 from tidal.eval_best import stopped_early
 from tidal.launch.recovery import POLL_INTERVAL
 from tidal.spec.job import JobSpec
@@ -43,6 +44,8 @@ def train_loop(config: dict[str, Any]) -> None:
     # process can fail or slow a step (tracking/emitter.py).
     events = Emitter(spec.checkpoint.storage, spec.name)
     device = torch_device()
+    if rank == 0:
+        abort_dead_uploads(spec, events)
 
     found = restore.agree_on_resume_point(spec)  # rank 0 decides; every rank loads the same one
     reshard = bool(found) and restore.needs_reshard(found.state, world)
@@ -157,6 +160,19 @@ def train_loop(config: dict[str, Any]) -> None:
                            "the job ends here", step)
             break
     events.drain()  # the last checkpoint's event and notes reach storage before this process ends
+
+
+def abort_dead_uploads(spec: JobSpec, events: Emitter) -> None:
+    """Abort the multipart uploads earlier attempts left incomplete in the job's folder (billed
+    until aborted); before this attempt writes anything there, so none of its own is touched."""
+    storage = spec.checkpoint.storage or ""
+    try:
+        if n := fs.abort_incomplete_uploads(storage, spec.name):
+            events.say(f"aborted {n} incomplete upload(s) an earlier attempt left in the job's folder")
+    except fs.UploadsUnchecked as e:
+        # The storage URI is not named: it may hold credentials (s3://KEY:SECRET@bucket).
+        events.say(f"WARNING: could not abort incomplete uploads in the job's folder ({e}); "
+                   "a bucket lifecycle rule can (docs/cluster.md)")
 
 
 def _evaluator(spec: JobSpec, rank: int, world: int, device: torch.device, batches: Any) -> Any:
