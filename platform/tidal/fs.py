@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import urllib.parse
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from typing import Any
@@ -51,7 +52,8 @@ def write_json(fs: pafs.FileSystem, path: str, data: Any) -> None:
     """Write `data` so a reader sees the old document or the new one, never half of one.
 
     An object store makes a single PUT visible whole; a local or shared filesystem needs a
-    temporary file renamed over the target.
+    temporary file renamed over the target, with the file and then its directory fsynced, so
+    that what a reader saw is also what is on disk after the machine crashes.
     """
     blob = json.dumps(data, indent=2).encode()
     parent = path.rsplit("/", 1)[0]
@@ -63,7 +65,86 @@ def write_json(fs: pafs.FileSystem, path: str, data: Any) -> None:
     tmp = f"{parent}/.{path.rsplit('/', 1)[1]}.{os.getpid()}.tmp"
     with fs.open_output_stream(tmp) as f:
         f.write(blob)
+    if DURABLE:
+        fsync_path(tmp)  # the bytes reach the disk before the name points at them
     fs.move(tmp, path)
+    if DURABLE:
+        fsync_path(parent)  # and the rename itself survives a crash of the machine
+
+
+# Whether write_json waits for the disk on a local or shared (NFS) filesystem. Without it a power
+# loss or kernel crash after the rename can leave an empty or old file under the new name: a
+# manifest naming files that are not there, or a mark past points MLflow never got. Off only for
+# benchmarks/fsync_cost.py, which measures what it costs.
+DURABLE = True
+
+
+def fsync_path(path: str) -> None:
+    """fsync a file or a directory by path. pyarrow's LocalFileSystem has no fsync (its output
+    stream's close only closes), so this is plain os calls; a directory is opened read-only,
+    which Linux and macOS accept for fsync."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class UploadsUnchecked(Exception):
+    """The incomplete uploads under a prefix could not be listed or aborted; says why in one line."""
+
+
+def abort_incomplete_uploads(storage: str, name: str) -> int:
+    """Abort the S3 multipart uploads of checkpoint files left incomplete under the job folder
+    `<storage>/<name>/`; returns how many. Anything but s3:// has none (0).
+
+    A writer killed mid-upload (a rank of a failed attempt, a preempted node) leaves its parts
+    stored, and billed, until the upload is aborted; nothing else ever aborts them unless the
+    bucket has a lifecycle rule (docs/cluster.md). Called when an attempt starts, before it
+    writes: every writer of the job's folder belongs to an attempt, and the earlier ones are
+    dead. Except the tracker and the controller, which write small JSON documents (event log,
+    mark, job file) at any time, and pyarrow 25 opens a multipart upload for every write however
+    small (checked on moto): uploads of `.json` keys are left alone.
+
+    pyarrow's S3FileSystem neither lists nor aborts uploads, so this uses boto3 when it is
+    installed (it reads the same AWS_* environment as pyarrow, plus the URI's own
+    endpoint_override, region and credentials); raises UploadsUnchecked otherwise.
+    """
+    parts = urllib.parse.urlsplit(storage)
+    if parts.scheme != "s3":
+        return 0
+    try:
+        import boto3
+        import botocore.exceptions
+    except ImportError:
+        raise UploadsUnchecked("boto3 is not installed (pip install boto3)") from None
+    bucket, prefix = parts.netloc.rsplit("@", 1)[-1], f"{parts.path.strip('/')}/{name}/".lstrip("/")
+    try:
+        s3 = boto3.client("s3", **_boto_options(parts))
+        aborted = 0
+        for page in s3.get_paginator("list_multipart_uploads").paginate(Bucket=bucket, Prefix=prefix):
+            for upload in page.get("Uploads", []):
+                if upload["Key"].endswith(".json"):
+                    continue  # maybe a live write (see above); a dead one holds a few KB
+                s3.abort_multipart_upload(Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+                aborted += 1
+        return aborted
+    except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as e:
+        raise UploadsUnchecked(str(e).splitlines()[0]) from None
+
+
+def _boto_options(parts: urllib.parse.SplitResult) -> dict[str, str]:
+    """What a pyarrow S3 URI says about where and as whom to connect, as boto3 client options."""
+    query = dict(urllib.parse.parse_qsl(parts.query))
+    options = {}
+    if endpoint := query.get("endpoint_override"):
+        options["endpoint_url"] = endpoint if "://" in endpoint else f"{query.get('scheme', 'https')}://{endpoint}"
+    if region := query.get("region"):
+        options["region_name"] = region
+    if parts.username:
+        options["aws_access_key_id"] = urllib.parse.unquote(parts.username)
+        options["aws_secret_access_key"] = urllib.parse.unquote(parts.password or "")
+    return options
 
 
 def list_dir(fs: pafs.FileSystem, path: str, recursive: bool = False) -> list[pafs.FileInfo]:

@@ -252,6 +252,11 @@ class FailureSpec(Part):
         900.0, ge=0.0, description="a worker with no finished step for this long (e.g. stuck in a collective) exits "
         "so the group restarts from the last checkpoint; 0 disables. Armed after the first step"
     )
+    phase_timeout_s: float = Field(
+        3600.0, ge=0.0, description="a checkpoint save or an evaluation may take this long (instead of step_timeout_s, "
+        "suspended meanwhile) before the worker is taken as hung and exits; 0: no limit for them. Raise it for "
+        "checkpoints that take longer to write synchronously"
+    )
     straggler_ratio: float = Field(
         1.5, ge=0.0, description="warn when one rank's time outside collectives is this many times the median "
         "rank's (the others wait for it); 0 disables"

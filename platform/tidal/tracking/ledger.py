@@ -4,9 +4,10 @@ Events come from the job's durable log (tracking/buffer.py; rank 0 and the contr
 it, tracking/emitter.py). `poll` reads the new ones, drops a step already logged (a step
 replayed after a restart), counts restarts, resizes and lost steps, and tells subscribers
 (the console, the status record). `flush` sends what is pending to a `Sink` (MLflow) in
-batches, retries an unreachable sink every `retry_s`, and forgets sent entries only after
-recording how far the sink holds the run (the mark, `tidal-mlflow-sent.json`), so a ledger
-that dies at any point is replaced by one that sends the rest once and nothing twice.
+batches, retries an unreachable sink after `retry_s` (doubling, up to a minute), and forgets
+events only after a saved mark records how far the sink holds the run and the counters (the
+mark, `tidal-mlflow-sent.json`), so a ledger that dies at any point is replaced by one that
+sends the rest once and nothing twice.
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ class Ledger:
         self.pending: list[dict[str, Any]] = []
         self.known: set[str] = set()  # ids read and still in the buffer
         self.recovered: set[str] | None = None  # ids an earlier ledger left: some may be in MLflow
-        self.retry_at, self.down_since = 0.0, None
+        self.retry_at, self.down_since, self.failures = 0.0, None, 0
+        self.unsaved: list[dict[str, Any]] = []  # handled, but the mark that counts them failed to save
         self.lock = threading.RLock()  # one poll or flush at a time
 
     # --- reading the log ----------------------------------------------------------------
@@ -73,16 +75,19 @@ class Ledger:
         """Take in new events; returns how many points wait to be sent."""
         with self.lock:
             new = self.buffer.load(self.known)
+            if not self._learn_highs(new):
+                return len(self.pending)  # left in the log: read again once the sink answers
             if self.recovered is None:
                 self.recovered = {e["id"] for e in new}
-            handled = []
             for e in sorted(new, key=happened):
                 self.known.add(e["id"])
                 if not self._take(e):
-                    handled.append(e)
-            if new:
-                self._save_mark()  # counters first: a handled event is then forgotten
-            self._forget(handled)
+                    self.unsaved.append(e)
+            # Counters first: a handled event is forgotten only once a saved mark counts it, else
+            # a ledger that replaced this one would have neither the event nor its count.
+            if (new or self.unsaved) and self._save_mark():
+                self._forget(self.unsaved)
+                self.unsaved = []
             return len(self.pending)
 
     def _take(self, e: dict[str, Any]) -> bool:
@@ -123,19 +128,31 @@ class Ledger:
             self.failed_since_resume = False
         self.world_size = world or self.world_size
 
+    def _learn_highs(self, new: list[dict[str, Any]]) -> bool:
+        """Know the highest step the sink holds of each kind among `new` before taking any of
+        them; False while the sink cannot say (the events wait in the log, asked again after the
+        backoff). Taking "unreachable" as "nothing logged" would send a replayed step twice."""
+        unknown = {kind_of(e) for e in new} & {k for k, v in self.high.items() if v is None}
+        if not unknown or not self.run_id:  # no run yet: nothing of it can be logged
+            self.high.update(dict.fromkeys(unknown, 0))
+            return True
+        if self.clock() < self.retry_at:
+            return False
+        try:
+            for kind in unknown:  # no mark (a run from before marks, or none sent yet): ask MLflow
+                key = "loss" if kind == "metrics" else "checkpoint_bytes"
+                self.high[kind] = max(self.sink.logged_steps(self.run_id, key), default=0)
+        except Exception as e:  # noqa: BLE001 - any sink failure leaves training running; retried later
+            self._sink_failed(e)
+            return False
+        return True
+
     def _high(self, kind: str) -> int:
-        if self.high[kind] is None:  # no mark (a run from before marks, or none sent yet): ask MLflow
-            key = "loss" if kind == "metrics" else "checkpoint_bytes"
-            try:
-                steps = self.sink.logged_steps(self.run_id, key) if self.run_id else set()
-            except Exception:  # noqa: BLE001 - unreachable: nothing known to be logged yet
-                steps = set()
-            self.high[kind] = max(steps, default=0)
-        return int(self.high[kind] or 0)
+        return int(self.high[kind] or 0)  # known: _learn_highs ran first
 
     # --- sending ------------------------------------------------------------------------
     def flush(self, force: bool = False) -> int:
-        """Send pending points unless the sink failed less than `retry_s` ago (`force` tries now);
+        """Send pending points unless the sink's backoff is running (`force` tries now);
         returns the points left unsent."""
         with self.lock:
             todo = list(self.pending)
@@ -151,10 +168,7 @@ class Ledger:
                     self.sink.send(self.run_id, chunk)
                     sent += len(chunk)
             except Exception as e:  # noqa: BLE001 - any sink failure leaves training running; retried later
-                self.retry_at = self.clock() + self.retry_s
-                if self.down_since is None:
-                    self.down_since = self.clock()
-                    self.notify({"kind": "sink_down", "error": type(e).__name__, "where": self.buffer.path})
+                self._sink_failed(e)
             done = todo[:sent]
             ids = {e["id"] for e in done}
             self.pending = [e for e in self.pending if e["id"] not in ids]
@@ -162,12 +176,25 @@ class Ledger:
                 key = SENT_KINDS[kind_of(e)]
                 self.mark[key] = max(int(self.mark.get(key) or 0), int(e["step"]))
             # The mark goes first: an entry forgotten without it would be sent again after a crash.
+            self.unsaved += done
             if done and self._save_mark():
-                self._forget(done)
+                self._forget(self.unsaved)
+                self.unsaved = []
+            if sent == len(todo):
+                self.failures = 0
             if self.down_since is not None and sent == len(todo):
                 self.notify({"kind": "sink_back", "down_s": self.clock() - self.down_since, "sent": sent})
                 self.down_since = None
             return len(self.pending)
+
+    def _sink_failed(self, e: Exception) -> None:
+        """Wait before the next try, twice as long after each failure in a row (up to MAX_RETRY_S),
+        and say once that the sink is down."""
+        self.retry_at = self.clock() + retry_delay(self.retry_s, self.failures)
+        self.failures += 1
+        if self.down_since is None:
+            self.down_since = self.clock()
+            self.notify({"kind": "sink_down", "error": type(e).__name__, "where": self.buffer.path})
 
     def _skip_recovered(self, todo: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Entries an earlier ledger sent but died before forgetting: the sink has their step already.
@@ -220,6 +247,14 @@ class Ledger:
                 subscriber(event)
             except Exception as e:  # noqa: BLE001 - a broken printer or status file must not stop tracking
                 print(f"[tidal] WARNING: tracking subscriber {subscriber!r} failed: {e}", flush=True)
+
+
+MAX_RETRY_S = 60.0
+
+
+def retry_delay(retry_s: float, failures: int) -> float:
+    """The wait after `failures` earlier failures in a row: retry_s, doubling, at most MAX_RETRY_S."""
+    return min(retry_s * 2 ** min(failures, 16), max(retry_s, MAX_RETRY_S))
 
 
 def happened(entry: dict[str, Any]) -> tuple[int, str]:

@@ -46,17 +46,28 @@ class RunWriter:
     def __init__(self, spec: JobSpec, tags: dict[str, str] | None = None, record: dict[str, Any] | None = None) -> None:
         self.spec, self.tags, self.record = spec, tags or {}, record
         self.monitor: Any = None
+        self.reopened: str | None = None  # the run this writer has reopened or created
 
     # --- lifecycle ------------------------------------------------------------------------
     def start(self, run_id: str | None) -> str:
-        """Reopen `run_id` if MLflow still has it, else create the job's run; the job file names it."""
+        """Reopen `run_id` if MLflow still has it, else create the job's run; the job file names it.
+
+        Only MLflow's answer that the run does not exist makes a new run. Any other error (a 5xx,
+        SQLite's "database is locked", a timeout) is raised: a new run would split the job in two
+        and reset its restart and resize counts. The tracker keeps the run id and the ledger
+        reopens it (`open`) when MLflow answers, its points waiting in the event log meanwhile.
+        """
         c = client(self.spec)
         if run_id:
             try:
-                c.update_run(run_id, status=RUNNING)
-                return run_id
-            except mlflow.exceptions.MlflowException:
-                log.warning("MLflow run %s of this job is gone; starting a new one", run_id)
+                if reopen(c, run_id):
+                    self.reopened = run_id
+                    return run_id
+            except mlflow.exceptions.MlflowException as e:
+                log.warning("could not reopen MLflow run %s of this job (%s); the job keeps it, and it is "
+                            "retried while the points wait", run_id, _short(e))
+                raise
+            log.warning("MLflow run %s of this job is gone; starting a new one", run_id)
         exp_id = _experiment(c, self.spec.tracking.experiment, _artifact_root(self.spec.tracking.uri))
         run = c.create_run(exp_id, run_name=self.spec.name,
                            tags={"tidal.job": self.spec.name, "tidal.version": __version__, **self.tags})
@@ -65,13 +76,16 @@ class RunWriter:
             c.log_batch(run.info.run_id, params=params[i : i + 100])
         run_dir = RunDir(self.spec.checkpoint.storage, self.spec.name)
         run_dir.write_json(JOB_FILE, {**(run_dir.read_json(JOB_FILE) or {}), "mlflow_run_id": run.info.run_id})
+        self.reopened = run.info.run_id
         return run.info.run_id
 
     def open(self, run_id: str | None) -> str:
         """The ledger's call: the run to send to, created now if MLflow was down when the job began
         (and, for a submitted job, announced to the submitter)."""
         if run_id is not None:
-            return run_id
+            # Reopened when the job's tracker began, unless MLflow failed then: reopen it now
+            # (an error propagates, and the ledger retries after its backoff).
+            return run_id if run_id == self.reopened else self.start(run_id)
         run_id = self.start(None)
         print(f"[tidal] MLflow run {run_id} created", flush=True)
         if self.record is not None:
@@ -166,11 +180,10 @@ class SweepWriter:
 
     def open(self, settings: dict[str, Any], run_id: str | None) -> str:
         if run_id:
-            try:
-                self.client.update_run(run_id, status=RUNNING)
+            # A transient error is raised: a second parent run would split the sweep.
+            if reopen(self.client, run_id):
                 return run_id
-            except mlflow.exceptions.MlflowException:
-                print(f"[tidal] WARNING: the sweep's MLflow parent run {run_id} is gone; starting a new one", flush=True)
+            print(f"[tidal] WARNING: the sweep's MLflow parent run {run_id} is gone; starting a new one", flush=True)
         exp_id = _experiment(self.client, self.base.tracking.experiment, _artifact_root(self.base.tracking.uri))
         tags = {"tidal.sweep": self.base.name, "tidal.sweep_role": "parent", "tidal.version": __version__}
         run_id = self.client.create_run(exp_id, run_name=f"{self.base.name}-sweep", tags=tags).info.run_id
@@ -203,6 +216,34 @@ class SweepWriter:
 
     def end(self, run_id: str, status: int) -> None:
         _terminate(self.base.tracking.uri, run_id, status)
+
+
+def reopen(c: Any, run_id: str) -> bool:
+    """Mark `run_id` running again; False if MLflow says it is gone (missing or deleted). Any
+    other MlflowException (a 5xx, a locked SQLite database) is raised: it may pass."""
+    try:
+        c.update_run(run_id, status=RUNNING)
+        return True
+    except mlflow.exceptions.MlflowException as e:
+        if run_is_gone(e):
+            return False
+        # A run in MLflow's trash answers INVALID_PARAMETER_VALUE ("must be in the 'active'
+        # state"); that code also means other things, so ask what the run's state is.
+        if e.error_code == "INVALID_PARAMETER_VALUE" and c.get_run(run_id).info.lifecycle_stage == "deleted":
+            return False
+        raise
+
+
+def run_is_gone(e: mlflow.exceptions.MlflowException) -> bool:
+    """Whether MLflow said the run does not exist. MLflow 3.17 says so with the error code
+    RESOURCE_DOES_NOT_EXIST from both stores: the SQL store raises it itself, and a tracking
+    server's 404 body carries it (rest_utils rebuilds the exception from it). Everything else,
+    INTERNAL_ERROR for a 5xx or a locked database included, may pass."""
+    return e.error_code == "RESOURCE_DOES_NOT_EXIST"
+
+
+def _short(e: Exception) -> str:
+    return str(e).splitlines()[0][:200] if str(e) else type(e).__name__
 
 
 def _experiment(c: Any, name: str, artifact_root: str | None) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -11,6 +12,7 @@ from typing import Any
 import ray.train
 import torch
 
+from tidal import fs
 from tidal.eval_best import stopped_early
 from tidal.launch.recovery import POLL_INTERVAL
 from tidal.spec.job import JobSpec
@@ -43,6 +45,8 @@ def train_loop(config: dict[str, Any]) -> None:
     # process can fail or slow a step (tracking/emitter.py).
     events = Emitter(spec.checkpoint.storage, spec.name)
     device = torch_device()
+    if rank == 0:
+        abort_dead_uploads(spec, events)
 
     found = restore.agree_on_resume_point(spec)  # rank 0 decides; every rank loads the same one
     reshard = bool(found) and restore.needs_reshard(found.state, world)
@@ -73,8 +77,9 @@ def train_loop(config: dict[str, Any]) -> None:
     clock, sync, loss_sum, loss_n = PhaseClock(device), LogSync(), torch.zeros(1), 0
     host_stats: Callable[[], dict[str, float]] = ResourceSampler(device) if rank == 0 else dict  # rank 0's only
     step_fn = step_function(spec)  # the user's train.step_fn, or model(*batch)
-    watchdog = StepWatchdog(spec.failure.step_timeout_s, rank, events)
-    saved_for_preemption = backlog_said = False
+    watchdog = StepWatchdog(spec.failure.step_timeout_s, rank, events, spec.failure.phase_timeout_s)
+    backlog_said = False
+    preemption_rearm_at = 0.0  # when to ask Ray about preemption again (time.time()); inf: never
     evaluator = _evaluator(spec, rank, world, device, batches)
 
     done = state.data_ended or stopped_early(spec, asdict(state))
@@ -100,10 +105,11 @@ def train_loop(config: dict[str, Any]) -> None:
         times = clock.take()
         # One collective: the loss over ranks, their busy times, and whether to ask Ray now if a
         # node of this group is being drained or reclaimed (its check is a barrier of its own).
-        agreed = sync.exchange(loss_sum.item(), loss_n, times.get("busy_s"), is_log and not saved_for_preemption)
+        agreed = sync.exchange(loss_sum.item(), loss_n, times.get("busy_s"), is_log and time.time() >= preemption_rearm_at)
         warning = ray.train.get_preemption_info() if agreed.check_preemption else None
         preempted = warning is not None
-        saved_for_preemption |= preempted
+        if preempted:
+            preemption_rearm_at = rearm_after_warning(warning.deadline_ms)
         is_ckpt |= preempted
         is_eval = evaluator is not None and evaluator.due(step, final or is_ckpt)
         step_s = times["step_time_s"]
@@ -119,25 +125,26 @@ def train_loop(config: dict[str, Any]) -> None:
         loss_n = 0
         stop = False
         if is_eval:  # before the save: the checkpoint records this step's score and patience
-            eval_metrics, stop = evaluator.run(engine, state.evaluation, step)
+            with watchdog.phase("eval"):
+                eval_metrics, stop = evaluator.run(engine, state.evaluation, step)
             metrics.update(eval_metrics)
             is_ckpt |= stop  # early stopping ends with a checkpoint at this step
         if rank == 0 and not is_ckpt:
             events.metrics(metrics)  # written in the background: tracking never blocks a step
         if is_ckpt:
             state.mlflow_run_id = known_run_id(run_id) or state.mlflow_run_id
-            if rank == 0:
-                if preempted:
-                    events.say(f"preemption warning: saving an emergency checkpoint at step {step}", step)
-                # Wait until every step up to this one is durable on the job's storage: once the
-                # checkpoint exists, training never redoes them, so no process's death may lose them.
-                events.metrics(metrics)
-                events.drain()
-            # A preemption warning's deadline cannot wait for a background write. (The last step's
-            # may run in the background: Ray waits for it before the worker exits.)
-            background = spec.checkpoint.async_upload and not preempted
-            saved = checkpoint.save(engine, state, metrics, batches.save_position, background=background)
-            watchdog.beat(step)
+            with watchdog.phase("save"):
+                if rank == 0:
+                    if preempted:
+                        events.say(f"preemption warning: saving an emergency checkpoint at step {step}", step)
+                    # Wait until every step up to this one is durable on the job's storage: once the
+                    # checkpoint exists, training never redoes them, so no process's death may lose them.
+                    events.metrics(metrics)
+                    events.drain()
+                # A preemption warning's deadline cannot wait for a background write. (The last step's
+                # may run in the background: Ray waits for it before the worker exits.)
+                background = spec.checkpoint.async_upload and not preempted
+                saved = checkpoint.save(engine, state, metrics, batches.save_position, background=background)
             if rank == 0:
                 events.checkpointed(step, saved)
                 if not backlog_said and (note := checkpoint.ray_backlog(
@@ -145,8 +152,9 @@ def train_loop(config: dict[str, Any]) -> None:
                     events.say(note, step)
                     backlog_said = True  # once per worker group: the cause does not change
         if warning is not None:
-            watchdog.pause()
-            _wait_for_reclaim(warning.deadline_ms)
+            # The wait ends by itself at the deadline; the drain phase only keeps the step timeout off it.
+            with watchdog.phase("drain", max(0.0, preemption_rearm_at - time.time()) + RECLAIM_MARGIN_S):
+                _wait_for_reclaim(warning.deadline_ms)
         if stop:  # the driver says why once the group has ended (launch.trainer)
             break
         if data_ended and step < last:
@@ -156,6 +164,19 @@ def train_loop(config: dict[str, Any]) -> None:
                            "the job ends here", step)
             break
     events.drain()  # the last checkpoint's event and notes reach storage before this process ends
+
+
+def abort_dead_uploads(spec: JobSpec, events: Emitter) -> None:
+    """Abort the multipart uploads earlier attempts left incomplete in the job's folder (billed
+    until aborted); before this attempt writes anything there, so none of its own is touched."""
+    storage = spec.checkpoint.storage or ""
+    try:
+        if n := fs.abort_incomplete_uploads(storage, spec.name):
+            events.say(f"aborted {n} incomplete upload(s) an earlier attempt left in the job's folder")
+    except fs.UploadsUnchecked as e:
+        # The storage URI is not named: it may hold credentials (s3://KEY:SECRET@bucket).
+        events.say(f"WARNING: could not abort incomplete uploads in the job's folder ({e}); "
+                   "a bucket lifecycle rule can (docs/cluster.md)")
 
 
 def _evaluator(spec: JobSpec, rank: int, world: int, device: torch.device, batches: Any) -> Any:
@@ -188,7 +209,22 @@ def _train_step(engine: Any, micro: Iterator[Any], clock: PhaseClock,
         n += 1
 
 
-def _wait_for_reclaim(deadline_ms: int | None, margin_s: float = 30.0) -> None:
+RECLAIM_MARGIN_S = 30.0  # how long past a drain's deadline Ray is given to tear the group down
+
+
+def rearm_after_warning(deadline_ms: int | None, margin_s: float = RECLAIM_MARGIN_S) -> float:
+    """When (time.time()) to ask Ray about preemption again after a warning with `deadline_ms`.
+
+    One warning brings one emergency checkpoint; asking again while its drain is under way would
+    save at every log step. But a group still training after the deadline (plus Ray's margin to
+    tear it down) was not reclaimed: the drain was cancelled, and a later one must get its own
+    emergency checkpoint. Without a deadline there is no moment at which the warning is known to
+    be over, so it is never asked again (as before; the periodic checkpoints still run).
+    """
+    return deadline_ms / 1000 + margin_s if deadline_ms else math.inf
+
+
+def _wait_for_reclaim(deadline_ms: int | None, margin_s: float = RECLAIM_MARGIN_S) -> None:
     """After the emergency checkpoint, train no further until Ray tears the group down at the
     deadline: steps trained now would be lost with the node. Ray then restarts the group on
     other nodes from that checkpoint. Without a deadline, or if nothing happens, train on."""

@@ -1,0 +1,87 @@
+"""A save, an evaluation or a drain runs under a deadline of its own, not the step timeout
+(worker/watchdog.py): longer than a step may take is not hung, past its own deadline is, and the
+message names the phase. The watchdog exits its process, so it runs in a child process here,
+writing to a real event log; one end-to-end job checks a slow synchronous save is not killed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import tidal
+from tests.conftest import ROOT, metric_history, tiny_spec
+from tidal.storage import RunDir
+from tidal.tracking.buffer import MetricsBuffer
+from tidal.worker.watchdog import EXIT_CODE, Phase, hung
+
+
+def test_hung_names_what_overran_its_own_deadline():
+    save = Phase("save", deadline_s=60.0, started=100.0)
+    assert hung(now=130.0, last_beat=100.0, timeout_s=10.0, phase=save) is None, "a save is no step"
+    assert hung(now=161.0, last_beat=100.0, timeout_s=10.0, phase=save) == "save"
+    assert hung(now=111.0, last_beat=100.0, timeout_s=10.0, phase=None) == "step"
+    assert hung(now=109.0, last_beat=100.0, timeout_s=10.0, phase=None) is None
+    assert hung(now=1e9, last_beat=None, timeout_s=10.0, phase=None) is None, "armed by the first step"
+    assert hung(now=1e9, last_beat=100.0, timeout_s=10.0, phase=Phase("eval", 0.0, 100.0)) is None, "0: no limit"
+
+
+def run_watchdog(tmp_path, body: str) -> tuple[int, list[str]]:
+    """Run `body` in a child with `wd` (step timeout 1 s) beaten at step 7; its exit code and notes."""
+    script = textwrap.dedent("""
+        import time
+        from tidal.tracking.emitter import Emitter
+        from tidal.worker.watchdog import StepWatchdog
+        events = Emitter(STORAGE, "wd")
+        wd = StepWatchdog(1.0, 0, events, phase_timeout_s=60.0)
+        wd.beat(7)
+    """).replace("STORAGE", repr(str(tmp_path))) + textwrap.dedent(body)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, timeout=120, capture_output=True, text=True)
+    run = RunDir(str(tmp_path), "wd")
+    notes = [e["text"] for e in MetricsBuffer(run.fs, run.path).load() if e.get("kind") == "note"]
+    return proc.returncode, notes
+
+
+def test_a_save_longer_than_the_step_timeout_within_its_deadline_is_not_killed(tmp_path):
+    rc, notes = run_watchdog(tmp_path, """
+        with wd.phase("save", 5.0):
+            time.sleep(3.0)  # three step timeouts
+        time.sleep(0.5)  # the step clock restarted when the save ended
+    """)
+    assert (rc, notes) == (0, [])
+
+
+def test_a_phase_past_its_own_deadline_is_hung_and_named(tmp_path):
+    rc, notes = run_watchdog(tmp_path, """
+        with wd.phase("save", 2.0):
+            time.sleep(30.0)
+    """)
+    assert rc == EXIT_CODE
+    assert len(notes) == 1 and "in save after step 7" in notes[0] and "phase_timeout_s" in notes[0], notes
+
+
+def test_a_step_after_a_phase_still_has_the_step_timeout(tmp_path):
+    rc, notes = run_watchdog(tmp_path, """
+        with wd.phase("eval", 5.0):
+            pass
+        time.sleep(30.0)
+    """)
+    assert rc == EXIT_CODE and "finished no step for 1s after step 7" in notes[0], notes
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_local")
+def test_a_slow_synchronous_save_is_not_taken_for_a_hung_step(tmp_path):
+    """Each checkpoint write takes 4 s (TIDAL_CHECKPOINT_WRITE_DELAY_S) and is synchronous, with a
+    step timeout of 2 s: before saves had their own deadline the watchdog killed the first one."""
+    spec = tiny_spec(tmp_path, name="slowsave", **{
+        "train.steps": 16, "checkpoint.every_steps": 8, "checkpoint.async_upload": False,
+        "failure.step_timeout_s": 2.0, "failure.max_restarts": 0,
+        "env": {"TIDAL_CHECKPOINT_WRITE_DELAY_S": "4"},
+    })
+    result = tidal.run(spec)
+    assert sorted(metric_history(spec, result.mlflow_run_id, "loss")) == list(range(1, 17))
+    assert metric_history(spec, result.mlflow_run_id, "restarts")[16] == 0
+    assert sorted(metric_history(spec, result.mlflow_run_id, "checkpoint_bytes")) == [8, 16]
