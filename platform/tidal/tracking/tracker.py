@@ -54,7 +54,8 @@ class Tracker:
             return self.writer.start(run_id)
         except Exception as e:  # noqa: BLE001 - an unreachable tracking server must not stop training
             print(f"[tidal] WARNING: MLflow at {self.spec.tracking.uri} is unreachable ({type(e).__name__}): "
-                  "training starts anyway; the run is created and filled in when MLflow answers", flush=True)
+                  f"training starts anyway; the run is {'reopened' if run_id else 'created'} and filled in when MLflow "
+                  "answers", flush=True)
             return run_id
 
     def run_id(self) -> str | None:
