@@ -257,20 +257,33 @@ class Chaos:
     trace: Path
     plan: list[Fault]
     rng: random.Random
-    nodes: list[Any] = field(default_factory=list)
+    stop: threading.Event = field(default_factory=threading.Event)  # set when the job has ended
 
-    def go(self, stop: threading.Event) -> None:
+    def go(self) -> None:
         for fault in self.plan:
-            if not _until(lambda f=fault: stop.is_set() or _top_step(self.trace) >= f.at_step, 3600, 0.3):
-                return
-            if stop.is_set():
-                return
+            self._until(lambda f=fault: _top_step(self.trace) >= f.at_step, 3600, 0.3)
+            if self.stop.is_set():
+                fault.note = "not injected: the job had ended"
+                continue
             getattr(self, "_" + fault.kind.replace(" ", "_").replace("-", "_"))(fault)
-            fault.done = fault.done or bool(fault.t)
-            time.sleep(2.0)
+            fault.done = bool(fault.t)
+            self.stop.wait(2.0)
+
+    def _until(self, cond: Callable[[], Any], timeout: float, poll: float = 0.1) -> Any:
+        """`_until`, ending early (None) once the job has ended."""
+        seen: dict[str, Any] = {}
+
+        def check() -> Any:
+            if self.stop.is_set():
+                return True
+            seen["value"] = cond()
+            return seen["value"]
+
+        _until(check, timeout, poll)
+        return None if self.stop.is_set() else seen.get("value")
 
     def _kill_worker(self, fault: Fault) -> bool:
-        workers = _until(lambda: _ours("RayTrainWorker"), 120, 0.2)
+        workers = self._until(lambda: _ours("RayTrainWorker"), 120, 0.2)
         if not workers:
             fault.note = "no worker found"
             return False
@@ -283,7 +296,7 @@ class Chaos:
         self._kill_worker(fault)
 
     def _worker_mid_save(self, fault: Fault) -> None:
-        if _until(lambda: _save_in_flight(self.run), 300, 0.05):
+        if self._until(lambda: _save_in_flight(self.run), 300, 0.05):
             self._kill_worker(fault)
             fault.note = "a checkpoint was being written"
         else:
@@ -293,7 +306,7 @@ class Chaos:
     def _conversion(self, fault: Fault) -> None:
         """Take a node away and back, and kill a worker while the regrowth's conversion runs."""
         self._node(fault, wait_back=False)
-        if _until(lambda: _converting(self.run), 300, 0.05):
+        if self._until(lambda: _converting(self.run), 300, 0.05):
             self._kill_worker(fault)
             fault.note += "; a worker killed mid-conversion"
         else:
@@ -307,18 +320,18 @@ class Chaos:
         victim = self.rng.choice(workers)
         fault.t = time.time()
         self.cluster.remove_node(victim)
-        time.sleep(self.rng.uniform(15, 30))
+        self.stop.wait(self.rng.uniform(15, 30))
         self.cluster.add_node(num_cpus=1)
         fault.note = "node removed, returned"
         if wait_back:
-            time.sleep(1.0)
+            self.stop.wait(1.0)
 
     def _driver(self, fault: Fault) -> None:
         fault.t = time.time()
         self.driver.kill_and_restart()
 
     def _tracker(self, fault: Fault) -> None:
-        trackers = _until(lambda: _ours("TrackerActor"), 60, 0.2)
+        trackers = self._until(lambda: _ours("TrackerActor"), 60, 0.2)
         if trackers:
             fault.t = time.time()
             with suppress(psutil.Error):
@@ -330,7 +343,7 @@ class Chaos:
         fault.t = time.time()
         self.servers.stop_mlflow()
         down = self.rng.uniform(10, 25)
-        time.sleep(down)
+        self.stop.wait(down)
         self.servers.start_mlflow()
         fault.note = f"down {down:.0f} s"
 
@@ -352,13 +365,13 @@ def run_job(cluster: Cluster, servers: Servers, spec: JobSpec, tmp: Path, faults
     chaos = Chaos(cluster, servers, driver, RunDir(spec.checkpoint.storage, spec.name), trace, faults,
                   random.Random(seed))
     # The faults run on this (main) thread: Ray's Cluster adds a node only from the main thread.
-    stop, ended = threading.Event(), {}
-    waiter = threading.Thread(target=lambda: (ended.setdefault("code", driver.wait(4 * 3600)), stop.set()),
+    ended: dict[str, int] = {}
+    waiter = threading.Thread(target=lambda: (ended.setdefault("code", driver.wait(4 * 3600)), chaos.stop.set()),
                               daemon=True)
     t0 = time.time()
     driver.start()
     waiter.start()
-    chaos.go(stop)
+    chaos.go()
     waiter.join()
     code = ended.get("code", -1)
     return {"exit": code, "wall_s": time.time() - t0, "trace": _trace(trace), "log": driver.log}
