@@ -16,8 +16,8 @@ it. The faults:
   manifests by TIDAL_CHECKPOINT_WRITE_DELAY_S, so the kill lands between a rank's files and its
   manifest);
 - node: a worker node removed (the job shrinks to 1 worker), and returned some seconds later
-  (it grows back to 2, converting its checkpoint);
-- conversion: a worker killed while a resize's universal conversion is under way;
+  (it grows back to 2 when Ray Train next looks);
+- conversion: a node removed and a worker killed while the shrink's universal conversion runs;
 - driver: SIGKILL of the `tidal run` process, then the same command again (it resumes);
 - tracker: SIGKILL of the job's tracker actor;
 - mlflow: the tracking server stopped for some seconds and started again.
@@ -304,27 +304,35 @@ class Chaos:
             self._kill_worker(fault)
 
     def _conversion(self, fault: Fault) -> None:
-        """Take a node away and back, and kill a worker while the regrowth's conversion runs."""
-        self._node(fault, wait_back=False)
-        if self._until(lambda: _converting(self.run), 300, 0.05):
+        """Take a node away (the job restarts at 1 worker, converting its 2-worker checkpoint),
+        kill a worker while that conversion runs, and give the node back."""
+        victim = self._remove_node(fault)
+        if victim is None:
+            return
+        t_removed = time.time()
+        if self._until(lambda: _converting(self.run), 60, 0.05):
             self._kill_worker(fault)
-            fault.note += "; a worker killed mid-conversion"
+            fault.note = "node removed; a worker killed mid-conversion; node returned"
         else:
-            fault.note += "; no conversion seen in flight (a converted checkpoint was reused)"
+            fault.note = "node removed; no conversion seen in flight within 60 s; node returned"
+        self.stop.wait(max(0.0, 15 - (time.time() - t_removed)))
+        self.cluster.add_node(num_cpus=1)
 
-    def _node(self, fault: Fault, wait_back: bool = True) -> None:
+    def _node(self, fault: Fault) -> None:
+        if self._remove_node(fault) is not None:
+            self.stop.wait(self.rng.uniform(10, 20))
+            self.cluster.add_node(num_cpus=1)
+            fault.note = "node removed, returned"
+
+    def _remove_node(self, fault: Fault) -> Any:
         workers = [n for n in self.cluster.list_all_nodes() if not n.head]
         if not workers:
             fault.note = "no worker node"
-            return
+            return None
         victim = self.rng.choice(workers)
         fault.t = time.time()
         self.cluster.remove_node(victim)
-        self.stop.wait(self.rng.uniform(15, 30))
-        self.cluster.add_node(num_cpus=1)
-        fault.note = "node removed, returned"
-        if wait_back:
-            self.stop.wait(1.0)
+        return victim
 
     def _driver(self, fault: Fault) -> None:
         fault.t = time.time()
@@ -342,7 +350,7 @@ class Chaos:
     def _mlflow(self, fault: Fault) -> None:
         fault.t = time.time()
         self.servers.stop_mlflow()
-        down = self.rng.uniform(10, 25)
+        down = self.rng.uniform(5, 15)
         self.stop.wait(down)
         self.servers.start_mlflow()
         fault.note = f"down {down:.0f} s"
@@ -433,7 +441,7 @@ each write paused {WRITE_DELAY_S} s before its manifests) under these faults, in
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--faults", type=int, default=10)
-    ap.add_argument("--steps", type=int, default=1500)
+    ap.add_argument("--steps", type=int, default=3000)
     ap.add_argument("--every", type=int, default=25)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-doc", action="store_true", help="print the report only")
