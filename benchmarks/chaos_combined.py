@@ -196,9 +196,14 @@ def _ours(fragment: str) -> list[psutil.Process]:
 
 
 def _trace(path: Path) -> list[dict[str, Any]]:
+    """The loss trace's records; a line cut short by a kill mid-write is skipped."""
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip().endswith("}")]
+    out = []
+    for line in path.read_text().splitlines():
+        with suppress(ValueError):
+            out.append(json.loads(line))
+    return out
 
 
 def _top_step(path: Path) -> int:
