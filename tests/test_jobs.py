@@ -191,7 +191,7 @@ def test_stop_a_running_job(head, tmp_path):
 
 
 def test_plain_ray_job_submit_runs_tidal(head, tmp_path):
-    """The README's `ray job submit ... -- tidal run jobs/quickstart.yaml`, made small with --set."""
+    """The guide's (docs/guide.md) `ray job submit ... -- tidal run jobs/quickstart.yaml`, made small with --set."""
     env = {**os.environ, "RAY_AUTH_MODE": "token"}
     cmd = [sys.executable, "-m", "ray.scripts.scripts", "job", "submit", "--address", head, "--working-dir", str(ROOT),
            "--", "tidal", "run", "jobs/quickstart.yaml", "--set", "train.steps=20", "--set", "model.d_model=64",
