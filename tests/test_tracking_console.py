@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import re
 import warnings
 
@@ -146,3 +147,16 @@ def test_a_worker_names_its_own_cluster_for_the_state_api(current, expected):
     from tidal.tracking.quiet import own_cluster
 
     assert own_cluster(current, "10.0.0.1:6379") == expected
+
+
+def test_tidal_debug_keeps_rays_error_line_and_a_users_pattern_is_kept(monkeypatch):
+    from tidal.tracking.quiet import SKIP_ENV, skip_known_ray_errors
+
+    monkeypatch.setenv("TIDAL_DEBUG", "1")
+    monkeypatch.delenv(SKIP_ENV, raising=False)
+    skip_known_ray_errors()
+    assert SKIP_ENV not in os.environ, "TIDAL_DEBUG=1 shows everything Ray prints"
+    monkeypatch.delenv("TIDAL_DEBUG")
+    monkeypatch.setenv(SKIP_ENV, "my noise")
+    skip_known_ray_errors()
+    assert os.environ[SKIP_ENV] == "(?:my noise)|(?:PreemptionWatcher.*constructor arguments)"
