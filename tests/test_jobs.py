@@ -86,7 +86,10 @@ def head(head_tmp, cluster_env) -> Iterator[str]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={port}",
          "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
-         "--num-cpus=2", f"--temp-dir={tmp}/ray", "--disable-usage-stats"],
+         "--num-cpus=2", f"--temp-dir={tmp}/ray", "--disable-usage-stats",
+         # the agent's default port (52365) is taken by any other head on this machine: its agent then
+         # dies and every submission fails with "No available agent to submit job"
+         f"--dashboard-agent-listen-port={free_port()}"],
         env=env, stdout=(tmp / "head.log").open("w"), stderr=subprocess.STDOUT, start_new_session=True)  # noqa: SIM115 - lives as long as the head
     address = f"http://127.0.0.1:{dash}"
     old = {k: os.environ.get(k) for k in ("RAY_AUTH_TOKEN", "RAY_ADDRESS")}
@@ -133,6 +136,7 @@ def test_submit_follow_status_logs_list(head, tmp_path, capsys, monkeypatch):
     out = capsys.readouterr().out
     job_id = out.split("submitted 'submitted' as ")[1].split()[0]
     assert "[tidal] step 24/24" in out and "SUCCEEDED" in out
+    assert not [line for line in out.splitlines() if "[tidal]" in line and "pid=" in line], "no Ray actor prefix"
 
     assert main(["status", job_id, "--address", head]) == 0
     assert "SUCCEEDED | step 24/24" in capsys.readouterr().out
@@ -191,7 +195,7 @@ def test_stop_a_running_job(head, tmp_path):
 
 
 def test_plain_ray_job_submit_runs_tidal(head, tmp_path):
-    """The README's `ray job submit ... -- tidal run jobs/quickstart.yaml`, made small with --set."""
+    """The guide's (docs/guide.md) `ray job submit ... -- tidal run jobs/quickstart.yaml`, made small with --set."""
     env = {**os.environ, "RAY_AUTH_MODE": "token"}
     cmd = [sys.executable, "-m", "ray.scripts.scripts", "job", "submit", "--address", head, "--working-dir", str(ROOT),
            "--", "tidal", "run", "jobs/quickstart.yaml", "--set", "train.steps=20", "--set", "model.d_model=64",
@@ -200,6 +204,9 @@ def test_plain_ray_job_submit_runs_tidal(head, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "[tidal] job 'quickstart' finished" in proc.stdout
     assert "succeeded" in proc.stdout.lower()
+    # the entrypoint is the driver: Tidal's lines as in `tidal run`, without Ray's actor prefix
+    assert "[tidal] step 20/20" in proc.stdout
+    assert not [line for line in proc.stdout.splitlines() if "[tidal]" in line and "pid=" in line]
 
 
 def test_a_run_on_the_head_node_uses_its_cluster(head, head_tmp):

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT, free_port
+from tidal.launch.connect import QUIET_HOOK as QUIET
 from tidal.launch.connect import local_ray_options
 
 CLEANER = "ray.train.v2._internal.execution.controller.placement_group_cleaner"
@@ -113,3 +114,18 @@ def test_a_dead_recorded_cluster_does_not_stop_a_run(tmp_path):
         assert f"gcs {dead}" not in proc.stdout, "connected to a local instance, not the dead address"
     finally:
         shutil.rmtree(short, ignore_errors=True)
+
+
+@pytest.mark.parametrize("env, hooked", [
+    ({}, True),
+    ({"RAY_JOB_CONFIG_JSON_ENV_VAR": '{"runtime_env": {"working_dir": "gcs://_ray_pkg_x.zip"}}'}, True),
+    ({"RAY_JOB_CONFIG_JSON_ENV_VAR": '{"runtime_env": {"worker_process_setup_hook": "mine.setup"}}'}, False),
+    ({"TIDAL_DEBUG": "1"}, False),
+])
+def test_on_a_cluster_the_cleaner_hook_is_added_unless_the_job_has_its_own(env, hooked):
+    """A cluster without a dashboard makes the cleaner warn every second too; a submitted job's own
+    setup hook would make ray.init refuse to merge, so it wins."""
+    from tidal.launch.connect import cluster_ray_options
+
+    options = cluster_ray_options(env)
+    assert (options.get("runtime_env", {}).get("worker_process_setup_hook") == QUIET) is hooked

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import re
 import warnings
 
@@ -57,7 +58,12 @@ def test_known_chatter_is_dropped_and_tidal_debug_keeps_it(monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_short_run_prints_tidal_lines_and_no_library_chatter(tmp_path):
+def test_a_short_run_prints_tidal_lines_and_no_library_chatter(tmp_path, monkeypatch):
+    # its own local instance: a cluster another job started on this machine may end mid-run
+    monkeypatch.setenv("RAY_ADDRESS", "local")
+    # what a user sees: Ray's log deduplication on (its default; conftest turns it off for other tests),
+    # which is also where Ray applies RAY_DEDUP_LOGS_SKIP_REGEX
+    monkeypatch.delenv("RAY_DEDUP_LOGS", raising=False)
     proc = tidal_cli("run", str(ROOT / "jobs/quickstart.yaml"), "--set", "train.steps=20", "--set", "model.d_model=64",
                      "--set", "model.n_head=2", "--set", "checkpoint.every_steps=10",
                      "--set", f"checkpoint.storage={tmp_path / 'runs'}",
@@ -72,3 +78,85 @@ def test_a_short_run_prints_tidal_lines_and_no_library_chatter(tmp_path):
     assert len([line for line in lines if "[tidal] checkpoint at step " in line]) == 2
     assert "[tidal] job 'quickstart' finished" in proc.stdout
     assert "starting a local Ray instance (without its dashboard; TIDAL_RAY_DASHBOARD=1 starts it)" in proc.stdout
+    # Tidal's lines as the driver prints them: no Ray process prefix, no `E` line, and short
+    assert not [line for line in lines if "[tidal]" in line and "pid=" in line], "Tidal's lines keep no Ray prefix"
+    # Ray's C++ log lines: "[2026-11-25 15:01:02,345 E 1234 1234] file.cc:12: ..."
+    e_lines = [line for line in lines if re.search(r"\d E \d+ \d+\]", line)]
+    assert not e_lines, "no `E` line on a successful run:\n" + "\n".join(e_lines)
+    assert len(lines) <= 30, "\n".join(lines)
+
+
+def test_the_tracker_holds_its_tidal_lines_for_the_driver_and_passes_the_rest_on():
+    """Ray prefixes an actor's stdout with `(TrackerActor pid=...)`: Tidal's lines are held for the
+    driver to print plainly; anything else (a library's error) keeps Ray's forwarding and its origin."""
+    import io
+
+    from tidal.tracking.console import HeldLines
+
+    real = io.StringIO()
+    out = HeldLines(real)
+    print("[tidal] step 10/20 | loss 3.0", file=out)
+    out.write("Traceback: a real error\n[tidal] checkpoint at")
+    assert out.take() == ["[tidal] step 10/20 | loss 3.0"], "a line is held only once it is complete"
+    out.write(" step 10\n")
+    assert out.take() == ["[tidal] checkpoint at step 10"] and out.take() == []
+    assert real.getvalue() == "Traceback: a real error\n"
+
+
+def test_held_lines_are_bounded_when_nobody_asks():
+    import io
+
+    from tidal.tracking.console import HeldLines
+
+    out = HeldLines(io.StringIO(), keep=3)
+    for i in range(5):
+        print(f"[tidal] line {i}", file=out)
+    assert out.take() == ["[tidal] line 2", "[tidal] line 3", "[tidal] line 4"]
+
+
+@pytest.mark.parametrize("current, expected", [
+    (None, "PreemptionWatcher.*constructor arguments"),
+    ("", "PreemptionWatcher.*constructor arguments"),
+    ("PreemptionWatcher.*constructor arguments", "PreemptionWatcher.*constructor arguments"),
+    ("my noise", "(?:my noise)|(?:PreemptionWatcher.*constructor arguments)"),
+])
+def test_ray_skip_regex_keeps_a_users_pattern(current, expected):
+    from tidal.tracking.quiet import ray_skip_regex
+
+    assert ray_skip_regex(current) == expected
+
+
+def test_the_skip_pattern_drops_only_the_known_harmless_error_line():
+    from tidal.tracking.quiet import KNOWN_RAY_ERRORS
+
+    harmless = ("[2026-11-25 15:01:02,345 E 1234 1234] core_worker.cc:512: PreemptionWatcher was given "
+                "unexpected constructor arguments (ray#53727)")
+    assert re.search(KNOWN_RAY_ERRORS, harmless)
+    for real in ("[2026-11-25 15:01:02,345 E 1234 1234] core_worker.cc:88: Failed to connect to GCS",
+                 "E PreemptionWatcher: node drained, deadline in 30s"):
+        assert not re.search(KNOWN_RAY_ERRORS, real), real
+
+
+@pytest.mark.parametrize("current, expected", [
+    (None, "10.0.0.1:6379"), ("", "10.0.0.1:6379"), ("local", "10.0.0.1:6379"), ("auto", "10.0.0.1:6379"),
+    ("head:6379", "head:6379"),
+])
+def test_a_worker_names_its_own_cluster_for_the_state_api(current, expected):
+    """`RAY_ADDRESS=local tidal run` with another Ray instance on the machine: the cleaner searched the
+    machine, found several and stopped watching ("Found multiple active Ray instances")."""
+    from tidal.tracking.quiet import own_cluster
+
+    assert own_cluster(current, "10.0.0.1:6379") == expected
+
+
+def test_tidal_debug_keeps_rays_error_line_and_a_users_pattern_is_kept(monkeypatch):
+    from tidal.tracking.quiet import SKIP_ENV, skip_known_ray_errors
+
+    monkeypatch.setenv("TIDAL_DEBUG", "1")
+    monkeypatch.delenv(SKIP_ENV, raising=False)
+    skip_known_ray_errors()
+    assert SKIP_ENV not in os.environ, "TIDAL_DEBUG=1 shows everything Ray prints"
+    monkeypatch.delenv("TIDAL_DEBUG")
+    monkeypatch.setenv(SKIP_ENV, "my noise")
+    skip_known_ray_errors()
+    assert os.environ[SKIP_ENV] == "(?:my noise)|(?:PreemptionWatcher.*constructor arguments)"

@@ -23,6 +23,7 @@ from tidal.launch.sweep_cli import register as register_sweep
 from tidal.output import add_output_flag, print_json
 from tidal.spec.job import JobSpec, notes
 from tidal.spec.load import load_spec
+from tidal.tracking.quiet import skip_known_ray_errors
 from tidal.tracking.runs import RECORD_FIELDS
 
 EPILOG = """examples:
@@ -64,6 +65,7 @@ PROGRESS_DOC = f"the latest progress: {', '.join(PROGRESS_FIELDS)} (null before 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    skip_known_ray_errors()  # before anything imports Ray, which reads it once (tracking/quiet.py)
     parser = _parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

@@ -10,6 +10,7 @@ nobody answers at is a leftover, so Tidal says so and starts a local instance in
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -20,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 DASHBOARD_ENV = "TIDAL_RAY_DASHBOARD"
+QUIET_HOOK = "tidal.tracking.quiet.quiet_placement_group_cleaner"
+RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # a submitted job's config, set by Ray's job supervisor
 LOCAL_START = "[tidal] no RAY_ADDRESS: starting a local Ray instance"
 log = logging.getLogger("tidal")
 
@@ -81,6 +84,9 @@ def connect_ray(dashboard: bool = False) -> None:
     second, and on a 2-core machine that costs training about 3% (docs/benchmarks.md, "Ray's dashboard
     on a local instance"). Without it the cleaner cannot ask; its warning about that is lowered
     (tidal.tracking.quiet.quiet_placement_group_cleaner). A cluster keeps whatever it was started with."""
+    from tidal.tracking.quiet import skip_known_ray_errors
+
+    skip_known_ray_errors()  # the CLI did it before `import ray`; an API caller may not have
     import ray
 
     if ray.is_initialized():
@@ -90,7 +96,8 @@ def connect_ray(dashboard: bool = False) -> None:
     target = ray_target(os.environ, recorded, answers)
     if target.address is not None:
         print(target.line, flush=True)
-        ray.init(address=target.address, logging_level=logging.WARNING, log_to_driver=True)
+        ray.init(address=target.address, logging_level=logging.WARNING, log_to_driver=True,
+                 **cluster_ray_options(os.environ))
         return
     options = local_ray_options(dashboard, os.environ)
     if target.warning:
@@ -105,5 +112,17 @@ def local_ray_options(dashboard: bool, env: Mapping[str, str]) -> dict[str, Any]
     TIDAL_RAY_DASHBOARD); without it, a hook in every worker process lowers the cleaner's warning."""
     if dashboard or env.get(DASHBOARD_ENV, "") not in ("", "0"):
         return {"include_dashboard": True}
-    return {"include_dashboard": False,
-            "runtime_env": {"worker_process_setup_hook": "tidal.tracking.quiet.quiet_placement_group_cleaner"}}
+    return {"include_dashboard": False, "runtime_env": {"worker_process_setup_hook": QUIET_HOOK}}
+
+
+def cluster_ray_options(env: Mapping[str, str]) -> dict[str, Any]:
+    """ray.init's options on a cluster: the same hook, since a cluster without a dashboard makes the
+    cleaner warn every second too (with one, the hook changes nothing: the cleaner has no reason to
+    warn). Not when the submitted job's runtime_env has a setup hook of its own: Ray refuses to merge
+    two (ValueError in ray.init), and the user's hook wins. Not under TIDAL_DEBUG=1."""
+    if env.get("TIDAL_DEBUG", "") not in ("", "0"):
+        return {}
+    submitted = json.loads(env.get(RAY_JOB_ENV) or "{}").get("runtime_env") or {}
+    if "worker_process_setup_hook" in submitted:
+        return {}
+    return {"runtime_env": {"worker_process_setup_hook": QUIET_HOOK}}

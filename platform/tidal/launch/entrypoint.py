@@ -10,9 +10,11 @@ import sys
 from tidal.cli import exit_code, print_error
 from tidal.errors import TidalError
 from tidal.spec.load import validate
+from tidal.tracking.quiet import skip_known_ray_errors
 
 
 def main(argv: list[str]) -> int:
+    skip_known_ray_errors()  # before `import ray`: this process is the job's driver (tracking/quiet.py)
     try:
         data = json.loads(base64.urlsafe_b64decode(argv[0]))
         data["env"] = {k: os.environ.get(k, "") for k in data.get("env", {})}  # shipped as the job's env

@@ -14,6 +14,7 @@ from tidal import __version__, eval_best
 from tidal.cluster import burst
 from tidal.errors import SpecError, TidalError
 from tidal.launch.connect import connect_ray
+from tidal.launch.console_pump import ConsolePump
 from tidal.launch.recovery import recovery_settings
 from tidal.launch.result import RunResult, print_record
 from tidal.spec.job import JobSpec
@@ -65,6 +66,7 @@ def run(spec: JobSpec, restart: bool = False, mlflow_tags: dict[str, str] | None
                                   "tracking_uri": spec.tracking.uri, "tidal_version": __version__})
     # The tracker opens the MLflow run while Ray starts the controller and the workers.
     tracker, run_ref = start_tracker(spec, tags, job_record(spec, None), lambda run_id: _announce(spec, run_id))
+    pump = ConsolePump(tracker).start()
     # leftovers of an earlier launch that Ray never registered (the best one stays, under keep_best)
     run_dir.prune(spec.checkpoint.keep, spare=eval_best.spared(spec, run_dir))
     ok = False
@@ -81,7 +83,7 @@ def run(spec: JobSpec, restart: bool = False, mlflow_tags: dict[str, str] | None
         raise TidalError(f"job {spec.name!r} failed {how}: {_root_cause(e)}\n"
                          f"Its checkpoints are in {run_dir.path}; run the same command again to resume.") from e
     finally:
-        run_id, latest, left = _close_tracker(spec, tracker, ok, t0)
+        run_id, latest, left = _close_tracker(spec, tracker, ok, t0, pump)
         if left:
             print(f"[tidal] WARNING: {left} metric point(s) could not reach MLflow; they stay in "
                   f"{run_dir.path}/{BUFFER_DIR} and are sent when this job runs again", flush=True)
@@ -153,7 +155,8 @@ def _check_vocab(spec: JobSpec) -> None:
                           f"({spec.data.tokenizer}); set model.vocab_size: {size} or more")])
 
 
-def _close_tracker(spec: JobSpec, tracker: Any, ok: bool, t0: float) -> tuple[str | None, dict[str, float], int]:
+def _close_tracker(spec: JobSpec, tracker: Any, ok: bool, t0: float,
+                   pump: ConsolePump) -> tuple[str | None, dict[str, float], int]:
     """Stop the tracker, first giving an unreachable MLflow up to `tracking.flush_timeout_s` to
     come back; it ends the run. If the actor cannot be reached, one in this process does."""
     import ray
@@ -171,6 +174,7 @@ def _close_tracker(spec: JobSpec, tracker: Any, ok: bool, t0: float) -> tuple[st
     except ray.exceptions.RayError as e:
         print(f"[tidal] the tracker actor is gone ({type(e).__name__}); finishing tracking in the driver", flush=True)
         closed = None
+    pump.stop()  # before the kill: the lines the tracker printed while closing the run
     ray.kill(tracker)
     return closed if closed is not None else _finish_here(spec, ok, t0)
 

@@ -22,9 +22,15 @@ class TrackerActor:
     without importing MLflow in the driver)."""
 
     def __init__(self, spec: JobSpec, tags: dict[str, str], record: dict[str, Any] | None) -> None:
+        from tidal.tracking.console import hold_tidal_lines
         from tidal.tracking.tracker import Tracker
 
+        self.lines = hold_tidal_lines()  # the driver prints them, without Ray's actor prefix
         self.tracker = Tracker(spec, tags, record=record)
+
+    def take_lines(self) -> list[str]:
+        """The `[tidal]` lines printed here since the last call (tidal.launch.console_pump)."""
+        return self.lines.take()
 
     def run_id(self) -> str | None:
         return self.tracker.run_id()

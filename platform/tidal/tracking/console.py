@@ -7,9 +7,13 @@ structured status record (the `tidal.progress` tag tracking/writer.py keeps on t
 from __future__ import annotations
 
 import math
+import sys
+import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TextIO
+
+PREFIX = "[tidal] "
 
 
 class Console:
@@ -73,6 +77,51 @@ class Console:
 
     def _sink_back(self, e: dict[str, Any]) -> str:
         return f"MLflow is reachable again after {e['down_s']:.0f}s: sent {e['sent']} buffered point(s)"
+
+
+class HeldLines:
+    """The stdout of the tracker's process (a Ray actor): `[tidal]` lines are held for the driver
+    to print (tidal.launch.console_pump), every other line goes on to the real stdout.
+
+    Ray forwards an actor's stdout to the driver with a `(TrackerActor pid=...)` prefix, and its only
+    switch to drop it (RAY_DISABLE_WORKER_LOG_PREFIX) drops it for every worker, so a real error would
+    lose its origin. The driver printing Tidal's lines itself keeps them plain and leaves Ray's
+    forwarding of everything else as it is."""
+
+    def __init__(self, passthrough: TextIO, keep: int = 10_000) -> None:
+        self.passthrough, self.keep = passthrough, keep
+        self.held: list[str] = []
+        self.partial = ""
+        self.lock = threading.Lock()
+
+    def write(self, text: str) -> int:
+        with self.lock:
+            *complete, self.partial = (self.partial + text).split("\n")
+            for line in complete:
+                if line.startswith(PREFIX):
+                    # bounded: a driver that stopped asking must not grow this process without end
+                    self.held = (self.held + [line])[-self.keep:]
+                else:
+                    self.passthrough.write(line + "\n")
+        return len(text)
+
+    def flush(self) -> None:
+        self.passthrough.flush()
+
+    def take(self) -> list[str]:
+        with self.lock:
+            lines, self.held = self.held, []
+        return lines
+
+    def __getattr__(self, name: str) -> Any:  # fileno, encoding, isatty...: the real stream's
+        return getattr(self.passthrough, name)
+
+
+def hold_tidal_lines() -> HeldLines:
+    """Install HeldLines as this process's stdout (idempotent); returns it."""
+    if not isinstance(sys.stdout, HeldLines):
+        sys.stdout = HeldLines(sys.stdout)
+    return sys.stdout
 
 
 def hms(seconds: float) -> str:

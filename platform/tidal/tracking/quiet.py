@@ -104,3 +104,63 @@ def quiet_placement_group_cleaner() -> None:
     if debug():
         return
     logging.getLogger("ray.train.v2._internal.execution.controller.placement_group_cleaner").setLevel(logging.ERROR)
+    _ask_this_cluster()
+
+
+def _ask_this_cluster() -> None:
+    """The cleaner's State API call finds its cluster the way `ray.init("auto")` does: RAY_ADDRESS,
+    else the latest cluster started on this machine, with a warning "Found multiple active Ray
+    instances" every second when there are several (seen: a second job's local instance), and then
+    it asks the wrong one, or fails for good ("Please specify the one to connect to") and stops
+    watching. This worker belongs to exactly one cluster: name it."""
+    import ray
+
+    if ray.is_initialized():
+        os.environ["RAY_ADDRESS"] = own_cluster(os.environ.get("RAY_ADDRESS"), ray.get_runtime_context().gcs_address)
+
+
+def own_cluster(current: str | None, gcs_address: str) -> str:
+    """RAY_ADDRESS for a worker process: its own cluster's GCS address, unless it already names an
+    address. `local` and `auto` (inherited from the driver's environment: `RAY_ADDRESS=local tidal run`)
+    make Ray search the machine for a cluster."""
+    return gcs_address if current in (None, "", "local", "auto") else current
+
+
+# Ray's C++ core worker logs an `E` line in every process that builds a PreemptionWatcher with
+# the constructor arguments of another Ray version (ray#53727); nothing fails. Only that message:
+# any other `E` line is still shown.
+KNOWN_RAY_ERRORS = r"PreemptionWatcher.*constructor arguments"
+SKIP_ENV = "RAY_DEDUP_LOGS_SKIP_REGEX"
+
+
+def ray_skip_regex(current: str | None) -> str:
+    """The value for RAY_DEDUP_LOGS_SKIP_REGEX: a user's own pattern kept, Tidal's added once."""
+    if not current:
+        return KNOWN_RAY_ERRORS
+    if KNOWN_RAY_ERRORS in current:
+        return current
+    return f"(?:{current})|(?:{KNOWN_RAY_ERRORS})"
+
+
+def skip_known_ray_errors() -> None:
+    """Drop the known-harmless `E` line from what Ray forwards to this (the driver's) console.
+
+    Ray's driver-side log printer drops every forwarded line matching RAY_DEDUP_LOGS_SKIP_REGEX, which
+    Ray reads once, when `ray._private.ray_constants` is imported: set it before `import ray` (the CLI
+    does, first thing). Ray applies it inside its log deduplication, so not under RAY_DEDUP_LOGS=0
+    (Ray's default is on). A process that imported Ray already (a notebook) gets the pattern set on Ray's
+    two deduplicators instead: checked against Ray 2.60's ray._private.ray_logging, and skipped if
+    they are not there."""
+    if debug():
+        return
+    os.environ[SKIP_ENV] = ray_skip_regex(os.environ.get(SKIP_ENV))
+    ray_logging = sys.modules.get("ray._private.ray_logging")
+    if ray_logging is None:
+        return
+    import re
+
+    for name in ("stdout_deduplicator", "stderr_deduplicator"):
+        dedup = getattr(ray_logging, name, None)
+        if dedup is not None and hasattr(dedup, "skip_re"):
+            current = dedup.skip_re.pattern if dedup.skip_re else None
+            dedup.skip_re = re.compile(ray_skip_regex(current))
