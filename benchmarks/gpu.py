@@ -254,12 +254,13 @@ def checkpoint_pairs(args: argparse.Namespace, trainer: Trainer, spec: JobSpec, 
     """Alternate a save through Tidal's path and a torch.save + fsync; after each, time a few
     steps, so work a save leaves running in the background is counted as blocked time too."""
     checkpoint = tidal_checkpoint_module(storage, spec.name)
-    state = checkpoint.TrainState(world_size=1, zero_stage=spec.parallelism.zero_stage)
+    state = checkpoint.TrainState()
+    written_by = checkpoint.Provenance(1, spec.parallelism.zero_stage, spec.resume_fingerprint())
     # The first save of a run allocates the host buffers (pinned, on a GPU) that later saves
     # reuse: timed on its own, not as a pair.
     state.step = trainer.step
     t0 = time.perf_counter()
-    checkpoint.save(trainer.engine, state, {"loss": trainer.last_loss})
+    checkpoint.save(trainer.engine, state, written_by, {"loss": trainer.last_loss})
     first_s = time.perf_counter() - t0
     log(f"first save (allocates the host buffers): training blocked {first_s:.2f} s")
     weights = {k: v.detach().cpu().clone() for k, v in trainer.engine.module.state_dict().items()}
@@ -276,7 +277,7 @@ def checkpoint_pairs(args: argparse.Namespace, trainer: Trainer, spec: JobSpec, 
             t0 = time.perf_counter()
             if kind == "tidal":
                 state.step = trainer.step
-                saved = checkpoint.save(trainer.engine, state, {"loss": trainer.last_loss})
+                saved = checkpoint.save(trainer.engine, state, written_by, {"loss": trainer.last_loss})
                 call_s = time.perf_counter() - t0
             else:
                 call_s, size = torch_save_fsync(engine_state(trainer.engine), storage / "torch-save.pt")

@@ -17,8 +17,8 @@ class Clock:
         return self.now
 
 
-def row(loss_sum: float, n: int, busy: float = NO_SAMPLE, due: bool = False) -> list[float]:
-    return [loss_sum, float(n), busy, float(due)]
+def row(loss_sum: float, n: int, busy: float = NO_SAMPLE, due: bool = False, blocked: float = 0.0) -> list[float]:
+    return [loss_sum, float(n), busy, float(due), blocked]
 
 
 def test_the_loss_is_the_mean_over_ranks_and_micro_batches():
@@ -39,6 +39,13 @@ def test_rank_0_alone_decides_when_every_rank_checks_for_preemption():
     assert sync.agree([row(1.0, 1, due=True), row(1.0, 1, due=False)]).check_preemption
 
 
+def test_the_checkpoint_stall_is_the_slowest_ranks_not_rank_0s():
+    # Rank 0's save took 0.1 s; rank 2 waited 0.9 s (its own write, or its optimizer's gate).
+    agreed = LogSync().agree([row(1.0, 1, blocked=0.1), row(1.0, 1, blocked=0.3), row(1.0, 1, blocked=0.9)])
+    assert agreed.blocked_max_s == pytest.approx(0.9)
+    assert LogSync().agree([row(1.0, 1), row(1.0, 1)]).blocked_max_s == 0.0, "no checkpoint, no stall"
+
+
 @pytest.fixture
 def gloo():
     """A real one-rank gloo process group in this process."""
@@ -48,8 +55,9 @@ def gloo():
 
 
 def test_exchange_over_a_real_gloo_group(gloo):
-    agreed = LogSync().exchange(6.0, 3, 0.2, may_check=True)
+    agreed = LogSync().exchange(6.0, 3, 0.2, may_check=True, blocked_s=0.4)
     assert agreed.loss == pytest.approx(2.0)
+    assert agreed.blocked_max_s == pytest.approx(0.4)
     assert agreed.busy_s == pytest.approx([0.2])
     assert agreed.check_preemption
 

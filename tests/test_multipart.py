@@ -1,5 +1,5 @@
 """Multipart uploads a killed writer left incomplete in the job's folder are aborted when an
-attempt starts (fs.abort_incomplete_uploads, called by rank 0 through loop.abort_dead_uploads),
+attempt starts (fs.abort_incomplete_uploads, called by rank 0 through session.abort_dead_uploads),
 on a real S3 API (moto's server); uploads elsewhere in the bucket are left alone."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from tidal import fs
 from tidal.storage import RunDir
 from tidal.tracking.buffer import MetricsBuffer
 from tidal.tracking.emitter import Emitter
-from tidal.worker.loop import abort_dead_uploads
+from tidal.worker.session import abort_dead_uploads
 
 
 def start_upload(bucket: str, key: str) -> None:

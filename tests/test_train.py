@@ -24,15 +24,24 @@ def test_zero_stage_trains_and_tracks(tmp_path, stage):
     assert loss[24] < 0.7 * loss[1], f"loss did not fall: {loss[1]:.3f} -> {loss[24]:.3f}"
     for key in ("lr", "tokens_per_s", "samples_per_s", "step_time_s", "world_size", "mfu"):
         assert sorted(metric_history(spec, result.mlflow_run_id, key)) == list(range(1, 25)), key
+    assert metric_history(spec, result.mlflow_run_id, "tokens_seen")[24] == 24 * 16 * 16  # steps x batch x seq_len
+    # Every rank's stall reaches the log step after a save (saves at 8, 16, 24): the slowest rank's.
+    blocked = metric_history(spec, result.mlflow_run_id, "checkpoint_blocked_max_s")
+    assert all(blocked[s] == 0 for s in range(1, 9)) and blocked[9] > 0 and blocked[17] > 0, blocked
     run = MlflowClient(spec.tracking.uri).get_run(result.mlflow_run_id)
     assert run.data.params["parallelism.zero_stage"] == str(stage)
     assert run.data.params["model.d_model"] == "64"
     assert run.data.tags["tidal.job"] == spec.name
     assert run.info.status == "FINISHED"
     assert result.final_loss == pytest.approx(loss[24])
-    # The tracker opens the run while the workers start; each checkpoint still names it (tidal export logs there).
-    last = RunDir(spec.checkpoint.storage, spec.name).latest_complete()
-    assert last is not None and last.state["mlflow_run_id"] == result.mlflow_run_id
+    # The job file names the run (tidal export logs there); a checkpoint keeps what a resume
+    # needs and who wrote it, not the run.
+    run_dir = RunDir(spec.checkpoint.storage, spec.name)
+    assert run_dir.read_json("tidal-job.json")["mlflow_run_id"] == result.mlflow_run_id
+    last = run_dir.latest_complete()
+    assert last is not None and "mlflow_run_id" not in last.state
+    assert (last.state["world_size"], last.state["zero_stage"], last.state["step"]) == (2, stage, 24)
+    assert last.state["fingerprint"] == spec.resume_fingerprint() and last.state["attempt"]
 
 
 def test_one_and_two_workers_agree(tmp_path):

@@ -109,7 +109,9 @@ def export(spec: JobSpec, checkpoint: str | int = "latest", format: str = "torch
         from tidal.exporter.mlflow import log_exported
 
         job = run.read_json(JOB_FILE) or {}
-        result = log_exported(result, model, spec, chosen.state.get("mlflow_run_id") or job.get("mlflow_run_id"),
+        # The job file names the job's run (a run deleted and replaced there is the new one);
+        # only checkpoints written before TrainState shrank also carry a run id.
+        result = log_exported(result, model, spec, job.get("mlflow_run_id") or chosen.state.get("mlflow_run_id"),
                               job.get("tracking_uri") or spec.tracking.uri, register)
     with open(os.path.join(out, EXPORT_FILE), "w") as f:
         json.dump(result.record(), f, indent=2)

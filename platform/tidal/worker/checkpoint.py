@@ -4,8 +4,11 @@ Every rank snapshots its DeepSpeed state in memory and hands it to `ray.train.re
 upload thread writes it straight into the checkpoint's folder in storage (all ranks' files in
 one folder), then a manifest of the rank's files, last (see tidal.worker.snapshot). Training
 waits only for the snapshot unless the save must be synchronous. Rank 0 also writes
-`tidal-state.json`: the step, the world size, the spec fingerprint and the MLflow run id.
-`tidal.storage` decides from those files which checkpoint is complete.
+`tidal-state.json`: the `TrainState` (what a resume restores) beside the checkpoint's own
+`Provenance` and attempt id (who wrote it: the world size, ZeRO stage and spec fingerprint that
+`tidal.storage` and `tidal.worker.restore` check). The MLflow run id is the job's, in
+`tidal-job.json`, not any checkpoint's. `tidal.storage` decides from those files which
+checkpoint is complete.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -39,25 +42,36 @@ T = TypeVar("T")
 
 @dataclass
 class TrainState:
-    """All a checkpoint needs beyond DeepSpeed's own files to continue exactly."""
+    """All a resume restores beyond DeepSpeed's own files (and the data position's, see
+    `tidal.worker.data`): derived counts (samples, tokens) follow from the step and the spec."""
 
     step: int = 0
-    samples_seen: int = 0
-    tokens_seen: int = 0
-    world_size: int = 1
-    zero_stage: int = 0
-    mlflow_run_id: str | None = None
     data_ended: bool = False  # a stream of data.epochs passes ran out: the job is done
     evaluation: dict[str, Any] = field(default_factory=dict)  # the last eval and early stopping (tidal.eval_best)
+
+    @classmethod
+    def from_saved(cls, saved: dict[str, Any]) -> TrainState:
+        """From a state file; keys that are not TrainState's are ignored: the provenance saved
+        beside it, and keys older checkpoints carry (`samples_seen`, `mlflow_run_id`, ...)."""
+        return cls(**{f.name: saved[f.name] for f in fields(cls) if f.name in saved})
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """Who wrote a checkpoint, saved beside its TrainState and never restored into it:
+    `tidal.storage.check_complete` reads `world_size`, `check_compatible` the `fingerprint`,
+    `restore.needs_reshard` `world_size` and `zero_stage`."""
+
+    world_size: int
+    zero_stage: int
     fingerprint: dict[str, Any] = field(default_factory=dict)
-    attempt: str | None = None  # the worker-group start that wrote it (tidal.storage.check_complete)
 
 
 def tag(step: int) -> str:
     return f"global_step{step}"
 
 
-def save(engine: Any, state: TrainState, metrics: dict[str, Any],
+def save(engine: Any, state: TrainState, written_by: Provenance, metrics: dict[str, Any],
          save_data_position: Callable[[Path], None] | None = None, background: bool = True) -> dict[str, float]:
     """Save on every rank and report to Ray Train (a collective: all ranks call it together).
 
@@ -76,7 +90,8 @@ def save(engine: Any, state: TrainState, metrics: dict[str, Any],
     waited = writer.wait()  # at most one save in flight: also frees the buffers for reuse
     local = Path(tempfile.mkdtemp(prefix="tidal-ckpt-"))  # only the few small files land here
     storage = ray.train.get_context().get_storage()
-    state.attempt = _attempt(storage.storage_filesystem, storage.experiment_fs_path, state.step)
+    attempt = _attempt(storage.storage_filesystem, storage.experiment_fs_path, state.step)
+    saved_state = {**asdict(state), **asdict(written_by), "attempt": attempt}
     mode = snapshot_mode(background, engine.device.type, is_pipeline(engine), fs.is_local(storage.storage_filesystem))
     mutable = {b.untyped_storage().data_ptr() for b in engine.module.buffers()}
     snap = SnapshotEngine(local, writer.buffers, mode, mutable)
@@ -87,19 +102,19 @@ def save(engine: Any, state: TrainState, metrics: dict[str, Any],
             str(local),
             tag=tag(state.step),
             # ds_to_universal refuses checkpoints without this key.
-            client_state={"tidal": asdict(state), "universal_checkpoint_info": {"universal_checkpoint_version": 0.4}},
+            client_state={"tidal": saved_state, "universal_checkpoint_info": {"universal_checkpoint_version": 0.4}},
         )
     finally:
         engine.checkpoint_engine = before
     if save_data_position is not None:
         save_data_position(local)
     if rank == 0:
-        (local / STATE_FILE).write_text(json.dumps(asdict(state), indent=2))
+        (local / STATE_FILE).write_text(json.dumps(saved_state, indent=2))
     save_s = time.perf_counter() - t0
     small = sum(p.stat().st_size for p in local.rglob("*") if p.is_file())
     state_bytes = _tensor_bytes(snap.taken) + small
     upload = writer.upload_fn(rank, state.step, snap.taken, zipfile_format, storage.storage_filesystem,
-                              storage.experiment_fs_path, ray.train.Checkpoint, mode, state.attempt)
+                              storage.experiment_fs_path, ray.train.Checkpoint, mode, attempt)
     try:
         ray.train.report(
             {**metrics, "step": state.step},

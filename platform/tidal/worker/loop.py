@@ -1,4 +1,9 @@
-"""The per-worker training loop Ray Train runs. Reads top to bottom; its state is `TrainState`."""
+"""The per-worker training loop Ray Train runs. Reads top to bottom; its state is `TrainState`.
+
+`train_loop` trains one step, asks `tidal.worker.plan` what the step owes (pure decisions: log,
+evaluate, checkpoint, drain, end) and hands the plan to `finish_step`, the one place that carries
+it out. Setup and everything that lives across steps: `tidal.worker.session`.
+"""
 
 from __future__ import annotations
 
@@ -6,185 +11,119 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict
 from typing import Any
 
 import ray.train
 import torch
 
-from tidal import fs
-from tidal.eval_best import stopped_early
 from tidal.launch.recovery import POLL_INTERVAL
-from tidal.spec.job import JobSpec
-from tidal.tracking.actor import known_run_id
-from tidal.tracking.emitter import Emitter
-from tidal.worker import checkpoint, restore
-from tidal.worker.data import Batches
-from tidal.worker.device import seed_step, torch_device
-from tidal.worker.engine import build_engine, data_parallel_rank, is_pipeline, param_count
-from tidal.worker.logsync import LogSync
-from tidal.worker.metrics import (
-    PhaseClock,
-    ResourceSampler,
-    flops_per_token,
-    speed,
-    trace_loss,
-    worker_peak_flops,
-)
-from tidal.worker.telemetry import Telemetry
-from tidal.worker.user_code import step_function
-from tidal.worker.watchdog import StepWatchdog
+from tidal.worker import checkpoint, plan
+from tidal.worker.device import seed_step
+from tidal.worker.engine import is_pipeline
+from tidal.worker.logsync import Agreed
+from tidal.worker.metrics import PhaseClock, speed, trace_loss
+from tidal.worker.session import Session, open_session
 
 
 def train_loop(config: dict[str, Any]) -> None:
-    spec = JobSpec.model_validate(config["spec"])
-    os.environ.update(spec.env)
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    # Tracking goes to the job's durable event log, written off this thread: no tracking
-    # process can fail or slow a step (tracking/emitter.py).
-    events = Emitter(spec.checkpoint.storage, spec.name)
-    device = torch_device()
-    if rank == 0:
-        abort_dead_uploads(spec, events)
-
-    found = restore.agree_on_resume_point(spec)  # rank 0 decides; every rank loads the same one
-    reshard = bool(found) and restore.needs_reshard(found.state, world)
-    telemetry = Telemetry(spec, events, device, found)  # Prometheus, stragglers, site, cost; from here on
-    engine = build_engine(spec, world, device, load_universal=reshard)
-    if found:
-        state = restore.restore(engine, found, reshard)
-        if rank == 0:
-            events.resumed(found.name, state.step, state.world_size, world)
-    else:
-        state = checkpoint.TrainState()
-    state.world_size, state.zero_stage = world, spec.parallelism.zero_stage
-    state.fingerprint = spec.resume_fingerprint()
-    run_id = config.get("mlflow_run_id")  # a reference to the tracker's answer: taken at saves, never waited for
-
-    if spec.data.streaming:
-        # Imported here: only streamed jobs read shards.
-        from tidal.worker.stream import StreamBatches
-
-        batches: Batches | StreamBatches = StreamBatches(spec, config["stream_index"],
-                                                         *data_parallel_rank(engine, rank, world), device)
-    else:
-        batches = Batches(spec, *data_parallel_rank(engine, rank, world), device)
-    t = spec.train
-    model_flops = flops_per_token(param_count(engine, spec), spec.model)
-    s = spec.scaling
-    peak = world * worker_peak_flops(device, spec.parallelism.precision, s.cpus_per_worker, s.peak_tflops_per_worker)
-    clock, sync, loss_sum, loss_n = PhaseClock(device), LogSync(), torch.zeros(1), 0
-    host_stats: Callable[[], dict[str, float]] = ResourceSampler(device) if rank == 0 else dict  # rank 0's only
-    step_fn = step_function(spec)  # the user's train.step_fn, or model(*batch)
-    watchdog = StepWatchdog(spec.failure.step_timeout_s, rank, events, spec.failure.phase_timeout_s)
-    backlog_said = False
-    preemption_rearm_at = 0.0  # when to ask Ray about preemption again (time.time()); inf: never
-    evaluator = _evaluator(spec, rank, world, device, batches)
-
-    done = state.data_ended or stopped_early(spec, asdict(state))
-    last = state.step if done else min(t.steps, t.stop_at or t.steps)
-    for step in range(state.step + 1, last + 1):
-        seed_step(device, t.seed * 1_000_003 + step * 1_009 + rank)  # dropout depends on the step only
-        clock.start_step(sync=step % t.log_every == 0)
-        loss, n = _train_step(engine, batches.for_step(step), clock, step_fn)
-        loss_sum += loss
-        loss_n += n
-        clock.end_step()
-        watchdog.beat(step)
-        state.step, state.samples_seen = step, step * t.global_batch
-        state.tokens_seen = state.samples_seen * spec.model.seq_len
-
-        data_ended = state.data_ended = batches.ended  # a stream of data.epochs ran out
-        final = step == last or data_ended
-        is_log = step % t.log_every == 0 or final
-        is_ckpt = step % spec.checkpoint.every_steps == 0 or final
-        is_eval = evaluator is not None and evaluator.due(step, final or is_ckpt)
-        if not (is_log or is_ckpt or is_eval):
+    s = open_session(config)
+    spec, state = s.spec, s.state
+    for step in s.steps():
+        seed_step(s.device, spec.train.seed * 1_000_003 + step * 1_009 + s.rank)  # dropout depends on the step only
+        s.clock.start_step(sync=step % spec.train.log_every == 0)
+        loss, n = _train_step(s.engine, s.batches.for_step(step), s.clock, s.step_fn)
+        s.loss_sum += loss
+        s.loss_n += n
+        s.clock.end_step()
+        s.watchdog.beat(step)
+        state.step, state.data_ended = step, s.batches.ended  # a stream of data.epochs ran out
+        due = plan.due(step, s.cadence, state.data_ended)
+        if due is None:
             continue
-        times = clock.take()
-        # One collective: the loss over ranks, their busy times, and whether to ask Ray now if a
-        # node of this group is being drained or reclaimed (its check is a barrier of its own).
-        agreed = sync.exchange(loss_sum.item(), loss_n, times.get("busy_s"), is_log and time.time() >= preemption_rearm_at)
+        times = s.clock.take()
+        agreed = _agree(s, times, due.may_check_preemption)  # the log step's one collective
         warning = ray.train.get_preemption_info() if agreed.check_preemption else None
-        preempted = warning is not None
-        if preempted:
-            preemption_rearm_at = rearm_after_warning(warning.deadline_ms)
-        is_ckpt |= preempted
-        is_eval = evaluator is not None and evaluator.due(step, final or is_ckpt)
-        step_s = times["step_time_s"]
-        if rank == 0 and is_log:
-            trace_loss(step, agreed.loss, world)
-        metrics = {
-            "step": step, "loss": agreed.loss, "lr": engine.get_lr()[0],
-            **speed(spec, step_s, world, model_flops, peak), "world_size": world, "tokens_seen": state.tokens_seen,
-            **times, "checkpoint_gate_s": checkpoint.gate_waited(), **host_stats(),
-        }
-        metrics |= telemetry.at_log_step(metrics, agreed.busy_s, final)
-        loss_sum.zero_()
-        loss_n = 0
-        stop = False
-        if is_eval:  # before the save: the checkpoint records this step's score and patience
-            with watchdog.phase("eval"):
-                eval_metrics, stop = evaluator.run(engine, state.evaluation, step)
-            metrics.update(eval_metrics)
-            is_ckpt |= stop  # early stopping ends with a checkpoint at this step
-        if rank == 0 and not is_ckpt:
-            events.metrics(metrics)  # written in the background: tracking never blocks a step
-        if is_ckpt:
-            state.mlflow_run_id = known_run_id(run_id) or state.mlflow_run_id
-            with watchdog.phase("save"):
-                if rank == 0:
-                    if preempted:
-                        events.say(f"preemption warning: saving an emergency checkpoint at step {step}", step)
-                    # Wait until every step up to this one is durable on the job's storage: once the
-                    # checkpoint exists, training never redoes them, so no process's death may lose them.
-                    events.metrics(metrics)
-                    events.drain()
-                # A preemption warning's deadline cannot wait for a background write. (The last step's
-                # may run in the background: Ray waits for it before the worker exits.)
-                background = spec.checkpoint.async_upload and not preempted
-                saved = checkpoint.save(engine, state, metrics, batches.save_position, background=background)
-            if rank == 0:
-                events.checkpointed(step, saved)
-                if not backlog_said and (note := checkpoint.ray_backlog(
-                        saved["checkpoint_ray_held_s"], spec.checkpoint.every_steps, os.environ.get(POLL_INTERVAL))):
-                    events.say(note, step)
-                    backlog_said = True  # once per worker group: the cause does not change
         if warning is not None:
-            # The wait ends by itself at the deadline; the drain phase only keeps the step timeout off it.
-            with watchdog.phase("drain", max(0.0, preemption_rearm_at - time.time()) + RECLAIM_MARGIN_S):
-                _wait_for_reclaim(warning.deadline_ms)
-        if stop:  # the driver says why once the group has ended (launch.trainer)
+            s.preemption_rearm_at = rearm_after_warning(warning.deadline_ms)
+        step_plan = plan.plan_step(due, s.cadence, warning is not None, spec.checkpoint.async_upload)
+        if finish_step(s, step_plan, agreed, times, warning) is not None:
             break
-        if data_ended and step < last:
-            if rank == 0:
-                # Only data.epochs ends a stream (without it, epochs follow one another as for indexed sources).
-                events.say(f"the data stream ended after step {step} ({spec.data.epochs} epoch(s) of {spec.data.source}); "
-                           "the job ends here", step)
-            break
-    events.drain()  # the last checkpoint's event and notes reach storage before this process ends
+    s.events.drain()  # the last checkpoint's event and notes reach storage before this process ends
 
 
-def abort_dead_uploads(spec: JobSpec, events: Emitter) -> None:
-    """Abort the multipart uploads earlier attempts left incomplete in the job's folder (billed
-    until aborted); before this attempt writes anything there, so none of its own is touched."""
-    storage = spec.checkpoint.storage or ""
-    try:
-        if n := fs.abort_incomplete_uploads(storage, spec.name):
-            events.say(f"aborted {n} incomplete upload(s) an earlier attempt left in the job's folder")
-    except fs.UploadsUnchecked as e:
-        # The storage URI is not named: it may hold credentials (s3://KEY:SECRET@bucket).
-        events.say(f"WARNING: could not abort incomplete uploads in the job's folder ({e}); "
-                   "a bucket lifecycle rule can (docs/cluster.md)")
+def _agree(s: Session, times: dict[str, float], may_check: bool) -> Agreed:
+    """One collective: the loss over ranks, their busy times, the seconds checkpoints blocked
+    each since the last log step, and whether to ask Ray now if a node of this group is being
+    drained or reclaimed (its check is a barrier of its own)."""
+    # Checkpoint writes that optimizer steps waited for (checkpoint.before_update) count as
+    # blocked too; read once here, so this rank's figure and rank 0's metric agree.
+    s.gate_s = checkpoint.gate_waited()
+    agreed = s.sync.exchange(s.loss_sum.item(), s.loss_n, times.get("busy_s"),
+                             may_check and time.time() >= s.preemption_rearm_at, s.blocked_s + s.gate_s)
+    s.loss_sum.zero_()
+    s.loss_n, s.blocked_s = 0, 0.0
+    return agreed
 
 
-def _evaluator(spec: JobSpec, rank: int, world: int, device: torch.device, batches: Any) -> Any:
-    if spec.eval is None:
-        return None
-    from tidal.worker.evaluate import Evaluator
+def finish_step(s: Session, p: plan.StepPlan, agreed: Agreed, times: dict[str, float],
+                warning: Any) -> plan.End | None:
+    """Carry out `p`: metrics (emitted here only), eval, save, drain, the end's note. Returns
+    why the job ends at this step, or None to train on."""
+    if s.rank == 0 and p.log:
+        trace_loss(p.step, agreed.loss, s.world)
+    metrics = _metrics(s, agreed, times, p)
+    if p.evaluate:  # before the save: the checkpoint records this step's score and patience
+        with s.watchdog.phase("eval"):
+            eval_metrics, stop = s.evaluator.run(s.engine, s.state.evaluation, p.step)
+        metrics.update(eval_metrics)
+        p = plan.after_eval(p, stop)
+    if s.rank == 0:
+        if p.emergency:
+            s.events.say(f"preemption warning: saving an emergency checkpoint at step {p.step}", p.step)
+        s.events.metrics(metrics)  # written in the background: tracking never blocks a step
+    if p.checkpoint:
+        _save(s, p, metrics)
+    if p.drain:
+        # The wait ends by itself at the deadline; the drain phase only keeps the step timeout off it.
+        with s.watchdog.phase("drain", max(0.0, s.preemption_rearm_at - time.time()) + RECLAIM_MARGIN_S):
+            _wait_for_reclaim(warning.deadline_ms)
+    if p.end == "data" and s.rank == 0:
+        # Only data.epochs ends a stream (without it, epochs follow one another as for indexed sources).
+        s.events.say(f"the data stream ended after step {p.step} ({s.spec.data.epochs} epoch(s) of "
+                     f"{s.spec.data.source}); the job ends here", p.step)
+    return p.end  # early stopping: the driver says why once the group has ended (launch.trainer)
 
-    return Evaluator(spec, rank, world, device, getattr(batches, "held_out", None))
+
+def _metrics(s: Session, agreed: Agreed, times: dict[str, float], p: plan.StepPlan) -> dict[str, Any]:
+    """The metrics of a planned step: rank 0 logs them; every rank builds them, since
+    `Telemetry.at_log_step` exports each rank's gauges (and is a collective once per group)."""
+    metrics = {
+        "step": p.step, "loss": agreed.loss, "lr": s.engine.get_lr()[0],
+        **speed(s.spec, times["step_time_s"], s.world, s.model_flops, s.peak_flops), "world_size": s.world,
+        "tokens_seen": s.tokens_seen, **times, "checkpoint_gate_s": s.gate_s,
+        # The slowest rank's stall since the last log step (its saves and its optimizer's waits).
+        "checkpoint_blocked_max_s": agreed.blocked_max_s, **s.host_stats(),
+    }
+    return metrics | s.telemetry.at_log_step(metrics, agreed.busy_s, p.step == s.cadence.last or p.end == "data")
+
+
+def _save(s: Session, p: plan.StepPlan, metrics: dict[str, Any]) -> None:
+    with s.watchdog.phase("save"):
+        if s.rank == 0:
+            # Wait until every step up to this one is durable on the job's storage: once the
+            # checkpoint exists, training never redoes them, so no process's death may lose them.
+            s.events.drain()
+        # A preemption warning's deadline cannot wait for a background write. (The last step's
+        # may run in the background: Ray waits for it before the worker exits.)
+        saved = checkpoint.save(s.engine, s.state, s.written_by, metrics, s.batches.save_position,
+                                background=p.background)
+    s.blocked_s += saved["checkpoint_blocked_s"]  # reaches the next log step's collective
+    if s.rank == 0:
+        s.events.checkpointed(p.step, saved)
+        if not s.backlog_said and (note := checkpoint.ray_backlog(
+                saved["checkpoint_ray_held_s"], s.spec.checkpoint.every_steps, os.environ.get(POLL_INTERVAL))):
+            s.events.say(note, p.step)
+            s.backlog_said = True  # once per worker group: the cause does not change
 
 
 def _train_step(engine: Any, micro: Iterator[Any], clock: PhaseClock,

@@ -72,7 +72,7 @@ def agree_on_resume_point(spec: JobSpec) -> Found | None:
 
 def restore(engine: Any, found: Found, reshard: bool) -> TrainState:
     """Load `found` into `engine`, converting it first if it was written at another world size."""
-    state = TrainState(**found.state)
+    state = TrainState.from_saved(found.state)
     step_tag = tag(state.step)
     if reshard:
         step_tag = _converted(found, step_tag)

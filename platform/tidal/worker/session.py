@@ -1,0 +1,146 @@
+"""Everything a worker's training loop works with, set up once: `open_session(config) -> Session`.
+
+Setup in the order it must happen: the spec's environment, the job's event log, rank 0's
+abort of dead uploads (before this attempt writes anything), the resume point every rank
+agrees on, the engine (built for a universal load when the world size changed), the restore,
+then data, evaluator, watchdog and telemetry. What changes from step to step lives here too
+(the loss accumulated since the last log step, the seconds checkpoints blocked this rank, when
+to ask Ray about preemption again), so the loop itself holds no state but the step.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import ray.train
+import torch
+
+from tidal import fs
+from tidal.eval_best import stopped_early
+from tidal.spec.job import JobSpec
+from tidal.tracking.emitter import Emitter
+from tidal.worker import checkpoint, restore
+from tidal.worker.data import Batches
+from tidal.worker.device import torch_device
+from tidal.worker.engine import build_engine, data_parallel_rank, param_count
+from tidal.worker.logsync import LogSync
+from tidal.worker.metrics import PhaseClock, ResourceSampler, flops_per_token, worker_peak_flops
+from tidal.worker.plan import Cadence
+from tidal.worker.telemetry import Telemetry
+from tidal.worker.user_code import step_function
+from tidal.worker.watchdog import StepWatchdog
+
+
+@dataclass
+class Session:
+    spec: JobSpec
+    rank: int
+    world: int
+    device: torch.device
+    events: Emitter
+    engine: Any
+    state: checkpoint.TrainState
+    written_by: checkpoint.Provenance
+    batches: Any  # Batches or StreamBatches
+    evaluator: Any  # tidal.worker.evaluate.Evaluator, or None without spec.eval
+    watchdog: StepWatchdog
+    telemetry: Telemetry
+    step_fn: Callable[[Any, Any], torch.Tensor]
+    cadence: Cadence
+    model_flops: float
+    peak_flops: float
+    host_stats: Callable[[], dict[str, float]]
+    clock: PhaseClock
+    sync: LogSync = field(default_factory=LogSync)
+    loss_sum: torch.Tensor = field(default_factory=lambda: torch.zeros(1))
+    loss_n: int = 0
+    blocked_s: float = 0.0  # this rank's seconds in checkpoint.save since the last log step
+    gate_s: float = 0.0  # this rank's optimizer waits for checkpoint writes, read at the last log step
+    preemption_rearm_at: float = 0.0  # when to ask Ray about preemption again (time.time()); inf: never
+    backlog_said: bool = False  # the Ray backlog note is said once per worker group
+
+    @property
+    def samples_seen(self) -> int:
+        return self.state.step * self.spec.train.global_batch
+
+    @property
+    def tokens_seen(self) -> int:
+        return self.samples_seen * self.spec.model.seq_len
+
+    def steps(self) -> range:
+        """The steps this attempt trains: none when the job already ended (data, early stop)."""
+        done = self.state.data_ended or stopped_early(self.spec, asdict(self.state))
+        return range(self.state.step + 1, (self.state.step if done else self.cadence.last) + 1)
+
+
+def open_session(config: dict[str, Any]) -> Session:
+    spec = JobSpec.model_validate(config["spec"])
+    os.environ.update(spec.env)
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    # Tracking goes to the job's durable event log, written off this thread: no tracking
+    # process can fail or slow a step (tracking/emitter.py).
+    events = Emitter(spec.checkpoint.storage, spec.name)
+    device = torch_device()
+    if rank == 0:
+        abort_dead_uploads(spec, events)
+
+    found = restore.agree_on_resume_point(spec)  # rank 0 decides; every rank loads the same one
+    reshard = bool(found) and restore.needs_reshard(found.state, world)
+    telemetry = Telemetry(spec, events, device, found)  # Prometheus, stragglers, site, cost; from here on
+    engine = build_engine(spec, world, device, load_universal=reshard)
+    state = checkpoint.TrainState()
+    if found:
+        state = restore.restore(engine, found, reshard)
+        if rank == 0:
+            events.resumed(found.name, state.step, int(found.state["world_size"]), world)
+    batches = _batches(spec, config, engine, rank, world, device)
+    t, s = spec.train, spec.scaling
+    return Session(
+        spec, rank, world, device, events, engine, state,
+        checkpoint.Provenance(world, spec.parallelism.zero_stage, spec.resume_fingerprint()),
+        batches, _evaluator(spec, rank, world, device, batches),
+        StepWatchdog(spec.failure.step_timeout_s, rank, events, spec.failure.phase_timeout_s),
+        telemetry, step_function(spec),  # the user's train.step_fn, or model(*batch)
+        Cadence(t.log_every, spec.checkpoint.every_steps, spec.eval.every_steps if spec.eval else None,
+                min(t.steps, t.stop_at or t.steps)),
+        flops_per_token(param_count(engine, spec), spec.model),
+        world * worker_peak_flops(device, spec.parallelism.precision, s.cpus_per_worker, s.peak_tflops_per_worker),
+        ResourceSampler(device) if rank == 0 else dict,  # rank 0's host only
+        PhaseClock(device),
+    )
+
+
+def _batches(spec: JobSpec, config: dict[str, Any], engine: Any, rank: int, world: int,
+             device: torch.device) -> Any:
+    if spec.data.streaming:
+        # Imported here: only streamed jobs read shards.
+        from tidal.worker.stream import StreamBatches
+
+        return StreamBatches(spec, config["stream_index"], *data_parallel_rank(engine, rank, world), device)
+    return Batches(spec, *data_parallel_rank(engine, rank, world), device)
+
+
+def abort_dead_uploads(spec: JobSpec, events: Emitter) -> None:
+    """Abort the multipart uploads earlier attempts left incomplete in the job's folder (billed
+    until aborted); before this attempt writes anything there, so none of its own is touched."""
+    storage = spec.checkpoint.storage or ""
+    try:
+        if n := fs.abort_incomplete_uploads(storage, spec.name):
+            events.say(f"aborted {n} incomplete upload(s) an earlier attempt left in the job's folder")
+    except fs.UploadsUnchecked as e:
+        # The storage URI is not named: it may hold credentials (s3://KEY:SECRET@bucket).
+        events.say(f"WARNING: could not abort incomplete uploads in the job's folder ({e}); "
+                   "a bucket lifecycle rule can (docs/cluster.md)")
+
+
+def _evaluator(spec: JobSpec, rank: int, world: int, device: torch.device, batches: Any) -> Any:
+    if spec.eval is None:
+        return None
+    from tidal.worker.evaluate import Evaluator
+
+    return Evaluator(spec, rank, world, device, getattr(batches, "held_out", None))
+
