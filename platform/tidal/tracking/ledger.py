@@ -68,15 +68,19 @@ class Ledger:
         self.recovered: set[str] | None = None  # ids an earlier ledger left: some may be in MLflow
         self.retry_at, self.down_since, self.failures = 0.0, None, 0
         self.unsaved: list[dict[str, Any]] = []  # handled, but the mark that counts them failed to save
+        self.untaken = 0  # events the last poll left in the log (the sink could not say what it holds)
         self.lock = threading.RLock()  # one poll or flush at a time
 
     # --- reading the log ----------------------------------------------------------------
-    def poll(self) -> int:
-        """Take in new events; returns how many points wait to be sent."""
+    def poll(self, force: bool = False) -> int:
+        """Take in new events; returns how many wait to be sent, those left in the log included.
+        `force` asks the sink now even while its backoff runs (the job's end: nothing comes later)."""
         with self.lock:
             new = self.buffer.load(self.known)
-            if not self._learn_highs(new):
-                return len(self.pending)  # left in the log: read again once the sink answers
+            self.untaken = 0
+            if not self._learn_highs(new, force):
+                self.untaken = len(new)  # left in the log: read again once the sink answers
+                return len(self.pending) + self.untaken
             if self.recovered is None:
                 self.recovered = {e["id"] for e in new}
             for e in sorted(new, key=happened):
@@ -128,7 +132,7 @@ class Ledger:
             self.failed_since_resume = False
         self.world_size = world or self.world_size
 
-    def _learn_highs(self, new: list[dict[str, Any]]) -> bool:
+    def _learn_highs(self, new: list[dict[str, Any]], force: bool = False) -> bool:
         """Know the highest step the sink holds of each kind among `new` before taking any of
         them; False while the sink cannot say (the events wait in the log, asked again after the
         backoff). Taking "unreachable" as "nothing logged" would send a replayed step twice."""
@@ -136,7 +140,7 @@ class Ledger:
         if not unknown or not self.run_id:  # no run yet: nothing of it can be logged
             self.high.update(dict.fromkeys(unknown, 0))
             return True
-        if self.clock() < self.retry_at:
+        if not force and self.clock() < self.retry_at:
             return False
         try:
             for kind in unknown:  # no mark (a run from before marks, or none sent yet): ask MLflow

@@ -62,9 +62,10 @@ class Tracker:
         return self.ledger.run_id
 
     def flush(self, force: bool = False) -> int:
-        """Take in the event log and send what is pending; returns the points left unsent."""
-        self.ledger.poll()
-        return self.ledger.flush(force)
+        """Take in the event log and send what is pending; returns the entries left unsent, those
+        still in the log included (the driver waits for them before it ends the run)."""
+        self.ledger.poll(force)
+        return self.ledger.flush(force) + self.ledger.untaken
 
     def close(self, ok: bool, wall_s: float) -> tuple[str | None, dict[str, float], int]:
         """One more try to send, then end the run (usage, artifacts, status `ok`).
