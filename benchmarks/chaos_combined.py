@@ -403,6 +403,8 @@ def summarize(spec: JobSpec, ref: dict[str, Any], got: dict[str, Any], faults: l
     lives = got["trace"]
     diffs = [abs(r["loss"] - expected[r["step"]]) / max(abs(expected[r["step"]]), 1e-12)
              for r in lives if r["step"] in expected]
+    worst = sorted(((d, life, r) for d, (life, r) in zip(diffs, _lives(lives), strict=True)),
+                   key=lambda x: -x[0])[:8]
     steps = spec.train.steps
     first = min(m.timestamp for m in hist) / 1000 if hist else 0.0
     last = max(m.timestamp for m in hist) / 1000 if hist else 0.0
@@ -413,9 +415,23 @@ def summarize(spec: JobSpec, ref: dict[str, Any], got: dict[str, Any], faults: l
         "twice": sorted(s for s, c in counts.items() if c > 1),
         "executions": len(lives), "replayed": len(lives) - len({r["step"] for r in lives}),
         "max_rel_diff": max(diffs, default=float("nan")), "compared": len(diffs),
+        "worst": [f"step {r['step']} (life {life}, world {r['world']}): {r['loss']:.6f} vs {expected[r['step']]:.6f}"
+                  for d, life, r in worst if d > 1e-4],
         "useful_s": useful, "training_wall_s": last - first, "wall_s": got["wall_s"], "steps": steps,
         "every": spec.checkpoint.every_steps,
     }
+
+
+def _lives(trace: list[dict[str, Any]]) -> list[tuple[int, dict[str, Any]]]:
+    """Each trace record with the number of the life (worker group) that wrote it: a life ends
+    where the steps go back or jump."""
+    life, last, out = 0, None, []
+    for r in trace:
+        if last is not None and r["step"] != last + 1:
+            life += 1
+        out.append((life, r))
+        last = r["step"]
+    return out
 
 
 def report(r: dict[str, Any], command: str) -> str:
@@ -440,7 +456,22 @@ each write paused {WRITE_DELAY_S} s before its manifests) under these faults, in
 | largest relative difference of any execution's loss vs the undisturbed run ({r['compared']} compared) | {r['max_rel_diff']:.2e} |
 | effective training time, first step to last (useful step time / wall time) | {r['useful_s']:.1f} s / {r['training_wall_s']:.1f} s = **{eff:.1%}** |
 | the same from the first `tidal run` (includes launch) | {r['useful_s']:.1f} s / {r['wall_s']:.1f} s |
-"""
+""" + ("\nExecutions off by more than 1e-4: " + "; ".join(r["worst"]) + "\n" if r["worst"] else "")
+
+
+KEEP = Path(tempfile.gettempdir()) / "tidal-chaos-last"
+
+
+def _keep(tmp: Path) -> None:
+    """The traces, specs and logs of the last invocation, for a person to read after it."""
+    import shutil
+
+    shutil.rmtree(KEEP, ignore_errors=True)
+    KEEP.mkdir(parents=True)
+    for f in tmp.iterdir():
+        if f.suffix in (".trace", ".log", ".yaml"):
+            shutil.copy(f, KEEP / f.name)
+    print(f"traces and logs kept in {KEEP}")
 
 
 def main() -> None:
@@ -476,6 +507,7 @@ def main() -> None:
                 cluster.shutdown()
             finally:
                 servers.close()
+            _keep(tmp)
         cmd = f"python -m benchmarks.chaos_combined --faults {args.faults} --steps {args.steps} --every {args.every} --seed {args.seed}"
         text = report(r, cmd)
         print(text)

@@ -65,7 +65,7 @@ def run(spec: JobSpec, restart: bool = False, mlflow_tags: dict[str, str] | None
     run_dir.write_json(JOB_FILE, {"mlflow_run_id": job.get("mlflow_run_id"), "fingerprint": spec.fingerprint_hash(),
                                   "tracking_uri": spec.tracking.uri, "tidal_version": __version__})
     # The tracker opens the MLflow run while Ray starts the controller and the workers.
-    tracker, run_ref = start_tracker(spec, tags, job_record(spec, None), lambda run_id: _announce(spec, run_id))
+    tracker, _ = start_tracker(spec, tags, job_record(spec, None), lambda run_id: _announce(spec, run_id))
     pump = ConsolePump(tracker).start()
     # leftovers of an earlier launch that Ray never registered (the best one stays, under keep_best)
     run_dir.prune(spec.checkpoint.keep, spare=eval_best.spared(spec, run_dir))
@@ -73,7 +73,7 @@ def run(spec: JobSpec, restart: bool = False, mlflow_tags: dict[str, str] | None
     try:
         # site "any": on-prem first, cloud nodes after burst_after_s; Tidal's recovery defaults for Ray
         with burst.burst_capacity(spec), recovery_settings(spec):
-            _trainer(spec, run_ref, callbacks or []).fit()
+            _trainer(spec, callbacks or []).fit()
         ok = True
         _say_if_stopped_early(spec, run_dir)
     except ray.train.TrainingFailedError as e:
@@ -193,8 +193,7 @@ def _announce(spec: JobSpec, run_id: str | None) -> None:
     print(f"[tidal] job {spec.name!r}: {_describe_scaling(spec)}; MLflow run {run_id}", flush=True)
 
 
-def _trainer(spec: JobSpec, run_ref: Any, callbacks: list[Any]) -> TorchTrainer:
-    """`run_ref`: a reference to the tracker's run id, which the workers take once it is there."""
+def _trainer(spec: JobSpec, callbacks: list[Any]) -> TorchTrainer:
     from ray.train import (
         FailureConfig,
         LoggingConfig,
@@ -232,7 +231,7 @@ def _trainer(spec: JobSpec, run_ref: Any, callbacks: list[Any]) -> TorchTrainer:
         streaming = {"stream_index": prepare(spec)}
     return TorchTrainer(
         train_loop,
-        train_loop_config={"spec": spec.model_dump(mode="json"), "mlflow_run_id": run_ref, **streaming},
+        train_loop_config={"spec": spec.model_dump(mode="json"), **streaming},
         scaling_config=scaling,
         run_config=run_config,
         torch_config=TorchConfig(backend=dist_backend(s.gpus_per_worker)),

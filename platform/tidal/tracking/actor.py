@@ -2,9 +2,8 @@
 
 MLflow takes seconds to import and a store a moment to open a run; both happen in the actor's
 process while Ray starts the controller and the workers, instead of before them. The driver
-never imports MLflow on this path (this module does not), and no worker waits for the run id:
-`known_run_id` takes it once the tracker has answered (tracking/tracker.py says why nothing in
-training may wait on tracking).
+never imports MLflow on this path (this module does not), and no worker needs the run id: it
+lives in the job file (tracking/tracker.py says why nothing in training may wait on tracking).
 """
 
 from __future__ import annotations
@@ -58,14 +57,3 @@ def start_tracker(spec: JobSpec, tags: dict[str, str], record: dict[str, Any] | 
     run_id = actor.run_id.remote()
     run_id.future().add_done_callback(lambda f: on_run_id(None if f.exception() else f.result()))
     return actor, run_id
-
-
-def known_run_id(run_id: str | ray.ObjectRef | None) -> str | None:
-    """The run id if the tracker has answered by now, else None; never waits."""
-    if not isinstance(run_id, ray.ObjectRef):
-        return run_id
-    ready, _ = ray.wait([run_id], timeout=0)
-    try:
-        return ray.get(ready[0]) if ready else None
-    except ray.exceptions.RayError:  # the tracker failed to start: the driver finishes tracking
-        return None
