@@ -11,6 +11,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -95,18 +96,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def s3_server(tmp_path_factory) -> Iterator[str]:
-    """A real S3 API (moto's server) on 127.0.0.1; every client finds it through AWS_ENDPOINT_URL.
-
-    Session-wide and set in the environment before any Ray instance of a module that uses it
-    starts, so Ray's workers inherit it as a cluster's nodes would.
-    """
+@contextmanager
+def moto_s3(log: Path, server_env: dict[str, str] | None = None) -> Iterator[str]:
+    """A real S3 API (moto's server) on 127.0.0.1, its endpoint and test credentials set in this
+    process's environment (so every client, and every Ray instance started meanwhile, finds it);
+    `server_env` goes to the server alone (e.g. moto's request recorder). Yields the endpoint."""
     port = free_port()
-    log = tmp_path_factory.mktemp("moto") / "moto.log"
     moto = Path(sys.executable).parent / "moto_server"
     proc = subprocess.Popen([str(moto), "-H", "127.0.0.1", "-p", str(port)], stdout=log.open("w"),  # noqa: SIM115
-                            stderr=subprocess.STDOUT, start_new_session=True)
+                            stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **(server_env or {})})
     env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test",
            "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
     old = {k: os.environ.get(k) for k in env}
@@ -125,6 +123,17 @@ def s3_server(tmp_path_factory) -> Iterator[str]:
     finally:
         restore_env(old)
         stop_session(proc)
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory) -> Iterator[str]:
+    """A real S3 API (moto's server) on 127.0.0.1; every client finds it through AWS_ENDPOINT_URL.
+
+    Session-wide and set in the environment before any Ray instance of a module that uses it
+    starts, so Ray's workers inherit it as a cluster's nodes would.
+    """
+    with moto_s3(tmp_path_factory.mktemp("moto") / "moto.log") as endpoint:
+        yield endpoint
 
 
 @pytest.fixture

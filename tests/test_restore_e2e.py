@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 import urllib.parse
@@ -22,7 +20,7 @@ import psutil
 import pytest
 
 import tidal
-from tests.conftest import free_port, metric_history, restore_env, stop_session, tiny_spec
+from tests.conftest import metric_history, moto_s3, tiny_spec
 from tidal import fs
 from tidal.storage import QUARANTINE_FILE, RunDir, checkpoint_dir_name, listed_files
 from tidal.worker import fetch, universal
@@ -34,28 +32,8 @@ pytestmark = [pytest.mark.slow]
 def recorded_s3(tmp_path_factory) -> Iterator[str]:
     """moto's S3 server with its request recorder (every request's method, URL and headers)."""
     folder = tmp_path_factory.mktemp("moto-rec")
-    port = free_port()
-    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test",
-           "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
-    proc = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=(folder / "moto.log").open("w"), stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "MOTO_RECORDER_FILEPATH": str(folder / "recording.jsonl")})
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        deadline = time.time() + 30
-        while True:
-            try:
-                urllib.request.urlopen(f"{env['AWS_ENDPOINT_URL']}/moto-api/", timeout=1)
-                break
-            except OSError:
-                if time.time() > deadline:
-                    raise
-                time.sleep(0.2)
-        yield env["AWS_ENDPOINT_URL"]
-    finally:
-        restore_env(old)
-        stop_session(proc)
+    with moto_s3(folder / "moto.log", {"MOTO_RECORDER_FILEPATH": str(folder / "recording.jsonl")}) as endpoint:
+        yield endpoint
 
 
 @pytest.fixture(scope="module")
