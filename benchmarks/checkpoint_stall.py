@@ -74,9 +74,15 @@ def tidal_saves(spec: JobSpec, path: Path) -> dict[str, Any]:
     waited = history(spec, run_id, "checkpoint_wait_s")
     gate = history(spec, run_id, "checkpoint_gate_s")
     size = history(spec, run_id, "checkpoint_bytes")
+    # Every rank's blocked seconds, the most of any rank, per log step (one collective carries them).
+    worst = history(spec, run_id, "checkpoint_blocked_max_s")
     steps = [s for s in sorted(blocked) if s + 1 in gate]  # the final save has no next update
     total = {s: blocked[s][0] + gate[s + 1][0] for s in steps}
+    # A save blocks at its step and the next update may wait for its write: the slowest rank's
+    # figure is at most the sum of both steps' maxima (two ranks may be the slowest in turn).
+    any_rank = {s: worst.get(s, [0.0])[0] + worst.get(s + 1, [0.0])[0] for s in steps}
     return {"first_s": total[steps[0]], "later_s": median([total[s] for s in steps[1:]]),
+            "later_any_s": median([any_rank[s] for s in steps[1:]]),
             "later_wait_s": median([waited[s][0] for s in steps[1:]]),
             "later_gate_s": median([gate[s + 1][0] for s in steps[1:]]), "bytes": size[steps[-1]][0]}
 
@@ -126,12 +132,13 @@ def stall(args: argparse.Namespace, tmp: Path) -> str:
                 state = state or rank0_state(spec)
                 r["torch_s"], r["torch_bytes"] = baseline_save(state, storage, tmp)
         r["ratio"] = r["later_s"] / r["torch_s"]
+        r["ratio_any"] = r["later_any_s"] / r["torch_s"]
         rounds.append(r)
         print(f"round {i + 1}: Tidal blocked {r['later_s']:.3f} s per save (first save {r['first_s']:.3f} s, "
               f"waiting for the previous write {r['later_wait_s']:.3f} s, the next update waiting for this "
-              f"write {r['later_gate_s']:.3f} s), torch.save + sync "
+              f"write {r['later_gate_s']:.3f} s; slowest rank {r['later_any_s']:.3f} s), torch.save + sync "
               f"{r['torch_s']:.3f} s for {r['torch_bytes'] / 1e6:.0f} MB: ratio {r['ratio']:.3f}", flush=True)
-    rows = "\n".join(f"| {i + 1} | {r['later_s']:.3f} s | {r['later_wait_s']:.3f} s | {r['later_gate_s']:.3f} s | {r['first_s']:.3f} s | {r['torch_s']:.3f} s | {r['ratio']:.3f} |"
+    rows = "\n".join(f"| {i + 1} | {r['later_s']:.3f} s | {r['later_wait_s']:.3f} s | {r['later_gate_s']:.3f} s | {r['later_any_s']:.3f} s | {r['first_s']:.3f} s | {r['torch_s']:.3f} s | {r['ratio']:.3f} | {r['ratio_any']:.3f} |"
                      for i, r in enumerate(rounds))
     where = "a local path (fsync)" if args.storage == "local" else "moto's S3 server on 127.0.0.1 (PUT)"
     return f"""Command: `python -m benchmarks.checkpoint_stall --storage {args.storage} --pairs {args.pairs} --every {args.every}` ({time.strftime('%Y-%m-%d')}, {pyplatform.machine()}, {os.cpu_count()} cores, CPU only)
@@ -140,11 +147,11 @@ Work: GPT {WIDE['n_layer']} layers x d{WIDE['d_model']}, ZeRO-2, fp32, 2 workers
 into {where}; rank 0 holds {rounds[-1]['torch_bytes'] / 1e6:.0f} MB of it. Rounds alternate a `tidal run` and a synchronous
 `torch.save` of rank 0's files of its last checkpoint into the same storage (fsynced locally).
 
-| round | Tidal: training blocked per save (median of saves 2-{STEPS // EVERY}) | of which waiting for the previous write | of which the next update waiting for this write | Tidal: first save | torch.save + sync, same bytes | ratio |
-|---|---|---|---|---|---|---|
+| round | Tidal, rank 0: training blocked per save (median of saves 2-{STEPS // EVERY}) | of which waiting for the previous write | of which the next update waiting for this write | Tidal, the slowest rank (`checkpoint_blocked_max_s`) | Tidal: first save | torch.save + sync, same bytes | ratio (rank 0) | ratio (slowest rank) |
+|---|---|---|---|---|---|---|---|---|
 {rows}
 
-Median ratio: **{median([r['ratio'] for r in rounds]):.3f}** (goal <= 0.1).
+Median ratio, the slowest rank: **{median([r['ratio_any'] for r in rounds]):.3f}** (rank 0: {median([r['ratio'] for r in rounds]):.3f}; goal <= 0.1).
 """
 
 
