@@ -9,7 +9,7 @@ import json
 from tests.conftest import tiny_spec
 from tidal.cli import main
 from tidal.launch import jobs
-from tidal.launch.result import print_record
+from tidal.output import print_record
 from tidal.storage import RunDir
 from tidal.tracking.buffer import MetricsBuffer
 from tidal.tracking.console import Console
