@@ -20,7 +20,7 @@ from tidal.tracking.writer import RunWriter
 
 class Reworded(Console):
     def _metrics(self, e):
-        return f"Schritt {e['step']} von {self.total}: Verlust={e['values']['loss']}"
+        return f"Schritt {e.step} von {self.total}: Verlust={e.values['loss']}"
 
 
 def test_progress_survives_a_reworded_console(tmp_path, mlflow_uri, capsys, monkeypatch):
