@@ -10,148 +10,17 @@ times. Reports faults injected and survived, steps lost per fault, and effective
 from __future__ import annotations
 
 import argparse
-import json
-import random
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import ray
 
-import tidal
 from benchmarks.common import update_doc
-from tidal.spec.job import JobSpec
-from tidal.worker.metrics import LOSS_TRACE_ENV
+from tidal.testing.chaos import run_chaos, run_periodic
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "reliability.md"
-
-
-def chaos_spec(tmp: Path, name: str, steps: int, every: int) -> JobSpec:
-    """The job; rank 0 traces every life's loss of every step into `<tmp>/<name>.trace`."""
-    return JobSpec(
-        name=name,
-        model={"n_layer": 2, "n_head": 2, "d_model": 64, "vocab_size": 64, "seq_len": 16},
-        train={"steps": steps, "micro_batch": 4, "global_batch": 64, "lr": 1e-2, "warmup_steps": 5, "log_every": 1},
-        parallelism={"zero_stage": 2},
-        scaling={"min_workers": 2, "max_workers": 2},
-        checkpoint={"every_steps": every, "keep": 3, "storage": str(tmp / "runs")},
-        failure={"max_restarts": 50},
-        tracking={"uri": f"sqlite:///{tmp}/mlflow.db", "experiment": "chaos"},
-        env={LOSS_TRACE_ENV: str(tmp / f"{name}.trace")},
-    )
-
-
-def traced(spec: JobSpec) -> list[tuple[int, float]]:
-    """(step, loss) of every execution of every step, replays included, in order."""
-    path = Path(spec.env[LOSS_TRACE_ENV])
-    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-    return [(r["step"], r["loss"]) for r in rows]
-
-
-def run_chaos(tmp: Path, faults: int, steps: int, every: int, seed: int) -> dict[str, Any]:
-    """Runs an undisturbed reference and the same job under faults; returns what happened."""
-    from tests.conftest import metric_history
-    from tests.helpers import kill, our_processes, wait_for_step
-
-    reference = chaos_spec(tmp, "undisturbed", steps, every)
-    tidal.run(reference)
-    expected = dict(traced(reference))
-
-    spec = chaos_spec(tmp, "chaos", steps, every)
-    rng = random.Random(seed)
-    # Fault k lands at a random step in the k-th of faults + 2 slices of the run, so faults spread
-    # over it and none is planned in the last slice: the job could end before the kill lands.
-    width = steps // (faults + 2)
-    targets = sorted(rng.randrange(k * width + 5, (k + 1) * width) for k in range(1, faults + 1))
-    injected: list[int] = []
-    kill_times: list[tuple[float, int]] = []  # (wall time of the kill, highest step logged by then)
-
-    def inject() -> None:
-        for step in targets:
-            seen = wait_for_step(spec, step, timeout=600)
-            workers = _workers_within(our_processes, 60)  # none while a restarted group is starting
-            if workers:
-                kill(rng.choice(workers))
-                kill_times.append((time.time(), seen))
-                injected.append(step)
-            time.sleep(1.0)
-
-    injector = threading.Thread(target=inject, daemon=True)
-    t0 = time.time()
-    injector.start()
-    result = tidal.run(spec)
-    wall = time.time() - t0
-    injector.join(timeout=10)
-    run_id = result.mlflow_run_id
-    loss = metric_history(spec, run_id, "loss")
-    lives = traced(spec)
-    step_time = metric_history(spec, run_id, "step_time_s")
-    return {
-        "recovery_s": _recovery_seconds(spec, run_id, kill_times),
-        "faults_planned": targets, "faults_injected": injected, "restarts": int(metric_history(spec, run_id, "restarts")[steps]),
-        "steps_lost": int(metric_history(spec, run_id, "steps_lost")[steps]),
-        "max_steps_lost": int(metric_history(spec, run_id, "max_steps_lost")[steps]),
-        "every_steps": every, "steps_done": sorted(loss) == list(range(1, steps + 1)),
-        # Every execution of every step, replays included (MLflow holds each step's first only).
-        "max_rel_loss_diff": max(abs(v - expected[s]) / abs(expected[s]) for s, v in lives),
-        "executions": len(lives),
-        "useful_s": sum(step_time.values()), "wall_s": wall, "steps": steps,
-    }
-
-
-def run_periodic(tmp: Path, period_s: float, steps: int, every: int, seed: int) -> dict[str, Any]:
-    """The same job with a worker SIGKILLed every `period_s` of wall time from its first step
-    (the issue's "a fault every 2 minutes"); no reference run, since the job is long."""
-    from tests.helpers import job_run_id, kill, our_processes, wait_for_step
-
-    spec = chaos_spec(tmp, "periodic", steps, every)
-    rng = random.Random(seed)
-    stop = threading.Event()
-    kill_times: list[tuple[float, int]] = []
-
-    def inject() -> None:
-        wait_for_step(spec, 1, timeout=600)
-        run_id = job_run_id(spec, 60)
-        while not stop.wait(period_s):
-            workers = _workers_within(our_processes, 60)
-            if workers and not stop.is_set():
-                seen = _highest_step(spec, run_id)
-                kill(rng.choice(workers))
-                kill_times.append((time.time(), seen))
-
-    injector = threading.Thread(target=inject, daemon=True)
-    t0 = time.time()
-    injector.start()
-    result = tidal.run(spec)
-    wall = time.time() - t0
-    stop.set()
-    injector.join(timeout=10)
-    return _periodic_summary(spec, result.mlflow_run_id, kill_times, wall, period_s, every)
-
-
-def _highest_step(spec: JobSpec, run_id: str) -> int:
-    from mlflow.tracking import MlflowClient
-
-    return max((m.step for m in MlflowClient(spec.tracking.uri).get_metric_history(run_id, "loss")), default=0)
-
-
-def _periodic_summary(spec: JobSpec, run_id: str, kills: list[tuple[float, int]], wall: float,
-                      period_s: float, every: int) -> dict[str, Any]:
-    from mlflow.tracking import MlflowClient
-
-    from tests.conftest import metric_history
-
-    hist = MlflowClient(spec.tracking.uri).get_metric_history(run_id, "loss")
-    first, last = min(m.timestamp for m in hist) / 1000, max(m.timestamp for m in hist) / 1000
-    useful = sum(metric_history(spec, run_id, "step_time_s").values())
-    steps = spec.train.steps
-    return {"period_s": period_s, "faults": [s for _, s in kills], "every_steps": every, "steps": steps,
-            "restarts": int(metric_history(spec, run_id, "restarts")[steps]),
-            "steps_done": sorted(m.step for m in hist) == list(range(1, steps + 1)),
-            "recovery_s": _recovery_seconds(spec, run_id, kills), "useful_s": useful,
-            "wall_s": wall, "training_wall_s": last - first}
 
 
 def periodic_report(r: dict[str, Any], command: str) -> str:
@@ -173,27 +42,6 @@ counted from its first step.
 Useful step time is the sum of `step_time_s` over the steps in MLflow (each step once), so replayed steps,
 restarts, checkpoints and logging all count as lost time.
 """
-
-
-def _workers_within(find: Any, timeout_s: float) -> list[Any]:
-    deadline = time.time() + timeout_s
-    while not (workers := find("RayTrainWorker")) and time.time() < deadline:
-        time.sleep(0.2)
-    return workers
-
-
-def _recovery_seconds(spec: JobSpec, run_id: str, kills: list[tuple[float, int]]) -> list[float]:
-    """Per fault: seconds from the kill to the first step beyond what was reached before it
-    (restart, reload and the replay of the steps lost)."""
-    from mlflow.tracking import MlflowClient
-
-    logged = {m.step: m.timestamp / 1000 for m in MlflowClient(spec.tracking.uri).get_metric_history(run_id, "loss")}
-    out = []
-    for t_kill, seen in kills:
-        after = [ts for step, ts in logged.items() if step > seen and ts > t_kill]
-        if after:
-            out.append(round(min(after) - t_kill, 1))
-    return out
 
 
 def report(r: dict[str, Any], command: str) -> str:

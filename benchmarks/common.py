@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 
 from tidal.spec.job import JobSpec
+from tidal.testing.processes import venv_tools_first
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -25,18 +26,6 @@ def pair_args(doc: str | None) -> argparse.Namespace:
     ap.add_argument("--pairs", type=int, default=4, help="alternating pairs, each reported (at least 4)")
     ap.add_argument("--steps", type=int, default=80, help="steps per run, timed from step 11 to N-10")
     return ap.parse_args()
-
-
-def venv_tools_first() -> None:
-    """Put this venv's bin first on PATH, as an activated venv does (tests and benchmarks alike).
-
-    DeepSpeed compiles its CPU shared-memory op with whichever `ninja` is on PATH, and two ninja
-    versions (the venv's and the system's) read each other's build log as stale: every switch
-    between them recompiled the op, about 40 s of both cores, in the middle of a run."""
-    bin_dir = str(Path(sys.executable).parent)
-    path = os.environ.get("PATH", "")
-    if path.split(os.pathsep)[0] != bin_dir:
-        os.environ["PATH"] = f"{bin_dir}{os.pathsep}{path}"
 
 
 venv_tools_first()  # before any benchmark starts Ray or a job: their processes inherit it

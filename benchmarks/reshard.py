@@ -30,7 +30,7 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from benchmarks.common import venv_tools_first
+from tidal.testing.processes import venv_tools_first
 
 venv_tools_first()
 
@@ -60,8 +60,8 @@ def _rank(rank: int, folder: str, width: int, layers: int, port: int) -> None:
 
 def build(folder: Path, width: int, layers: int) -> int:
     """Write the checkpoint with 2 rank processes and Tidal's manifests; returns its bytes."""
-    from tests.conftest import free_port
     from tidal.storage import STATE_FILE, manifest_name
+    from tidal.testing.processes import free_port
 
     port = free_port()
     code = f"from benchmarks.reshard import _rank; _rank({{r}}, {str(folder)!r}, {width}, {layers}, {port})"

@@ -17,8 +17,10 @@ from typing import Any
 
 import pytest
 
-from benchmarks.common import venv_tools_first
 from tidal.spec.job import JobSpec
+from tidal.testing.processes import free_port as free_port
+from tidal.testing.processes import venv_tools_first
+from tidal.testing.runs import metric_history as metric_history
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -78,22 +80,6 @@ def mlflow_uri(tmp_path_factory) -> str:
     """One MLflow SQLite store for tests that need no store of their own (creating one takes
     seconds); each test makes its own runs in it."""
     return f"sqlite:///{tmp_path_factory.mktemp('mlflow')}/mlflow.db"
-
-
-def metric_history(spec: JobSpec, run_id: str, key: str) -> dict[int, float]:
-    """step -> value; fails the test if any step was logged twice."""
-    from mlflow.tracking import MlflowClient
-
-    hist = MlflowClient(spec.tracking.uri).get_metric_history(run_id, key)
-    steps = [m.step for m in hist]
-    assert len(steps) == len(set(steps)), f"{key}: steps logged more than once: {sorted(steps)}"
-    return {m.step: m.value for m in hist}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager

@@ -4,63 +4,16 @@ register checkpoints with Ray Train's own checkpoint manager."""
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
-import psutil
-from mlflow.tracking import MlflowClient
-
 from tidal.spec.job import JobSpec
 from tidal.storage import RunDir, checkpoint_dir_name
-
-
-def our_processes(fragment: str, root: int | None = None) -> list[psutil.Process]:
-    """Descendants of `root` (default: this test process) whose command line contains `fragment`."""
-    procs = psutil.Process(root or os.getpid()).children(recursive=True)
-    out = []
-    for p in procs:
-        try:
-            if fragment in " ".join(p.cmdline()):
-                out.append(p)
-        except psutil.Error:
-            continue
-    return out
-
-
-def job_run_id(spec: JobSpec, timeout: float = 120) -> str:
-    """The MLflow run id a running job recorded in its run folder (local or object storage)."""
-    run = RunDir(spec.checkpoint.storage, spec.name)
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        job = run.read_json("tidal-job.json")
-        if job and job.get("mlflow_run_id"):
-            return job["mlflow_run_id"]
-        time.sleep(0.1)
-    raise TimeoutError(f"{run.path}/tidal-job.json never appeared")
-
-
-def wait_for_step(spec: JobSpec, step: int, timeout: float = 180) -> int:
-    """Block until MLflow shows `step` logged for the job; returns the highest step seen."""
-    run_id = job_run_id(spec, timeout)
-    client = MlflowClient(spec.tracking.uri)
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            seen = max((m.step for m in client.get_metric_history(run_id, "loss")), default=0)
-        except Exception:  # noqa: BLE001 - the store may be mid-creation
-            seen = 0
-        if seen >= step:
-            return seen
-        time.sleep(0.05)
-    raise TimeoutError(f"job {spec.name} never reached step {step}")
-
-
-def kill(proc: psutil.Process, sig: int = signal.SIGKILL) -> None:
-    proc.send_signal(sig)
+from tidal.testing.processes import kill as kill
+from tidal.testing.processes import our_processes as our_processes
+from tidal.testing.runs import job_run_id as job_run_id
+from tidal.testing.runs import wait_for_step as wait_for_step
 
 
 def run_killing_a_worker(spec: JobSpec, after_step: int) -> tuple[Any, bool]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.chaos import run_chaos
+from tidal.testing.chaos import run_chaos
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local")]
 

@@ -26,8 +26,9 @@ from tidal.cluster.burst import (
     site_room,
     slots,
 )
+from tidal.cluster.check import validate_cluster_config
 from tidal.cluster.cli import register
-from tidal.cluster.configs import check_launcher, validate_cluster_config
+from tidal.cluster.configs import check_launcher
 from tidal.cluster.kuberay import check_kuberay
 from tidal.cluster.prices import PRICE_LABEL, worker_price
 from tidal.cluster.status import format_demand, format_workers

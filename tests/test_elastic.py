@@ -166,7 +166,8 @@ def test_after_a_failure_the_next_group_is_sized_without_the_lost_node(cluster):
         TrainAutoscalingCoordinatorClient,
     )
 
-    from tidal.launch.callbacks import COORDINATOR, ClusterView
+    from tidal.launch.callbacks import ClusterView
+    from tidal.ray_private import AUTOSCALING_COORDINATOR as COORDINATOR
 
     with contextlib.suppress(ValueError):  # a fresh coordinator: its next look is 20 s away
         ray.kill(ray.get_actor(COORDINATOR, namespace=COORDINATOR), no_restart=True)

@@ -12,11 +12,11 @@ import pytest
 
 from tests.conftest import ROOT, tiny_spec
 from tidal.errors import SpecError
+from tidal.spec.load import load_sweep_section
 from tidal.spec.sweep import (
     ACCEPTED_FORMS,
     Param,
     SweepSpec,
-    load_sweep_section,
     merged,
     parse_param,
     trial_label,

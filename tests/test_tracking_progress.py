@@ -9,7 +9,7 @@ import json
 from tests.conftest import tiny_spec
 from tidal.cli import main
 from tidal.launch import jobs
-from tidal.launch.result import print_record
+from tidal.output import print_record
 from tidal.storage import RunDir
 from tidal.tracking.buffer import MetricsBuffer
 from tidal.tracking.console import Console
@@ -20,7 +20,7 @@ from tidal.tracking.writer import RunWriter
 
 class Reworded(Console):
     def _metrics(self, e):
-        return f"Schritt {e['step']} von {self.total}: Verlust={e['values']['loss']}"
+        return f"Schritt {e.step} von {self.total}: Verlust={e.values['loss']}"
 
 
 def test_progress_survives_a_reworded_console(tmp_path, mlflow_uri, capsys, monkeypatch):

@@ -1,6 +1,22 @@
 """Tidal: elastic, fault-tolerant training on Ray Train + DeepSpeed, tracked in MLflow.
 
 The SDK. Importing it is cheap: torch, ray and deepspeed load only when a job runs.
+
+Imports flow one way, top to bottom (tests/test_layers.py checks every module, function-level
+imports included, for cycles and for imports against this order); a module may import its own
+layer and any below it:
+
+    tidal (this SDK), tidal.cli           the user's entry points (and tidal.testing, for tests)
+    tidal.launch, tidal.exporter          the driver: submit, run, sweep, export
+    tidal.worker, tidal.eval_best         what runs in Ray Train's workers
+    tidal.tracking                        the job's event log, ledger and MLflow writer
+    tidal.storage, tidal.cluster          checkpoints in storage; clusters, sites and bursts
+    tidal.fs, tidal.errors, tidal.output, tidal.version, tidal.ray_private
+    tidal.spec (beside all)               the job spec: imported by every layer, imports only the lowest
+
+`eval_best` (which checkpoints the best evaluation keeps) sits with the worker, which decides
+early stopping, above the storage it reads; the launcher and exporter use it from above.
+`tidal.ray_private` holds every private Ray name Tidal uses, nothing else may import one.
 """
 
 from __future__ import annotations
@@ -9,8 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from tidal.errors import CheckpointError, ClusterError, SpecError, TidalError
 from tidal.spec.job import JobSpec
-
-__version__ = "0.1.0"
+from tidal.version import __version__ as __version__
 
 if TYPE_CHECKING:
     import os

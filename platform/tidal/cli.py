@@ -10,17 +10,24 @@ import argparse
 import json
 import os
 import sys
-import traceback
 from collections.abc import Callable, Sequence
 
 import yaml
 
 from tidal.cluster.cli import register as register_cluster
-from tidal.errors import SpecError, TidalError, UsageError
+from tidal.errors import TidalError, UsageError
 from tidal.exporter.cli import register as register_export
 from tidal.launch.jobs import JOB_FIELDS, PROGRESS_FIELDS, Job
 from tidal.launch.sweep_cli import register as register_sweep
-from tidal.output import add_output_flag, print_json
+from tidal.output import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    add_output_flag,
+    exit_code,
+    print_error,
+    print_json,
+    print_notes,
+)
 from tidal.spec.job import JobSpec, notes
 from tidal.spec.load import load_spec
 from tidal.tracking.quiet import skip_known_ray_errors
@@ -59,7 +66,6 @@ exit codes:
        message names
   130  interrupted (Ctrl-C)"""
 
-EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 VERSIONS_OF = ("ray", "deepspeed", "mlflow", "torch")
 PROGRESS_DOC = f"the latest progress: {', '.join(PROGRESS_FIELDS)} (null before the first)"
 
@@ -79,18 +85,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted; run the same command again to resume from the latest checkpoint", file=sys.stderr)
         return EXIT_INTERRUPTED
-
-
-def exit_code(e: TidalError) -> int:
-    """2 when nothing could start as asked (scripts should not retry), 1 when it ran and failed."""
-    return EXIT_USAGE if isinstance(e, (SpecError, UsageError)) else EXIT_FAILED
-
-
-def print_error(e: BaseException) -> None:
-    """The message only; the traceback too under TIDAL_DEBUG=1."""
-    if os.environ.get("TIDAL_DEBUG") == "1":
-        traceback.print_exception(e)
-    print(f"error: {e}", file=sys.stderr)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -167,7 +161,7 @@ class _Version(argparse.Action):
     def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
         from importlib.metadata import PackageNotFoundError, version
 
-        from tidal import __version__
+        from tidal.version import __version__
 
         lines = [f"tidal {__version__}"]
         for name in VERSIONS_OF:
@@ -194,14 +188,8 @@ def _command(sub: argparse._SubParsersAction, name: str, func: Callable[[argpars
 
 def _spec(args: argparse.Namespace) -> JobSpec:
     spec = load_spec(args.spec, args.overrides)
-    print_notes(spec)
+    print_notes(notes(spec))
     return spec
-
-
-def print_notes(spec: JobSpec) -> None:
-    """To stderr, so that stdout stays what the command promises (e.g. YAML from `validate`)."""
-    for line in notes(spec):
-        print(f"note: {line}", file=sys.stderr)
 
 
 def _validate(args: argparse.Namespace) -> int:

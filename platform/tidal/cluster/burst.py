@@ -28,7 +28,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from tidal.cluster import SITE_LABEL, SITES, site_resource
+from tidal.cluster import SITE_LABEL, SITES, node_site, site_resource
+from tidal.ray_private import autoscaler_report, available_resources_per_node
 from tidal.spec.job import JobSpec
 
 # A worker pinned to a site takes this much of the site resource (nodes declare 1000), so one
@@ -122,14 +123,6 @@ def slots(available: Mapping[str, float], bundle: Mapping[str, float]) -> int:
     return max(0, min(counts)) if counts else 0
 
 
-def node_site(resources: Mapping[str, float], labels: Mapping[str, str]) -> str | None:
-    """A node's site from its label, else from its site resource; None for unlabelled nodes."""
-    site = labels.get(SITE_LABEL)
-    if site in SITES:
-        return site
-    return next((s for s in SITES if resources.get(site_resource(s), 0) > 0), None)
-
-
 def site_room(nodes: list[dict[str, Any]], available: Mapping[str, Mapping[str, float]],
               bundle: Mapping[str, float]) -> SiteRoom:
     """SiteRoom from `ray.nodes()` entries and `available_resources_per_node()`."""
@@ -165,7 +158,6 @@ class BurstWatcher:
 
     def room(self) -> SiteRoom:
         import ray
-        from ray._private.state import available_resources_per_node
 
         return site_room(ray.nodes(), available_resources_per_node(), worker_bundle(self.spec))
 
@@ -237,11 +229,8 @@ class BurstWatcher:
 def cluster_can_burst() -> bool:
     """An autoscaler runs and some node carries a site resource (a Tidal cluster config)."""
     import ray
-    from ray._private import ray_constants
-    from ray.experimental.internal_kv import _internal_kv_get
 
-    status = _internal_kv_get(ray_constants.DEBUG_AUTOSCALING_STATUS)
-    if not status or b"autoscaler_report" not in status:
+    if "autoscaler_report" not in autoscaler_report():
         return False
     return any(node_site(n.get("Resources") or {}, n.get("Labels") or {}) for n in ray.nodes() if n.get("Alive"))
 

@@ -38,7 +38,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 
 def validate_command(args: argparse.Namespace) -> int:
     """Exit 0 with one `ok` line per good file; exit 2 with one line per problem otherwise."""
-    from tidal.cluster.configs import validate_cluster_config
+    from tidal.cluster.check import validate_cluster_config
 
     bad = 0
     for path in args.files:

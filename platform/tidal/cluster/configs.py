@@ -1,6 +1,6 @@
 """Validate cluster configs: Ray's own cluster-launcher schema plus Tidal's conventions.
 
-`validate_cluster_config(path)` returns one `(where, message)` pair per problem, empty when the
+`tidal.cluster.check.validate_cluster_config(path)` returns one `(where, message)` pair per problem, empty when the
 file is fine. `where` is a dotted key path (`available_node_types.gpu.resources.GPU`), so every
 message names the node type and the key. Ray's check needs no cloud credentials because every
 node type declares its `resources`.
@@ -28,11 +28,8 @@ import difflib
 import re
 from collections.abc import Callable, Iterator
 from functools import partial
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
-
-import yaml
 
 from tidal.cluster import SITE_LABEL, SITES, site_resource
 from tidal.cluster.prices import PRICE_LABEL, price_problems
@@ -46,32 +43,18 @@ from tidal.cluster.shell import (
     shell_words,
     under,
 )
+from tidal.ray_private import FAKE_PROVIDER_MODULE, check_with_ray_schema
 
 Problem = tuple[str, str]
 
 STORAGE_VAR, TRACKING_VAR = "TIDAL_STORAGE", "MLFLOW_TRACKING_URI"
 # Providers whose nodes all live on this machine: any local path is shared by construction.
 _SINGLE_MACHINE_PROVIDERS = ("fake_multinode",)
-_FAKE_PROVIDER_MODULE = "ray.autoscaler._private.fake_multi_node.node_provider.FakeMultiNodeProvider"
+_FAKE_PROVIDER_MODULE = FAKE_PROVIDER_MODULE
 _COMMAND_KEYS = ("initialization_commands", "setup_commands", "head_setup_commands", "worker_setup_commands")
 _START_KEYS = ("head_start_ray_commands", "worker_start_ray_commands")
 _AUTH_DISABLED = re.compile(r"RAY_AUTH_MODE\s*[=:]\s*[\"']?disabled", re.IGNORECASE)
 _LOOPBACK = ("localhost", "127.0.0.1", "::1", "0.0.0.0")
-
-
-def validate_cluster_config(path: str | Path) -> list[Problem]:
-    """Every problem in the cluster config at `path`, as (where, message); [] when it is fine."""
-    from tidal.cluster.kuberay import check_kuberay  # builds on this module's rules
-
-    try:
-        config = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as e:
-        return [("<file>", f"cannot read {path}: {e}")]
-    if not isinstance(config, dict):
-        return [("<file>", f"{path} holds no mapping; a cluster config is a YAML mapping of keys")]
-    if config.get("kind") == "RayCluster":
-        return check_kuberay(config)
-    return check_launcher(config)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -94,14 +77,12 @@ def check_launcher(config: dict[str, Any]) -> list[Problem]:
 def ray_schema_problems(config: dict[str, Any]) -> list[Problem]:
     """Ray's own check: `prepare_config` (defaults) then `validate_config` (the JSON schema)."""
     import jsonschema
-    from ray.autoscaler._private.util import prepare_config, validate_config
-
     if _provider_type(config) == "local" and "available_node_types" in config:
         # Ray's prepare_config aborts the process with a log line here; say it ourselves.
         return [("available_node_types", "provider type 'local' accepts no available_node_types: "
                  "declare GPUs, labels and resources on the ray start lines (see cluster_configs/onprem.yaml)")]
     try:
-        validate_config(_prepared(config, prepare_config))
+        check_with_ray_schema(config, _prepared)
     except jsonschema.ValidationError as e:
         where = ".".join(str(p) for p in e.absolute_path) or "<config>"
         return [(where, f"{e.message}{_did_you_mean(e)} (Ray's cluster config schema)")]
@@ -372,4 +353,4 @@ def _provider_type(config: dict[str, Any]) -> str | None:
 
 
 __all__ = ["STORAGE_VAR", "TRACKING_VAR", "Problem", "auth_problems", "check_launcher", "node_type_problems",
-           "ray_schema_problems", "validate_cluster_config"]
+           "ray_schema_problems"]

@@ -3,12 +3,12 @@ Ray Train workers run on which nodes. Needs a connected Ray (`ray.init(address=.
 
 from __future__ import annotations
 
-import json
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from tidal.cluster.burst import node_site
+from tidal.cluster import node_site
+from tidal.ray_private import autoscaler_report, available_resources_per_node
 
 TRAIN_WORKER_CLASS = "RayTrainWorker"
 
@@ -73,7 +73,6 @@ def _shape(shape: dict[str, float]) -> dict[str, float]:
 
 def node_lines() -> list[NodeLine]:
     import ray
-    from ray._private.state import available_resources_per_node
 
     free = available_resources_per_node()
     out = []
@@ -111,14 +110,7 @@ def _short(node_id: str) -> str:
 
 def autoscaler_status() -> dict[str, Any]:
     """The autoscaler's last report (what `ray status` prints from); {} without an autoscaler."""
-    from ray._private import ray_constants
-    from ray.experimental.internal_kv import _internal_kv_get
-
-    raw = _internal_kv_get(ray_constants.DEBUG_AUTOSCALING_STATUS)
-    try:
-        return json.loads(raw) if raw else {}
-    except ValueError:
-        return {}
+    return autoscaler_report()
 
 
 def format_demand(status: dict[str, Any]) -> list[str]:

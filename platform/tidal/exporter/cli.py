@@ -57,13 +57,13 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from tidal.cli import print_notes
     from tidal.exporter.model import export
-    from tidal.output import print_json
+    from tidal.output import print_json, print_notes
+    from tidal.spec.job import notes
     from tidal.spec.load import load_spec
 
     spec = load_spec(args.spec, args.overrides)
-    print_notes(spec)
+    print_notes(notes(spec))
     result = export(spec, checkpoint=args.checkpoint, format=args.format, output=args.output, mlflow=args.mlflow,
                     register=args.register)
     if args.json:

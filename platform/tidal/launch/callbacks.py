@@ -7,10 +7,10 @@ import threading
 import time
 from typing import Any
 
-import ray
 from ray.train import UserCallback
 
 from tidal.eval_best import spared
+from tidal.ray_private import recompute_reserved_resources
 from tidal.spec.job import JobSpec
 from tidal.storage import RunDir
 from tidal.tracking.emitter import Emitter
@@ -51,11 +51,6 @@ class Retention(UserCallback):
             run_dir.prune(self.keep, spare=spared(self.spec, run_dir))
         except OSError as e:  # retention can wait for the next checkpoint; training must not
             log.warning("checkpoint retention skipped this time: %s", e)
-
-
-# Ray's autoscaling coordinator: a detached actor, shared by Ray Data and Train V2's elastic policy
-# (ray/data/_internal/cluster_autoscaler/default_autoscaling_coordinator.py).
-COORDINATOR = "AutoscalingCoordinator"  # its name and its namespace
 
 
 class ClusterView(UserCallback):
@@ -108,8 +103,7 @@ def refresh_cluster_view(timeout_s: float = 5.0) -> bool:
     """Has Ray's autoscaling coordinator re-read the cluster's nodes and re-reserve its requests now
     (a requester it does not know gets nothing and changes nothing). False if it could not."""
     try:
-        coordinator = ray.get_actor(COORDINATOR, namespace=COORDINATOR)
-        ray.get(coordinator.get_reserved_resources.remote("tidal", recompute=True), timeout=timeout_s)
+        recompute_reserved_resources("tidal", timeout_s)
         return True
     except Exception as e:  # noqa: BLE001 - no coordinator yet, or another Ray: the start timeout remains
         log.debug("could not refresh Ray's view of the cluster: %s: %s", type(e).__name__, e)

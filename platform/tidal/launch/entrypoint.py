@@ -7,8 +7,8 @@ import json
 import os
 import sys
 
-from tidal.cli import exit_code, print_error
 from tidal.errors import TidalError
+from tidal.output import exit_code, print_error
 from tidal.spec.load import validate
 from tidal.tracking.quiet import skip_known_ray_errors
 

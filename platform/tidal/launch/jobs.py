@@ -22,7 +22,9 @@ from typing import Any, TypeVar
 from urllib.parse import urlparse
 
 from tidal.errors import ClusterError, TidalError
-from tidal.launch.result import RunResult, parse_record
+from tidal.launch.result import RunResult
+from tidal.output import parse_record
+from tidal.ray_private import walk_working_dir, working_dir_upload_cap
 from tidal.spec.job import JobSpec
 
 ALWAYS_EXCLUDE = [".git", ".venv", "venv", "__pycache__", "*.egg-info", ".ipynb_checkpoints",
@@ -80,24 +82,19 @@ def _friendly(e: Exception, address: str, token: str | None) -> TidalError:
 
 def upload_limit() -> int:
     """Bytes Ray accepts for a working_dir: the dashboard's request cap and the GCS object cap."""
-    from ray._private import ray_constants
-    from ray._private.runtime_env.packaging import GCS_STORAGE_MAX_SIZE
-
-    return min(ray_constants.DASHBOARD_CLIENT_MAX_SIZE, GCS_STORAGE_MAX_SIZE)
+    return working_dir_upload_cap()
 
 
 def working_dir_size(root: Path, excludes: list[str]) -> tuple[int, list[tuple[int, str]]]:
     """Bytes Ray would upload from `root` (its own walk: .gitignore, .rayignore and `excludes`),
     and the largest files, so a refusal can say what to exclude."""
-    from ray._private.runtime_env.packaging import _dir_travel, _get_excludes
-
     files: list[tuple[int, str]] = []
 
     def visit(p: Path) -> None:
         if p.is_file() and not p.is_symlink():
             files.append((p.stat().st_size, str(p.relative_to(root))))
 
-    _dir_travel(root, [_get_excludes(root, excludes)], visit, include_gitignore=True)
+    walk_working_dir(root, excludes, visit)
     return sum(s for s, _ in files), sorted(files, reverse=True)[:5]
 
 

@@ -31,10 +31,11 @@ import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
+from tidal.ray_private import HEALTH_CHECK_INTERVAL, WORKER_GROUP_START_TIMEOUT
 from tidal.spec.job import JobSpec
 
-START_TIMEOUT = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
-POLL_INTERVAL = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
+START_TIMEOUT = WORKER_GROUP_START_TIMEOUT
+POLL_INTERVAL = HEALTH_CHECK_INTERVAL
 ELASTIC_START_TIMEOUT_S = "5"
 POLL_INTERVAL_S = "0.5"
 

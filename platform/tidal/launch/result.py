@@ -7,7 +7,6 @@ pandas for the metrics).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -84,26 +83,3 @@ class RunResult:
         if self.url:
             lines.append(f"  open it with    {self.url}")
         return "\n".join(lines)
-
-
-# A submitted job prints one line starting with this, holding where it tracks and stores (name,
-# tracking_uri, experiment, mlflow_run_id, storage), for the submitter's `Job`: the Jobs API has
-# no other channel from a running job back to the laptop. Its format is a contract, unlike the
-# progress lines; the last one printed wins (a run created late prints it again).
-RECORD_PREFIX = "[tidal-record] "
-
-
-def print_record(data: dict[str, Any]) -> None:
-    print(f"{RECORD_PREFIX}{json.dumps(data)}", flush=True)
-
-
-def parse_record(logs: str) -> dict[str, Any]:
-    """The last record in a job's output (Ray may prefix an actor's lines), or {}."""
-    for line in reversed(logs.splitlines()):
-        at = line.find(RECORD_PREFIX)
-        if at >= 0:
-            try:
-                return json.loads(line[at + len(RECORD_PREFIX):])
-            except ValueError:
-                continue
-    return {}

@@ -33,7 +33,7 @@ from ray import tune
 from ray.tune.schedulers import ASHAScheduler
 from ray.tune.search.basic_variant import BasicVariantGenerator
 
-from tidal import __version__, fs
+from tidal import fs
 from tidal.errors import SpecError, TidalError
 from tidal.launch.connect import connect_ray
 from tidal.launch.sweep_mlflow import close_parent, end_parent, open_parent
@@ -42,6 +42,7 @@ from tidal.spec.job import JobSpec
 from tidal.spec.sweep import Param as SweepParam
 from tidal.spec.sweep import SweepSpec, check_metric, merged, trial_label
 from tidal.storage import RunDir
+from tidal.version import __version__
 
 SWEEP_FILE = "tidal-sweep.json"  # in the experiment folder: the MLflow parent run id and a fingerprint
 # Tune needs a non-empty resource request; one byte of memory reserves nothing that training needs.

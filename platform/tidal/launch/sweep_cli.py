@@ -8,7 +8,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from tidal.spec.sweep import ACCEPTED_FORMS, load_sweep_section
+from tidal.output import print_notes
+from tidal.spec.job import notes
+from tidal.spec.load import load_sweep_section
+from tidal.spec.sweep import ACCEPTED_FORMS
 
 EXAMPLES = """examples:
   tidal sweep jobs/quickstart.yaml --param train.lr=loguniform:1e-4:1e-2 --samples 8 --set sweep.scheduler=asha
@@ -60,11 +63,10 @@ class _Moved(argparse.Action):
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from tidal.cli import print_notes
     from tidal.launch.sweep import sweep
 
     spec, section = load_sweep_section(args.spec, args.overrides)
-    print_notes(spec)
+    print_notes(notes(spec))
     result = sweep(spec, params=args.params, samples=args.samples, restart=args.restart, config=section)
     print(result.summary())
     return 0 if result.best_spec is not None else 1

@@ -10,16 +10,18 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
-from tidal import __version__, eval_best
+from tidal import eval_best
 from tidal.cluster import burst
 from tidal.errors import SpecError, TidalError
 from tidal.launch.connect import connect_ray
 from tidal.launch.console_pump import ConsolePump
 from tidal.launch.recovery import recovery_settings
-from tidal.launch.result import RunResult, print_record
+from tidal.launch.result import RunResult
+from tidal.output import print_record
 from tidal.spec.job import JobSpec
 from tidal.storage import JOB_FILE, Found, RunDir, find_resume_point
 from tidal.tracking.buffer import BUFFER_DIR, MetricsBuffer
+from tidal.version import __version__
 from tidal.worker.device import dist_backend
 
 # Ray, torch and MLflow take seconds to import: they load only once a job is really going to
@@ -265,7 +267,8 @@ def _safe_url(spec: JobSpec, run_id: str) -> str:
 
     try:
         return run_url(spec, run_id)
-    except Exception:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001 - the job is done: a link MLflow cannot build now falls back to the store's address
+        log.debug("no MLflow link for run %s: %s: %s", run_id, type(e).__name__, e)
         return spec.tracking.uri
 
 

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tidal.spec.batch import bad_world_sizes
 from tidal.spec.evaluation import eval_problems
 from tidal.spec.passthrough import passthrough_problems
+from tidal.spec.sources import source_problem
 from tidal.spec.user_refs import user_code_problems
 
 if TYPE_CHECKING:
@@ -85,9 +85,6 @@ def _pipeline_problems(spec: JobSpec) -> list[tuple[str, str]]:
     return problems
 
 
-DATA_SUFFIXES = (".txt", ".jsonl", ".parquet")
-
-
 def _data_problems(data: DataSpec) -> list[tuple[str, str]]:
     tok = data.tokenizer
     if tok is not None and data.source == "synthetic":
@@ -96,14 +93,3 @@ def _data_problems(data: DataSpec) -> list[tuple[str, str]]:
         return [("data.tokenizer", f"directory not found: {tok} (a Hugging Face tokenizer saved with save_pretrained)")]
     bad = source_problem(data.source)
     return [("data.source", bad)] if bad else []
-
-
-def source_problem(src: str) -> str | None:
-    """What is wrong with a data source ('synthetic', a file or a URI), or None."""
-    if src == "synthetic" or "://" in src:
-        return None
-    if not src.endswith(DATA_SUFFIXES):
-        return f"{src!r}: use 'synthetic' or a file ending in {', '.join(DATA_SUFFIXES)}"
-    if not Path(src).is_file():
-        return f"file not found: {src} (relative paths are read from {os.getcwd()})"
-    return None

@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from tidal.spec.sources import source_problem
+
 if TYPE_CHECKING:
     from tidal.spec.job import JobSpec
-
-EVAL_METRICS = ("eval_loss", "eval_perplexity")
 
 
 class EvalSpec(BaseModel):
@@ -76,8 +76,6 @@ def eval_problems(spec: JobSpec) -> list[tuple[str, str]]:
         problems.append(("eval", "evaluation of pipeline-parallel jobs is not supported yet; remove the eval section "
                          "or set parallelism.pipeline_stages 1"))
     if ev.source is not None:
-        from tidal.spec.consistency import source_problem
-
         if (bad := source_problem(ev.source)) is not None:
             problems.append(("eval.source", bad))
         if ev.holdout is not None:

@@ -15,7 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from tidal.errors import SpecError
 from tidal.spec.consistency import consistency_problems
 from tidal.spec.evaluation import EvalSpec, KeepBestSpec
-from tidal.spec.sweep import SweepSpec
+from tidal.spec.parse import apply_overrides, read_yaml, validated
+from tidal.spec.sweep import SweepSpec, sweeps_fields_of
 from tidal.spec.user_refs import check_ref
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$"
@@ -97,9 +98,6 @@ class DataSpec(Part):
     dataset_args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for data.dataset")
 
     _dataset_ref = field_validator("dataset")(check_ref)
-
-
-OPTIMIZERS = ("AdamW", "Adam", "SGD", "Lion")
 
 
 class OptimizerSpec(Part):
@@ -310,16 +308,12 @@ class JobSpec(Part):
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str], overrides: list[str] | None = None) -> JobSpec:
         """Load a YAML job file; `overrides` are `a.b=value` strings applied on top."""
-        from tidal.spec.load import load_spec
-
-        return load_spec(path, overrides or [])
+        return validated(cls, apply_overrides(read_yaml(path), overrides or []), source=str(path))
 
     def with_overrides(self, overrides: Mapping[str, Any] | list[str]) -> JobSpec:
         """A copy with dotted fields replaced, e.g. `{"train.lr": 1e-3}` or `["train.lr=1e-3"]`."""
-        from tidal.spec.load import apply_overrides, validate
-
         data = apply_overrides(self.model_dump(mode="json"), overrides)
-        return validate(data, source="overrides")
+        return validated(type(self), data, source="overrides")
 
     # --- derived views ------------------------------------------------------------------
     @property
@@ -367,6 +361,9 @@ class JobSpec(Part):
 
         return self.with_overrides(resolved_places(self, Path(base or os.getcwd()),
                                                    os.environ if environ is None else environ))
+
+
+sweeps_fields_of(JobSpec)
 
 
 def notes(spec: JobSpec) -> list[str]:

@@ -15,7 +15,6 @@ A parameter is a dotted JobSpec field and a distribution:
 from __future__ import annotations
 
 import difflib
-import os
 import typing
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -205,14 +204,6 @@ def validate_sweep(data: Mapping[str, Any], source: str | None = None) -> SweepS
         raise SpecError([_describe(err) for err in e.errors()], source=source) from None
 
 
-def load_sweep_section(path: str | os.PathLike[str], overrides: list[str] | None = None) -> tuple[JobSpec, SweepSpec | None]:
-    """A YAML job file -> (its JobSpec, its `sweep:` section or None). `--set sweep.samples=8` works too."""
-    from tidal.spec.load import load_spec
-
-    spec = load_spec(path, overrides or [])
-    return spec, spec.sweep
-
-
 def trial_label(trial_id: str) -> str:
     """The trial's index `N` from Tune's trial id (`<experiment>_<NNNNN>`): short, and stable across a
     resumed sweep; trial `N` is the job `<name>-t<N>`. Falls back to the whole trial id should Tune
@@ -262,10 +253,21 @@ def _is_int(annotation: Any) -> bool:
     return annotation is int or set(typing.get_args(annotation)) == {int, type(None)}
 
 
+# SweepSpec is a section of JobSpec, yet what it may sweep is JobSpec's fields. `tidal.spec.job`
+# names its model here once the class exists (`sweeps_fields_of`), so that neither module imports
+# the other: a function-level import of job from here would be an import circle, only hidden.
+_ROOT: list[type[BaseModel]] = []
+
+
+def sweeps_fields_of(model: type[BaseModel]) -> None:
+    """Make `model` (JobSpec) the one whose fields sweep parameters name."""
+    _ROOT[:] = [model]
+
+
 def _fields() -> tuple[dict[str, Any], list[str]]:
     """(dotted leaf field -> its type, dotted sections) of JobSpec, minus what trials share."""
-    from tidal.spec.job import JobSpec
-
+    if not _ROOT:  # an invariant: importing any tidal module imports tidal.spec.job first
+        raise RuntimeError("tidal.spec.job was not imported: it registers JobSpec with sweeps_fields_of")
     leaves: dict[str, Any] = {}
     sections: list[str] = []
 
@@ -279,7 +281,7 @@ def _fields() -> tuple[dict[str, Any], list[str]]:
             elif key not in NOT_SWEEPABLE:
                 leaves[key] = ann
 
-    walk(JobSpec, "")
+    walk(_ROOT[0], "")
     return leaves, [s for s in sections if s not in NOT_SWEEPABLE]
 
 

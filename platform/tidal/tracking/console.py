@@ -10,8 +10,21 @@ import math
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TextIO
+
+from tidal.tracking.events import (
+    CheckpointSaved,
+    Event,
+    Note,
+    Resized,
+    Resumed,
+    StepMetrics,
+    TrackingBack,
+    TrackingDown,
+    WorkersFailed,
+    parse,
+)
 
 PREFIX = "[tidal] "
 
@@ -21,13 +34,36 @@ class Console:
         self.total, self.clock = total_steps, clock
         self.t0, self.first_step = clock(), None
 
-    def __call__(self, e: dict[str, Any]) -> None:
-        line = getattr(self, f"_{e['kind']}", lambda _: None)(e)
+    def __call__(self, notice: Mapping[str, Any]) -> None:
+        """One ledger notice (an event log entry, with what the ledger adds) -> at most one line."""
+        line = self.line(parse(notice))
         if line:
             print(f"[tidal] {line}", flush=True)
 
-    def _metrics(self, e: dict[str, Any]) -> str | None:
-        m, step = e["values"], int(e["step"])
+    def line(self, e: Event | None) -> str | None:
+        match e:
+            case StepMetrics():
+                return self._metrics(e)
+            case CheckpointSaved():
+                return self._checkpoint(e)
+            case Note():
+                return e.text
+            case Resumed():
+                return self._resumed(e)
+            case Resized():
+                why = "after a failure" if e.after_failure else "capacity changed"
+                return f"resized: world size {e.old_world} -> {e.world} ({why}), training again at step {e.step}"
+            case WorkersFailed():
+                return self._failure(e)
+            case TrackingDown():
+                return (f"WARNING: MLflow is unreachable ({e.error}); training continues and metrics wait in "
+                        f"{e.where} until it is back")
+            case TrackingBack():
+                return f"MLflow is reachable again after {e.down_s:.0f}s: sent {e.sent} buffered point(s)"
+        return None  # a kind this Tidal does not know: a newer writer's
+
+    def _metrics(self, e: StepMetrics) -> str | None:
+        m, step = e.values, int(e.step)
         if "loss" not in m:
             return None
         if self.first_step is None:
@@ -43,40 +79,26 @@ class Console:
         parts += [f"world {m.get('world_size', 0):.0f}", f"elapsed {hms(elapsed)}", f"ETA {hms(eta)}"]
         return " | ".join(parts)
 
-    def _checkpoint(self, e: dict[str, Any]) -> str | None:
-        if e.get("replay"):
+    def _checkpoint(self, e: CheckpointSaved) -> str | None:
+        if e.replay:
             return None
-        m = e["values"]
-        return (f"checkpoint at step {e['step']}: {m.get('checkpoint_bytes', 0) / 2**20:.1f} MiB on rank 0, "
+        m = e.values
+        return (f"checkpoint at step {e.step}: {m.get('checkpoint_bytes', 0) / 2**20:.1f} MiB on rank 0, "
                 f"written in {m.get('checkpoint_save_s', 0):.2f}s, training blocked {m.get('checkpoint_blocked_s', 0):.2f}s")
 
-    def _note(self, e: dict[str, Any]) -> str:
-        return str(e["text"])
-
-    def _resumed(self, e: dict[str, Any]) -> str:
-        line = f"resumed from {e['checkpoint']} at step {e['step']}/{self.total}"
-        if e.get("lost"):
-            line += f" ({e['lost']} step(s) to redo)"
-        if e["old_world"] != e["world"]:
-            line += f"; checkpoint written at world size {e['old_world']} resharded for {e['world']}"
+    def _resumed(self, e: Resumed) -> str:
+        line = f"resumed from {e.checkpoint} at step {e.step}/{self.total}"
+        if e.lost:
+            line += f" ({e.lost} step(s) to redo)"
+        if e.old_world != e.world:
+            line += f"; checkpoint written at world size {e.old_world} resharded for {e.world}"
         return line
 
-    def _resized(self, e: dict[str, Any]) -> str:
-        why = "after a failure" if e["after_failure"] else "capacity changed"
-        return f"resized: world size {e['old_world']} -> {e['world']} ({why}), training again at step {e['step']}"
-
-    def _failure(self, e: dict[str, Any]) -> str:
-        lines = [f"worker rank {rank} failed: {why}" for rank, why in sorted(e["failures"].items())]
-        lines.append(f"restart {e['restarts']:.0f}: restarting the worker group from the latest complete "
-                     f"checkpoint (last step reached: {e['reported']})")
+    def _failure(self, e: WorkersFailed) -> str:
+        lines = [f"worker rank {rank} failed: {why}" for rank, why in sorted(e.failures.items())]
+        lines.append(f"restart {e.restarts:.0f}: restarting the worker group from the latest complete "
+                     f"checkpoint (last step reached: {e.reported})")
         return "\n[tidal] ".join(lines)
-
-    def _sink_down(self, e: dict[str, Any]) -> str:
-        return (f"WARNING: MLflow is unreachable ({e['error']}); training continues and metrics wait in "
-                f"{e['where']} until it is back")
-
-    def _sink_back(self, e: dict[str, Any]) -> str:
-        return f"MLflow is reachable again after {e['down_s']:.0f}s: sent {e['sent']} buffered point(s)"
 
 
 class HeldLines:

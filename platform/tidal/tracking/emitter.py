@@ -19,9 +19,12 @@ from typing import Any
 
 from tidal.storage import RunDir
 from tidal.tracking.buffer import MetricsBuffer
+from tidal.tracking.events import CheckpointSaved, Event, Note, Resumed, StepMetrics, WorkersFailed
 
 log = logging.getLogger("tidal")
 NOT_METRICS = ("step", "preempted")
+LEDGER_FIELDS: dict[type[Event], tuple[str, ...]] = {StepMetrics: ("replay",), CheckpointSaved: ("replay",),
+                                                     Resumed: ("lost",), WorkersFailed: ("restarts", "reported")}
 
 
 def metric_values(m: dict[str, Any]) -> dict[str, float]:
@@ -42,20 +45,19 @@ class Emitter:
 
     # --- what workers say ---------------------------------------------------------------
     def metrics(self, m: dict[str, Any]) -> None:
-        self._emit({"kind": "metrics", "step": int(m["step"]), "values": metric_values(m)})
+        self._emit(StepMetrics(int(m["step"]), metric_values(m)))
 
     def checkpointed(self, step: int, m: dict[str, float]) -> None:
-        self._emit({"kind": "checkpoint", "step": step, "values": metric_values(m)})
+        self._emit(CheckpointSaved(step, metric_values(m)))
 
     def resumed(self, checkpoint: str, step: int, old_world: int, world: int) -> None:
-        self._emit({"kind": "resumed", "step": step, "checkpoint": checkpoint, "old_world": old_world,
-                    "world": world})
+        self._emit(Resumed(step, checkpoint, old_world, world))
 
     def say(self, message: str, step: int = 0) -> None:
-        self._emit({"kind": "note", "step": step, "text": message})
+        self._emit(Note(step, message))
 
     def failed(self, failures: dict[int, str], step: int = 0) -> None:
-        self._emit({"kind": "failure", "step": step, "failures": {str(r): why for r, why in failures.items()}})
+        self._emit(WorkersFailed(step, {str(r): why for r, why in failures.items()}))
 
     def drain(self, timeout_s: float | None = None) -> bool:
         """Block until every event emitted so far is durable; False if `timeout_s` passed first.
@@ -67,10 +69,14 @@ class Emitter:
             return self.done.wait_for(lambda: self.unwritten == 0, timeout=timeout_s)
 
     # --- the writer thread --------------------------------------------------------------
-    def _emit(self, event: dict[str, Any]) -> None:
+    def _emit(self, event: Event) -> None:
+        entry = event.entry()
+        # Fields only the ledger sets stay out of the log, which keeps its format.
+        for key in LEDGER_FIELDS.get(type(event), ()):
+            entry.pop(key)
         with self.done:
             self.unwritten += 1
-        self.queue.put({**event, "ts": int(time.time() * 1000)})
+        self.queue.put({**entry, "ts": int(time.time() * 1000)})
 
     def _write_loop(self) -> None:
         while True:

@@ -12,6 +12,12 @@ import os
 import sys
 import warnings
 
+from tidal.ray_private import (
+    PLACEMENT_GROUP_CLEANER_LOGGER,
+    TRAIN_CONTEXT_MODULE,
+    log_deduplicators,
+)
+
 DEBUG_ENV = "TIDAL_DEBUG"
 
 
@@ -90,7 +96,7 @@ def _quiet_ray_train_reports() -> None:
     and no public API names it; Tidal prints its own checkpoint line instead."""
     if "ray.train" not in sys.modules:  # not a Ray Train process: nothing to lower (and keep `tidal --help` light)
         return
-    spec = importlib.util.find_spec("ray.train.v2._internal.execution.context")
+    spec = importlib.util.find_spec(TRAIN_CONTEXT_MODULE)
     if spec is not None and spec.origin:
         logging.getLogger(spec.origin).setLevel(logging.WARNING)
 
@@ -103,7 +109,7 @@ def quiet_placement_group_cleaner() -> None:
     only job, and its placement groups end with it."""
     if debug():
         return
-    logging.getLogger("ray.train.v2._internal.execution.controller.placement_group_cleaner").setLevel(logging.ERROR)
+    logging.getLogger(PLACEMENT_GROUP_CLEANER_LOGGER).setLevel(logging.ERROR)
     _ask_this_cluster()
 
 
@@ -154,13 +160,8 @@ def skip_known_ray_errors() -> None:
     if debug():
         return
     os.environ[SKIP_ENV] = ray_skip_regex(os.environ.get(SKIP_ENV))
-    ray_logging = sys.modules.get("ray._private.ray_logging")
-    if ray_logging is None:
-        return
     import re
 
-    for name in ("stdout_deduplicator", "stderr_deduplicator"):
-        dedup = getattr(ray_logging, name, None)
-        if dedup is not None and hasattr(dedup, "skip_re"):
-            current = dedup.skip_re.pattern if dedup.skip_re else None
-            dedup.skip_re = re.compile(ray_skip_regex(current))
+    for dedup in log_deduplicators():
+        current = dedup.skip_re.pattern if dedup.skip_re else None
+        dedup.skip_re = re.compile(ray_skip_regex(current))

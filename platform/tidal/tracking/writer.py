@@ -30,11 +30,11 @@ from typing import Any
 import mlflow
 from mlflow.entities import Metric, Param, RunStatus, RunTag
 
-from tidal import __version__
-from tidal.launch.result import print_record
+from tidal.output import print_record
 from tidal.spec.job import JobSpec
 from tidal.storage import JOB_FILE, RunDir
 from tidal.tracking.reader import PROGRESS_TAG, client, metrics_frame
+from tidal.version import __version__
 
 log = logging.getLogger("tidal")
 RUNNING = RunStatus.to_string(RunStatus.RUNNING)

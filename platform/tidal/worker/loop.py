@@ -16,7 +16,7 @@ from typing import Any
 import ray.train
 import torch
 
-from tidal.launch.recovery import POLL_INTERVAL
+from tidal.ray_private import HEALTH_CHECK_INTERVAL
 from tidal.worker import checkpoint, plan
 from tidal.worker.device import seed_step
 from tidal.worker.engine import is_pipeline
@@ -121,7 +121,7 @@ def _save(s: Session, p: plan.StepPlan, metrics: dict[str, Any]) -> None:
     if s.rank == 0:
         s.events.checkpointed(p.step, saved)
         if not s.backlog_said and (note := checkpoint.ray_backlog(
-                saved["checkpoint_ray_held_s"], s.spec.checkpoint.every_steps, os.environ.get(POLL_INTERVAL))):
+                saved["checkpoint_ray_held_s"], s.spec.checkpoint.every_steps, os.environ.get(HEALTH_CHECK_INTERVAL))):
             s.events.say(note, p.step)
             s.backlog_said = True  # once per worker group: the cause does not change
 

@@ -28,7 +28,7 @@ import ray.train
 import torch
 import torch.distributed as dist
 
-from tidal.cluster.burst import node_site
+from tidal.cluster import node_site
 from tidal.cluster.prices import worker_price
 from tidal.spec.job import JobSpec
 from tidal.storage import Found

@@ -37,7 +37,6 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-import tidal
 from tidal import fs
 from tidal.errors import CheckpointError
 from tidal.storage import Found, listed_files
@@ -206,7 +205,7 @@ def _run(src: str, dst: str, files: dict[str, int], status: _Status) -> None:
     partitions = [size for rel, size in files.items() if "optim_states" in rel]
     n = workers(len(os.sched_getaffinity(0)), max(1, len(partitions)), max(partitions, default=1),
                 psutil.virtual_memory().available)
-    here = os.path.dirname(os.path.dirname(tidal.__file__))
+    here = str(Path(__file__).resolve().parents[2])  # the folder holding the tidal package
     env = {**os.environ, "PYTHONWARNINGS": "ignore",
            "PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)}
     cmd = [sys.executable, "-m", "tidal.worker.universal", str(os.getpid()), "--input_folder", src,

@@ -54,9 +54,3 @@ def _config(transformers: Any, cfg: dict[str, Any] | str | None) -> Any:
     if path.is_file():
         return transformers.AutoConfig.for_model(**json.loads(path.read_text()))
     return transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
-
-
-def hf_shape(spec: ModelSpec) -> tuple[int, int]:
-    """(layers, hidden size) of the configured model, for the FLOPs formula."""
-    cfg = spec.hf_config if isinstance(spec.hf_config, dict) else {}
-    return int(cfg.get("num_hidden_layers", spec.n_layer)), int(cfg.get("hidden_size", spec.d_model))

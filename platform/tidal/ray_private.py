@@ -1,0 +1,124 @@
+"""Every reach into Ray's private API, in one place (Tidal's other modules use Ray's public API only:
+tests/test_layers.py fails on a private import anywhere else).
+
+Each entry names the Ray version it was checked against and why no public API serves. An upgrade
+of Ray that moves or renames one fails `tests/test_ray_private.py`, which imports every name below
+and says which one changed. Ray itself is imported inside the functions: importing this module
+costs nothing (`tidal --help` never imports Ray).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+CHECKED_AGAINST = "2.60"
+
+# (module, attribute) for every private name used below; tests/test_ray_private.py imports each.
+PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
+    ("ray._private.state", "available_resources_per_node"),
+    ("ray._private.ray_constants", "DEBUG_AUTOSCALING_STATUS"),
+    ("ray._private.ray_constants", "DASHBOARD_CLIENT_MAX_SIZE"),
+    ("ray.experimental.internal_kv", "_internal_kv_get"),
+    ("ray.autoscaler._private.util", "prepare_config"),
+    ("ray.autoscaler._private.util", "validate_config"),
+    ("ray.autoscaler._private.fake_multi_node.node_provider", "FakeMultiNodeProvider"),
+    ("ray._private.runtime_env.packaging", "GCS_STORAGE_MAX_SIZE"),
+    ("ray._private.runtime_env.packaging", "_dir_travel"),
+    ("ray._private.runtime_env.packaging", "_get_excludes"),
+    ("ray._private.ray_logging", "stdout_deduplicator"),
+    ("ray._private.ray_logging", "stderr_deduplicator"),
+    ("ray.train.v2._internal.constants", "HEALTH_CHECK_INTERVAL_S_ENV_VAR"),
+    ("ray.train.v2._internal.constants", "WORKER_GROUP_START_TIMEOUT_S_ENV_VAR"),
+    ("ray.train.v2._internal.execution.context", "TrainContext"),
+    ("ray.train.v2._internal.execution.controller.placement_group_cleaner", "PlacementGroupCleaner"),
+    ("ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator", "_AutoscalingCoordinatorActor"),
+)
+
+# Ray Train V2's settings read from the environment (ray.train.v2._internal.constants, 2.60):
+# documented as environment variables but exported by no public module, so named here as text.
+HEALTH_CHECK_INTERVAL = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
+WORKER_GROUP_START_TIMEOUT = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
+# The fake multi-node provider's class path, for cluster configs that simulate nodes: Ray 2.60
+# ships it only under ray.autoscaler._private (no public provider of simulated nodes).
+FAKE_PROVIDER_MODULE = "ray.autoscaler._private.fake_multi_node.node_provider.FakeMultiNodeProvider"
+# Modules whose loggers Tidal lowers (tracking/quiet.py): Ray names them by file or module path.
+TRAIN_CONTEXT_MODULE = "ray.train.v2._internal.execution.context"
+PLACEMENT_GROUP_CLEANER_LOGGER = "ray.train.v2._internal.execution.controller.placement_group_cleaner"
+RAY_LOGGING_MODULE = "ray._private.ray_logging"
+# Ray's autoscaling coordinator: a detached actor shared by Ray Data and Train V2's elastic policy
+# (ray/data/_internal/cluster_autoscaler/default_autoscaling_coordinator.py); its name and namespace.
+AUTOSCALING_COORDINATOR = "AutoscalingCoordinator"
+
+
+def available_resources_per_node() -> dict[str, dict[str, float]]:
+    """Free resources of each live node, by node id. Ray 2.60: the public `ray.available_resources()`
+    sums the cluster and `ray.util.state.list_nodes` gives totals only; `ray status` uses this one."""
+    from ray._private.state import available_resources_per_node as per_node
+
+    return per_node()
+
+
+def autoscaler_report() -> dict[str, Any]:
+    """The v1 autoscaler's last status report (what `ray status` prints from); {} without one.
+    Ray 2.60: `ray.autoscaler.v2.sdk.get_cluster_status` serves only autoscaler v2, off by default
+    outside KubeRay; v1 publishes its report only in this internal KV key."""
+    from ray._private import ray_constants
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    raw = _internal_kv_get(ray_constants.DEBUG_AUTOSCALING_STATUS)
+    try:
+        return json.loads(raw) if raw else {}
+    except ValueError:
+        return {}
+
+
+def check_with_ray_schema(config: dict[str, Any], prepared: Callable[[dict[str, Any], Callable[..., Any]], Any]) -> None:
+    """Ray's own offline check of a cluster launcher config (defaults, then its JSON schema).
+    Ray 2.60: `ray up` runs it, but no public function exposes it without starting a cluster.
+    `prepared(config, prepare_config)` lets the caller fence prepare_config's side effects."""
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    validate_config(prepared(config, prepare_config))
+
+
+def working_dir_upload_cap() -> int:
+    """Bytes Ray accepts for a job's working_dir: the dashboard's request cap and the GCS object cap.
+    Ray 2.60 documents a 100 MiB limit but exports neither constant publicly."""
+    from ray._private import ray_constants
+    from ray._private.runtime_env.packaging import GCS_STORAGE_MAX_SIZE
+
+    return min(ray_constants.DASHBOARD_CLIENT_MAX_SIZE, GCS_STORAGE_MAX_SIZE)
+
+
+def walk_working_dir(root: Path, excludes: list[str], visit: Callable[[Path], None]) -> None:
+    """Call `visit` on every path Ray would upload from `root` (.gitignore, .rayignore, `excludes`).
+    Ray 2.60: the same walk Ray's packaging does; no public API lists what a working_dir uploads,
+    and a walk of our own would disagree with Ray's exclusion rules."""
+    from ray._private.runtime_env.packaging import _dir_travel, _get_excludes
+
+    _dir_travel(root, [_get_excludes(root, excludes)], visit, include_gitignore=True)
+
+
+def log_deduplicators() -> list[Any]:
+    """Ray's driver-side log deduplicators (stdout, stderr) if Ray is imported, else []. Ray 2.60
+    reads RAY_DEDUP_LOGS_SKIP_REGEX once at import; a process that imported Ray already can only
+    change the pattern on these objects."""
+    import sys
+
+    ray_logging = sys.modules.get(RAY_LOGGING_MODULE)
+    if ray_logging is None:
+        return []
+    found = (getattr(ray_logging, n, None) for n in ("stdout_deduplicator", "stderr_deduplicator"))
+    return [d for d in found if d is not None and hasattr(d, "skip_re")]
+
+
+def recompute_reserved_resources(requester: str, timeout_s: float) -> None:
+    """Have Ray's autoscaling coordinator re-read the cluster's nodes now. Ray 2.60: the coordinator
+    looks only every 20 s and has no public API; raises whatever Ray raises (no coordinator yet...)."""
+    import ray
+
+    coordinator = ray.get_actor(AUTOSCALING_COORDINATOR, namespace=AUTOSCALING_COORDINATOR)
+    ray.get(coordinator.get_reserved_resources.remote(requester, recompute=True), timeout=timeout_s)

@@ -1,0 +1,51 @@
+"""A running job's progress as MLflow and its run folder show it."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from mlflow.tracking import MlflowClient
+
+from tidal.spec.job import JobSpec
+from tidal.storage import RunDir
+
+log = logging.getLogger(__name__)
+
+
+def job_run_id(spec: JobSpec, timeout: float = 120) -> str:
+    """The MLflow run id a running job recorded in its run folder (local or object storage)."""
+    run = RunDir(spec.checkpoint.storage, spec.name)
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        job = run.read_json("tidal-job.json")
+        if job and job.get("mlflow_run_id"):
+            return job["mlflow_run_id"]
+        time.sleep(0.1)
+    raise TimeoutError(f"{run.path}/tidal-job.json never appeared")
+
+
+def wait_for_step(spec: JobSpec, step: int, timeout: float = 180) -> int:
+    """Block until MLflow shows `step` logged for the job; returns the highest step seen."""
+    run_id = job_run_id(spec, timeout)
+    client = MlflowClient(spec.tracking.uri)
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            seen = max((m.step for m in client.get_metric_history(run_id, "loss")), default=0)
+        except Exception as e:  # noqa: BLE001 - the store may be mid-creation (SQLAlchemy's errors too): ask again
+            log.debug("metric history not readable yet: %s", e)
+            seen = 0
+        if seen >= step:
+            return seen
+        time.sleep(0.05)
+    raise TimeoutError(f"job {spec.name} never reached step {step}")
+
+
+def metric_history(spec: JobSpec, run_id: str, key: str) -> dict[int, float]:
+    """step -> value; fails (AssertionError) if any step was logged twice."""
+    hist = MlflowClient(spec.tracking.uri).get_metric_history(run_id, key)
+    steps = [m.step for m in hist]
+    if len(steps) != len(set(steps)):
+        raise AssertionError(f"{key}: steps logged more than once: {sorted(steps)}")
+    return {m.step: m.value for m in hist}

@@ -1,0 +1,121 @@
+"""The events of a job's event log, as typed values: what workers and the controller emit
+(tracking/emitter.py), and what the ledger tells its subscribers (tracking/ledger.py), such as
+the console.
+
+On storage an event is a JSON object with a `kind` (the wire format of `tidal-mlflow-buffer`,
+unchanged: a log written by an older Tidal still reads); `entry()` writes it, `parse()` reads it.
+Fields the ledger adds when it passes an event on (`replay`, `lost`, `restarts`, `reported`)
+have defaults: the emitter never sets them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+
+@dataclass(frozen=True)
+class Event:
+    KIND: ClassVar[str] = ""
+
+    def entry(self) -> dict[str, Any]:
+        """The event as the log stores it."""
+        return {"kind": self.KIND, **dataclasses.asdict(self)}
+
+
+@dataclass(frozen=True)
+class StepMetrics(Event):
+    """A log step's metrics from rank 0; `replay` when the step was trained before a restart."""
+
+    KIND: ClassVar[str] = "metrics"
+    step: int
+    values: dict[str, float]
+    replay: bool = False
+
+
+@dataclass(frozen=True)
+class CheckpointSaved(Event):
+    """A checkpoint rank 0 wrote at `step`: its size and timings in `values`."""
+
+    KIND: ClassVar[str] = "checkpoint"
+    step: int
+    values: dict[str, float]
+    replay: bool = False
+
+
+@dataclass(frozen=True)
+class Resumed(Event):
+    """A worker group started from `checkpoint`; `lost`: steps reached before that must be redone."""
+
+    KIND: ClassVar[str] = "resumed"
+    step: int
+    checkpoint: str
+    old_world: int
+    world: int
+    lost: int = 0
+
+
+@dataclass(frozen=True)
+class Note(Event):
+    """A line for the person watching the job."""
+
+    KIND: ClassVar[str] = "note"
+    step: int
+    text: str
+
+
+@dataclass(frozen=True)
+class WorkersFailed(Event):
+    """Workers that failed (rank -> why); the ledger adds the restart count and the step reached."""
+
+    KIND: ClassVar[str] = "failure"
+    step: int
+    failures: dict[str, str]
+    restarts: float = 0
+    reported: int = 0
+
+
+@dataclass(frozen=True)
+class Resized(Event):
+    """The world size changed between log steps (the ledger sees it in the metrics)."""
+
+    KIND: ClassVar[str] = "resized"
+    step: int
+    old_world: int
+    world: int
+    after_failure: bool
+
+
+@dataclass(frozen=True)
+class TrackingDown(Event):
+    """MLflow stopped answering: metrics wait in the event log at `where`."""
+
+    KIND: ClassVar[str] = "sink_down"
+    error: str
+    where: str
+
+
+@dataclass(frozen=True)
+class TrackingBack(Event):
+    """MLflow answers again after `down_s`; `sent` buffered points went out."""
+
+    KIND: ClassVar[str] = "sink_back"
+    down_s: float
+    sent: int
+
+
+KINDS: dict[str, type[Event]] = {cls.KIND: cls for cls in
+                                 (StepMetrics, CheckpointSaved, Resumed, Note, WorkersFailed, Resized, TrackingDown,
+                                  TrackingBack)}
+
+
+def parse(entry: Mapping[str, Any]) -> Event | None:
+    """The typed event of a log entry or ledger notice; None for a kind this Tidal does not know
+    (a newer writer's), which a reader skips. Keys the event does not hold (`id`, `ts`) are left out."""
+    cls = KINDS.get(str(entry.get("kind", "")))
+    if cls is None:
+        return None
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in entry.items() if k in names})
