@@ -412,10 +412,14 @@ def summarize(spec: JobSpec, ref: dict[str, Any], got: dict[str, Any], faults: l
         "twice": sorted(s for s, c in counts.items() if c > 1),
         "executions": len(lives), "replayed": len(lives) - len({r["step"] for r in lives}),
         "max_rel_diff": max(diffs, default=float("nan")), "compared": len(diffs),
-        **judge(lives, expected),
+        **judge(lives, expected), "restarts": restarts(lives),
         "useful_s": useful, "training_wall_s": last - first, "wall_s": got["wall_s"], "steps": steps,
         "every": spec.checkpoint.every_steps,
     }
+
+
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2] if xs else float("nan")
 
 
 def _rel(a: float, b: float) -> float:
@@ -462,6 +466,18 @@ def judge(trace: list[dict[str, Any]], expected: dict[int, float], tail: int = 1
     }
 
 
+def restarts(trace: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each restart's cost, from the loss trace's clock: the seconds from the last step of a life
+    to the first step of the next, and the steps the new life trained again."""
+    out, prev = [], None
+    for _, r in _lives(trace):
+        if prev is not None and r["step"] != prev["step"] + 1:
+            out.append({"after_step": prev["step"], "resumed_at": r["step"], "world": r["world"],
+                        "gap_s": r["ts"] - prev["ts"], "replayed": max(prev["step"] - r["step"] + 1, 0)})
+        prev = r
+    return out
+
+
 def _lives(trace: list[dict[str, Any]]) -> list[tuple[int, dict[str, Any]]]:
     """Each trace record with the number of the life (worker group) that wrote it: a life ends
     where the steps go back or jump."""
@@ -478,6 +494,7 @@ def report(r: dict[str, Any], command: str) -> str:
     rows = "\n".join(f"| {i} | {f.kind} | {f.at_step} | {'yes' if f.done else 'no'} | {f.note} |"
                      for i, f in enumerate(r["faults"], start=1))
     eff = r["useful_s"] / r["training_wall_s"] if r["training_wall_s"] else float("nan")
+    gaps = [x["gap_s"] for x in r["restarts"]]
     return f"""Command: `{command}` ({time.strftime('%Y-%m-%d')}, 2-core CPU machine; moto S3, `mlflow server`, a Ray
 cluster of a head and two 1-CPU worker nodes, the driver as a `tidal run` process)
 
@@ -500,6 +517,10 @@ each write paused {WRITE_DELAY_S} s before its manifests) under these faults, in
 | largest relative difference of any execution's loss vs the undisturbed run ({r['compared']} compared; rounding amplified over steps, see below) | {r['max_rel_diff']:.2e} |
 | effective training time, first step to last (useful step time / wall time) | {r['useful_s']:.1f} s / {r['training_wall_s']:.1f} s = **{eff:.1%}** |
 | the same from the first `tidal run` (includes launch) | {r['useful_s']:.1f} s / {r['wall_s']:.1f} s |
+| restarts: count, median seconds from a life's last step to the next life's first, steps trained again | {len(gaps)}, **{_median(gaps):.1f} s** (each: {", ".join(f"{g:.0f}" for g in gaps)}), {sum(x["replayed"] for x in r["restarts"])} |
+
+At that median cost per restart, one fault an hour would leave {1 - _median(gaps) / 3600:.1%} of the time to training,
+one every ten minutes {1 - _median(gaps) / 600:.1%}.
 """
 
 
