@@ -61,16 +61,19 @@ _LOOPBACK = ("localhost", "127.0.0.1", "::1", "0.0.0.0")
 
 def validate_cluster_config(path: str | Path) -> list[Problem]:
     """Every problem in the cluster config at `path`, as (where, message); [] when it is fine."""
-    from tidal.cluster.kuberay import check_kuberay  # builds on this module's rules
+    from tidal.cluster.kuberay import (  # builds on this module's rules
+        is_manifest,
+        manifest_problems,
+    )
 
+    if is_manifest(path):  # RayCluster, RayJob, Kueue's objects: one file may hold several
+        return manifest_problems(path)
     try:
         config = yaml.safe_load(Path(path).read_text())
     except (OSError, yaml.YAMLError) as e:
         return [("<file>", f"cannot read {path}: {e}")]
     if not isinstance(config, dict):
         return [("<file>", f"{path} holds no mapping; a cluster config is a YAML mapping of keys")]
-    if config.get("kind") == "RayCluster":
-        return check_kuberay(config)
     return check_launcher(config)
 
 
