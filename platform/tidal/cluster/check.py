@@ -1,5 +1,5 @@
 """`tidal cluster validate`'s entry: a cluster config file -> every problem in it, whichever kind
-it is (a Ray cluster launcher config, or a KubeRay RayCluster). Its own module because `kuberay`
+it is (a Ray cluster launcher config, or Kubernetes manifests: KubeRay's RayCluster and RayJob, Kueue's queues). Its own module because `kuberay`
 builds on `configs`' rules: the dispatch above both keeps either from importing the other."""
 
 from __future__ import annotations
@@ -9,11 +9,13 @@ from pathlib import Path
 import yaml
 
 from tidal.cluster.configs import Problem, check_launcher
-from tidal.cluster.kuberay import check_kuberay
+from tidal.cluster.kuberay import check_kuberay, is_manifest, manifest_problems
 
 
 def validate_cluster_config(path: str | Path) -> list[Problem]:
     """Every problem in the cluster config at `path`, as (where, message); [] when it is fine."""
+    if is_manifest(path):  # RayCluster, RayJob, Kueue's objects: one file may hold several
+        return manifest_problems(path)
     try:
         config = yaml.safe_load(Path(path).read_text())
     except (OSError, yaml.YAMLError) as e:

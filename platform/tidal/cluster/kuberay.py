@@ -9,7 +9,10 @@ mounts); on the head, a container that runs `mlflow server`; token auth stays on
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
+
+import yaml
 
 from tidal.cluster import SITE_LABEL
 from tidal.cluster.configs import (
@@ -24,8 +27,17 @@ from tidal.cluster.configs import (
     storage_problems,
     tracking_problems,
 )
+from tidal.cluster.kueue import KUEUE_KINDS, kueue_problems, label, quantity
 from tidal.cluster.prices import PRICE_LABEL, price_problems
-from tidal.cluster.shell import number, parse_labels, parse_resources, runs, shell_steps, under
+from tidal.cluster.shell import (
+    number,
+    parse_labels,
+    parse_resources,
+    runs,
+    shell_steps,
+    shell_words,
+    under,
+)
 
 _SHARED_VOLUME_KINDS = {"persistentVolumeClaim", "nfs", "csi"}
 _OLD_STORAGE_ANNOTATION = "tidal.io/checkpoint-storage"
@@ -59,7 +71,8 @@ def check_kuberay(manifest: dict[str, Any]) -> list[Problem]:
     return problems + auth_problems(manifest)
 
 
-def kuberay_group_problems(where: str, group: dict[str, Any], is_head: bool) -> list[Problem]:
+def kuberay_group_problems(where: str, group: dict[str, Any], is_head: bool, with_job: bool = False) -> list[Problem]:
+    """`with_job`: the group belongs to a RayJob's cluster, which lives only as long as its job."""
     params = group.get("rayStartParams") if isinstance(group.get("rayStartParams"), dict) else {}
     labels = {**parse_labels(str(params.get("labels", ""))), **(group.get("labels") or {})}
     site = labels.get(SITE_LABEL)
@@ -81,7 +94,7 @@ def kuberay_group_problems(where: str, group: dict[str, Any], is_head: bool) -> 
     problems += bounds_problems(where, low, high, "minReplicas", "maxReplicas")
     if high is None:
         problems.append((f"{where}.maxReplicas", "missing: bound how many nodes the autoscaler may start"))
-    if site == "cloud" and isinstance(low, int) and low > 0:
+    if site == "cloud" and isinstance(low, int) and low > 0 and not with_job:
         problems.append((f"{where}.minReplicas", f"{low} keeps cloud nodes up while idle; set minReplicas: 0"))
     return problems
 
@@ -129,4 +142,108 @@ def _on_shared_volume(path: str, container: dict[str, Any], pod: dict[str, Any])
                for m in container.get("volumeMounts") or [])
 
 
-__all__ = ["check_kuberay", "kuberay_group_problems"]
+# ---------------------------------------------------------------------------------------------
+# Files of Kubernetes manifests: RayClusters, Kueue-managed RayJobs, Kueue's own objects
+# ---------------------------------------------------------------------------------------------
+
+def is_manifest(path: str | Path) -> bool:
+    """Every YAML document in the file is a Kubernetes object (apiVersion and kind)."""
+    docs = _documents(Path(path))
+    return bool(docs) and all(isinstance(d, dict) and "apiVersion" in d and "kind" in d for d in docs)
+
+
+def manifest_problems(path: str | Path) -> list[Problem]:
+    """Each object's own rules, then the references between objects, resolved among every manifest
+    of the file's folder (the set applied together: queues, flavors, priority classes, jobs)."""
+    path = Path(path)
+    docs = _documents(path) or []
+    context = list(docs)
+    for other in sorted({*path.parent.glob("*.yaml"), *path.parent.glob("*.yml")} - {path}):
+        if is_manifest(other):
+            context += _documents(other) or []
+    problems: list[Problem] = []
+    for doc in docs:
+        kind = doc.get("kind")
+        if kind == "RayCluster":
+            problems += check_kuberay(doc)
+        elif kind == "RayJob":
+            problems += check_rayjob(doc)
+        elif kind not in KUEUE_KINDS:
+            problems.append((label(doc), f"kind {kind!r} is not checked here; keep RayCluster, RayJob and "
+                             f"Kueue's {', '.join(KUEUE_KINDS)} in cluster_configs/kuberay/"))
+    return problems + kueue_problems(context, report=docs)
+
+
+def _documents(path: Path) -> list[Any] | None:
+    try:
+        return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+    except (OSError, yaml.YAMLError):
+        return None
+
+
+def check_rayjob(job: dict[str, Any]) -> list[Problem]:
+    """The RayJob's own cluster is a Tidal cluster (the groups' rules above, token auth), and a
+    `tidal run` entrypoint's worker range matches what its worker groups can hold."""
+    where = f"{label(job)} spec.rayClusterSpec"
+    cluster = (job.get("spec") or {}).get("rayClusterSpec")
+    if not isinstance(cluster, dict):
+        return [(where, "missing: a Kueue-managed RayJob creates its own cluster; give rayClusterSpec")]
+    problems: list[Problem] = []
+    if isinstance(cluster.get("headGroupSpec"), dict):
+        problems += kuberay_group_problems(f"{where}.headGroupSpec", cluster["headGroupSpec"], True)
+    for i, group in enumerate(cluster.get("workerGroupSpecs") or []):
+        problems += kuberay_group_problems(f"{where}.workerGroupSpecs[{group.get('groupName', i)}]", group, False,
+                                           with_job=True)
+    return problems + worker_range_problems(job) + auth_problems(job)
+
+
+def worker_range_problems(job: dict[str, Any]) -> list[Problem]:
+    """`tidal run ... --set scaling.min_workers=A --set scaling.max_workers=B` against the groups:
+    A workers fill the groups at their smallest, B at their largest. Otherwise Kueue reserves quota
+    for pods Tidal never uses, or Tidal waits for workers Kueue will never admit."""
+    spec = job.get("spec") or {}
+    words = shell_words(str(spec.get("entrypoint", "")))
+    if not runs(words, "tidal", "run"):
+        return []
+    where = f"{label(job)} spec.entrypoint"
+    sets = dict(w.partition("=")[::2] for w in (b for a, b in zip(words, words[1:], strict=False) if a == "--set"))
+    low, high = number(sets.get("scaling.min_workers")), number(sets.get("scaling.max_workers"))
+    if not (isinstance(low, int) and isinstance(high, int)):
+        return [(where, "does not state the worker range: add --set scaling.min_workers=N --set "
+                 "scaling.max_workers=M so that it can be checked against the worker groups' replicas")]
+    cluster = spec.get("rayClusterSpec") or {}
+    autoscaling = cluster.get("enableInTreeAutoscaling") is True
+    gpus = number(sets.get("scaling.gpus_per_worker", "0"))
+    cpus = number(sets.get("scaling.cpus_per_worker", "1"))
+    small = large = 0
+    for group in cluster.get("workerGroupSpecs") or []:
+        per_pod = _workers_per_pod(group, gpus, cpus)
+        if per_pod is None:
+            return []  # the pod's size is not stated: nothing to compare with
+        large += per_pod * int(group.get("maxReplicas" if autoscaling else "replicas", 1) or 0)
+        small += per_pod * int(group.get("minReplicas" if autoscaling else "replicas", 1) or 0)
+    what = "minReplicas/maxReplicas" if autoscaling else "replicas"
+    unit = f"{gpus} GPU(s)" if isinstance(gpus, int) and gpus > 0 else f"{cpus} CPU(s)"
+    problems: list[Problem] = []
+    for key, wanted, got in (("min_workers", low, small), ("max_workers", high, large)):
+        if wanted != got:
+            problems.append((f"{where} scaling.{key}", f"{wanted}, but the worker groups' {what} hold {got} "
+                             f"workers of {unit} at their {'smallest' if key == 'min_workers' else 'largest'}: "
+                             f"set scaling.{key}={got} or change the groups' {what}"))
+    return problems
+
+
+def _workers_per_pod(group: dict[str, Any], gpus: Any, cpus: Any) -> int | None:
+    """Tidal workers one pod of the group holds: its GPUs per worker's GPUs (CPUs for a CPU job)."""
+    params = group.get("rayStartParams") or {}
+    if isinstance(gpus, int) and gpus > 0:
+        have = number(params.get("num-gpus"))
+        return have // gpus if isinstance(have, int) else None
+    pod = (group.get("template") or {}).get("spec") or {}
+    have = quantity(params.get("num-cpus")) or sum(
+        quantity(((c.get("resources") or {}).get("requests") or {}).get("cpu")) or 0.0 for c in pod.get("containers") or [])
+    return int(have // cpus) if have and isinstance(cpus, int | float) and cpus > 0 else None
+
+
+__all__ = ["check_kuberay", "check_rayjob", "is_manifest", "kuberay_group_problems", "manifest_problems",
+           "worker_range_problems"]
