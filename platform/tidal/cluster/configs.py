@@ -36,6 +36,7 @@ import yaml
 
 from tidal.cluster import SITE_LABEL, SITES, site_resource
 from tidal.cluster.prices import PRICE_LABEL, price_problems
+from tidal.cluster.quotas import is_quota_file, named_quota_problems, quota_problems
 from tidal.cluster.shell import (
     flags_of,
     number,
@@ -71,7 +72,9 @@ def validate_cluster_config(path: str | Path) -> list[Problem]:
         return [("<file>", f"{path} holds no mapping; a cluster config is a YAML mapping of keys")]
     if config.get("kind") == "RayCluster":
         return check_kuberay(config)
-    return check_launcher(config)
+    if is_quota_file(config):
+        return quota_problems(config)
+    return check_launcher(config) + named_quota_problems(config, _START_KEYS, Path(path).parent)
 
 
 # ---------------------------------------------------------------------------------------------
