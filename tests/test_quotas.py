@@ -106,3 +106,34 @@ def test_a_quota_file_validates_as_itself(tmp_path):
 
     path = Path(write(tmp_path, {"teams": {"v": {"cloud": {"borow": 1}}}}))
     assert [w for w, _ in validate_cluster_config(path)] == ["teams.v.cloud.borow"]
+
+
+# --- `tidal submit --team T --priority P` ----------------------------------------------------------
+
+def test_submit_flags_override_the_specs_team_and_priority(monkeypatch):
+    from tidal import cli
+    from tidal.launch import jobs
+
+    seen = {}
+
+    def fake_submit(spec, address, working_dir):
+        seen["scheduling"] = spec.scheduling
+        raise SystemExit(0)  # stop before following a job that does not exist
+
+    monkeypatch.setattr(jobs, "submit", fake_submit)
+    with pytest.raises(SystemExit):
+        cli.main(["submit", str(ROOT / "jobs/quickstart.yaml"), "--address", "http://127.0.0.1:9",
+                  "--team", "production", "--priority", "high"])
+    assert (seen["scheduling"].team, seen["scheduling"].priority) == ("production", "high")
+
+
+def test_submit_refuses_a_priority_the_clusters_quota_file_lacks_before_contacting_it(monkeypatch, tmp_path, capsys):
+    from tidal import cli
+    from tidal.launch import jobs
+
+    monkeypatch.setenv("TIDAL_QUOTAS", str(EXAMPLE))
+    monkeypatch.setattr(jobs, "connect", lambda address: pytest.fail("contacted the cluster"))
+    code = cli.main(["submit", str(ROOT / "jobs/quickstart.yaml"), "--address", "http://127.0.0.1:9",
+                     "--working-dir", str(tmp_path), "--priority", "urgent"])
+    err = capsys.readouterr().err
+    assert code == 2 and "scheduling.priority: 'urgent'" in err and "low, normal, high" in err
