@@ -86,3 +86,17 @@ def test_queue_round_trips_on_s3(bucket):
     q = one_round(submitted(Queue(), entry("low", "low", 1, 4, 1.0)), now=10.0)
     save_queue(where, q)
     assert load_queue(where) == q
+
+
+def test_entry_takes_the_clusters_default_team_and_priority_and_counts_gpus(tmp_path):
+    from tests.conftest import ROOT, tiny_spec
+    from tidal.cluster.queue_state import entry_for
+    from tidal.cluster.quotas import load_quotas
+
+    quotas = load_quotas(str(ROOT / "cluster_configs" / "quotas.yaml"))  # unit: gpus, defaults research/normal
+    spec = tiny_spec(tmp_path).with_overrides({"scaling.gpus_per_worker": 2, "scaling.min_workers": 1,
+                                               "scaling.max_workers": 2})
+    e = entry_for(spec, "raysubmit_1", quotas, now=5.0)
+    assert (e.team, e.priority, e.slots_per_worker, e.state) == ("research", "normal", 2, "QUEUED")
+    e = entry_for(spec.with_overrides({"scheduling.team": "production", "scheduling.priority": "high"}), "x", quotas, 5.0)
+    assert (e.team, e.priority) == ("production", "high")

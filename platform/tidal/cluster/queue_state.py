@@ -18,7 +18,9 @@ from typing import Any, Literal
 
 from tidal import fs
 from tidal.cluster.admission import AdmissionDecision, QueuedJob, RunningJob
+from tidal.cluster.quotas import Quotas, resolve_scheduling
 from tidal.errors import TidalError
+from tidal.spec.job import JobSpec
 
 State = Literal["QUEUED", "RUNNING", "SUSPENDED"]
 STATES = ("QUEUED", "RUNNING", "SUSPENDED")
@@ -81,6 +83,15 @@ def save_queue(location: str, queue: Queue) -> None:
     fs.write_json(filesystem, path, {"version": VERSION, "jobs": [asdict(e) for e in queue.entries]})
 
 
+def entry_for(spec: JobSpec, job: str, quotas: Quotas | None, now: float) -> Entry:
+    """A submitted job's queue entry: its team and priority, else the cluster's defaults (refused,
+    listing the choices, where the quota file does not define them), and its size in the file's unit."""
+    team, priority = resolve_scheduling(spec.scheduling.team, spec.scheduling.priority, quotas)
+    s = spec.scaling
+    return Entry(job, spec.name, team, priority, s.min_workers, s.max_workers, now,
+                 slots_per_worker=(quotas or Quotas()).slots_per_worker(s.gpus_per_worker))
+
+
 def submitted(queue: Queue, entry: Entry) -> Queue:
     """The queue with a new job, QUEUED; a job id already there is refused (a resubmission)."""
     if queue.get(entry.job):
@@ -127,5 +138,5 @@ def _entry(d: Mapping[str, Any]) -> Entry:
     return entry
 
 
-__all__ = ["QUEUE_FILE", "STATES", "Entry", "Queue", "apply", "finished", "load_queue", "queue_location",
+__all__ = ["QUEUE_FILE", "STATES", "Entry", "Queue", "apply", "entry_for", "finished", "load_queue", "queue_location",
            "running", "save_queue", "submitted", "waiting"]
