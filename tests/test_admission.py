@@ -134,6 +134,40 @@ def test_reclaim_takes_back_only_the_loan_never_the_borrowers_own_share():
     assert d.admit == () and d.shrink == ()
 
 
+def test_another_teams_guarantee_is_never_taken_even_by_a_higher_priority_job():
+    quotas = teams(vision=(4, 0), nlp=(0, 4))
+    own = running("v1", 4, 1, 4, "low", team="vision")  # within vision's guarantee
+    d = decide(4, [own], [queued("n1", 2, 2, "high", team="nlp")], quotas, now=1000.0)
+    assert d.admit == () and d.shrink == () and d.waiting[0].why == "capacity"
+
+
+def test_a_higher_priority_job_takes_only_what_another_team_borrows():
+    quotas = teams(vision=(2, 2), nlp=(2, 4))
+    borrower = running("v1", 4, 1, 4, "low", team="vision")  # 2 own + 2 borrowed
+    d = decide(4, [borrower], [queued("n1", 3, 3, "high", team="nlp")], quotas, now=1000.0)
+    assert d.admit == ()  # 3 would need 1 of vision's own 2
+    d = decide(4, [borrower], [queued("n1", 2, 2, "high", team="nlp")], quotas, now=1000.0)
+    assert d.workers("v1") == 2 and d.workers("n1") == 2
+
+
+def test_a_team_reclaims_its_guarantee_even_from_a_higher_priority_borrower():
+    quotas = teams(vision=(2, 2), nlp=(2, 2))
+    borrower = running("v1", 4, 1, 4, "high", team="vision")
+    d = decide(4, [borrower], [queued("n1", 2, 2, "low", team="nlp")], quotas, now=1000.0)
+    assert d.workers("v1") == 2 and d.workers("n1") == 2
+
+
+def test_own_lower_priority_job_gives_after_other_teams_borrowers():
+    quotas = teams(vision=(4, 0), nlp=(2, 2))
+    mine = running("v-low", 2, 1, 2, "low", team="vision")
+    lent = running("n1", 2, 1, 2, "normal", team="nlp")  # within nlp's guarantee: not lent
+    d = decide(4, [mine, lent], [queued("v-high", 1, 1, "high", team="vision")], quotas, now=1000.0)
+    assert d.workers("v-low") == 1 and d.workers("n1") is None
+    borrower = running("n2", 2, 1, 2, "normal", team="nlp", submitted_at=1.0)  # nlp now borrows 2
+    d = decide(6, [mine, lent, borrower], [queued("v-high", 1, 1, "high", team="vision")], quotas, now=1000.0)
+    assert d.workers("v-low") is None and d.workers("n2") == 1
+
+
 def test_growth_stays_within_the_team_quota():
     quotas = teams(vision=(2, 1), nlp=(2, 2))
     d = decide(8, [running("v1", 1, 1, 8, "normal", team="vision")], [], quotas, now=1000.0)

@@ -13,9 +13,10 @@ The rules, in the order they apply:
 - Order: higher priority first, then earlier submission (a suspended job keeps its place).
 - A team never holds more than its share's `guaranteed + borrow` slots; past it the job waits
   with a reason naming the team and the quota. Quota waits block no other team.
-- A job that does not fit takes room from running jobs that yield to it: lower-priority ones, and
-  borrowers when its team is reclaiming its guarantee. Lowest priority first, borrowers first
-  within a priority. Elastic jobs shrink toward `min_workers` first; only if that is not enough
+- A job that does not fit takes room from running jobs that yield to it: lower-priority jobs of
+  its own team; of other teams only what they borrow, to a higher-priority job or to a team
+  reclaiming its guarantee (a guarantee is never taken). Other teams' borrowers give first, then
+  the lowest priority. Elastic jobs shrink toward `min_workers` first; only if that is not enough
   are jobs suspended (they give up everything). Nothing is touched unless the whole need is met.
 - A job is resized (shrunk, suspended or grown) at most once per `min_resize_interval_s`.
 - A job that cannot be placed holds back every lower-priority job behind it (no backfill past
@@ -197,7 +198,7 @@ def _place(plan: _Plan, q: QueuedJob) -> Waiting | None:
     need = q.min_workers * q.slots_per_worker
     if need > plan.free():
         victims = [r for r in _victims(plan, q) if plan.may_resize(r)]
-        taken = _take(plan, victims, need - plan.free(), _caps(plan, q), plan.quotas.rank(q.priority))
+        taken = _take(plan, q, victims, need - plan.free())
         if taken is None:
             return _capacity_wait(plan, q, need)
         for job, workers in taken.items():
@@ -211,15 +212,21 @@ def _place(plan: _Plan, q: QueuedJob) -> Waiting | None:
 
 
 def _victims(plan: _Plan, q: QueuedJob) -> list[RunningJob]:
-    """Running jobs that yield to `q`: lower priority, or equal-priority borrowers while q's team
-    reclaims its guarantee; lowest priority first, borrowers first within one, newest first."""
+    """Running jobs that yield to `q`, in the order they give.
+
+    Within a team (or without quotas) priority alone decides: lower-priority jobs yield. Across
+    teams a guarantee is a guarantee: another team yields only what it borrows, to a job of
+    higher priority or to a team reclaiming its own guarantee (as Kueue's reclaimWithinCohort).
+    Other teams' borrowers give first, then the lowest priority, then the newest."""
     rank, reclaiming = plan.quotas.rank(q.priority), _reclaiming(plan, q)
 
     def yields(r: RunningJob) -> bool:
-        r_rank = plan.quotas.rank(r.priority)
-        return r_rank < rank or (r_rank == rank and reclaiming and r.team != q.team and plan.borrowing(r.team))
+        lower = plan.quotas.rank(r.priority) < rank
+        if _capped(plan, q, r) is None:
+            return lower
+        return plan.borrowing(r.team) and (lower or reclaiming)
     chosen = [r for r in plan.running.values() if yields(r) and plan.target[r.job] > 0]
-    return sorted(chosen, key=lambda r: (plan.quotas.rank(r.priority), not plan.borrowing(r.team), -r.submitted_at))
+    return sorted(chosen, key=lambda r: (_capped(plan, q, r) is None, plan.quotas.rank(r.priority), -r.submitted_at))
 
 
 def _reclaiming(plan: _Plan, q: QueuedJob) -> bool:
@@ -228,32 +235,27 @@ def _reclaiming(plan: _Plan, q: QueuedJob) -> bool:
         <= quota.onprem.guaranteed
 
 
-def _caps(plan: _Plan, q: QueuedJob) -> dict[str, int]:
-    """Slots that may be taken from each team that yields only as a borrower: what it borrows
-    (a reclaim takes back the loan, never the borrower's own guarantee)."""
-    rank, caps = plan.quotas.rank(q.priority), {}
-    for r in plan.running.values():
-        quota = plan.quotas.team(r.team)
-        if plan.quotas.rank(r.priority) == rank and quota is not None:
-            caps[r.team] = max(0, plan.team_slots(r.team) - quota.onprem.guaranteed)
-    return caps
+def _capped(plan: _Plan, q: QueuedJob, r: RunningJob) -> int | None:
+    """What `q` may take from `r`'s team at most: its loan, when it is another team with a quota;
+    None (no cap, priority alone) for `q`'s own team or a team without a quota."""
+    quota = plan.quotas.team(r.team)
+    if r.team == q.team or quota is None:
+        return None
+    return max(0, plan.team_slots(r.team) - quota.onprem.guaranteed)
 
 
-def _take(plan: _Plan, victims: list[RunningJob], missing: int, caps: dict[str, int],
-          rank: int) -> dict[str, int] | None:
+def _take(plan: _Plan, q: QueuedJob, victims: list[RunningJob], missing: int) -> dict[str, int] | None:
     """Workers left to each victim so that `missing` slots free up: shrink elastic jobs toward
     min_workers first, then suspend whole jobs; None (and nothing taken) if that cannot free enough."""
     after = {r.job: plan.target[r.job] for r in victims}
-    left = dict(caps)
+    loans = {r.team: cap for r in victims if (cap := _capped(plan, q, r)) is not None}
     for whole in (False, True):
         for r in victims:
             if missing <= 0:
-                return {j: n for j, n in after.items() if n != plan.target[j]}
-            floor = 0 if whole else r.min_workers
-            cap = left.get(r.team) if plan.quotas.rank(r.priority) == rank else None
-            give = after[r.job] - floor
-            if cap is not None:
-                give = min(give, cap // r.slots_per_worker)
+                break
+            give = after[r.job] - (0 if whole else r.min_workers)
+            if r.team in loans:
+                give = min(give, loans[r.team] // r.slots_per_worker)
             if whole and give < after[r.job]:
                 continue  # a job is suspended whole or not at all
             give = give if whole else min(give, -(-missing // r.slots_per_worker))
@@ -261,16 +263,15 @@ def _take(plan: _Plan, victims: list[RunningJob], missing: int, caps: dict[str, 
                 continue
             after[r.job] -= give
             missing -= give * r.slots_per_worker
-            if cap is not None:
-                left[r.team] -= give * r.slots_per_worker
+            if r.team in loans:
+                loans[r.team] -= give * r.slots_per_worker
     return {j: n for j, n in after.items() if n != plan.target[j]} if missing <= 0 else None
 
 
 def _capacity_wait(plan: _Plan, q: QueuedJob, need: int) -> Waiting:
     """Why `q` cannot start yet: jobs resized too recently to yield now, or no job that yields."""
     held_back = [r for r in _victims(plan, q) if not plan.may_resize(r)]
-    if held_back and _take(plan, _victims(plan, q), need - plan.free(), _caps(plan, q),
-                                   plan.quotas.rank(q.priority)) is not None:
+    if held_back and _take(plan, q, _victims(plan, q), need - plan.free()) is not None:
         first = min(held_back, key=lambda r: r.last_resize)
         at = first.last_resize + plan.quotas.min_resize_interval_s
         return Waiting(q.job, 0, "resize_interval", f"needs {need} slot(s), {max(plan.free(), 0)} free; job "
