@@ -203,3 +203,15 @@ def test_cloud_quota_caps_a_teams_bursts():
                              BurstRequest("c", "vision", 1, GPU)], {}, quotas)
     assert plan.granted == {"a": 2, "b": 1} and len(plan.bundles) == 3
     assert [r.job for r in plan.refused] == ["c"] and "cloud quota of 3" in plan.refused[0].reason
+
+
+def test_a_teams_use_counts_gpu_hours_and_cost_from_the_node_price_labels():
+    from tidal.cluster.prices import PRICE_LABEL, worker_price
+
+    # a 2-GPU worker on an 8-GPU node priced 32.00 per hour pays a quarter of it
+    price = worker_price({PRICE_LABEL: "32.00"}, {"GPU": 8, "CPU": 96}, cpus=8, gpus=2)
+    use = CloudUse().plus(hours=3, gpus=2, price_per_hour=price).plus(hours=1, gpus=2, price_per_hour=price)
+    assert (use.gpu_hours, use.cost) == (8.0, 32.0)
+    quotas = Quotas.model_validate({"teams": {"v": {"cloud": {"borrow": 8}, "cloud_budget": {"cost_per_day": 32}}}})
+    (r,) = aggregate_bursts([BurstRequest("j", "v", 1, GPU)], {"v": use}, quotas).refused
+    assert "32 per day" in r.reason and "32.00 spent today" in r.reason

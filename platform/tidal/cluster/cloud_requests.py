@@ -35,6 +35,11 @@ class CloudUse:
     gpu_hours: float = 0.0
     cost: float = 0.0
 
+    def plus(self, hours: float, gpus: float, price_per_hour: float | None) -> CloudUse:
+        """This use and one cloud worker's `hours` more: `gpus` GPUs at `price_per_hour` (the
+        worker's share of its node's `tidal.io/price-per-hour`: prices.worker_price; None: unpriced)."""
+        return CloudUse(self.gpu_hours + hours * gpus, self.cost + hours * (price_per_hour or 0.0))
+
 
 @dataclass(frozen=True)
 class Refusal:
