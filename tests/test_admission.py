@@ -102,9 +102,16 @@ def test_team_at_its_quota_queues_its_next_job_naming_team_and_quota_then_admits
     assert d.admit == ()
     (w,) = d.waiting
     assert w.why == "quota" and "'vision'" in w.reason and "2 of 2" in w.reason and "guaranteed 2" in w.reason
+    assert w.position == 1
     # its running job ends: the next one is admitted
     d = decide(8, [], [queued("v2", 2, 2, "normal", team="vision")], quotas, now=1100.0)
     assert [(a.job, a.workers) for a in d.admit] == [("v2", 2)]
+
+
+def test_a_job_larger_than_its_teams_whole_quota_says_it_cannot_start():
+    d = decide(8, [], [queued("huge", 6, 6, "normal", team="vision")], teams(vision=(2, 2)), now=0.0)
+    (w,) = d.waiting
+    assert w.why == "quota" and "cannot start here" in w.reason and "scaling.min_workers" in w.reason
 
 
 def test_a_team_at_its_quota_blocks_no_other_team():

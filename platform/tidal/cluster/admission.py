@@ -186,11 +186,16 @@ def _quota_wait(plan: _Plan, q: QueuedJob) -> Waiting | None:
     holds, need = plan.team_slots(q.team), q.min_workers * q.slots_per_worker
     if holds + need <= quota.onprem.limit:
         return None
+    if need > quota.onprem.limit:
+        return Waiting(q.job, 0, "quota", f"needs {need} slot(s) to start, more than team {q.team!r}'s whole "
+                       f"on-prem quota of {quota.onprem.limit} (guaranteed {quota.onprem.guaranteed} + borrow "
+                       f"{quota.onprem.borrow}): it cannot start here; lower scaling.min_workers or ask for a "
+                       "larger quota")
     ends = [r for r in plan.running.values() if r.team == q.team]
     return Waiting(q.job, 0, "quota", f"team {q.team!r} is at its on-prem quota: it holds {holds} of "
                    f"{quota.onprem.limit} slot(s) (guaranteed {quota.onprem.guaranteed} + borrow "
                    f"{quota.onprem.borrow}) and this job needs {need}; it starts when the team's jobs free "
-                   f"{holds + need - quota.onprem.limit}", _estimate(ends, holds + need - quota.onprem.limit))
+                   f"{holds + need - quota.onprem.limit} slot(s)", _estimate(ends, holds + need - quota.onprem.limit))
 
 
 def _place(plan: _Plan, q: QueuedJob) -> Waiting | None:
@@ -277,8 +282,9 @@ def _capacity_wait(plan: _Plan, q: QueuedJob, need: int) -> Waiting:
         return Waiting(q.job, 0, "resize_interval", f"needs {need} slot(s), {max(plan.free(), 0)} free; job "
                        f"{first.job!r} yields to it but was resized under {plan.quotas.min_resize_interval_s:g}s "
                        "ago (the least time between two resizes of one job)", at)
+    guarantees = ", or hold their team's guarantee" if plan.quotas.teams else ""
     return Waiting(q.job, 0, "capacity", f"needs {need} slot(s) and {max(plan.free(), 0)} of {plan.capacity} are "
-                   "free; the running jobs are of equal or higher priority",
+                   f"free; the jobs holding the rest do not yield to it (equal or higher priority{guarantees})",
                    _estimate(plan.running.values(), need - plan.free()))
 
 
