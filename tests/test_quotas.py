@@ -36,7 +36,7 @@ def test_shipped_example_loads_with_its_teams_and_budgets():
 @pytest.mark.parametrize(("data", "key", "hint"), [
     ({"teams": {"vision": {"onprem": {"guaranted": 4}}}}, "teams.vision.onprem.guaranted", "did you mean 'guaranteed'"),
     ({"teams": {"vision": {"onprem": {"guaranteed": -1}}}}, "teams.vision.onprem.guaranteed", "greater than or equal"),
-    ({"teams": {"v": {"cloud_budget": {}}}}, "teams.v.cloud_budget.gpu_hours_per_day", "exactly one of"),
+    ({"teams": {"v": {"cloud_budget": {}}}}, "teams.v.cloud_budget", "exactly one of gpu_hours_per_day or cost_per_day"),
     ({"priorities": ["low", "high"]}, "defaults", "set defaults.priority to one of them"),
     ({"priorities": ["low", "low"], "defaults": {"priority": "low"}}, "priorities", "listed twice"),
     ({"teams": {"a": {}}, "defaults": {"team": "b"}}, "defaults", "not one of the teams (a)"),

@@ -64,7 +64,8 @@ class CloudBudget(_Part):
     @model_validator(mode="after")
     def _one(self) -> CloudBudget:
         if (self.gpu_hours_per_day is None) == (self.cost_per_day is None):
-            raise ValueError("gpu_hours_per_day: give exactly one of gpu_hours_per_day or cost_per_day")
+            got = "both" if self.gpu_hours_per_day is not None else "neither"
+            raise ValueError(f"give exactly one of gpu_hours_per_day or cost_per_day (got {got})")
         return self
 
     def describe(self) -> str:
@@ -227,9 +228,12 @@ def _describe(err: Mapping[str, Any]) -> Problem:
         guess = difflib.get_close_matches(loc[-1], allowed, n=1)
         hint = f"did you mean {guess[0]!r}? " if guess else ""
         return ".".join(loc), f"unknown key; {hint}allowed here: {', '.join(allowed)}"
-    if kind == "value_error":  # our validators start their message with the key
-        key, _, rest = msg.removeprefix("Value error, ").partition(": ")
-        return ".".join([*loc, key]), rest
+    if kind == "value_error":  # our validators may start their message with the key they blame
+        msg = msg.removeprefix("Value error, ")
+        key, sep, rest = msg.partition(": ")
+        if sep and key.isidentifier():
+            loc, msg = [*loc, key], rest
+        return ".".join(loc) or "<file>", msg
     got = err.get("input")
     shown = "" if kind == "missing" or isinstance(got, (dict, list)) else f" (got {got!r})"
     return ".".join(loc) or "<file>", f"{msg}{shown}"
