@@ -34,7 +34,7 @@ from tidal.cluster.prices import PRICE_LABEL, worker_price
 from tidal.cluster.status import format_demand, format_workers
 
 CONFIGS = sorted((ROOT / "cluster_configs").rglob("*.yaml"))
-LAUNCHER = [p for p in CONFIGS if "kuberay" not in p.parts]
+LAUNCHER = [p for p in CONFIGS if "kuberay" not in p.parts and p.name != "quotas.yaml"]  # quotas: a quota file
 KUBERAY = ROOT / "cluster_configs" / "kuberay" / "raycluster.yaml"
 
 

@@ -120,6 +120,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--no-wait", action="store_true", help="return once the job is submitted instead of printing its "
                    "output until it ends (by default, like `ray job submit`, the exit code is 0 only if it SUCCEEDED)")
     s.add_argument("--follow", action="store_true", help=argparse.SUPPRESS)  # the default now; old commands keep working
+    s.add_argument("--team", help="the team whose quota the job counts against (overrides scheduling.team)")
+    s.add_argument("--priority", help="low, normal or high unless the cluster's quota file defines others "
+                   "(overrides scheduling.priority)")
 
     for name, func, help_ in (("status", _status, "show a submitted job's state and progress"),
                               ("logs", _logs, "print a submitted job's output"),
@@ -228,6 +231,7 @@ def _run(args: argparse.Namespace) -> int:
 def _submit(args: argparse.Namespace) -> int:
     from tidal.launch.jobs import submit
 
+    args.overrides += [f"scheduling.{k}={v}" for k, v in (("team", args.team), ("priority", args.priority)) if v]
     spec = _spec(args)
     job = submit(spec, args.address, args.working_dir)
     print(f"submitted {spec.name!r} as {job.submission_id} to {job.address}")

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import yaml
 
-from tidal.cluster.configs import Problem, check_launcher
+from tidal.cluster.configs import _START_KEYS, Problem, check_launcher
 from tidal.cluster.kuberay import check_kuberay, is_manifest, manifest_problems
+from tidal.cluster.quotas import is_quota_file, named_quota_problems, quota_problems
 
 
 def validate_cluster_config(path: str | Path) -> list[Problem]:
@@ -24,7 +25,9 @@ def validate_cluster_config(path: str | Path) -> list[Problem]:
         return [("<file>", f"{path} holds no mapping; a cluster config is a YAML mapping of keys")]
     if config.get("kind") == "RayCluster":
         return check_kuberay(config)
-    return check_launcher(config)
+    if is_quota_file(config):
+        return quota_problems(config)
+    return check_launcher(config) + named_quota_problems(config, _START_KEYS, Path(path).parent)
 
 
 __all__ = ["validate_cluster_config"]

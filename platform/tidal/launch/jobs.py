@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlparse
 
+from tidal.cluster.quotas import cluster_quotas, resolve_scheduling
 from tidal.errors import ClusterError, TidalError
 from tidal.launch.result import RunResult
 from tidal.output import parse_record
@@ -262,6 +263,9 @@ def submit(spec: JobSpec, address: str | None = None, working_dir: str | os.Path
             f"job's working_dir. Largest files:\n{biggest}\nList big files or folders in .gitignore or "
             ".rayignore, or keep data on shared storage and point data.source at it."
         )
+    quotas = cluster_quotas(os.environ)
+    if quotas is not None:  # this machine reads the cluster's quota file: a team or priority it lacks fails here
+        resolve_scheduling(spec.scheduling.team, spec.scheduling.priority, quotas)
     client = connect(address)
     # The entrypoint command line shows in the job's logs, so secrets travel as the job's
     # environment instead; the entrypoint puts them back into the spec by name.

@@ -16,6 +16,7 @@ from tidal.errors import SpecError
 from tidal.spec.consistency import consistency_problems
 from tidal.spec.evaluation import EvalSpec, KeepBestSpec
 from tidal.spec.parse import apply_overrides, read_yaml, validated
+from tidal.spec.scheduling import SchedulingSpec
 from tidal.spec.sweep import SweepSpec, sweeps_fields_of
 from tidal.spec.user_refs import check_ref
 
@@ -293,6 +294,7 @@ class JobSpec(Part):
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     failure: FailureSpec = Field(default_factory=FailureSpec)
     tracking: TrackingSpec = Field(default_factory=TrackingSpec)
+    scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
     sweep: SweepSpec | None = Field(None, description="run this job as a Ray Tune sweep with `tidal sweep`")
     eval: EvalSpec | None = Field(None, description="held-out evaluation: eval_loss and eval_perplexity in MLflow")
     env: dict[str, str] = Field(
