@@ -218,6 +218,9 @@ def _validate(args: argparse.Namespace) -> int:
         if spec.parallelism.zero_stage in (1, 2):
             print("# and, once the model is built, zero_optimization.reduce_bucket_size: its trainable parameter count "
                   "where that is under DeepSpeed's 5e8, unless set above")
+        from tidal.spec.memory import memory_table
+
+        print("\n" + "\n".join(memory_table(spec, sorted({spec.scaling.min_workers, spec.scaling.max_workers}))))
     return 0
 
 
