@@ -105,7 +105,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(title="commands", metavar="COMMAND")
 
     v = _command(sub, "validate", _validate, "check a job spec and print it fully resolved")
-    v.add_argument("--deepspeed", action="store_true", help="also print the DeepSpeed config derived for each world size")
+    v.add_argument("--deepspeed", action="store_true", help="also print the DeepSpeed config derived for each world size, and an estimate of memory per GPU and per node")
 
     r = _command(sub, "run", _run, "run a job to the end (resumes from its latest checkpoint)")
     r.add_argument("--restart", action="store_true", help="start over: set the job's old checkpoints aside and open a new MLflow run")
