@@ -29,6 +29,7 @@ def test_true_means_inductor_with_torchs_defaults_and_false_means_off(tmp_path):
     ({"backend": "cudagraphs"}, {}, "parallelism.compile.backend", "use inductor or aot_eager on CPU"),
     ({"backend": "tensorrt"}, {}, "parallelism.compile.backend", "inductor"),
     ({"fullgraf": True}, {}, "parallelism.compile.fullgraf", "fullgraph"),
+    ({}, {"parallelism.zero_stage": 3}, "parallelism.compile", "parallelism.zero_stage 1 or 2"),
     ({}, {"parallelism.pipeline_stages": 2, "parallelism.zero_stage": 1}, "parallelism.compile",
      "parallelism.pipeline_stages 1"),
 ])

@@ -65,7 +65,8 @@ def compile_shorthand(value: Any) -> Any:
     return value
 
 
-def compile_problems(compile_spec: CompileSpec | None, pipeline_stages: int, gpus_per_worker: int) -> list[tuple[str, str]]:
+def compile_problems(compile_spec: CompileSpec | None, pipeline_stages: int, gpus_per_worker: int,
+                     zero_stage: int = 0) -> list[tuple[str, str]]:
     """Cross-field checks of `parallelism.compile`; each names the field to change."""
     if compile_spec is None:
         return []
@@ -73,6 +74,12 @@ def compile_problems(compile_spec: CompileSpec | None, pipeline_stages: int, gpu
     if compile_spec.backend == "cudagraphs" and gpus_per_worker == 0:
         problems.append(("parallelism.compile.backend", "cudagraphs needs GPUs (scaling.gpus_per_worker >= 1); "
                          "use inductor or aot_eager on CPU"))
+    if zero_stage == 3:
+        # Seen in a tidal run (DeepSpeed 0.19.8, torch 2.13, aot_eager): dynamo traces the module
+        # with ZeRO-3's partitioned parameters, which are empty outside DeepSpeed's gather hooks,
+        # and every attempt fails at its first step ("size mismatch ... vec (0)").
+        problems.append(("parallelism.compile", "fails with ZeRO-3 (torch.compile sees its partitioned, empty "
+                         "parameters); set parallelism.zero_stage 1 or 2, or parallelism.compile null"))
     if pipeline_stages > 1:
         # DeepSpeed would compile each stage's layers (PipelineModule.compile), but Tidal's pipeline
         # ties the embedding across the first and last stage and broadcasts it in place, which

@@ -56,7 +56,7 @@ def consistency_problems(spec: JobSpec) -> list[tuple[str, str]]:
         problems.append(("parallelism.offload_params", "parameter offload needs parallelism.zero_stage 3"))
     if "nvme" in (par.offload_optimizer, par.offload_params) and not par.nvme_path:
         problems.append(("parallelism.nvme_path", "nvme offload needs a path to a fast local disk on every node"))
-    problems += compile_problems(par.compile, par.pipeline_stages, s.gpus_per_worker)
+    problems += compile_problems(par.compile, par.pipeline_stages, s.gpus_per_worker, par.zero_stage)
     problems += user_code_problems(spec)
     problems += passthrough_problems(par.deepspeed)
     return problems
