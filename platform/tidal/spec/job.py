@@ -184,7 +184,8 @@ class ParallelismSpec(Part):
     activation_checkpointing: bool = False
     compile: CompileSpec | None = Field(
         None, description="torch.compile the model (DeepSpeed's engine.compile()): true, or options such as "
-        "{backend: inductor, mode: max-autotune}; the first steps of each launch compile and are left out of tokens/s and MFU"
+        "{backend: inductor, mode: max-autotune}; ZeRO 0-2 without pipeline stages. The first steps of each launch "
+        "compile and are left out of tokens/s and MFU"
     )
     pipeline_stages: int = Field(
         1, ge=1, description="split the built-in GPT into this many DeepSpeed pipeline stages, one worker each; "
