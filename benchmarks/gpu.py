@@ -321,6 +321,7 @@ def describe_device(device: torch.device) -> dict[str, Any]:
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
+    from tidal.spec.memory import estimate
     from tidal.worker.engine import param_count
     from tidal.worker.metrics import flops_per_token, worker_peak_flops
 
@@ -367,6 +368,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         if device.type == "cuda":
             result["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
             result["peak_memory_reserved_gb"] = torch.cuda.max_memory_reserved(device) / 1e9
+        # What `tidal validate --deepspeed` predicts for this job, beside the measured peak above.
+        result["memory_estimate"] = estimate(spec, world=1).record()
         if not args.no_checkpoint:
             # bf16 weights + fp32 master weights + Adam moments: 14 B/param, written to a local
             # folder and copied into storage before the local one goes.
@@ -423,6 +426,7 @@ against {r['peak_flops'] / 1e12:.4g} TFLOP/s, the dense bf16 peak from Tidal's t
 | tokens/s | {r['tokens_per_s']:,.0f} | |
 | step time | {r['step_s'] * 1000:.0f} ms | |
 | peak memory (allocated / reserved) | {r.get('peak_memory_gb', float('nan')):.1f} / {r.get('peak_memory_reserved_gb', float('nan')):.1f} GB | |
+| estimated before the run (`tidal validate --deepspeed`) | {r.get('memory_estimate', {}).get('device_total_gb', float('nan')):.1f} GB | |
 """
     c = r.get("checkpoint", {})
     if "pairs" in c:

@@ -99,7 +99,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(title="commands", metavar="COMMAND")
 
     v = _command(sub, "validate", _validate, "check a job spec and print it fully resolved")
-    v.add_argument("--deepspeed", action="store_true", help="also print the DeepSpeed config derived for each world size")
+    v.add_argument("--deepspeed", action="store_true", help="also print the DeepSpeed config derived for each world size, and an estimate of memory per GPU and per node")
 
     r = _command(sub, "run", _run, "run a job to the end (resumes from its latest checkpoint)")
     r.add_argument("--restart", action="store_true", help="start over: set the job's old checkpoints aside and open a new MLflow run")
@@ -209,6 +209,9 @@ def _validate(args: argparse.Namespace) -> int:
         if spec.parallelism.zero_stage in (1, 2):
             print("# and, once the model is built, zero_optimization.reduce_bucket_size: its trainable parameter count "
                   "where that is under DeepSpeed's 5e8, unless set above")
+        from tidal.spec.memory import memory_table
+
+        print("\n" + "\n".join(memory_table(spec, sorted({spec.scaling.min_workers, spec.scaling.max_workers}))))
     return 0
 
 

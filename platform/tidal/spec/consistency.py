@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tidal.spec.batch import bad_world_sizes
+from tidal.spec.compile import compile_problems
 from tidal.spec.evaluation import eval_problems
 from tidal.spec.passthrough import passthrough_problems
 from tidal.spec.sources import source_problem
@@ -55,6 +56,7 @@ def consistency_problems(spec: JobSpec) -> list[tuple[str, str]]:
         problems.append(("parallelism.offload_params", "parameter offload needs parallelism.zero_stage 3"))
     if "nvme" in (par.offload_optimizer, par.offload_params) and not par.nvme_path:
         problems.append(("parallelism.nvme_path", "nvme offload needs a path to a fast local disk on every node"))
+    problems += compile_problems(par.compile, par.pipeline_stages, s.gpus_per_worker, par.zero_stage)
     problems += user_code_problems(spec)
     problems += passthrough_problems(par.deepspeed)
     return problems

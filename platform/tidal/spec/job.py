@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tidal.errors import SpecError
+from tidal.spec.compile import CompileSpec, compile_shorthand
 from tidal.spec.consistency import consistency_problems
 from tidal.spec.evaluation import EvalSpec, KeepBestSpec
 from tidal.spec.parse import apply_overrides, read_yaml, validated
@@ -180,6 +181,11 @@ class ParallelismSpec(Part):
     offload_params: Literal["none", "cpu", "nvme"] = Field("none", description="ZeRO-3 parameter offload")
     nvme_path: str | None = Field(None, description="a fast local disk for nvme offload, on every node")
     activation_checkpointing: bool = False
+    compile: CompileSpec | None = Field(
+        None, description="torch.compile the model (DeepSpeed's engine.compile()): true, or options such as "
+        "{backend: inductor, mode: max-autotune}; ZeRO 0-2 without pipeline stages. The first steps of each launch "
+        "compile and are left out of tokens/s and MFU"
+    )
     pipeline_stages: int = Field(
         1, ge=1, description="split the built-in GPT into this many DeepSpeed pipeline stages, one worker each; "
         "world size = stages x data-parallel replicas"
@@ -192,6 +198,8 @@ class ParallelismSpec(Part):
         "{zero_optimization: {reduce_bucket_size: 5.0e+7}}; a key Tidal derives from another field is refused "
         "(set that field instead), or may be given as \"auto\""
     )
+
+    _compile_shorthand = field_validator("compile", mode="before")(compile_shorthand)
 
     def data_parallel_size(self, world_size: int) -> int:
         """Replicas of the model: each pipeline spans `pipeline_stages` workers."""

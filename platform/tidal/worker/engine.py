@@ -40,6 +40,10 @@ def build_engine(spec: JobSpec, world_size: int, device: torch.device, load_univ
         arch_list_for_deepspeed()  # before FusedAdam's JIT build
     engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=config,
                                       lr_scheduler=_torch_schedule(spec))
+    if (c := spec.parallelism.compile) is not None:
+        # In place (nn.Module.compile): the state dict keeps its keys, so checkpoints load into an
+        # eager engine and back. Nothing compiles until the first forward (the first step).
+        engine.compile(backend=c.backend, compile_kwargs=c.kwargs())
     return engine
 
 

@@ -89,12 +89,18 @@ class PhaseClock:
     Those sampled steps also time the collectives (`comms`, see worker/comms.py): `comm_s` is
     the sampled step's time inside them, `comm_frac` its share of that step, and `busy_s` the
     rest (what a straggler has more of: the others wait inside collectives).
+
+    The first `warmup_steps` steps of the clock's life (one attempt: a compiled model compiles
+    there) count in no figure. A log interval made of warm-up steps only reports NaN times, so
+    that no throughput is made of compile time.
     """
 
     PHASES = ("data_wait_s", "forward_backward_s", "optimizer_s")
 
-    def __init__(self, device: torch.device, comms: CommClock | None = None) -> None:
+    def __init__(self, device: torch.device, comms: CommClock | None = None, warmup_steps: int = 0) -> None:
         self.cuda = device.type == "cuda"
+        self.warmup_left = warmup_steps
+        self._totals_at_start: dict[str, float] = {}
         self.sync = self.sample = False
         self.comms = comms if comms is not None else _comm_clock()
         self.totals = dict.fromkeys(self.PHASES, 0.0)
@@ -106,11 +112,18 @@ class PhaseClock:
         self.sync, self.sample = sync and self.cuda, sync
         if sync and self.comms is not None:
             self.comms.start()
+        self._totals_at_start = dict(self.totals)
         self._step_t0 = time.perf_counter()
 
     def end_step(self) -> None:
         self._barrier()
         took = time.perf_counter() - self._step_t0
+        if self.warmup_left > 0:  # forget the step: its phases too
+            self.warmup_left -= 1
+            self.totals = self._totals_at_start
+            if self.sample and self.comms is not None:
+                self.comms.stop()
+            return
         self.step_total += took
         self.steps += 1
         if self.sample and self.comms is not None:
@@ -124,7 +137,7 @@ class PhaseClock:
         self.totals[name] += time.perf_counter() - t0
 
     def take(self) -> dict[str, float]:
-        n = max(self.steps, 1)
+        n = self.steps or math.nan  # nothing but warm-up since the last take: no figure, not 0 s
         out = {k: v / n for k, v in self.totals.items()} | {"step_time_s": self.step_total / n}
         if self.sampled is not None:
             step_s, comm_s = self.sampled

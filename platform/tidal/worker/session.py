@@ -20,6 +20,7 @@ import torch
 
 from tidal import fs
 from tidal.eval_best import stopped_early
+from tidal.spec.compile import compile_note, warmup_steps
 from tidal.spec.job import JobSpec
 from tidal.tracking.emitter import Emitter
 from tidal.worker import checkpoint, restore
@@ -92,6 +93,8 @@ def open_session(config: dict[str, Any]) -> Session:
     reshard = bool(found) and restore.needs_reshard(found.state, world)
     telemetry = Telemetry(spec, events, device, found)  # Prometheus, stragglers, site, cost; from here on
     engine = build_engine(spec, world, device, load_universal=reshard)
+    if rank == 0 and spec.parallelism.compile is not None:
+        events.say(compile_note(spec.parallelism.compile))
     state = checkpoint.TrainState()
     if found:
         state = restore.restore(engine, found, reshard)
@@ -110,7 +113,7 @@ def open_session(config: dict[str, Any]) -> Session:
         flops_per_token(param_count(engine, spec), spec.model),
         world * worker_peak_flops(device, spec.parallelism.precision, s.cpus_per_worker, s.peak_tflops_per_worker),
         ResourceSampler(device) if rank == 0 else dict,  # rank 0's host only
-        PhaseClock(device),
+        PhaseClock(device, warmup_steps=warmup_steps(spec.parallelism.compile)),
     )
 
 
