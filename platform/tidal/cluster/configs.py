@@ -16,6 +16,9 @@ Tidal's conventions, on top of Ray's schema (docs/cluster.md explains them):
   job and worker the node starts; the head starts that `mlflow server`, with its database on the
   head's disk and its artifacts on the shared storage;
 - token auth stays on: `RAY_AUTH_MODE=disabled` anywhere is an error;
+- nothing is exposed that should not be (cluster/exposure.py): MLflow off loopback runs MLflow's
+  authentication app and binds the head's private address, its jobs carry MLflow credentials, Ray's
+  dashboard stays off public addresses, and no secret is written inline;
 - every node type says what it costs: the label `tidal.io/price-per-hour` (cluster/prices.py).
 
 A KubeRay `RayCluster` manifest gets the same conventions, checked on its groups (kuberay.py).
@@ -35,6 +38,12 @@ from urllib.parse import urlparse
 import yaml
 
 from tidal.cluster import SITE_LABEL, SITES, site_resource
+from tidal.cluster.exposure import (
+    credential_problems,
+    dashboard_problems,
+    inline_secret_problems,
+    mlflow_exposure_problems,
+)
 from tidal.cluster.prices import PRICE_LABEL, price_problems
 from tidal.cluster.shell import (
     flags_of,
@@ -87,6 +96,7 @@ def check_launcher(config: dict[str, Any]) -> list[Problem]:
         problems += _node_type_problems(config)
     problems += _environment_problems(config)
     problems += _mlflow_problems(config)
+    problems += _exposure_problems(config)
     problems += auth_problems(config)
     return problems
 
@@ -259,14 +269,38 @@ def _old_storage_key(config: dict[str, Any]) -> list[Problem]:
 def _mlflow_problems(config: dict[str, Any]) -> list[Problem]:
     """The head starts the `mlflow server` that MLFLOW_TRACKING_URI points at."""
     key, fake = _START_KEYS[0], _provider_type(config) in _SINGLE_MACHINE_PROVIDERS
-    for i, command in enumerate(str(c) for c in config.get(key) or []):
+    for i, words in _mlflow_servers(config):
+        return mlflow_server_problems(f"{key}[{i}]", words, partial(_shared, config), single_machine=fake)
+    return [(key, "no `mlflow server`: start MLflow on the head, in the background so the command returns, "
+             "with authentication on the head's private address, e.g. `HEAD_IP=$(hostname -I | awk '{print $1}'); "
+             "MLFLOW_AUTH_CONFIG_PATH=~/mlflow/basic_auth.ini MLFLOW_AUTH_ADMIN_PASSWORD=\"$(cat "
+             "~/.tidal/mlflow-admin-password)\" nohup mlflow server --app-name basic-auth --host $HEAD_IP --port "
+             "5000 --backend-store-uri sqlite:///$HOME/mlflow/mlflow.db --artifacts-destination "
+             "s3://bucket/mlartifacts > ~/mlflow/server.log 2>&1 < /dev/null &` (cluster_configs/aws-burst.yaml), "
+             "and point MLFLOW_TRACKING_URI at it on every node")]
+
+
+def _mlflow_servers(config: dict[str, Any]) -> Iterator[tuple[int, list[str]]]:
+    """(index, words) of each `mlflow server` among the head's start commands."""
+    for i, command in enumerate(str(c) for c in config.get(_START_KEYS[0]) or []):
         for _, words in shell_steps(command):
             if runs(words, "mlflow", "server"):
-                return mlflow_server_problems(f"{key}[{i}]", words, partial(_shared, config), single_machine=fake)
-    return [(key, "no `mlflow server`: start MLflow on the head, in the background so the command returns, "
-             "e.g. `nohup mlflow server --host 0.0.0.0 --port 5000 --backend-store-uri "
-             "sqlite:///$HOME/mlflow/mlflow.db --artifacts-destination s3://bucket/mlartifacts > "
-             "~/mlflow/server.log 2>&1 < /dev/null &`, and point MLFLOW_TRACKING_URI at it on every node")]
+                yield i, words
+
+
+def _exposure_problems(config: dict[str, Any]) -> list[Problem]:
+    """Inline secrets in any command; on every `ray start`, the dashboard's address and, when the
+    head's MLflow asks for a password, the credentials its jobs write with (cluster/exposure.py)."""
+    auth = any(flags_of(words).get("app-name") for _, words in _mlflow_servers(config))
+    problems: list[Problem] = []
+    for key in (*_COMMAND_KEYS, *_START_KEYS):
+        for i, command in enumerate(str(c) for c in config.get(key) or []):
+            for env, words in shell_steps(command):
+                problems += inline_secret_problems(f"{key}[{i}]", env)
+                if runs(words, "ray", "start"):
+                    problems += dashboard_problems(f"{key}[{i}]", flags_of(words))
+                    problems += credential_problems(f"{key}[{i}]", env) if auth and key in _START_KEYS else []
+    return list(dict.fromkeys(problems))  # an `export` reaches every later step of its line: report it once
 
 
 def _shared(config: dict[str, Any], path: str) -> bool:
@@ -319,8 +353,9 @@ def tracking_problems(where: str, value: str, single_machine: bool, on_head: boo
 
 
 def mlflow_server_problems(where: str, words: list[str], shared: Callable[[str], bool],
-                           single_machine: bool = False) -> list[Problem]:
-    """`mlflow server` flags: a database on the head's disk, artifacts on shared storage, reachable."""
+                           single_machine: bool = False, single_interface: bool = False) -> list[Problem]:
+    """`mlflow server` flags: a database on the head's disk, artifacts on shared storage, reachable,
+    and locked when reachable (`single_interface`: in a pod, where 0.0.0.0 is the pod's own IP)."""
     flags = flags_of(words)
     problems: list[Problem] = []
     if not flags.get("backend-store-uri"):
@@ -338,8 +373,9 @@ def mlflow_server_problems(where: str, words: list[str], shared: Callable[[str],
                                      f"cannot read; put the artifacts on the storage {STORAGE_VAR} uses")
     if not single_machine and flags.get("host", "127.0.0.1") in ("127.0.0.1", "localhost"):
         problems.append((f"{where}.--host", "MLflow listens on this machine only (127.0.0.1 is its default), "
-                         "so other nodes cannot reach it; add --host 0.0.0.0"))
-    return problems
+                         "so other nodes cannot reach it; bind the head's private address with authentication: "
+                         "--app-name basic-auth --host $HEAD_IP (see cluster_configs/aws-burst.yaml)"))
+    return problems + mlflow_exposure_problems(where, flags, single_interface)
 
 
 def auth_problems(config: Any) -> list[Problem]:
