@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 from urllib.parse import urlparse
 
 from tidal.errors import ClusterError, TidalError
+from tidal.launch.connect import warn_plain_token
 from tidal.launch.result import RunResult, parse_record
 from tidal.spec.job import JobSpec
 
@@ -56,6 +57,7 @@ def connect(address: str | None = None) -> Any:
     if not address:
         raise ClusterError("no cluster address: pass --address http://HEAD:8265 or set RAY_ADDRESS")
     token = auth_token()
+    warn_plain_token(address, token is not None)
     headers = {"Authorization": f"Bearer {token}"} if token else None
     try:
         return JobSubmissionClient(address, headers=headers)
