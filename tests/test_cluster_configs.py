@@ -261,8 +261,10 @@ def test_mlflow_server_flags():
     assert set(wheres(check_launcher(c))) == {"head_start_ray_commands[1].--backend-store-uri",
                                               "head_start_ray_commands[1].--artifacts-destination",
                                               "head_start_ray_commands[1].--host"}
-    c["head_start_ray_commands"][1] = ("mlflow server --app-name basic-auth --host $HEAD_IP --backend-store-uri "
-                                       "sqlite:////m.db --default-artifact-root s3://b/mlartifacts &")
+    c["head_start_ray_commands"][1] = ("MLFLOW_AUTH_CONFIG_PATH=/a.ini MLFLOW_AUTH_ADMIN_PASSWORD=\"$(cat p)\" "
+                                       "MLFLOW_FLASK_SERVER_SECRET_KEY=\"$(cat k)\" mlflow server --app-name basic-auth "
+                                       "--host $HEAD_IP --backend-store-uri sqlite:////m.db --default-artifact-root "
+                                       "s3://b/mlartifacts &")
     assert check_launcher(c) == []
 
 
@@ -302,6 +304,21 @@ def test_mlflow_on_loopback_needs_no_auth_and_a_public_ip_is_refused():
     c["head_start_ray_commands"][1] = c["head_start_ray_commands"][1].replace("--host $HEAD_IP", "--host 54.1.2.3")
     problems = check_launcher(c)
     assert wheres(problems) == ["head_start_ray_commands[1].--host"] and "a public address" in problems[0][1]
+
+
+@pytest.mark.parametrize("var", ["MLFLOW_AUTH_CONFIG_PATH", "MLFLOW_AUTH_ADMIN_PASSWORD",
+                                 "MLFLOW_FLASK_SERVER_SECRET_KEY"])
+def test_basic_auth_app_gets_what_it_needs_to_start_locked(var: str):
+    """Without its settings MLflow's packaged default_permission READ lets every user read every team's
+    runs; without the admin password or the CSRF key the server does not start (tests/test_mlflow_auth.py)."""
+    c = aws()
+    c["head_start_ray_commands"][1] = re.sub(rf'{var}=("[^"]+"|\S+)\s*', "", c["head_start_ray_commands"][1])
+    problems = check_launcher(c)
+    assert wheres(problems) == [f"head_start_ray_commands[1].{var}"] and "basic-auth app needs" in problems[0][1]
+    m = load(KUBERAY)
+    mlflow = containers(m, "head")[1]
+    mlflow["env"] = [e for e in mlflow["env"] if e["name"] != var]
+    assert wheres(check_kuberay(m)) == [f"spec.headGroupSpec.template.spec.containers[mlflow].env.{var}"]
 
 
 @pytest.mark.parametrize("name", LAUNCHERS)

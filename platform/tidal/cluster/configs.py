@@ -39,6 +39,7 @@ import yaml
 
 from tidal.cluster import SITE_LABEL, SITES, site_resource
 from tidal.cluster.exposure import (
+    auth_app_problems,
     credential_problems,
     dashboard_problems,
     inline_secret_problems,
@@ -269,8 +270,9 @@ def _old_storage_key(config: dict[str, Any]) -> list[Problem]:
 def _mlflow_problems(config: dict[str, Any]) -> list[Problem]:
     """The head starts the `mlflow server` that MLFLOW_TRACKING_URI points at."""
     key, fake = _START_KEYS[0], _provider_type(config) in _SINGLE_MACHINE_PROVIDERS
-    for i, words in _mlflow_servers(config):
-        return mlflow_server_problems(f"{key}[{i}]", words, partial(_shared, config), single_machine=fake)
+    for i, env, words in _mlflow_servers(config):
+        return (mlflow_server_problems(f"{key}[{i}]", words, partial(_shared, config), single_machine=fake)
+                + auth_app_problems(f"{key}[{i}]", flags_of(words), env))
     return [(key, "no `mlflow server`: start MLflow on the head, in the background so the command returns, "
              "with authentication on the head's private address, e.g. `HEAD_IP=$(hostname -I | awk '{print $1}'); "
              "MLFLOW_AUTH_CONFIG_PATH=~/mlflow/basic_auth.ini MLFLOW_AUTH_ADMIN_PASSWORD=\"$(cat "
@@ -280,18 +282,18 @@ def _mlflow_problems(config: dict[str, Any]) -> list[Problem]:
              "and point MLFLOW_TRACKING_URI at it on every node")]
 
 
-def _mlflow_servers(config: dict[str, Any]) -> Iterator[tuple[int, list[str]]]:
-    """(index, words) of each `mlflow server` among the head's start commands."""
+def _mlflow_servers(config: dict[str, Any]) -> Iterator[tuple[int, dict[str, str], list[str]]]:
+    """(index, environment, words) of each `mlflow server` among the head's start commands."""
     for i, command in enumerate(str(c) for c in config.get(_START_KEYS[0]) or []):
-        for _, words in shell_steps(command):
+        for env, words in shell_steps(command):
             if runs(words, "mlflow", "server"):
-                yield i, words
+                yield i, env, words
 
 
 def _exposure_problems(config: dict[str, Any]) -> list[Problem]:
     """Inline secrets in any command; on every `ray start`, the dashboard's address and, when the
     head's MLflow asks for a password, the credentials its jobs write with (cluster/exposure.py)."""
-    auth = any(flags_of(words).get("app-name") for _, words in _mlflow_servers(config))
+    auth = any(flags_of(words).get("app-name") for _, _, words in _mlflow_servers(config))
     problems: list[Problem] = []
     for key in (*_COMMAND_KEYS, *_START_KEYS):
         for i, command in enumerate(str(c) for c in config.get(key) or []):

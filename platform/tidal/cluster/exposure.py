@@ -28,7 +28,19 @@ WILDCARD = ("0.0.0.0", "::", "[::]", "*")
 AUTH_DOC = "docs/security.md"
 # MLflow's client variables: a user and password, or a bearer token (mlflow/environment_variables.py).
 CREDENTIAL_VARS = (("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"), ("MLFLOW_TRACKING_TOKEN",))
-_SECRET_NAME = re.compile(r"(PASSWORD|PASSWD|TOKEN|SECRET|SECRET_ACCESS_KEY|API_KEY|PRIVATE_KEY)$", re.IGNORECASE)
+_SECRET_NAME = re.compile(r"(PASSWORD|PASSWD|TOKEN|SECRET|SECRET_KEY|SECRET_ACCESS_KEY|API_KEY|PRIVATE_KEY)$",
+                          re.IGNORECASE)
+# What MLflow 3.17's basic-auth app needs to start as the configs mean it (mlflow/server/auth/):
+# without the first it uses its packaged basic_auth.ini, whose default_permission READ lets every
+# user read every team's runs; without the other two it refuses to start on an empty user store.
+AUTH_APP_VARS = {
+    "MLFLOW_AUTH_CONFIG_PATH": "the settings, e.g. ~/mlflow-conf/basic_auth.ini (cluster_configs/mlflow/): MLflow's "
+                               "packaged one has default_permission READ, so every user would read every team's runs",
+    "MLFLOW_AUTH_ADMIN_PASSWORD": "the admin's first password, e.g. \"$(cat ~/.tidal/mlflow-admin-password)\": "
+                                  "MLflow refuses to start on an empty user store without it",
+    "MLFLOW_FLASK_SERVER_SECRET_KEY": "the key of its CSRF protection, e.g. \"$(cat ~/.tidal/mlflow-secret-key)\": "
+                                      "MLflow refuses to start without it",
+}
 
 
 def is_secret_name(name: str) -> bool:
@@ -67,6 +79,15 @@ def mlflow_exposure_problems(where: str, flags: Mapping[str, str], single_interf
                          "address instead: `HEAD_IP=$(hostname -I | awk '{print $1}'); ... mlflow server --host "
                          "$HEAD_IP`, and point MLFLOW_TRACKING_URI at http://$HEAD_IP:5000 on the head"))
     return problems
+
+
+def auth_app_problems(where: str, flags: Mapping[str, str], env: Mapping[str, Any] | set[str]) -> list[Problem]:
+    """`mlflow server --app-name basic-auth` gets the variables it needs from its own environment."""
+    if flags.get("app-name") != "basic-auth":
+        return []
+    return [(f"{where}.{name}", f"missing: MLflow's basic-auth app needs {why}; set it on the same command line "
+             "(on KubeRay: in the mlflow container's env, from a Secret)")
+            for name, why in AUTH_APP_VARS.items() if name not in env]
 
 
 def dashboard_problems(where: str, flags: Mapping[str, str]) -> list[Problem]:
@@ -127,5 +148,5 @@ def _where_bound(host: str) -> str:
     return "every interface of the node" if host in WILDCARD else "a public address"
 
 
-__all__ = ["CREDENTIAL_VARS", "credential_problems", "dashboard_problems", "inline_secret_problems", "is_public",
+__all__ = ["AUTH_APP_VARS", "CREDENTIAL_VARS", "auth_app_problems", "credential_problems", "dashboard_problems", "inline_secret_problems", "is_public",
            "is_secret_name", "kuberay_env_secret_problems", "mlflow_exposure_problems", "service_type_problems"]

@@ -27,6 +27,7 @@ from tidal.cluster.configs import (
     tracking_problems,
 )
 from tidal.cluster.exposure import (
+    auth_app_problems,
     credential_problems,
     kuberay_env_secret_problems,
     service_type_problems,
@@ -147,8 +148,10 @@ def _mlflow_problems(where: str, head: dict[str, Any]) -> list[Problem]:
     found = _mlflow_container(head)
     if found:
         c, words = found
-        return mlflow_server_problems(f"{where}[{c.get('name')}]", words,
-                                      lambda p: _on_shared_volume(p, c, pod), single_interface=True)
+        env = {e.get("name") for e in c.get("env") or [] if isinstance(e, dict)}
+        return (mlflow_server_problems(f"{where}[{c.get('name')}]", words,
+                                       lambda p: _on_shared_volume(p, c, pod), single_interface=True)
+                + auth_app_problems(f"{where}[{c.get('name')}].env", flags_of(words), env))
     return [(where, "no container runs `mlflow server`: add a second container to the head pod (the same image) "
              "with command [mlflow, server] and args --app-name basic-auth --host 0.0.0.0 --port 5000 "
              "--backend-store-uri sqlite:////mlflow/mlflow.db --artifacts-destination /mnt/tidal/mlartifacts "
