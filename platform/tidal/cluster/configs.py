@@ -273,12 +273,10 @@ def _mlflow_problems(config: dict[str, Any]) -> list[Problem]:
     for i, env, words in _mlflow_servers(config):
         return (mlflow_server_problems(f"{key}[{i}]", words, partial(_shared, config), single_machine=fake)
                 + auth_app_problems(f"{key}[{i}]", flags_of(words), env))
-    return [(key, "no `mlflow server`: start MLflow on the head, in the background so the command returns, "
-             "with authentication on the head's private address, e.g. `HEAD_IP=$(hostname -I | awk '{print $1}'); "
-             "MLFLOW_AUTH_CONFIG_PATH=~/mlflow/basic_auth.ini MLFLOW_AUTH_ADMIN_PASSWORD=\"$(cat "
-             "~/.tidal/mlflow-admin-password)\" nohup mlflow server --app-name basic-auth --host $HEAD_IP --port "
-             "5000 --backend-store-uri sqlite:///$HOME/mlflow/mlflow.db --artifacts-destination "
-             "s3://bucket/mlartifacts > ~/mlflow/server.log 2>&1 < /dev/null &` (cluster_configs/aws-burst.yaml), "
+    return [(key, "no `mlflow server`: start MLflow on the head in the background, with authentication on the "
+             "head's private address, as cluster_configs/aws-burst.yaml does (`nohup mlflow server --app-name "
+             "basic-auth --host $HEAD_IP --port 5000 --backend-store-uri sqlite:///$HOME/mlflow/mlflow.db "
+             "--artifacts-destination s3://bucket/mlartifacts ... &`, its settings and secrets read from files), "
              "and point MLFLOW_TRACKING_URI at it on every node")]
 
 
