@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import copy
 import difflib
-import re
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
@@ -40,6 +39,7 @@ import yaml
 from tidal.cluster import SITE_LABEL, SITES, site_resource
 from tidal.cluster.exposure import (
     auth_app_problems,
+    auth_problems,
     credential_problems,
     dashboard_problems,
     inline_secret_problems,
@@ -65,7 +65,6 @@ _SINGLE_MACHINE_PROVIDERS = ("fake_multinode",)
 _FAKE_PROVIDER_MODULE = "ray.autoscaler._private.fake_multi_node.node_provider.FakeMultiNodeProvider"
 _COMMAND_KEYS = ("initialization_commands", "setup_commands", "head_setup_commands", "worker_setup_commands")
 _START_KEYS = ("head_start_ray_commands", "worker_start_ray_commands")
-_AUTH_DISABLED = re.compile(r"RAY_AUTH_MODE\s*[=:]\s*[\"']?disabled", re.IGNORECASE)
 _LOOPBACK = ("localhost", "127.0.0.1", "::1", "0.0.0.0")
 
 
@@ -376,28 +375,6 @@ def mlflow_server_problems(where: str, words: list[str], shared: Callable[[str],
                          "so other nodes cannot reach it; bind the head's private address with authentication: "
                          "--app-name basic-auth --host $HEAD_IP (see cluster_configs/aws-burst.yaml)"))
     return problems + mlflow_exposure_problems(where, flags, single_interface)
-
-
-def auth_problems(config: Any) -> list[Problem]:
-    """Token auth is Ray 2.60's default; a config that turns it off is refused."""
-    problems = []
-    for where, value in _walk(config, ""):
-        if isinstance(value, str) and _AUTH_DISABLED.search(value):
-            problems.append((where, "sets RAY_AUTH_MODE=disabled; keep token auth on (remove it and "
-                             "give every node the token: ~/.ray/auth_token or RAY_AUTH_TOKEN)"))
-        elif isinstance(value, dict) and value.get("name") == "RAY_AUTH_MODE" and value.get("value") == "disabled":
-            problems.append((where, "sets RAY_AUTH_MODE to disabled; keep token auth on (value: token)"))
-    return problems
-
-
-def _walk(value: Any, where: str) -> Iterator[tuple[str, Any]]:
-    yield where or "<config>", value
-    if isinstance(value, dict):
-        for k, v in value.items():
-            yield from _walk(v, f"{where}.{k}" if where else str(k))
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            yield from _walk(v, f"{where}[{i}]")
 
 
 def _provider_type(config: dict[str, Any]) -> str | None:

@@ -10,7 +10,8 @@ The rules (docs/security.md says why each one matters):
   loopback (Ray's default), reached by SSH port forwarding or a TLS proxy on the head;
 - jobs on a cluster whose MLflow asks for a password carry MLflow's own client variables;
 - a secret (a password, a token, a key) is never written inline: it is read from a file or a
-  Kubernetes Secret the cluster holds.
+  Kubernetes Secret the cluster holds;
+- Ray's token auth stays on (`RAY_AUTH_MODE=disabled` anywhere is refused).
 Each is a small pure function returning (where, message) pairs, like cluster/configs.py.
 """
 
@@ -18,10 +19,11 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 Problem = tuple[str, str]
+_AUTH_DISABLED = re.compile(r"RAY_AUTH_MODE\s*[=:]\s*[\"']?disabled", re.IGNORECASE)
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 WILDCARD = ("0.0.0.0", "::", "[::]", "*")
@@ -139,6 +141,28 @@ def service_type_problems(where: str, head_group: Mapping[str, Any]) -> list[Pro
              f"or an Ingress with TLS ({AUTH_DOC})")]
 
 
+def auth_problems(config: Any) -> list[Problem]:
+    """Token auth is Ray 2.60's default; a config that turns it off is refused."""
+    problems = []
+    for where, value in _walk(config, ""):
+        if isinstance(value, str) and _AUTH_DISABLED.search(value):
+            problems.append((where, "sets RAY_AUTH_MODE=disabled; keep token auth on (remove it and "
+                             "give every node the token: ~/.ray/auth_token or RAY_AUTH_TOKEN)"))
+        elif isinstance(value, dict) and value.get("name") == "RAY_AUTH_MODE" and value.get("value") == "disabled":
+            problems.append((where, "sets RAY_AUTH_MODE to disabled; keep token auth on (value: token)"))
+    return problems
+
+
+def _walk(value: Any, where: str) -> Iterator[tuple[str, Any]]:
+    yield where or "<config>", value
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _walk(v, f"{where}.{k}" if where else str(k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _walk(v, f"{where}[{i}]")
+
+
 def _literal(value: Any) -> bool:
     """A value written out, not read at run time (`$VAR`, `$(cat file)`)."""
     return isinstance(value, str) and bool(value) and not value.startswith("$")
@@ -148,5 +172,6 @@ def _where_bound(host: str) -> str:
     return "every interface of the node" if host in WILDCARD else "a public address"
 
 
-__all__ = ["AUTH_APP_VARS", "CREDENTIAL_VARS", "auth_app_problems", "credential_problems", "dashboard_problems", "inline_secret_problems", "is_public",
-           "is_secret_name", "kuberay_env_secret_problems", "mlflow_exposure_problems", "service_type_problems"]
+__all__ = ["AUTH_APP_VARS", "CREDENTIAL_VARS", "auth_app_problems", "auth_problems", "credential_problems",
+           "dashboard_problems", "inline_secret_problems", "is_public", "is_secret_name", "kuberay_env_secret_problems",
+           "mlflow_exposure_problems", "service_type_problems"]
