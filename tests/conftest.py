@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -109,6 +110,50 @@ def moto_s3(log: Path, server_env: dict[str, str] | None = None) -> Iterator[str
     finally:
         restore_env(old)
         stop_session(proc)
+
+
+MLFLOW_AUTH_INI = ROOT / "cluster_configs" / "mlflow" / "basic_auth.ini"  # what the cluster configs run
+
+
+@contextmanager
+def mlflow_server(tmp: Path, artifacts: str, env: dict[str, str] | None = None,
+                  admin_password: str | None = None) -> Iterator[str]:
+    """A real `mlflow server` on 127.0.0.1, its database and log in `tmp`, its artifacts at `artifacts`
+    (a path or an s3:// URI); `env` goes to the server alone. Yields its URI; stops its process group.
+
+    With `admin_password`, MLflow's basic-auth app runs as the cluster configs start it: the shipped
+    cluster_configs/mlflow/basic_auth.ini (no permission by default), its user store in `tmp` (the
+    server's working directory, as on the head), the admin `admin` with that password, and the
+    Flask secret key its CSRF protection needs."""
+    port = free_port()
+    server_env = {**os.environ, **(env or {})}
+    for name in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+        server_env.pop(name, None)  # a client's, not the server's
+    auth: list[str] = []
+    if admin_password is not None:
+        server_env |= {"MLFLOW_AUTH_CONFIG_PATH": str(MLFLOW_AUTH_INI), "MLFLOW_AUTH_ADMIN_PASSWORD": admin_password,
+                       "MLFLOW_FLASK_SERVER_SECRET_KEY": uuid.uuid4().hex}  # the app refuses to start without one
+        auth = ["--app-name", "basic-auth"]
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).parent / "mlflow"), "server", *auth, "--host", "127.0.0.1", "--port", str(port),
+         "--workers", "1", "--backend-store-uri", f"sqlite:///{tmp}/mlflow.db", "--artifacts-destination", artifacts],
+        env=server_env, cwd=tmp, stdout=(tmp / "mlflow.log").open("w"), stderr=subprocess.STDOUT,  # noqa: SIM115
+        start_new_session=True)
+    uri = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 300  # seen: 135 s to answer on this 2-core machine under load
+        while True:
+            try:
+                with urllib.request.urlopen(f"{uri}/health", timeout=2):  # unauthenticated in basic-auth too
+                    break
+            except OSError:
+                if time.time() > deadline or proc.poll() is not None:
+                    raise RuntimeError(f"mlflow server did not start: {(tmp / 'mlflow.log').read_text()[-3000:]}") from None
+                time.sleep(0.5)
+        yield uri
+    finally:
+        if proc.poll() is None:  # one that failed to start has nothing left to stop
+            stop_session(proc)
 
 
 @pytest.fixture(scope="session")

@@ -262,9 +262,104 @@ def test_mlflow_server_flags():
     assert set(wheres(check_launcher(c))) == {"head_start_ray_commands[1].--backend-store-uri",
                                               "head_start_ray_commands[1].--artifacts-destination",
                                               "head_start_ray_commands[1].--host"}
-    c["head_start_ray_commands"][1] = ("mlflow server --host 0.0.0.0 --backend-store-uri sqlite:////m.db "
-                                       "--default-artifact-root s3://b/mlartifacts &")
+    c["head_start_ray_commands"][1] = ("MLFLOW_AUTH_CONFIG_PATH=/a.ini MLFLOW_AUTH_ADMIN_PASSWORD=\"$(cat p)\" "
+                                       "MLFLOW_FLASK_SERVER_SECRET_KEY=\"$(cat k)\" mlflow server --app-name basic-auth "
+                                       "--host $HEAD_IP --backend-store-uri sqlite:////m.db --default-artifact-root "
+                                       "s3://b/mlartifacts &")
     assert check_launcher(c) == []
+
+
+# --- what a config exposes: MLflow's authentication and address, the dashboard, inline secrets --
+
+def mlflow_line(c: dict[str, Any]) -> int:
+    return next(i for i, cmd in enumerate(c["head_start_ray_commands"]) if "mlflow server" in cmd)
+
+
+@pytest.mark.parametrize("name", LAUNCHERS)
+def test_mlflow_on_every_interface_without_auth_is_refused(name: str):
+    """The configs as they were before issue #37: MLflow on 0.0.0.0:5000 with no authentication."""
+    c = config(name)
+    i = mlflow_line(c)
+    c["head_start_ray_commands"][i] = c["head_start_ray_commands"][i].replace("--app-name basic-auth ", "").replace(
+        "--host $HEAD_IP", "--host 0.0.0.0")
+    problems = check_launcher(c)
+    assert wheres(problems) == [f"head_start_ray_commands[{i}].--host"] * 2
+    assert "without authentication" in problems[0][1] and "--app-name basic-auth" in problems[0][1]
+    assert "every interface" in problems[1][1] and "private address" in problems[1][1]
+
+
+@pytest.mark.parametrize("name", LAUNCHERS)
+def test_mlflow_without_auth_on_a_private_address_is_refused(name: str):
+    c = config(name)
+    i = mlflow_line(c)
+    c["head_start_ray_commands"][i] = c["head_start_ray_commands"][i].replace("--app-name basic-auth ", "")
+    problems = check_launcher(c)
+    assert wheres(problems) == [f"head_start_ray_commands[{i}].--host"]
+    assert "MLflow listens on $HEAD_IP without authentication" in problems[0][1]
+
+
+def test_mlflow_on_loopback_needs_no_auth_and_a_public_ip_is_refused():
+    c = config("local-burst.yaml")  # one machine: 127.0.0.1, no authentication needed
+    assert "--host 127.0.0.1" in c["head_start_ray_commands"][0] and check_launcher(c) == []
+    c = aws()
+    c["head_start_ray_commands"][1] = c["head_start_ray_commands"][1].replace("--host $HEAD_IP", "--host 54.1.2.3")
+    problems = check_launcher(c)
+    assert wheres(problems) == ["head_start_ray_commands[1].--host"] and "a public address" in problems[0][1]
+
+
+@pytest.mark.parametrize("var", ["MLFLOW_AUTH_CONFIG_PATH", "MLFLOW_AUTH_ADMIN_PASSWORD",
+                                 "MLFLOW_FLASK_SERVER_SECRET_KEY"])
+def test_basic_auth_app_gets_what_it_needs_to_start_locked(var: str):
+    """Without its settings MLflow's packaged default_permission READ lets every user read every team's
+    runs; without the admin password or the CSRF key the server does not start (tests/test_mlflow_auth.py)."""
+    c = aws()
+    c["head_start_ray_commands"][1] = re.sub(rf'{var}=("[^"]+"|\S+)\s*', "", c["head_start_ray_commands"][1])
+    problems = check_launcher(c)
+    assert wheres(problems) == [f"head_start_ray_commands[1].{var}"] and "basic-auth app needs" in problems[0][1]
+    m = load(KUBERAY)
+    mlflow = containers(m, "head")[1]
+    mlflow["env"] = [e for e in mlflow["env"] if e["name"] != var]
+    assert wheres(check_kuberay(m)) == [f"spec.headGroupSpec.template.spec.containers[mlflow].env.{var}"]
+
+
+@pytest.mark.parametrize("name", LAUNCHERS)
+@pytest.mark.parametrize("key", ["head_start_ray_commands", "worker_start_ray_commands"])
+def test_jobs_on_a_cluster_with_mlflow_auth_carry_credentials(name: str, key: str):
+    c = config(name)
+    c[key] = [re.sub(r'MLFLOW_TRACKING_(USERNAME=\S+|PASSWORD="[^"]+")\s*', "", cmd) for cmd in c[key]]
+    problems = check_launcher(c)
+    assert wheres(problems) == [f"{key}[{start_index(c[key])}]"]
+    assert "MLFLOW_TRACKING_USERNAME" in problems[0][1] and "MLFLOW_TRACKING_TOKEN" in problems[0][1]
+    c[key] = [cmd.replace("RAY_AUTH_MODE=", 'MLFLOW_TRACKING_TOKEN="$(cat ~/.tidal/mlflow-token)" RAY_AUTH_MODE=') for cmd in c[key]]
+    assert check_launcher(c) == []  # a token does as well
+
+
+@pytest.mark.parametrize("name", LAUNCHERS)
+def test_dashboard_on_a_public_address_is_refused(name: str):
+    c = config(name)
+    i = start_index(c["head_start_ray_commands"])
+    c["head_start_ray_commands"][i] += " --dashboard-host=0.0.0.0"
+    problems = check_launcher(c)
+    assert wheres(problems) == [f"head_start_ray_commands[{i}].--dashboard-host"]
+    assert "ray dashboard" in problems[0][1] and "TLS" in problems[0][1]
+    c["head_start_ray_commands"][i] = c["head_start_ray_commands"][i].replace("0.0.0.0", "10.0.0.10")
+    assert check_launcher(c) == []  # a private address is not public
+
+
+@pytest.mark.parametrize(("key", "var"), [("head_start_ray_commands", "MLFLOW_AUTH_ADMIN_PASSWORD"),
+                                          ("worker_start_ray_commands", "MLFLOW_TRACKING_PASSWORD"),
+                                          ("setup_commands", "RAY_AUTH_TOKEN")])
+def test_inline_secret_is_refused_naming_the_key(key: str, var: str):
+    c = aws()
+    if key == "setup_commands":
+        c[key].append(f"export {var}=abc123; echo $HOME")
+        i = len(c[key]) - 1
+    else:
+        i = next(j for j, cmd in enumerate(c[key]) if var in cmd)
+        c[key][i] = re.sub(rf'{var}="[^"]+"', f"{var}=hunter2", c[key][i])
+    problems = check_launcher(c)
+    assert wheres(problems) == [f"{key}[{i}].{var}"]
+    assert "secret written inline" in problems[0][1] and "$(cat" in problems[0][1]
 
 
 def test_old_checkpoint_storage_key_is_replaced_by_tidal_storage():
@@ -278,7 +373,7 @@ def test_old_checkpoint_storage_key_is_replaced_by_tidal_storage():
 def test_local_provider_declares_everything_on_ray_start_lines():
     c = load(ROOT / "cluster_configs" / "onprem.yaml")
     c["worker_start_ray_commands"] = ["TIDAL_STORAGE=/mnt/tidal/runs MLFLOW_TRACKING_URI=http://$RAY_HEAD_IP:5000 "
-                                      "ray start --address=$RAY_HEAD_IP:6379 --num-gpus=1.5"]
+                                      "MLFLOW_TRACKING_TOKEN=$(cat ~/t) ray start --address=$RAY_HEAD_IP:6379 --num-gpus=1.5"]
     problems = check_launcher(c)
     assert set(wheres(problems)) == {"worker_start_ray_commands.--num-gpus",
                                      f"worker_start_ray_commands.--labels {SITE_LABEL}",
@@ -374,6 +469,27 @@ def test_kuberay_storage_and_tracking_values():
     m = load(KUBERAY)
     m["metadata"]["annotations"] = {"tidal.io/checkpoint-storage": "s3://b/runs"}
     assert wheres(check_kuberay(m)) == ["metadata.annotations.tidal.io/checkpoint-storage"]
+
+
+def test_kuberay_exposure_and_inline_secrets():
+    m = load(KUBERAY)
+    mlflow = containers(m, "head")[1]
+    mlflow["args"] = [a for a in mlflow["args"] if not a.startswith("--app-name")]
+    problems = check_kuberay(m)
+    assert wheres(problems) == ["spec.headGroupSpec.template.spec.containers[mlflow].--host"]
+    assert "without authentication" in problems[0][1]  # 0.0.0.0 alone is the pod's IP: not refused
+    m = load(KUBERAY)
+    m["spec"]["headGroupSpec"]["serviceType"] = "LoadBalancer"
+    mlflow = containers(m, "head")[1]
+    mlflow["env"] = [{"name": e["name"], "value": "hunter2"} if e["name"] == "MLFLOW_AUTH_ADMIN_PASSWORD" else e
+                     for e in mlflow["env"]]
+    worker = containers(m, "cloud-gpu")[0]
+    worker["env"] = [e for e in worker["env"] if not e["name"].startswith("MLFLOW_TRACKING_")
+                     or e["name"] == "MLFLOW_TRACKING_URI"]
+    assert set(wheres(check_kuberay(m))) == {
+        "spec.headGroupSpec.serviceType",
+        "spec.headGroupSpec.template.spec.containers[mlflow].env.MLFLOW_AUTH_ADMIN_PASSWORD",
+        CLOUD_WORKER}
 
 
 # --- the CLI ----------------------------------------------------------------------------------

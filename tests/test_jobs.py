@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from tests.conftest import (
     NO_DRAIN_ON_SIGTERM,
     ROOT,
     free_port,
+    mlflow_server,
     restore_env,
     stop_session,
     tiny_spec,
@@ -43,27 +43,8 @@ def cluster_env(tmp_path_factory, s3_server) -> Iterator[dict[str, str]]:
     tmp = tmp_path_factory.mktemp("tracking")
     bucket = f"cluster-{secrets.token_hex(6)}"
     boto3.client("s3").create_bucket(Bucket=bucket)
-    port = free_port()
-    env = {**os.environ, "MLFLOW_S3_ENDPOINT_URL": os.environ["AWS_ENDPOINT_URL"]}
-    proc = subprocess.Popen(
-        [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
-         "--workers", "1", "--backend-store-uri", f"sqlite:///{tmp}/mlflow.db",
-         "--artifacts-destination", f"s3://{bucket}/mlartifacts"],
-        env=env, stdout=(tmp / "mlflow.log").open("w"), stderr=subprocess.STDOUT, start_new_session=True)  # noqa: SIM115
-    uri = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 90
-        while True:
-            try:
-                with urllib.request.urlopen(f"{uri}/health", timeout=2):
-                    break
-            except OSError:
-                if time.time() > deadline or proc.poll() is not None:
-                    raise RuntimeError(f"mlflow server did not start: {(tmp / 'mlflow.log').read_text()[-3000:]}") from None
-                time.sleep(0.5)
+    with mlflow_server(tmp, f"s3://{bucket}/mlartifacts", {"MLFLOW_S3_ENDPOINT_URL": os.environ["AWS_ENDPOINT_URL"]}) as uri:
         yield {"MLFLOW_TRACKING_URI": uri, "TIDAL_STORAGE": f"s3://{bucket}/tidal"}
-    finally:
-        stop_session(proc)
 
 
 @pytest.fixture(scope="module")

@@ -8,20 +8,16 @@ job ends with one run holding every step once."""
 from __future__ import annotations
 
 import http.server
-import subprocess
-import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from tests.conftest import free_port, metric_history, stop_session, tiny_spec
+from tests.conftest import metric_history, mlflow_server, tiny_spec
 from tests.test_tracking_ledger import emit
 from tidal.storage import JOB_FILE, RunDir
 from tidal.tracking.tracker import Tracker
@@ -78,35 +74,17 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
 
 @pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory) -> Iterator[str]:
+def server_uri(tmp_path_factory) -> Iterator[str]:
     tmp = tmp_path_factory.mktemp("mlflow-server")
-    port = free_port()
-    proc = subprocess.Popen(
-        [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
-         "--workers", "1", "--backend-store-uri", f"sqlite:///{tmp}/mlflow.db",
-         "--artifacts-destination", str(tmp / "artifacts")],
-        stdout=(tmp / "mlflow.log").open("w"), stderr=subprocess.STDOUT, start_new_session=True)  # noqa: SIM115
-    uri = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 90
-        while True:
-            try:
-                with urllib.request.urlopen(f"{uri}/health", timeout=2):
-                    break
-            except OSError:
-                if time.time() > deadline or proc.poll() is not None:
-                    raise RuntimeError(f"mlflow server did not start: {(tmp / 'mlflow.log').read_text()[-3000:]}") from None
-                time.sleep(0.5)
+    with mlflow_server(tmp, str(tmp / "artifacts")) as uri:
         yield uri
-    finally:
-        stop_session(proc)
 
 
 @pytest.fixture
-def proxy(mlflow_server, monkeypatch) -> Iterator[FaultyProxy]:
+def proxy(server_uri, monkeypatch) -> Iterator[FaultyProxy]:
     # MLflow's client retries a 5xx itself 7 times over about two minutes; the first answer is enough here.
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-    server = FaultyProxy(mlflow_server)
+    server = FaultyProxy(server_uri)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield server

@@ -19,8 +19,10 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     sub = c.add_subparsers(title="cluster commands", metavar="COMMAND")
     v = sub.add_parser("validate", help="check cluster configs with Ray's schema and Tidal's conventions",
                        description="Check Ray cluster launcher YAMLs and KubeRay RayCluster manifests: Ray's "
-                       "schema, site labels and resources, whole GPUs, worker bounds, token auth, and TIDAL_STORAGE / "
-                       "MLFLOW_TRACKING_URI on every node with an mlflow server on the head.")
+                       "schema, site labels and resources, whole GPUs, worker bounds, token auth, TIDAL_STORAGE / "
+                       "MLFLOW_TRACKING_URI on every node with an mlflow server on the head, and what is exposed: "
+                       "MLflow off loopback only with authentication on a private address, no dashboard on a "
+                       "public address, no secret written inline (docs/security.md).")
     v.add_argument("files", nargs="+", metavar="FILE", help="e.g. cluster_configs/*.yaml cluster_configs/kuberay/*.yaml")
     v.set_defaults(func=validate_command)
     s = sub.add_parser("status", help="nodes by site with GPUs used/free, pending demand, where jobs run",

@@ -16,6 +16,9 @@ Tidal's conventions, on top of Ray's schema (docs/cluster.md explains them):
   job and worker the node starts; the head starts that `mlflow server`, with its database on the
   head's disk and its artifacts on the shared storage;
 - token auth stays on: `RAY_AUTH_MODE=disabled` anywhere is an error;
+- nothing is exposed that should not be (cluster/exposure.py): MLflow off loopback runs MLflow's
+  authentication app and binds the head's private address, its jobs carry MLflow credentials, Ray's
+  dashboard stays off public addresses, and no secret is written inline;
 - every node type says what it costs: the label `tidal.io/price-per-hour` (cluster/prices.py).
 
 A KubeRay `RayCluster` manifest gets the same conventions, checked on its groups (kuberay.py).
@@ -25,13 +28,20 @@ from __future__ import annotations
 
 import copy
 import difflib
-import re
 from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
 from urllib.parse import urlparse
 
 from tidal.cluster import SITE_LABEL, SITES, site_resource
+from tidal.cluster.exposure import (
+    auth_app_problems,
+    auth_problems,
+    credential_problems,
+    dashboard_problems,
+    inline_secret_problems,
+    mlflow_exposure_problems,
+)
 from tidal.cluster.prices import PRICE_LABEL, price_problems
 from tidal.cluster.shell import (
     flags_of,
@@ -53,7 +63,6 @@ _SINGLE_MACHINE_PROVIDERS = ("fake_multinode",)
 _FAKE_PROVIDER_MODULE = FAKE_PROVIDER_MODULE
 _COMMAND_KEYS = ("initialization_commands", "setup_commands", "head_setup_commands", "worker_setup_commands")
 _START_KEYS = ("head_start_ray_commands", "worker_start_ray_commands")
-_AUTH_DISABLED = re.compile(r"RAY_AUTH_MODE\s*[=:]\s*[\"']?disabled", re.IGNORECASE)
 _LOOPBACK = ("localhost", "127.0.0.1", "::1", "0.0.0.0")
 
 
@@ -70,6 +79,7 @@ def check_launcher(config: dict[str, Any]) -> list[Problem]:
         problems += _node_type_problems(config)
     problems += _environment_problems(config)
     problems += _mlflow_problems(config)
+    problems += _exposure_problems(config)
     problems += auth_problems(config)
     return problems
 
@@ -240,14 +250,37 @@ def _old_storage_key(config: dict[str, Any]) -> list[Problem]:
 def _mlflow_problems(config: dict[str, Any]) -> list[Problem]:
     """The head starts the `mlflow server` that MLFLOW_TRACKING_URI points at."""
     key, fake = _START_KEYS[0], _provider_type(config) in _SINGLE_MACHINE_PROVIDERS
-    for i, command in enumerate(str(c) for c in config.get(key) or []):
-        for _, words in shell_steps(command):
+    for i, env, words in _mlflow_servers(config):
+        return (mlflow_server_problems(f"{key}[{i}]", words, partial(_shared, config), single_machine=fake)
+                + auth_app_problems(f"{key}[{i}]", flags_of(words), env))
+    return [(key, "no `mlflow server`: start MLflow on the head in the background, with authentication on the "
+             "head's private address, as cluster_configs/aws-burst.yaml does (`nohup mlflow server --app-name "
+             "basic-auth --host $HEAD_IP --port 5000 --backend-store-uri sqlite:///$HOME/mlflow/mlflow.db "
+             "--artifacts-destination s3://bucket/mlartifacts ... &`, its settings and secrets read from files), "
+             "and point MLFLOW_TRACKING_URI at it on every node")]
+
+
+def _mlflow_servers(config: dict[str, Any]) -> Iterator[tuple[int, dict[str, str], list[str]]]:
+    """(index, environment, words) of each `mlflow server` among the head's start commands."""
+    for i, command in enumerate(str(c) for c in config.get(_START_KEYS[0]) or []):
+        for env, words in shell_steps(command):
             if runs(words, "mlflow", "server"):
-                return mlflow_server_problems(f"{key}[{i}]", words, partial(_shared, config), single_machine=fake)
-    return [(key, "no `mlflow server`: start MLflow on the head, in the background so the command returns, "
-             "e.g. `nohup mlflow server --host 0.0.0.0 --port 5000 --backend-store-uri "
-             "sqlite:///$HOME/mlflow/mlflow.db --artifacts-destination s3://bucket/mlartifacts > "
-             "~/mlflow/server.log 2>&1 < /dev/null &`, and point MLFLOW_TRACKING_URI at it on every node")]
+                yield i, env, words
+
+
+def _exposure_problems(config: dict[str, Any]) -> list[Problem]:
+    """Inline secrets in any command; on every `ray start`, the dashboard's address and, when the
+    head's MLflow asks for a password, the credentials its jobs write with (cluster/exposure.py)."""
+    auth = any(flags_of(words).get("app-name") for _, _, words in _mlflow_servers(config))
+    problems: list[Problem] = []
+    for key in (*_COMMAND_KEYS, *_START_KEYS):
+        for i, command in enumerate(str(c) for c in config.get(key) or []):
+            for env, words in shell_steps(command):
+                problems += inline_secret_problems(f"{key}[{i}]", env)
+                if runs(words, "ray", "start"):
+                    problems += dashboard_problems(f"{key}[{i}]", flags_of(words))
+                    problems += credential_problems(f"{key}[{i}]", env) if auth and key in _START_KEYS else []
+    return list(dict.fromkeys(problems))  # an `export` reaches every later step of its line: report it once
 
 
 def _shared(config: dict[str, Any], path: str) -> bool:
@@ -300,8 +333,9 @@ def tracking_problems(where: str, value: str, single_machine: bool, on_head: boo
 
 
 def mlflow_server_problems(where: str, words: list[str], shared: Callable[[str], bool],
-                           single_machine: bool = False) -> list[Problem]:
-    """`mlflow server` flags: a database on the head's disk, artifacts on shared storage, reachable."""
+                           single_machine: bool = False, single_interface: bool = False) -> list[Problem]:
+    """`mlflow server` flags: a database on the head's disk, artifacts on shared storage, reachable,
+    and locked when reachable (`single_interface`: in a pod, where 0.0.0.0 is the pod's own IP)."""
     flags = flags_of(words)
     problems: list[Problem] = []
     if not flags.get("backend-store-uri"):
@@ -319,30 +353,9 @@ def mlflow_server_problems(where: str, words: list[str], shared: Callable[[str],
                                      f"cannot read; put the artifacts on the storage {STORAGE_VAR} uses")
     if not single_machine and flags.get("host", "127.0.0.1") in ("127.0.0.1", "localhost"):
         problems.append((f"{where}.--host", "MLflow listens on this machine only (127.0.0.1 is its default), "
-                         "so other nodes cannot reach it; add --host 0.0.0.0"))
-    return problems
-
-
-def auth_problems(config: Any) -> list[Problem]:
-    """Token auth is Ray 2.60's default; a config that turns it off is refused."""
-    problems = []
-    for where, value in _walk(config, ""):
-        if isinstance(value, str) and _AUTH_DISABLED.search(value):
-            problems.append((where, "sets RAY_AUTH_MODE=disabled; keep token auth on (remove it and "
-                             "give every node the token: ~/.ray/auth_token or RAY_AUTH_TOKEN)"))
-        elif isinstance(value, dict) and value.get("name") == "RAY_AUTH_MODE" and value.get("value") == "disabled":
-            problems.append((where, "sets RAY_AUTH_MODE to disabled; keep token auth on (value: token)"))
-    return problems
-
-
-def _walk(value: Any, where: str) -> Iterator[tuple[str, Any]]:
-    yield where or "<config>", value
-    if isinstance(value, dict):
-        for k, v in value.items():
-            yield from _walk(v, f"{where}.{k}" if where else str(k))
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            yield from _walk(v, f"{where}[{i}]")
+                         "so other nodes cannot reach it; bind the head's private address with authentication: "
+                         "--app-name basic-auth --host $HEAD_IP (see cluster_configs/aws-burst.yaml)"))
+    return problems + mlflow_exposure_problems(where, flags, single_interface)
 
 
 def _provider_type(config: dict[str, Any]) -> str | None:

@@ -4,7 +4,9 @@ not apply; KubeRay builds the Ray config itself).
 Checked on the head group and every worker group: the site label and resource in
 `rayStartParams`, whole GPUs, autoscaling bounds, and `TIDAL_STORAGE` / `MLFLOW_TRACKING_URI` in
 the `env` of every container (a path in TIDAL_STORAGE must lie on a shared volume that container
-mounts); on the head, a container that runs `mlflow server`; token auth stays on.
+mounts); on the head, a container that runs `mlflow server`, with authentication, and every
+container's jobs carry MLflow credentials; no secret as a literal env value; the head service stays
+inside the Kubernetes cluster; token auth stays on (cluster/exposure.py).
 """
 
 from __future__ import annotations
@@ -27,9 +29,16 @@ from tidal.cluster.configs import (
     storage_problems,
     tracking_problems,
 )
+from tidal.cluster.exposure import (
+    auth_app_problems,
+    credential_problems,
+    kuberay_env_secret_problems,
+    service_type_problems,
+)
 from tidal.cluster.kueue import KUEUE_KINDS, kueue_problems, label, quantity
 from tidal.cluster.prices import PRICE_LABEL, price_problems
 from tidal.cluster.shell import (
+    flags_of,
     number,
     parse_labels,
     parse_resources,
@@ -61,6 +70,7 @@ def check_kuberay(manifest: dict[str, Any]) -> list[Problem]:
     else:
         problems += kuberay_group_problems("spec.headGroupSpec", head, True)
         problems += _mlflow_problems("spec.headGroupSpec.template.spec.containers", head)
+        problems += service_type_problems("spec.headGroupSpec", head)
     groups = spec.get("workerGroupSpecs") or []
     if not groups:
         problems.append(("spec.workerGroupSpecs", "no worker groups: add an on-prem and a cloud GPU group"))
@@ -68,7 +78,22 @@ def check_kuberay(manifest: dict[str, Any]) -> list[Problem]:
         name = group.get("groupName", i) if isinstance(group, dict) else i
         if isinstance(group, dict):
             problems += kuberay_group_problems(f"spec.workerGroupSpecs[{name}]", group, False)
+    if isinstance(head, dict) and _mlflow_has_auth(head):
+        problems += [p for where, g in _groups(spec) for c in _containers(g)
+                     for p in credential_problems(f"{where}.template.spec.containers[{c.get('name')}].env",
+                                                  {e.get("name"): e for e in c.get("env") or [] if isinstance(e, dict)})]
     return problems + auth_problems(manifest)
+
+
+def _groups(spec: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    groups = [("spec.headGroupSpec", spec.get("headGroupSpec"))]
+    groups += [(f"spec.workerGroupSpecs[{g.get('groupName', i)}]", g)
+               for i, g in enumerate(spec.get("workerGroupSpecs") or []) if isinstance(g, dict)]
+    return [(w, g) for w, g in groups if isinstance(g, dict)]
+
+
+def _containers(group: dict[str, Any]) -> list[dict[str, Any]]:
+    return [c for c in ((group.get("template") or {}).get("spec") or {}).get("containers") or [] if isinstance(c, dict)]
 
 
 def kuberay_group_problems(where: str, group: dict[str, Any], is_head: bool, with_job: bool = False) -> list[Problem]:
@@ -88,6 +113,8 @@ def kuberay_group_problems(where: str, group: dict[str, Any], is_head: bool, wit
             problems += gpu_problems(f"{where}.containers[{c.get('name')}].resources.{kind}.nvidia.com/gpu",
                                      number(str(gpus)) if gpus is not None else None)
         problems += _env_problems(f"{where}.template.spec.containers[{c.get('name')}].env", c, pod, is_head)
+        problems += kuberay_env_secret_problems(f"{where}.template.spec.containers[{c.get('name')}].env",
+                                                c.get("env") or [])
     if is_head:
         return problems
     low, high = group.get("minReplicas", 0), group.get("maxReplicas")
@@ -124,16 +151,33 @@ def _env_problems(where: str, container: dict[str, Any], pod: dict[str, Any], is
 def _mlflow_problems(where: str, head: dict[str, Any]) -> list[Problem]:
     """A container of the head pod runs `mlflow server` (the same image has it: Tidal depends on MLflow)."""
     pod = (head.get("template") or {}).get("spec") or {}
-    for c in pod.get("containers") or []:
+    found = _mlflow_container(head)
+    if found:
+        c, words = found
+        env = {e.get("name") for e in c.get("env") or [] if isinstance(e, dict)}
+        return (mlflow_server_problems(f"{where}[{c.get('name')}]", words,
+                                       lambda p: _on_shared_volume(p, c, pod), single_interface=True)
+                + auth_app_problems(f"{where}[{c.get('name')}].env", flags_of(words), env))
+    return [(where, "no container runs `mlflow server`: add a second container to the head pod (the same image) "
+             "with command [mlflow, server] and args --app-name basic-auth --host 0.0.0.0 --port 5000 "
+             "--backend-store-uri sqlite:////mlflow/mlflow.db --artifacts-destination /mnt/tidal/mlartifacts "
+             "(see cluster_configs/kuberay/raycluster.yaml), and port 5000 on the head's first container so that "
+             "KubeRay's head service exposes it")]
+
+
+def _mlflow_container(head: dict[str, Any]) -> tuple[dict[str, Any], list[str]] | None:
+    """The head pod's container that runs `mlflow server`, with that command's words."""
+    for c in _containers(head):
         line = " ".join(str(w) for w in [*(c.get("command") or []), *(c.get("args") or [])])
         for _, words in shell_steps(line):
             if runs(words, "mlflow", "server"):
-                return mlflow_server_problems(f"{where}[{c.get('name')}]", words,
-                                              lambda p, c=c: _on_shared_volume(p, c, pod))
-    return [(where, "no container runs `mlflow server`: add a second container to the head pod (the same image) "
-             "with command [mlflow, server] and args --host 0.0.0.0 --port 5000 --backend-store-uri "
-             "sqlite:////mlflow/mlflow.db --artifacts-destination /mnt/tidal/mlartifacts, and port 5000 on the "
-             "head's first container so that KubeRay's head service exposes it")]
+                return c, words
+    return None
+
+
+def _mlflow_has_auth(head: dict[str, Any]) -> bool:
+    found = _mlflow_container(head)
+    return bool(found and flags_of(found[1]).get("app-name"))
 
 
 def _on_shared_volume(path: str, container: dict[str, Any], pod: dict[str, Any]) -> bool:

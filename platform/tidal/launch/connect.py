@@ -1,5 +1,6 @@
 """Which Ray a driver uses: the cluster in RAY_ADDRESS, the one `ray start` started on this machine,
-or a local instance of its own.
+or a local instance of its own; and whether the way to a cluster's dashboard carries its token in
+clear (`plain_token_warning`).
 
 Ray's own `ray.init()` without an address connects to the cluster whose address `ray start` (or a
 test `Cluster`) wrote to `<temp dir>/ray/ray_current_cluster`; when that cluster has since died
@@ -19,12 +20,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 DASHBOARD_ENV = "TIDAL_RAY_DASHBOARD"
 QUIET_HOOK = "tidal.tracking.quiet.quiet_placement_group_cleaner"
 RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # a submitted job's config, set by Ray's job supervisor
 LOCAL_START = "[tidal] no RAY_ADDRESS: starting a local Ray instance"
 log = logging.getLogger("tidal")
+_LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+_warned: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -126,3 +130,25 @@ def cluster_ray_options(env: Mapping[str, str]) -> dict[str, Any]:
     if "worker_process_setup_hook" in submitted:
         return {}
     return {"runtime_env": {"worker_process_setup_hook": QUIET_HOOK}}
+
+
+def plain_token_warning(address: str, has_token: bool) -> str | None:
+    """What to say when the cluster token would travel in clear: plain http (or no scheme, which
+    Ray's client reads as http) to anything but this machine; None otherwise. A tunnel's local end
+    (`ray dashboard CLUSTER.yaml` forwards 8265 over SSH) is loopback, so it passes."""
+    url = urlparse(address if "://" in address else f"http://{address}")
+    if not has_token or url.scheme != "http" or url.hostname in _LOOPBACK_HOSTS:
+        return None
+    return (f"warning: the Ray token goes to {address} over plain http, readable by anyone on the way, and "
+            "whoever holds it runs code as the cluster. Forward the dashboard over SSH (`ray dashboard "
+            "CLUSTER.yaml`, then --address http://127.0.0.1:8265; KubeRay: `kubectl port-forward "
+            "svc/<cluster>-head-svc 8265`), or put a TLS proxy on the head and use --address https://... "
+            "(docs/security.md)")
+
+
+def warn_plain_token(address: str, has_token: bool) -> None:
+    """Print `plain_token_warning` on stderr, once per address and process."""
+    message = plain_token_warning(address, has_token)
+    if message and address not in _warned:
+        _warned.add(address)
+        print(message, file=sys.stderr, flush=True)

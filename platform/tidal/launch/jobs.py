@@ -23,6 +23,7 @@ from urllib.parse import urlparse
 
 from tidal.cluster.quotas import cluster_quotas, resolve_scheduling
 from tidal.errors import ClusterError, TidalError
+from tidal.launch.connect import warn_plain_token
 from tidal.launch.result import RunResult
 from tidal.output import parse_record
 from tidal.ray_private import walk_working_dir, working_dir_upload_cap
@@ -59,6 +60,7 @@ def connect(address: str | None = None) -> Any:
     if not address:
         raise ClusterError("no cluster address: pass --address http://HEAD:8265 or set RAY_ADDRESS")
     token = auth_token()
+    warn_plain_token(address, token is not None)
     headers = {"Authorization": f"Bearer {token}"} if token else None
     try:
         return JobSubmissionClient(address, headers=headers)
