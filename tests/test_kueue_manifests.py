@@ -21,7 +21,7 @@ import jsonschema
 import pytest
 import yaml
 
-from tidal.cluster.configs import validate_cluster_config
+from tidal.cluster.check import validate_cluster_config
 from tidal.cluster.kuberay import check_rayjob, manifest_problems
 from tidal.cluster.kueue import (
     ELASTIC_ANNOTATION,

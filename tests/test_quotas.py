@@ -76,7 +76,7 @@ def test_unknown_priority_or_team_is_refused_listing_the_defined_ones(tmp_path):
 # --- `tidal cluster validate` ---------------------------------------------------------------------
 
 def test_cluster_validate_checks_the_quota_file_a_config_names(tmp_path):
-    from tidal.cluster.configs import validate_cluster_config
+    from tidal.cluster.check import validate_cluster_config
 
     config = tmp_path / "onprem.yaml"
     config.write_text((ROOT / "cluster_configs" / "onprem.yaml").read_text())
@@ -90,7 +90,7 @@ def test_cluster_validate_checks_the_quota_file_a_config_names(tmp_path):
 
 
 def test_cluster_validate_refuses_a_relative_quota_path(tmp_path):
-    from tidal.cluster.configs import validate_cluster_config
+    from tidal.cluster.check import validate_cluster_config
 
     config = tmp_path / "onprem.yaml"
     config.write_text((ROOT / "cluster_configs" / "onprem.yaml").read_text()
@@ -102,7 +102,7 @@ def test_cluster_validate_refuses_a_relative_quota_path(tmp_path):
 
 
 def test_a_quota_file_validates_as_itself(tmp_path):
-    from tidal.cluster.configs import validate_cluster_config
+    from tidal.cluster.check import validate_cluster_config
 
     path = Path(write(tmp_path, {"teams": {"v": {"cloud": {"borow": 1}}}}))
     assert [w for w, _ in validate_cluster_config(path)] == ["teams.v.cloud.borow"]
