@@ -27,6 +27,22 @@ def torch_device() -> torch.device:
     return torch.device("cpu")
 
 
+def skip_cpu_shm_allreduce() -> None:
+    """Keep DeepSpeed from JIT-building its shared-memory all-reduce op in a CPU worker.
+
+    DeepSpeed builds it (`deepspeed.comm.torch.build_shm_op`) whenever its communication backend
+    comes up on CPU, under torch's build lock (`torch.utils.file_baton.FileBaton`: a file with no
+    owner and no staleness check). A worker killed during that build, which elastic training
+    does, leaves the lock, and every later worker on the node waits for it forever. The op
+    serves only DeepSpeed's inference all-reduce: training's collectives go through gloo, so a
+    training worker loses nothing without it (and skips seconds of build per start). On GPU
+    DeepSpeed does not build it.
+    """
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # what build_shm_op checks first
+
+
 def dist_backend(gpus_per_worker: int) -> str:
     """torch.distributed backend for Ray's TorchConfig (driver side, chosen from the spec).
 

@@ -16,7 +16,7 @@ from tidal.spec.job import JobSpec
 from tidal.spec.schedule import DEEPSPEED_SCHEDULES, lr_factor
 from tidal.spec.user_refs import resize_refusal
 from tidal.tracking.quiet import quiet_deepspeed_comm
-from tidal.worker.device import arch_list_for_deepspeed
+from tidal.worker.device import arch_list_for_deepspeed, skip_cpu_shm_allreduce
 from tidal.worker.models import build_model, gpt
 
 quiet_deepspeed_comm()  # before any engine brings up DeepSpeed's communication backend
@@ -27,6 +27,8 @@ logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
 
 def build_engine(spec: JobSpec, world_size: int, device: torch.device, load_universal: bool = False) -> Any:
     """A DeepSpeed engine over the spec's model, on the process group Ray Train set up."""
+    if device.type == "cpu":
+        skip_cpu_shm_allreduce()  # before the communication backend comes up
     deepspeed.init_distributed()  # adopts the process group Ray Train created
     torch.manual_seed(spec.train.seed)  # identical initial weights on every rank and restart
     ckpt = _checkpoint_fn() if spec.parallelism.activation_checkpointing else None
