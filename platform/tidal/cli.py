@@ -21,6 +21,7 @@ from tidal.exporter.cli import register as register_export
 from tidal.launch.jobs import JOB_FIELDS, PROGRESS_FIELDS, Job
 from tidal.launch.sweep_cli import register as register_sweep
 from tidal.output import add_output_flag, print_json
+from tidal.redact import RedactingStream, redact_text
 from tidal.spec.job import JobSpec, notes
 from tidal.spec.load import load_spec
 from tidal.tracking.quiet import skip_known_ray_errors
@@ -71,6 +72,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
+    # Everything the command prints, Ray's copies of the workers' lines and tracebacks included,
+    # passes the one redaction rule (tidal/redact.py): a console is often a shared log.
+    out, err = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = RedactingStream(out), RedactingStream(err)
     try:
         return args.func(args) or 0
     except TidalError as e:
@@ -79,6 +84,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted; run the same command again to resume from the latest checkpoint", file=sys.stderr)
         return EXIT_INTERRUPTED
+    finally:
+        sys.stdout, sys.stderr = out, err
 
 
 def exit_code(e: TidalError) -> int:
@@ -90,7 +97,7 @@ def print_error(e: BaseException) -> None:
     """The message only; the traceback too under TIDAL_DEBUG=1."""
     if os.environ.get("TIDAL_DEBUG") == "1":
         traceback.print_exception(e)
-    print(f"error: {e}", file=sys.stderr)
+    print(redact_text(f"error: {e}"), file=sys.stderr)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -11,6 +11,8 @@ import json
 import math
 from typing import Any
 
+from tidal.redact import redact_data
+
 
 def add_output_flag(parser: argparse.ArgumentParser, fields: str) -> None:
     """`fields` says what the json document holds, for the command's --help."""
@@ -19,7 +21,8 @@ def add_output_flag(parser: argparse.ArgumentParser, fields: str) -> None:
 
 
 def print_json(data: Any) -> None:
-    print(json.dumps(finite(data), indent=2))
+    """Redacted (tidal/redact.py): a record or run's params may quote a credential-bearing URI."""
+    print(json.dumps(finite(redact_data(data)), indent=2))
 
 
 def finite(data: Any) -> Any:

@@ -11,6 +11,8 @@ import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from tidal.redact import redact_data, redact_text
+
 if TYPE_CHECKING:
     from tidal.storage import Found
 
@@ -83,7 +85,7 @@ class RunResult:
                   f"  MLflow run      {self.mlflow_run_id} in {self.tracking_uri}"]
         if self.url:
             lines.append(f"  open it with    {self.url}")
-        return "\n".join(lines)
+        return redact_text("\n".join(lines))  # the storage and tracking URIs may hold credentials
 
 
 # A submitted job prints one line starting with this, holding where it tracks and stores (name,
@@ -94,7 +96,9 @@ RECORD_PREFIX = "[tidal-record] "
 
 
 def print_record(data: dict[str, Any]) -> None:
-    print(f"{RECORD_PREFIX}{json.dumps(data)}", flush=True)
+    """Redacted: the job's logs are readable by every holder of the cluster's token. A reader
+    whose storage or tracking URI needs credentials supplies them from its own environment."""
+    print(f"{RECORD_PREFIX}{json.dumps(redact_data(data))}", flush=True)
 
 
 def parse_record(logs: str) -> dict[str, Any]:

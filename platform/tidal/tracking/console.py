@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
+from tidal.redact import redact_text
+
 PREFIX = "[tidal] "
 
 
@@ -24,7 +26,7 @@ class Console:
     def __call__(self, e: dict[str, Any]) -> None:
         line = getattr(self, f"_{e['kind']}", lambda _: None)(e)
         if line:
-            print(f"[tidal] {line}", flush=True)
+            print(redact_text(f"[tidal] {line}"), flush=True)
 
     def _metrics(self, e: dict[str, Any]) -> str | None:
         m, step = e["values"], int(e["step"])
