@@ -5,12 +5,16 @@ artifacts."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from tests.conftest import tiny_spec
+from tests.conftest import free_port, restore_env, tiny_spec
 from tidal.cli import main
 from tidal.errors import TidalError
 from tidal.launch.result import RunResult, parse_record, print_record
@@ -137,3 +141,64 @@ def test_runs_json_is_redacted(tmp_path, capsys) -> None:
     assert main(["runs", "--uri", uri, "--experiment", "tests", "--output", "json"]) == 0
     out = capsys.readouterr()
     assert "old" in out.out and SECRET not in out.out + out.err
+
+
+# --- end to end: a job whose every place holds a credential -------------------------------------
+STORAGE_SECRET, TRACKING_SECRET, ENV_SECRET = "StoreSecret0123456789", "TrackSecret0123456789", "EnvSecret0123456789"
+
+
+@pytest.mark.slow
+def test_no_sink_of_a_job_holds_its_credentials(tmp_path, bucket) -> None:
+    """`tidal run` with credentials in `checkpoint.storage`'s user-info (pyarrow and moto accept it),
+    in `tracking.uri`'s user-info (requests sends it as basic auth; a plain `mlflow server` ignores
+    it) and in secret variables of the job's environment: none reaches the console, MLflow's store
+    (params, tags, metrics, artifacts), the job's files in storage or `tidal runs --output json`."""
+    import boto3
+
+    from tests.test_cli import tidal_cli
+    from tests.test_telemetry import start_mlflow_server, stop
+
+    db, port = tmp_path / "server.db", free_port()
+    server = start_mlflow_server(db, port, tmp_path / "server.log")
+    try:
+        tracking = f"http://tidal:{TRACKING_SECRET}@127.0.0.1:{port}"
+        spec = tiny_spec(tmp_path, name="creds", **{
+            "train.steps": 8, "checkpoint.every_steps": 4, "scaling.min_workers": 1, "scaling.max_workers": 1,
+            "checkpoint.storage": f"s3://AKIATEST:{STORAGE_SECRET}@{bucket[len('s3://'):]}/runs", "tracking.uri": tracking})
+        job = tmp_path / "job.yaml"
+        job.write_text(json.dumps(spec.model_dump(mode="json")))  # JSON is YAML
+        env = {"MLFLOW_TRACKING_USERNAME": "tidal", "MLFLOW_TRACKING_PASSWORD": ENV_SECRET}
+        with _environ(env):
+            run = tidal_cli("run", str(job), cwd=tmp_path, timeout=540)
+            runs = tidal_cli("runs", "--uri", tracking, "--experiment", "tests", "--output", "json", cwd=tmp_path)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        assert "[tidal] step 8/8" in run.stdout and runs.returncode == 0 and '"creds"' in runs.stdout, runs.stderr
+        sinks = {"tidal run stdout": run.stdout, "tidal run stderr": run.stderr,
+                 "tidal runs --output json": runs.stdout + runs.stderr, "MLflow store": _bytes_under(tmp_path, db)}
+        s3 = boto3.client("s3")
+        for obj in s3.list_objects_v2(Bucket=bucket[len("s3://"):])["Contents"]:
+            if not obj["Key"].endswith(".pt"):  # job record, manifests, event log, Ray's state
+                sinks[obj["Key"]] = s3.get_object(Bucket=bucket[len("s3://"):], Key=obj["Key"])["Body"].read().decode(
+                    errors="replace")
+        leaks = [(where, secret) for where, text in sinks.items()
+                 for secret in (STORAGE_SECRET, TRACKING_SECRET, ENV_SECRET) if secret in text]
+        assert not leaks, leaks
+        assert "s3://AKIATEST:***@" in run.stdout  # redacted where shown, not dropped
+    finally:
+        stop(server)
+
+
+def _bytes_under(tmp: Path, db: Path) -> str:
+    """The MLflow server's database and every artifact it stores, as text."""
+    files = [db, *(p for p in (tmp / "artifacts").rglob("*") if p.is_file())]
+    return "\n".join(p.read_bytes().decode(errors="replace") for p in files)
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        restore_env(old)
