@@ -28,6 +28,7 @@ from tidal.output import (
     print_json,
     print_notes,
 )
+from tidal.redact import RedactingStream
 from tidal.spec.job import JobSpec, notes
 from tidal.spec.load import load_spec
 from tidal.tracking.quiet import skip_known_ray_errors
@@ -77,6 +78,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
+    # Everything the command prints, Ray's copies of the workers' lines and tracebacks included,
+    # passes the one redaction rule (tidal/redact.py): a console is often a shared log.
+    out, err = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = RedactingStream(out), RedactingStream(err)
     try:
         return args.func(args) or 0
     except TidalError as e:
@@ -85,6 +90,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted; run the same command again to resume from the latest checkpoint", file=sys.stderr)
         return EXIT_INTERRUPTED
+    finally:
+        sys.stdout, sys.stderr = out, err
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+from tidal.redact import redact_text
+
 
 class TidalError(Exception):
-    """An error caused by input or environment the user can fix; its message says how."""
+    """An error caused by input or environment the user can fix; its message says how. Shown
+    redacted (tidal/redact.py): a message quoting a URI or a variable never shows a credential."""
+
+    def __str__(self) -> str:
+        return redact_text(super().__str__())
 
 
 class SpecError(TidalError):

@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from tidal.errors import SpecError, TidalError, UsageError
+from tidal.redact import redact_data, redact_text
 
 EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 
@@ -29,7 +30,8 @@ def add_output_flag(parser: argparse.ArgumentParser, fields: str) -> None:
 
 
 def print_json(data: Any) -> None:
-    print(json.dumps(finite(data), indent=2))
+    """Redacted (tidal/redact.py): a record or run's params may quote a credential-bearing URI."""
+    print(json.dumps(finite(redact_data(data)), indent=2))
 
 
 def finite(data: Any) -> Any:
@@ -52,7 +54,7 @@ def print_error(e: BaseException) -> None:
     """The message only; the traceback too under TIDAL_DEBUG=1."""
     if os.environ.get("TIDAL_DEBUG") == "1":
         traceback.print_exception(e)
-    print(f"error: {e}", file=sys.stderr)
+    print(redact_text(f"error: {e}"), file=sys.stderr)
 
 
 def print_notes(lines: Iterable[str]) -> None:
@@ -69,7 +71,9 @@ RECORD_PREFIX = "[tidal-record] "
 
 
 def print_record(data: dict[str, Any]) -> None:
-    print(f"{RECORD_PREFIX}{json.dumps(data)}", flush=True)
+    """Redacted: the job's logs are readable by every holder of the cluster's token. A reader
+    whose storage or tracking URI needs credentials supplies them from its own environment."""
+    print(f"{RECORD_PREFIX}{json.dumps(redact_data(data))}", flush=True)
 
 
 def parse_record(logs: str) -> dict[str, Any]:

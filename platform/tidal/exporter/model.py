@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from tidal.errors import UsageError
+from tidal.redact import redact_uri
 from tidal.spec.job import JobSpec
 from tidal.storage import JOB_FILE, RunDir, check_complete
 
@@ -110,9 +111,12 @@ def export(spec: JobSpec, checkpoint: str | int = "latest", format: str = "torch
 
         job = run.read_json(JOB_FILE) or {}
         # The job file names the job's run (a run deleted and replaced there is the new one);
-        # only checkpoints written before TrainState shrank also carry a run id.
+        # only checkpoints written before TrainState shrank also carry a run id. It keeps the
+        # tracking URI redacted: the spec's, where it is the same place, holds the credentials.
+        stored = job.get("tracking_uri")
+        uri = spec.tracking.uri if not stored or redact_uri(spec.tracking.uri) == stored else stored
         result = log_exported(result, model, spec, job.get("mlflow_run_id") or chosen.state.get("mlflow_run_id"),
-                              job.get("tracking_uri") or spec.tracking.uri, register)
+                              uri, register)
     with open(os.path.join(out, EXPORT_FILE), "w") as f:
         json.dump(result.record(), f, indent=2)
     return result

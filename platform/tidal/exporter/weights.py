@@ -22,6 +22,7 @@ from tidal import fs
 from tidal.errors import CheckpointError
 from tidal.spec.job import JobSpec
 from tidal.storage import check_complete, listed_files
+from tidal.worker.safe_load import check_files, safe_load
 
 
 @contextlib.contextmanager
@@ -49,6 +50,8 @@ def state_dict(tag_dir: str, spec: JobSpec) -> dict[str, torch.Tensor]:
         return _module_weights(tag_dir)
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
+    # zero_to_fp32 unpickles with weights_only=False: check the (listed) files weights-only first.
+    check_files(tag_dir, os.listdir(tag_dir))
     # zero_to_fp32 prints its progress to stdout, which belongs to `--output json`.
     with contextlib.redirect_stdout(sys.stderr):
         return get_fp32_state_dict_from_zero_checkpoint(os.path.dirname(tag_dir), tag=os.path.basename(tag_dir))
@@ -60,7 +63,7 @@ def _module_weights(tag_dir: str) -> dict[str, torch.Tensor]:
     if not os.path.isfile(file):
         raise CheckpointError(f"{os.path.basename(tag_dir)} has no mp_rank_00_model_states.pt")
     return {k: v.float() if v.is_floating_point() else v
-            for k, v in torch.load(file, map_location="cpu", weights_only=False)["module"].items()}
+            for k, v in safe_load(file)["module"].items()}
 
 
 def pipeline_state_dict(tag_dir: str, n_layer: int) -> dict[str, torch.Tensor]:
@@ -75,7 +78,7 @@ def pipeline_state_dict(tag_dir: str, n_layer: int) -> dict[str, torch.Tensor]:
         files = glob.glob(os.path.join(tag_dir, f"layer_{idx:02d}*-model_states.pt"))
         if not files:
             raise CheckpointError(f"pipeline checkpoint {os.path.basename(tag_dir)} has no file for layer {idx}")
-        return torch.load(files[0], map_location="cpu", weights_only=True)
+        return safe_load(files[0])
 
     out = {"tok.weight": layer(0)["weight"], "pos.pos.weight": layer(1)["pos.weight"]}
     for i in range(n_layer):

@@ -11,6 +11,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from tidal.redact import redact_text
+
 
 class ConsolePump:
     def __init__(self, tracker: Any, every_s: float = 0.5, out: Callable[[str], None] | None = None) -> None:
@@ -35,7 +37,7 @@ class ConsolePump:
             except (ray.exceptions.RayError, TimeoutError):
                 return
             for line in lines:
-                self.out(line)
+                self.out(redact_text(line))
 
     def stop(self) -> None:
         """The last lines (the tracker prints some while it closes the run), then no more."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from tidal.redact import redact_text
+
 if TYPE_CHECKING:
     from tidal.storage import Found
 
@@ -82,4 +84,4 @@ class RunResult:
                   f"  MLflow run      {self.mlflow_run_id} in {self.tracking_uri}"]
         if self.url:
             lines.append(f"  open it with    {self.url}")
-        return "\n".join(lines)
+        return redact_text("\n".join(lines))  # the storage and tracking URIs may hold credentials

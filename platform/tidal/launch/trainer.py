@@ -18,6 +18,7 @@ from tidal.launch.console_pump import ConsolePump
 from tidal.launch.recovery import recovery_settings
 from tidal.launch.result import RunResult
 from tidal.output import print_record
+from tidal.redact import redact_uri
 from tidal.spec.job import JobSpec
 from tidal.storage import JOB_FILE, Found, RunDir, find_resume_point
 from tidal.tracking.buffer import BUFFER_DIR, MetricsBuffer
@@ -63,9 +64,10 @@ def run(spec: JobSpec, restart: bool = False, mlflow_tags: dict[str, str] | None
 
     connect_ray()
     tags = {**_ray_tags(spec, run_dir), **(mlflow_tags or {})}
-    # The job file names the run the tracker reopens (a new job under this name: none, a new run).
+    # The job file names the run the tracker reopens (a new job under this name: none, a new run);
+    # whoever reads the bucket reads it, so the tracking URI is kept redacted (tidal/redact.py).
     run_dir.write_json(JOB_FILE, {"mlflow_run_id": job.get("mlflow_run_id"), "fingerprint": spec.fingerprint_hash(),
-                                  "tracking_uri": spec.tracking.uri, "tidal_version": __version__})
+                                  "tracking_uri": redact_uri(spec.tracking.uri), "tidal_version": __version__})
     # The tracker opens the MLflow run while Ray starts the controller and the workers.
     tracker, _ = start_tracker(spec, tags, job_record(spec, None), lambda run_id: _announce(spec, run_id))
     pump = ConsolePump(tracker).start()

@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tidal.errors import SpecError
+from tidal.redact import MASK, redact_data
 from tidal.spec.compile import CompileSpec, compile_shorthand
 from tidal.spec.consistency import consistency_problems
 from tidal.spec.evaluation import EvalSpec, KeepBestSpec
@@ -22,7 +23,7 @@ from tidal.spec.sweep import SweepSpec, sweeps_fields_of
 from tidal.spec.user_refs import check_ref
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$"
-REDACTED = "***"
+REDACTED = MASK
 DEFAULT_WARMUP_STEPS = 20
 
 
@@ -331,14 +332,15 @@ class JobSpec(Part):
         return self.scaling.min_workers != self.scaling.max_workers
 
     def flat(self) -> dict[str, Any]:
-        """`section.key -> value`, the form MLflow params take; `env` values redacted."""
+        """`section.key -> value`, the form MLflow params take; redacted as `redacted()` is."""
         return _flatten(self.redacted())
 
     def redacted(self) -> dict[str, Any]:
-        """The spec as data with every `env` value replaced, for printing and tracking."""
+        """The spec as data for printing and tracking: every `env` value replaced, and credentials
+        in any field (a URI's user-info, a signed URL's query) masked by tidal.redact's rule."""
         data = self.model_dump(mode="json")
         data["env"] = dict.fromkeys(data["env"], REDACTED)
-        return data
+        return redact_data(data)
 
     def resume_fingerprint(self) -> dict[str, Any]:
         """Fields that must match between a checkpoint and the job resuming from it."""

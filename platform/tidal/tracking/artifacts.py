@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from tidal.redact import redact_data
 from tidal.spec.job import JobSpec
 
 
@@ -19,7 +20,7 @@ def write_artifacts(spec: JobSpec, frame: Any, summary: dict[str, Any], out: Pat
     on_gpu = spec.scaling.gpus_per_worker > 0
     (out / "spec.yaml").write_text(yaml.safe_dump(spec.redacted(), sort_keys=False))
     (out / "deepspeed_config.json").write_text(json.dumps(ds_config(spec, spec.scaling.max_workers, on_gpu), indent=2))
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    (out / "summary.json").write_text(json.dumps(redact_data(summary), indent=2, default=str))
     _plots(frame, out)
 
 

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, TextIO
 
+from tidal.redact import redact_text
 from tidal.tracking.events import (
     CheckpointSaved,
     Event,
@@ -38,7 +39,7 @@ class Console:
         """One ledger notice (an event log entry, with what the ledger adds) -> at most one line."""
         line = self.line(parse(notice))
         if line:
-            print(f"[tidal] {line}", flush=True)
+            print(redact_text(f"[tidal] {line}"), flush=True)
 
     def line(self, e: Event | None) -> str | None:
         match e:

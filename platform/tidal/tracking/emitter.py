@@ -17,6 +17,7 @@ import threading
 import time
 from typing import Any
 
+from tidal.redact import redact_text
 from tidal.storage import RunDir
 from tidal.tracking.buffer import MetricsBuffer
 from tidal.tracking.events import CheckpointSaved, Event, Note, Resumed, StepMetrics, WorkersFailed
@@ -89,7 +90,7 @@ class Emitter:
                 except OSError as e:  # storage hiccup: keep the event and try again; never give up on it
                     if not warned:
                         log.warning("[tidal] could not write a tracking event to %s (%s); retrying",
-                                    self.buffer.path, e)
+                                    redact_text(self.buffer.path), redact_text(str(e)))
                         warned = True
                     time.sleep(self.retry_s)
             with self.done:

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from tidal.redact import redact_text
 from tidal.tracking.buffer import MetricsBuffer
 
 SENT_FILE = "tidal-mlflow-sent.json"  # beside the buffer: how far MLflow holds the run, and the counters
@@ -250,7 +251,7 @@ class Ledger:
             try:
                 subscriber(event)
             except Exception as e:  # noqa: BLE001 - a broken printer or status file must not stop tracking
-                print(f"[tidal] WARNING: tracking subscriber {subscriber!r} failed: {e}", flush=True)
+                print(redact_text(f"[tidal] WARNING: tracking subscriber {subscriber!r} failed: {e}"), flush=True)
 
 
 MAX_RETRY_S = 60.0

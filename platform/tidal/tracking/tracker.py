@@ -18,6 +18,7 @@ import logging
 import threading
 from typing import Any
 
+from tidal.redact import redact_text, redact_uri
 from tidal.spec.job import JobSpec
 from tidal.storage import JOB_FILE, RunDir
 from tidal.tracking.buffer import MetricsBuffer
@@ -53,7 +54,7 @@ class Tracker:
         try:
             return self.writer.start(run_id)
         except Exception as e:  # noqa: BLE001 - an unreachable tracking server must not stop training
-            print(f"[tidal] WARNING: MLflow at {self.spec.tracking.uri} is unreachable ({type(e).__name__}): "
+            print(f"[tidal] WARNING: MLflow at {redact_uri(self.spec.tracking.uri)} is unreachable ({type(e).__name__}): "
                   f"training starts anyway; the run is {'reopened' if run_id else 'created'} and filled in when MLflow "
                   "answers", flush=True)
             return run_id
@@ -89,4 +90,4 @@ class Tracker:
             try:
                 self.flush()
             except Exception as e:  # noqa: BLE001 - a storage hiccup must not end the tracker
-                log.warning("[tidal] tracking: %s; retrying", e)
+                log.warning("[tidal] tracking: %s; retrying", redact_text(str(e)))

@@ -31,6 +31,7 @@ import mlflow
 from mlflow.entities import Metric, Param, RunStatus, RunTag
 
 from tidal.output import print_record
+from tidal.redact import redact_data, redact_text
 from tidal.spec.job import JobSpec
 from tidal.storage import JOB_FILE, RunDir
 from tidal.tracking.reader import PROGRESS_TAG, client, metrics_frame
@@ -65,12 +66,13 @@ class RunWriter:
                     return run_id
             except mlflow.exceptions.MlflowException as e:
                 log.warning("could not reopen MLflow run %s of this job (%s); the job keeps it, and it is "
-                            "retried while the points wait", run_id, _short(e))
+                            "retried while the points wait", run_id, redact_text(_short(e)))
                 raise
             log.warning("MLflow run %s of this job is gone; starting a new one", run_id)
         exp_id = _experiment(c, self.spec.tracking.experiment, _artifact_root(self.spec.tracking.uri))
-        run = c.create_run(exp_id, run_name=self.spec.name,
-                           tags={"tidal.job": self.spec.name, "tidal.version": __version__, **self.tags})
+        # Tags and params are read by everyone who can read the experiment: redacted (tidal/redact.py).
+        tags = redact_data({"tidal.job": self.spec.name, "tidal.version": __version__, **self.tags})
+        run = c.create_run(exp_id, run_name=self.spec.name, tags=tags)
         params = [Param(k, str(v)) for k, v in self.spec.flat().items()]
         for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
             c.log_batch(run.info.run_id, params=params[i : i + 100])
@@ -104,7 +106,7 @@ class RunWriter:
                 write_artifacts(self.spec, frame, {**summary, **used}, Path(tmp))
                 client(self.spec).log_artifacts(run_id, tmp)
         except Exception as e:  # noqa: BLE001 - artifacts are a convenience; the job's result stands
-            print(f"[tidal] WARNING: could not store the run's artifacts in MLflow: {e}", flush=True)
+            print(f"[tidal] WARNING: could not store the run's artifacts in MLflow: {redact_text(str(e))}", flush=True)
         _terminate(self.spec.tracking.uri, run_id, RunStatus.FINISHED if ok else RunStatus.FAILED)
         return used
 
@@ -121,7 +123,7 @@ class RunWriter:
                 now = int(time.time() * 1000)
                 c.log_batch(run_id, metrics=[Metric(k, v, now, step) for k, v in used.items()], synchronous=True)
         except Exception as e:  # noqa: BLE001 - accounting must not turn a finished job into a failed one
-            print(f"[tidal] WARNING: could not work out the run's GPU-hours and cost: {e}", flush=True)
+            print(f"[tidal] WARNING: could not work out the run's GPU-hours and cost: {redact_text(str(e))}", flush=True)
             return {}
         print(f"[tidal] {describe(used, self.spec.scaling.gpus_per_worker)}", flush=True)
         return used
@@ -150,7 +152,7 @@ class RunWriter:
                                                 node_id="driver", tracking_uri=self.spec.tracking.uri)
             self.monitor.start()
         except Exception as e:  # noqa: BLE001 - optional telemetry; say why it is missing
-            log.warning("MLflow system metrics are off: %s", e)
+            log.warning("MLflow system metrics are off: %s", redact_text(str(e)))
             self.monitor = None
 
     def stop_system_metrics(self) -> None:
@@ -187,7 +189,7 @@ class SweepWriter:
         exp_id = _experiment(self.client, self.base.tracking.experiment, _artifact_root(self.base.tracking.uri))
         tags = {"tidal.sweep": self.base.name, "tidal.sweep_role": "parent", "tidal.version": __version__}
         run_id = self.client.create_run(exp_id, run_name=f"{self.base.name}-sweep", tags=tags).info.run_id
-        self.client.log_batch(run_id, params=[Param(k, str(v)) for k, v in settings.items()])
+        self.client.log_batch(run_id, params=[Param(k, str(v)) for k, v in redact_data(settings).items()])
         self.client.log_text(run_id, _yaml(self.base), "base_spec.yaml")
         return run_id
 
@@ -211,7 +213,7 @@ class SweepWriter:
         buf = io.StringIO()
         trials.to_csv(buf, index=False)
         self.client.log_text(parent, buf.getvalue(), "trials.csv")
-        self.client.log_dict(parent, summary, "summary.json")
+        self.client.log_dict(parent, redact_data(summary), "summary.json")
         self.end(parent, RunStatus.FINISHED)
 
     def end(self, run_id: str, status: int) -> None:
@@ -262,7 +264,8 @@ def _terminate(uri: str, run_id: str, status: int) -> None:
     try:
         mlflow.tracking.MlflowClient(uri).set_terminated(run_id, RunStatus.to_string(status))
     except Exception as e:  # noqa: BLE001 - tracking must never turn a finished job into a crash
-        print(f"[tidal] WARNING: could not mark MLflow run {run_id} as {RunStatus.to_string(status)}: {e}", flush=True)
+        print(f"[tidal] WARNING: could not mark MLflow run {run_id} as {RunStatus.to_string(status)}: "
+              f"{redact_text(str(e))}", flush=True)
 
 
 def _yaml(spec: JobSpec) -> str:

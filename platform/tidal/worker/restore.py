@@ -9,7 +9,8 @@ Each rank reads only the files it loads, and only files the checkpoint's manifes
 an object store into a cache its node shares (tidal.worker.fetch), from a filesystem in place.
 
 A checkpoint that fails to load is quarantined only when it is proven corrupt (a size that
-differs from its manifest, a file that does not unpickle); any other failure fails the attempt
+differs from its manifest, a file that does not unpickle, or one whose pickle names a type outside
+the allow-list of tidal.worker.safe_load, which is refused rather than run); any other failure fails the attempt
 and Ray's restart tries the same checkpoint again. Too little local disk is the node's fault:
 a clear error, and the checkpoint is kept.
 """
@@ -24,7 +25,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-import torch
 import torch.distributed as dist
 
 from tidal import fs
@@ -39,7 +39,7 @@ from tidal.storage import (
     listed_files,
     quarantine,
 )
-from tidal.worker import fetch, universal
+from tidal.worker import fetch, safe_load, universal
 from tidal.worker.checkpoint import TrainState, tag
 
 log = logging.getLogger("tidal")
@@ -79,8 +79,11 @@ def restore(engine: Any, found: Found, reshard: bool) -> TrainState:
     files = rank_files(engine, found, step_tag)
     with fetch.tag_folder(found.fs, found.path, step_tag, files, found.name) as load_dir:
         try:
-            load_path, _ = engine.load_checkpoint(load_dir, tag=step_tag,
-                                                  load_optimizer_states=True, load_lr_scheduler_states=True)
+            if step_tag.endswith("_universal"):  # DeepSpeed's universal loader unpickles with weights_only=False
+                safe_load.check_files(f"{load_dir}/{step_tag}", files)
+            with safe_load.safe_loading(engine):  # the model and optimizer states: weights-only
+                load_path, _ = engine.load_checkpoint(load_dir, tag=step_tag,
+                                                      load_optimizer_states=True, load_lr_scheduler_states=True)
             if load_path is None:
                 raise CheckpointError(f"DeepSpeed found nothing to load under tag {step_tag}")
         except Exception as e:
@@ -217,7 +220,9 @@ def _damaged_bytes(data: bytes) -> str | None:
         if bad is not None:
             return f"fails its checksum (entry {bad})"
     try:
-        torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+        # Weights-only: a pickle naming a type Tidal's checkpoints never hold is refused, never run,
+        # and counts as damage (safe_load.UnsafeCheckpointFile), so the checkpoint is quarantined.
+        safe_load.safe_load(io.BytesIO(data))
     except (ImportError, AttributeError, MemoryError):
         raise
     except Exception as e:  # noqa: BLE001 - no I/O happens here: any other failure is the bytes'

@@ -52,6 +52,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
 from tidal import fs
 from tidal.errors import CheckpointError
 from tidal.worker.host_buffers import Buffers, rebuilt, tensors_in
+from tidal.worker.safe_load import safe_load
 
 # Fault-injection for tests and benchmarks: seconds the background write pauses after a
 # rank's data files and before its manifest, as a slow store would, so a kill lands mid-write
@@ -80,7 +81,7 @@ def snapshot_mode(background: bool, device_type: str, pipeline: bool, local_stor
 
 class SnapshotEngine(CheckpointEngine):
     """A DeepSpeed checkpoint engine that records what DeepSpeed would save, for a writer
-    (`mode`: see `snapshot_mode`). Loading is DeepSpeed's usual `torch.load`."""
+    (`mode`: see `snapshot_mode`). Loading is weights-only (tidal.worker.safe_load)."""
 
     def __init__(self, root: Path, buffers: Buffers, mode: str, mutable: set[int] | None = None) -> None:
         super().__init__()
@@ -111,7 +112,7 @@ class SnapshotEngine(CheckpointEngine):
         self.taken[rel] = _scalers_copied(self.taken[rel])
 
     def load(self, path: str, map_location: Any = None) -> Any:
-        return torch.load(path, map_location=map_location, weights_only=False)
+        return safe_load(path, map_location=map_location)
 
     def commit(self, info: CheckpointCommitInfo) -> bool:
         return True

@@ -1,0 +1,130 @@
+"""Loading a checkpoint never runs code (tidal.worker.safe_load): a pickle planted in a checkpoint
+folder on a real S3 API never runs. Unlisted, it is never opened: resume and export work and the
+checkpoint is not condemned. Replacing a listed file (same size, so only unpickling can tell), the
+load refuses it with a clear error, the checkpoint is quarantined as damaged, and the job goes on
+from scratch instead of crashing in a loop; an export of such a checkpoint is refused."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import tiny_spec
+from tidal.errors import CheckpointError
+from tidal.worker.safe_load import UnsafeCheckpointFile, allowed_globals, check_files, safe_load
+
+
+class RunsCode:
+    """Unpickling this runs `touch <marker>`: what an attacker would plant."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def evil_bytes(marker: Path, size: int = 0) -> bytes:
+    """A pickle that runs code, padded with zeros to `size` (unpickling stops at its STOP opcode)."""
+    data = pickle.dumps({"module": RunsCode(marker)})
+    return data + b"\0" * max(0, size - len(data))
+
+
+def test_a_pickle_that_runs_code_is_refused_not_run(tmp_path) -> None:
+    marker, planted = tmp_path / "ran", tmp_path / "evil.pt"
+    planted.write_bytes(evil_bytes(marker))
+    torch.save({"module": RunsCode(marker)}, tmp_path / "evil_zip.pt")
+    for path in (planted, tmp_path / "evil_zip.pt"):
+        with pytest.raises(UnsafeCheckpointFile, match="refused to load .*allow-list"):
+            safe_load(str(path))
+    with pytest.raises(UnsafeCheckpointFile):
+        check_files(str(tmp_path), ["evil_zip.pt"])
+    assert not marker.exists()
+
+
+def test_what_deepspeed_saves_loads() -> None:
+    """The allow-listed types round-trip (DeepSpeed's ZeRO optimizer states hold them)."""
+    import io
+
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    buf = io.BytesIO()
+    torch.save({"zero_stage": ZeroStageEnum.gradients, "loss_scaler": LossScaler(1.0), "w": torch.ones(2)}, buf)
+    buf.seek(0)
+    loaded = safe_load(buf)
+    assert loaded["zero_stage"] == ZeroStageEnum.gradients and torch.equal(loaded["w"], torch.ones(2))
+    assert len(allowed_globals()) == 4
+
+
+def test_the_damage_check_counts_a_refused_pickle_as_damage(tmp_path) -> None:
+    from tidal.worker.restore import _damaged_bytes
+
+    marker = tmp_path / "ran"
+    damage = _damaged_bytes(evil_bytes(marker))
+    assert damage is not None and "refused to load" in damage and not marker.exists()
+
+
+# --- end to end, on the S3 test server --------------------------------------------------------------
+
+def _plant(run, rel: str, data: bytes) -> None:
+    with run.fs.open_output_stream(f"{run.path}/{rel}") as f:
+        f.write(data)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("s3_server", "ray_local")
+def test_planted_pickles_never_run(tmp_path, bucket, capfd) -> None:
+    import tidal
+    from tidal.storage import QUARANTINE_FILE, RunDir, checkpoint_dir_name, listed_files
+
+    marker = tmp_path / "ran"
+    common = {"train.steps": 8, "checkpoint.every_steps": 4, "checkpoint.storage": f"{bucket}/runs"}
+
+    # Unlisted: a file DeepSpeed's name patterns would match, beside the listed ones.
+    spec = tiny_spec(tmp_path, name="unlisted", **common)
+    assert tidal.run(spec.with_overrides({"train.stop_at": 4})).error is None
+    run = RunDir(spec.checkpoint.storage, spec.name)
+    four = checkpoint_dir_name(4)
+    _plant(run, f"{four}/global_step4/zero_pp_rank_2_mp_rank_00_optim_states.pt", evil_bytes(marker))
+    _plant(run, f"{four}/global_step4/evil.pt", evil_bytes(marker))
+    result = tidal.run(spec)
+    assert result.error is None and not marker.exists()
+    assert tidal.export(spec, checkpoint=4, output=tmp_path / "export").step == 4
+    assert not marker.exists()
+    assert not [rel for rel in run.fs.get_file_info(_selector(run.path)) if QUARANTINE_FILE in rel.path]
+
+    # Listed: rank 0's optimizer states replaced by a pickle of the same size.
+    spec = tiny_spec(tmp_path, name="listed", **common)
+    assert tidal.run(spec.with_overrides({"train.stop_at": 4})).error is None
+    run = RunDir(spec.checkpoint.storage, spec.name)
+    listed = listed_files(run.fs, f"{run.path}/{four}")
+    target = "global_step4/zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    _plant(run, f"{four}/{target}", evil_bytes(marker, listed[target]))
+    capfd.readouterr()
+    result = tidal.run(spec)
+    out = capfd.readouterr()
+    assert not marker.exists()
+    assert result.error is None, result.error  # the next attempt starts over instead of failing in a loop
+    assert "refused to load" in out.out + out.err and "quarantined" in out.out + out.err
+    assert run.fs.get_file_info(f"{run.path}/{four}/{QUARANTINE_FILE}").is_file
+    assert result.path is not None and result.path.endswith(checkpoint_dir_name(8))
+
+    # An export of a checkpoint with a listed file replaced is refused, and runs nothing.
+    eight = checkpoint_dir_name(8)
+    listed = listed_files(run.fs, f"{run.path}/{eight}")
+    target = "global_step8/zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    _plant(run, f"{eight}/{target}", evil_bytes(marker, listed[target]))
+    with pytest.raises(CheckpointError, match="refused to load"):
+        tidal.export(spec, checkpoint=8, output=tmp_path / "export-listed")
+    assert not marker.exists()
+
+
+def _selector(path: str):
+    import pyarrow.fs as pafs
+
+    return pafs.FileSelector(path, recursive=True)
