@@ -23,7 +23,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("tidal.worker", "tidal.eval_best"),
     ("tidal.tracking",),
     ("tidal.storage", "tidal.cluster"),
-    ("tidal.fs", "tidal.errors", "tidal.output", "tidal.version", "tidal.ray_private"),
+    ("tidal.fs", "tidal.errors", "tidal.output", "tidal.version", "tidal.ray_private", "tidal.redact"),
 ]
 SPEC = "tidal.spec"
 ADAPTER = "tidal.ray_private"

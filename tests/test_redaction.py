@@ -17,7 +17,8 @@ import pytest
 from tests.conftest import free_port, restore_env, tiny_spec
 from tidal.cli import main
 from tidal.errors import TidalError
-from tidal.launch.result import RunResult, parse_record, print_record
+from tidal.launch.result import RunResult
+from tidal.output import parse_record, print_record
 from tidal.redact import MASK, RedactingStream, redact_data, redact_text, redact_uri
 
 SECRET = "Sup3rSecretValue42"

@@ -11,7 +11,7 @@ layer and any below it:
     tidal.worker, tidal.eval_best         what runs in Ray Train's workers
     tidal.tracking                        the job's event log, ledger and MLflow writer
     tidal.storage, tidal.cluster          checkpoints in storage; clusters, sites and bursts
-    tidal.fs, tidal.errors, tidal.output, tidal.version, tidal.ray_private
+    tidal.fs, tidal.errors, tidal.output, tidal.version, tidal.ray_private, tidal.redact
     tidal.spec (beside all)               the job spec: imported by every layer, imports only the lowest
 
 `eval_best` (which checkpoints the best evaluation keeps) sits with the worker, which decides
