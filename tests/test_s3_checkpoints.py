@@ -85,7 +85,7 @@ def test_a_load_failure_that_is_not_corruption_is_retried_not_condemned(tmp_path
     spec = tiny_spec(tmp_path, name="flaky", **{"train.steps": 16, "checkpoint.every_steps": 8,
                                                 "checkpoint.storage": f"{bucket}/runs",
                                                 "model.builder": "tests.custom_model:build_flaky_load"})
-    spec = spec.with_overrides({"env": {"TIDAL_TEST_LOAD_FAULT": str(flag)}})
+    spec = spec.with_overrides({"worker_env": {"TIDAL_TEST_LOAD_FAULT": str(flag)}})
     tidal.run(spec.with_overrides({"train.stop_at": 8}))
     flag.write_text("once")
     result = tidal.run(spec)

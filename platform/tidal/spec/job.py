@@ -8,11 +8,12 @@ import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
 from tidal.errors import SpecError
+from tidal.spec import secrets
 from tidal.spec.consistency import consistency_problems
 from tidal.spec.evaluation import EvalSpec, KeepBestSpec
 from tidal.spec.sweep import SweepSpec
@@ -21,6 +22,14 @@ from tidal.spec.user_refs import check_ref
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$"
 REDACTED = "***"
 DEFAULT_WARMUP_STEPS = 20
+# What an editor accepts for one `env` entry: the forms tidal.spec.secrets.parse_ref takes.
+SecretRef = Annotated[str, WithJsonSchema({"anyOf": [
+    {"type": "string", "pattern": "^(env:[A-Za-z_][A-Za-z0-9_]*|file:/.+)$"},
+    {"type": "object", "properties": {"from_env": {"type": "string"}}, "required": ["from_env"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {"from_file": {"type": "string"}}, "required": ["from_file"],
+     "additionalProperties": False},
+], "description": "env:NODE_VAR or file:/abs/path (or {from_env: ...} / {from_file: ...})"})]
 
 
 class Part(BaseModel):
@@ -297,9 +306,22 @@ class JobSpec(Part):
     tracking: TrackingSpec = Field(default_factory=TrackingSpec)
     sweep: SweepSpec | None = Field(None, description="run this job as a Ray Tune sweep with `tidal sweep`")
     eval: EvalSpec | None = Field(None, description="held-out evaluation: eval_loss and eval_perplexity in MLflow")
-    env: dict[str, str] = Field(
-        default_factory=dict, description="environment variables for the workers (credentials...); never logged or printed"
+    env: dict[str, SecretRef] = Field(
+        default_factory=dict,
+        description="secrets for the workers, by reference, never by value: NAME: env:NODE_VAR (a variable in the "
+        "nodes' environment) or NAME: file:/abs/path (a file on the nodes, e.g. a mounted Kubernetes Secret; one "
+        "trailing newline dropped); {from_env: ...} / {from_file: ...} also work. Read on each training worker "
+        "before user code runs; an inline value is refused. The driver, tracking and data preparation use the "
+        "nodes' own environment",
     )
+    worker_env: dict[str, str] = Field(
+        default_factory=dict,
+        description="plain, non-secret environment variables for the workers (NCCL_DEBUG, HF_HOME...): published "
+        "like every spec field (Ray Train, MLflow params), so a name that says it holds a credential is refused",
+    )
+
+    _env_refs = field_validator("env", mode="before")(secrets.check_env)
+    _worker_env = field_validator("worker_env")(secrets.check_worker_env)
 
     def model_post_init(self, _context: Any) -> None:
         problems = consistency_problems(self)
