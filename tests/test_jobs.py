@@ -52,7 +52,7 @@ def cluster_env(tmp_path_factory, s3_server) -> Iterator[dict[str, str]]:
         env=env, stdout=(tmp / "mlflow.log").open("w"), stderr=subprocess.STDOUT, start_new_session=True)  # noqa: SIM115
     uri = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 90
+        deadline = time.time() + 300  # a loaded CI machine (or a shared one) took over 90 s
         while True:
             try:
                 with urllib.request.urlopen(f"{uri}/health", timeout=2):
@@ -105,7 +105,7 @@ def head(head_tmp, cluster_env) -> Iterator[str]:
             os.killpg(proc.pid, signal.SIGKILL)  # anything of that session still alive
 
 
-def _wait_for_dashboard(address: str, proc: subprocess.Popen, log: Path, timeout: float = 90) -> None:
+def _wait_for_dashboard(address: str, proc: subprocess.Popen, log: Path, timeout: float = 300) -> None:
     from tidal.launch.jobs import connect
 
     deadline = time.time() + timeout

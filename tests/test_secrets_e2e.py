@@ -1,8 +1,9 @@
 """Secrets by reference against a real Ray head with token auth (tests/test_jobs.py's fixtures: its
 `mlflow server` with artifacts on moto S3, TIDAL_STORAGE on S3): a job with two secrets, one from
 the head's environment and one from a file on it, submitted with `tidal submit` and with plain
-`ray job submit`. Every worker reads both; neither value is in Ray's job list, the Jobs API, the job's
-logs and record, MLflow (params, tags, artifacts), the bucket, or any file the test session wrote."""
+`ray job submit`. Every worker reads both; neither value is in Ray's job list (`ray job list`; Ray
+2.60's has no --format json), the Jobs API, Ray Train's state API, the job's logs and record, MLflow
+(params, tags, artifacts), the bucket, or any file the test session wrote."""
 
 from __future__ import annotations
 
@@ -95,8 +96,8 @@ def check_secrets_kept(head: str, job_id: str, cluster_env: dict[str, str], node
 
     # Ray: the job list (CLI and API), the job's info, its logs and the record in them.
     client = connect(head)
-    listed = subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "job", "list", "--address", head,
-                             "--format", "json"], env={**os.environ, "RAY_AUTH_MODE": "token"},
+    listed = subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "job", "list", "--address", head],
+                            env={**os.environ, "RAY_AUTH_MODE": "token"},
                             capture_output=True, text=True, timeout=120)
     assert listed.returncode == 0 and job_id in listed.stdout, listed.stderr[-2000:]
     logs = client.get_job_logs(job_id)
