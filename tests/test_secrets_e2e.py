@@ -143,11 +143,12 @@ def check_secrets_kept(head: str, job_id: str, cluster_env: dict[str, str], node
 
 
 def train_runs(address: str) -> str:
-    """Ray Train's state API, as the dashboard shows it to every token holder."""
+    """Ray Train V2's state API (its runs and their train_loop_config), as the dashboard shows it to every
+    token holder."""
     import urllib.request
 
     from tidal.launch.jobs import auth_token
 
-    request = urllib.request.Request(f"{address}/api/train/v2/runs", headers={"Authorization": f"Bearer {auth_token()}"})
+    request = urllib.request.Request(f"{address}/api/train/v2/runs/v1", headers={"Authorization": f"Bearer {auth_token()}"})
     with urllib.request.urlopen(request, timeout=30) as response:
         return response.read().decode()
