@@ -74,7 +74,7 @@ def chaos_spec(storage: str, tracking: str, name: str, steps: int, every: int, t
         failure={"max_restarts": 100},
         tracking={"uri": tracking, "experiment": "chaos-combined"},
         # In the spec, not this process's environment: the workers' raylets started before it.
-        env={"TIDAL_LOSS_TRACE": str(trace), "TIDAL_CHECKPOINT_WRITE_DELAY_S": str(WRITE_DELAY_S)},
+        worker_env={"TIDAL_LOSS_TRACE": str(trace), "TIDAL_CHECKPOINT_WRITE_DELAY_S": str(WRITE_DELAY_S)},
     )
 
 
@@ -373,7 +373,7 @@ def plan_faults(rng: random.Random, n: int, steps: int) -> list[Fault]:
 
 def run_job(cluster: Cluster, servers: Servers, spec: JobSpec, tmp: Path, faults: list[Fault],
             seed: int) -> dict[str, Any]:
-    trace = Path(spec.env["TIDAL_LOSS_TRACE"])
+    trace = Path(spec.worker_env["TIDAL_LOSS_TRACE"])
     driver = Driver(write_spec(spec, tmp / f"{spec.name}.yaml"), cluster.address, tmp / f"{spec.name}.log")
     chaos = Chaos(cluster, servers, driver, RunDir(spec.checkpoint.storage, spec.name), trace, faults,
                   random.Random(seed))

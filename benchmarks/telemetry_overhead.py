@@ -36,7 +36,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         on = bench_spec(tmp, args.steps).with_overrides({"name": "bench-telemetry-on"})
-        off = on.with_overrides({"name": "bench-telemetry-off", "env": {"TIDAL_TELEMETRY": "0"}})
+        off = on.with_overrides({"name": "bench-telemetry-off", "worker_env": {"TIDAL_TELEMETRY": "0"}})
         on_path, off_path = write_spec(on, tmp / "on.yaml"), write_spec(off, tmp / "off.yaml")
         pairs = []
         for i in range(args.pairs):

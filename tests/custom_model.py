@@ -23,15 +23,6 @@ def build(spec: ModelSpec) -> nn.Module:
     return Bigram(spec.vocab_size)
 
 
-def build_checking_env(spec: ModelSpec) -> nn.Module:
-    """Fails the job unless the secret from the spec's `env:` reached this worker."""
-    import os
-
-    if os.environ.get("TIDAL_TEST_SECRET") != "s3cr3t-value-42":
-        raise RuntimeError("TIDAL_TEST_SECRET did not reach the worker")
-    return Bigram(spec.vocab_size)
-
-
 class FlakyLoad(Bigram):
     """Fails its first checkpoint load after TIDAL_TEST_LOAD_FAULT's file appears, the way an
     out-of-memory or a dropped connection would: nothing is wrong with the checkpoint."""

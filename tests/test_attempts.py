@@ -61,7 +61,7 @@ def test_a_save_that_died_never_mixes_with_the_same_step_saved_again(tmp_path, b
 
     # 1. Two workers; rank 0 pauses 60 s before its manifest of step 4, rank 1 does not: both die
     #    once rank 1's files and manifest are in, and the job is not restarted.
-    spec = job(2, **{"failure.max_restarts": 0}).with_overrides({"env": {WRITE_DELAY_ENV: "60@0"}})
+    spec = job(2, **{"failure.max_restarts": 0}).with_overrides({"worker_env": {WRITE_DELAY_ENV: "60@0"}})
     run = RunDir(spec.checkpoint.storage, spec.name)
     seen: dict[str, object] = {}
     killer = threading.Thread(target=kill_all_workers_once_rank1_wrote, args=(run, 4, seen), daemon=True)

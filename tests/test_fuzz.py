@@ -63,7 +63,7 @@ def test_any_override_strings_give_a_spec_or_a_spec_error(overrides):
 
 
 def test_yaml_dump_of_a_valid_spec_round_trips(tmp_path):
-    spec = JobSpec(env={"HF_TOKEN": "secret"})
+    spec = JobSpec(env={"HF_TOKEN": "env:HF_TOKEN", "DB": {"from_file": "/run/secrets/db"}}, worker_env={"HF_HOME": "/tmp/hf"})
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
     assert load_spec(path) == spec

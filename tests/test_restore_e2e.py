@@ -80,7 +80,7 @@ def test_a_two_worker_restore_from_s3_reads_each_file_once(tmp_path, recorded_s3
     boto3.client("s3").create_bucket(Bucket=bucket)
     spec = tiny_spec(tmp_path, name="fetch", **{"train.steps": 10, "checkpoint.every_steps": 8,
                                                 "checkpoint.storage": f"s3://{bucket}/runs"},
-                     env={fetch.CACHE_ENV: str(tmp_path / "cache")})
+                     worker_env={fetch.CACHE_ENV: str(tmp_path / "cache")})
     tidal.run(spec.with_overrides({"train.stop_at": 8}))
     run = RunDir(spec.checkpoint.storage, spec.name)
     ckpt = f"{run.path}/{checkpoint_dir_name(8)}"
@@ -157,7 +157,7 @@ def test_a_conversion_killed_half_way_is_made_again_and_loads(tmp_path, ray_here
     reference = tiny_spec(tmp_path, name="steady", **common)
     expected = metric_history(reference, tidal.run(reference).mlflow_run_id, "loss")
 
-    spec = tiny_spec(tmp_path, name="killed", **common, env={fetch.CACHE_ENV: str(tmp_path / "cache")})
+    spec = tiny_spec(tmp_path, name="killed", **common, worker_env={fetch.CACHE_ENV: str(tmp_path / "cache")})
     tidal.run(spec.with_overrides({"train.stop_at": 6, "scaling.min_workers": 1, "scaling.max_workers": 1}))
     with Killer(tmp_path / "cache") as killer:
         result = tidal.run(spec)

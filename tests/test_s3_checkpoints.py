@@ -85,7 +85,7 @@ def test_a_load_failure_that_is_not_corruption_is_retried_not_condemned(tmp_path
     spec = tiny_spec(tmp_path, name="flaky", **{"train.steps": 16, "checkpoint.every_steps": 8,
                                                 "checkpoint.storage": f"{bucket}/runs",
                                                 "model.builder": "tests.custom_model:build_flaky_load"})
-    spec = spec.with_overrides({"env": {"TIDAL_TEST_LOAD_FAULT": str(flag)}})
+    spec = spec.with_overrides({"worker_env": {"TIDAL_TEST_LOAD_FAULT": str(flag)}})
     tidal.run(spec.with_overrides({"train.stop_at": 8}))
     flag.write_text("once")
     result = tidal.run(spec)
@@ -122,7 +122,7 @@ def test_background_writes_land_complete_checkpoints_on_s3(tmp_path, bucket):
     for the one before (back-pressure): every checkpoint lands whole and Ray registers the last."""
     spec = tiny_spec(tmp_path, name="async-s3", **{"train.steps": 8, "checkpoint.every_steps": 2, "checkpoint.keep": 4,
                                                    "checkpoint.storage": f"{bucket}/runs"},
-                     env={WRITE_DELAY_ENV: "1"})
+                     worker_env={WRITE_DELAY_ENV: "1"})
     result = tidal.run(spec)
 
     run = RunDir(spec.checkpoint.storage, spec.name)

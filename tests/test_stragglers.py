@@ -38,7 +38,7 @@ def test_a_slowed_rank_is_named_and_the_others_wait_in_collectives(tmp_path, cap
     spec = tiny_spec(tmp_path, name="straggler", **{
         "model.builder": "tests.straggler_model:build", "train.steps": 16, "train.log_every": 2,
         "checkpoint.every_steps": 16, "failure.straggler_ratio": 1.5, "failure.straggler_intervals": 3,
-        "env": {"TIDAL_TEST_SLOW_RANK": "1", "TIDAL_TEST_SLOW_S": "0.05"},
+        "worker_env": {"TIDAL_TEST_SLOW_RANK": "1", "TIDAL_TEST_SLOW_S": "0.05"},
     })
     run_id = tidal.run(spec).mlflow_run_id
 

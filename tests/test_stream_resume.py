@@ -51,7 +51,7 @@ def test_a_streamed_job_resized_2_1_2_trains_the_windows_of_an_undisturbed_run(t
               "checkpoint.every_steps": 4, "train.step_fn": "tests.stream_probe:step"}
     original = __import__("ray.data").data.DataContext.get_current().target_max_block_size
     try:
-        steady = tiny_spec(tmp_path, name="steady", **common, env={"TIDAL_TEST_WINDOWS": str(tmp_path / "steady")})
+        steady = tiny_spec(tmp_path, name="steady", **common, worker_env={"TIDAL_TEST_WINDOWS": str(tmp_path / "steady")})
         expected = metric_history(steady, tidal.run(steady).mlflow_run_id, "loss")
         want = step_batches(tmp_path / "steady", 2, 1, STEPS)
 
@@ -64,7 +64,7 @@ def test_a_streamed_job_resized_2_1_2_trains_the_windows_of_an_undisturbed_run(t
                 shutil.rmtree(tmp_path / "runs" / "resized" / "tidal-stream", ignore_errors=True)
             record = tmp_path / f"resized-{first}"
             spec = tiny_spec(tmp_path, name="resized", **common, **workers(n), **{"train.stop_at": last},
-                             env={"TIDAL_TEST_WINDOWS": str(record)})
+                             worker_env={"TIDAL_TEST_WINDOWS": str(record)})
             result = tidal.run(spec)
             got_batches |= step_batches(record, n, first, last)
     finally:

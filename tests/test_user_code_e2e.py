@@ -26,7 +26,7 @@ def example(tmp: Path, name: str, **overrides: Any) -> JobSpec:
         "name": name, "checkpoint.storage": str(tmp / "runs"), "checkpoint.keep": 10,
         "tracking.uri": f"sqlite:///{tmp}/mlflow.db", "tracking.experiment": "tests", "train.log_every": 1,
         "failure.max_restarts": 2, "train.step_fn": "tests.user_step_probe:step",
-        "env.TIDAL_TEST_PROBE": str(tmp / name / "probe"), **overrides})
+        "worker_env.TIDAL_TEST_PROBE": str(tmp / name / "probe"), **overrides})
 
 
 def losses(spec: JobSpec) -> dict[int, float]:
@@ -60,7 +60,7 @@ def test_a_killed_worker_resumes_exactly(undisturbed, tmp_path):
     _, expected = undisturbed
     (tmp_path / "killed").mkdir()
     # 2 micro-batches per step per worker: the 60th is in step 30, past the checkpoint at step 20
-    spec = example(tmp_path, "killed", **{"env.TIDAL_TEST_DIE_AT": "60"})
+    spec = example(tmp_path, "killed", **{"worker_env.TIDAL_TEST_DIE_AT": "60"})
     result = tidal.run(spec)
     assert (tmp_path / "killed" / "probe.died").exists(), "the worker never died"
     got = metric_history(spec, result.mlflow_run_id, "loss")

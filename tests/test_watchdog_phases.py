@@ -79,7 +79,7 @@ def test_a_slow_synchronous_save_is_not_taken_for_a_hung_step(tmp_path):
     spec = tiny_spec(tmp_path, name="slowsave", **{
         "train.steps": 16, "checkpoint.every_steps": 8, "checkpoint.async_upload": False,
         "failure.step_timeout_s": 2.0, "failure.max_restarts": 0,
-        "env": {"TIDAL_CHECKPOINT_WRITE_DELAY_S": "4"},
+        "worker_env": {"TIDAL_CHECKPOINT_WRITE_DELAY_S": "4"},
     })
     result = tidal.run(spec)
     assert sorted(metric_history(spec, result.mlflow_run_id, "loss")) == list(range(1, 17))

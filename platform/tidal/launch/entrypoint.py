@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import sys
 
 from tidal.errors import TidalError
@@ -17,7 +16,6 @@ def main(argv: list[str]) -> int:
     skip_known_ray_errors()  # before `import ray`: this process is the job's driver (tracking/quiet.py)
     try:
         data = json.loads(base64.urlsafe_b64decode(argv[0]))
-        data["env"] = {k: os.environ.get(k, "") for k in data.get("env", {})}  # shipped as the job's env
         spec = validate(data, source="submitted spec")
         from tidal.launch.trainer import run
 

@@ -269,13 +269,10 @@ def submit(spec: JobSpec, address: str | None = None, working_dir: str | os.Path
     if quotas is not None:  # this machine reads the cluster's quota file: a team or priority it lacks fails here
         resolve_scheduling(spec.scheduling.team, spec.scheduling.priority, quotas)
     client = connect(address)
-    # The entrypoint command line shows in the job's logs, so secrets travel as the job's
-    # environment instead; the entrypoint puts them back into the spec by name.
-    data = spec.model_dump(mode="json")
-    secrets = data.pop("env")
-    payload = base64.urlsafe_b64encode(json.dumps({**data, "env": dict.fromkeys(secrets, "")}).encode()).decode()
-    env = {**forwarded_env(os.environ), **secrets,
-           **({"PYTHONPATH": "platform"} if (root / "platform" / "tidal").is_dir() else {})}
+    # The spec's `env` holds references only (spec/secrets.py): the values are read on the workers,
+    # so neither the entrypoint nor the runtime_env (both shown to every token holder) carries one.
+    payload = base64.urlsafe_b64encode(json.dumps(spec.model_dump(mode="json")).encode()).decode()
+    env = {**forwarded_env(os.environ), **({"PYTHONPATH": "platform"} if (root / "platform" / "tidal").is_dir() else {})}
     try:
         sid = client.submit_job(
             entrypoint=f"python -m tidal.launch.entrypoint {payload}",

@@ -235,6 +235,8 @@ def _trainer(spec: JobSpec, callbacks: list[Any]) -> TorchTrainer:
         streaming = {"stream_index": prepare(spec)}
     return TorchTrainer(
         train_loop,
+        # Ray Train's state API records this config: the spec's `env` holds references only, and the
+        # workers read the values (tidal.spec.secrets).
         train_loop_config={"spec": spec.model_dump(mode="json"), **streaming},
         scaling_config=scaling,
         run_config=run_config,

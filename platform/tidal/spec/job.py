@@ -8,12 +8,13 @@ import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
 from tidal.errors import SpecError
-from tidal.redact import MASK, redact_data
+from tidal.redact import redact_data
+from tidal.spec import secrets
 from tidal.spec.compile import CompileSpec, compile_shorthand
 from tidal.spec.consistency import consistency_problems
 from tidal.spec.evaluation import EvalSpec, KeepBestSpec
@@ -23,8 +24,15 @@ from tidal.spec.sweep import SweepSpec, sweeps_fields_of
 from tidal.spec.user_refs import check_ref
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$"
-REDACTED = MASK
 DEFAULT_WARMUP_STEPS = 20
+# What an editor accepts for one `env` entry: the forms tidal.spec.secrets.parse_ref takes.
+SecretRef = Annotated[str, WithJsonSchema({"anyOf": [
+    {"type": "string", "pattern": "^(env:[A-Za-z_][A-Za-z0-9_]*|file:/.+)$"},
+    {"type": "object", "properties": {"from_env": {"type": "string"}}, "required": ["from_env"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {"from_file": {"type": "string"}}, "required": ["from_file"],
+     "additionalProperties": False},
+], "description": "env:NODE_VAR or file:/abs/path (or {from_env: ...} / {from_file: ...})"})]
 
 
 class Part(BaseModel):
@@ -306,9 +314,22 @@ class JobSpec(Part):
     scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
     sweep: SweepSpec | None = Field(None, description="run this job as a Ray Tune sweep with `tidal sweep`")
     eval: EvalSpec | None = Field(None, description="held-out evaluation: eval_loss and eval_perplexity in MLflow")
-    env: dict[str, str] = Field(
-        default_factory=dict, description="environment variables for the workers (credentials...); never logged or printed"
+    env: dict[str, SecretRef] = Field(
+        default_factory=dict,
+        description="secrets for the workers, by reference, never by value: NAME: env:NODE_VAR (a variable in the "
+        "nodes' environment) or NAME: file:/abs/path (a file on the nodes, e.g. a mounted Kubernetes Secret; one "
+        "trailing newline dropped); {from_env: ...} / {from_file: ...} also work. Read on each training worker "
+        "before user code runs; an inline value is refused. The driver, tracking and data preparation use the "
+        "nodes' own environment",
     )
+    worker_env: dict[str, str] = Field(
+        default_factory=dict,
+        description="plain, non-secret environment variables for the workers (NCCL_DEBUG, HF_HOME...): published "
+        "like every spec field (Ray Train, MLflow params), so a name that says it holds a credential is refused",
+    )
+
+    _env_refs = field_validator("env", mode="before")(secrets.check_env)
+    _worker_env = field_validator("worker_env")(secrets.check_worker_env)
 
     def model_post_init(self, _context: Any) -> None:
         problems = consistency_problems(self)
@@ -336,11 +357,10 @@ class JobSpec(Part):
         return _flatten(self.redacted())
 
     def redacted(self) -> dict[str, Any]:
-        """The spec as data for printing and tracking: every `env` value replaced, and credentials
-        in any field (a URI's user-info, a signed URL's query) masked by tidal.redact's rule."""
-        data = self.model_dump(mode="json")
-        data["env"] = dict.fromkeys(data["env"], REDACTED)
-        return redact_data(data)
+        """The spec as data for printing and tracking, credentials in any field (a URI's user-info,
+        a signed URL's query) masked by tidal.redact's rule. `env` holds references to secrets
+        (tidal.spec.secrets), never values: they are shown, so a reader sees where each comes from."""
+        return redact_data(self.model_dump(mode="json"))
 
     def resume_fingerprint(self) -> dict[str, Any]:
         """Fields that must match between a checkpoint and the job resuming from it."""

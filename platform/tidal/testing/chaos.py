@@ -31,13 +31,13 @@ def chaos_spec(tmp: Path, name: str, steps: int, every: int) -> JobSpec:
         checkpoint={"every_steps": every, "keep": 3, "storage": str(tmp / "runs")},
         failure={"max_restarts": 50},
         tracking={"uri": f"sqlite:///{tmp}/mlflow.db", "experiment": "chaos"},
-        env={LOSS_TRACE_ENV: str(tmp / f"{name}.trace")},
+        worker_env={LOSS_TRACE_ENV: str(tmp / f"{name}.trace")},
     )
 
 
 def traced(spec: JobSpec) -> list[tuple[int, float]]:
     """(step, loss) of every execution of every step, replays included, in order."""
-    path = Path(spec.env[LOSS_TRACE_ENV])
+    path = Path(spec.worker_env[LOSS_TRACE_ENV])
     rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
     return [(r["step"], r["loss"]) for r in rows]
 

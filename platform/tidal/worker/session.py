@@ -1,6 +1,6 @@
 """Everything a worker's training loop works with, set up once: `open_session(config) -> Session`.
 
-Setup in the order it must happen: the spec's environment, the job's event log, rank 0's
+Setup in the order it must happen: the spec's environment (its secrets read from this node), the job's event log, rank 0's
 abort of dead uploads (before this attempt writes anything), the resume point every rank
 agrees on, the engine (built for a universal load when the world size changed), the restore,
 then data, evaluator, watchdog and telemetry. What changes from step to step lives here too
@@ -20,6 +20,7 @@ import torch
 
 from tidal import fs
 from tidal.eval_best import stopped_early
+from tidal.spec import secrets
 from tidal.spec.compile import compile_note, warmup_steps
 from tidal.spec.job import JobSpec
 from tidal.tracking.emitter import Emitter
@@ -79,7 +80,10 @@ class Session:
 
 def open_session(config: dict[str, Any]) -> Session:
     spec = JobSpec.model_validate(config["spec"])
-    os.environ.update(spec.env)
+    os.environ.update(spec.worker_env)
+    # The secrets' values exist only here, read from this node (spec/secrets.py): before any user code
+    # (builders, step functions, datasets) is imported.
+    os.environ.update(secrets.resolve(spec.env))
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     # Tracking goes to the job's durable event log, written off this thread: no tracking

@@ -1,0 +1,131 @@
+"""Secrets by reference: a spec's `env` says where each secret is on the cluster's nodes, never its value.
+
+A reference is `env:NODE_VAR` (a variable in the nodes' environment, set where `ray start` runs or
+in a pod's env) or `file:/abs/path` (a file on the nodes, e.g. a Kubernetes Secret mounted by
+cluster_configs/kuberay/raycluster.yaml). YAML's mapping forms `{from_env: NODE_VAR}` and
+`{from_file: /path}` are accepted too and stored as the string form, which is one line in a job
+file and works in `--set env.HF_TOKEN=env:HF_TOKEN`.
+
+Everything that leaves the submitter (the Ray job's runtime_env and entrypoint, Ray Train's
+train_loop_config, MLflow, the job record) therefore holds references only; `resolve` reads the
+values inside each training worker, before any user code runs (worker/session.py).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from tidal.errors import TidalError
+
+VAR_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+KINDS = {"from_env": "env", "from_file": "file"}
+# Name parts that say a variable holds a credential: such a variable is refused in the published
+# `worker_env` (TOKENIZERS_PARALLELISM is fine: parts are compared whole).
+SECRET_PARTS = {"TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIALS", "KEY", "APIKEY", "PAT"}
+HOW = ("Reference where the value lives on the cluster's nodes instead: `{key}: env:NODE_VAR` (a variable "
+       "in the nodes' environment) or `{key}: file:/etc/tidal/secrets/{lower}` (a file on the nodes, e.g. a "
+       "mounted Kubernetes Secret); plain non-secret settings go in `worker_env`")
+
+
+class SecretMissing(TidalError):
+    """A referenced secret is not on this node."""
+
+
+def parse_ref(key: str, value: Any) -> str:
+    """The canonical reference (`env:VAR` or `file:/path`) for `env.<key>`'s `value`; ValueError
+    (naming the key, never echoing the value: it may be the secret itself) otherwise."""
+    if not isinstance(key, str) or not VAR_NAME.match(key):
+        raise ValueError(f"{key!r} is not an environment variable name (letters, digits and '_', "
+                         "not starting with a digit)")
+    if isinstance(value, Mapping):
+        return _from_mapping(key, value)
+    if isinstance(value, str):
+        kind, sep, where = value.partition(":")
+        if sep and kind in KINDS.values():
+            return _checked(key, kind, where.strip())
+    raise ValueError(f"{key}: a value written inline is refused: the spec travels to Ray's job list, the "
+                     f"dashboard, Ray Train and MLflow, where every cluster user can read it. "
+                     f"{HOW.format(key=key, lower=key.lower())}")
+
+
+def _from_mapping(key: str, value: Mapping[str, Any]) -> str:
+    if len(value) != 1 or next(iter(value)) not in KINDS:
+        raise ValueError(f"{key}: a reference is one of `{{from_env: NODE_VAR}}` or `{{from_file: /path}}` "
+                         f"(got the keys {sorted(map(str, value))})")
+    (field, where), = value.items()
+    if not isinstance(where, str):
+        raise ValueError(f"{key}: {field} takes a string (a variable name or an absolute path)")
+    return _checked(key, KINDS[field], where.strip())
+
+
+def _checked(key: str, kind: str, where: str) -> str:
+    if kind == "env" and not VAR_NAME.match(where):
+        raise ValueError(f"{key}: `env:{where}` does not name an environment variable; write `env:NODE_VAR`")
+    # A relative path would resolve inside Ray's working-dir cache on the workers, i.e. a file
+    # uploaded with the job: a secret published to the cluster after all.
+    if kind == "file" and not os.path.isabs(where):
+        raise ValueError(f"{key}: `file:{where}` must be an absolute path on the nodes (e.g. "
+                         f"/etc/tidal/secrets/{key.lower()}), not a file in the job's working directory")
+    return f"{kind}:{where}"
+
+
+def check_env(value: Any) -> dict[str, str]:
+    """The spec's `env`, every value a reference (pydantic validator of JobSpec.env)."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ValueError("env: a mapping of NAME: reference, e.g. `HF_TOKEN: env:HF_TOKEN`")
+    return {key: parse_ref(key, ref) for key, ref in value.items()}
+
+
+def check_worker_env(value: dict[str, str]) -> dict[str, str]:
+    """The published `worker_env`: refuses a name that says it holds a credential."""
+    for key in value:
+        if not VAR_NAME.match(key):
+            raise ValueError(f"{key!r} is not an environment variable name")
+        if looks_secret(key):
+            raise ValueError(f"{key}: worker_env is published (Ray's job list, MLflow params) and this name says "
+                             f"it holds a credential; move it to `env` as a reference: `env: {{{key}: env:NODE_VAR}}` "
+                             f"or `env: {{{key}: file:/etc/tidal/secrets/{key.lower()}}}`")
+    return value
+
+
+def looks_secret(name: str) -> bool:
+    return bool(SECRET_PARTS & set(name.upper().split("_")))
+
+
+def resolve(env: Mapping[str, str], environ: Mapping[str, str] | None = None,
+            read: Callable[[str], str] | None = None) -> dict[str, str]:
+    """The values `env`'s references name, read on this node; SecretMissing names every key whose
+    reference is not here (and the node), never a value."""
+    environ = os.environ if environ is None else environ
+    read = read or _read_file
+    values, problems = {}, []
+    for key, ref in env.items():
+        kind, _, where = ref.partition(":")
+        if kind == "env":
+            if where in environ:
+                values[key] = environ[where]
+            else:
+                problems.append(f"env.{key} ({ref}): the variable {where} is not set on this node; set it in the "
+                                "environment `ray start` runs in (or the pod's env) on every node")
+        else:
+            try:
+                values[key] = read(where)
+            except OSError as e:
+                problems.append(f"env.{key} ({ref}): cannot read the file on this node ({e.strerror or e}); "
+                                "put it on every node (e.g. mount the Kubernetes Secret: cluster_configs/kuberay)")
+    if problems:
+        raise SecretMissing(f"secrets missing on node {socket.gethostname()}: " + "; ".join(problems))
+    return values
+
+
+def _read_file(path: str) -> str:
+    # A file written with `echo` or `kubectl create secret --from-file` of such a file ends in a
+    # newline that is no part of the secret.
+    return Path(path).read_text().rstrip("\r\n")

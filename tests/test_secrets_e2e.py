@@ -1,0 +1,154 @@
+"""Secrets by reference against a real Ray head with token auth (tests/test_jobs.py's fixtures: its
+`mlflow server` with artifacts on moto S3, TIDAL_STORAGE on S3): a job with two secrets, one from
+the head's environment and one from a file on it, submitted with `tidal submit` and with plain
+`ray job submit`. Every worker reads both; neither value is in Ray's job list (`ray job list`; Ray
+2.60's has no --format json), the Jobs API, Ray Train's state API, the job's logs and record, MLflow
+(params, tags, artifacts), the bucket, or any file the test session wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import ROOT, restore_env, tiny_spec
+from tests.secrets_probe import NAMES, digest
+from tests.test_jobs import cluster_env, head, head_tmp  # noqa: F401 - the fixtures this module's head is made of
+from tidal.cli import main
+from tidal.launch.jobs import connect
+from tidal.output import parse_record
+
+pytestmark = pytest.mark.slow
+NODE_VAR = "TIDAL_TEST_NODE_HF_TOKEN"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def node_secrets(tmp_path_factory) -> Iterator[dict[str, str]]:
+    """The cluster's secrets, put there before the head starts (autouse: before `head`): HF_TOKEN in
+    the nodes' environment, DB_PASSWORD in a file on them (a mounted Kubernetes Secret, say)."""
+    values = {"HF_TOKEN": f"hf-{secrets.token_hex(12)}", "DB_PASSWORD": f"pw-{secrets.token_hex(12)}"}
+    path = tmp_path_factory.mktemp("node-secrets") / "db_password"
+    path.write_text(values["DB_PASSWORD"] + "\n")
+    # State tracking on: Ray Train's state API then holds each run's train_loop_config (the spec).
+    node_env = {NODE_VAR: values["HF_TOKEN"], "RAY_TRAIN_ENABLE_STATE_TRACKING": "1"}
+    old = {k: os.environ.get(k) for k in node_env}
+    os.environ.update(node_env)
+    yield {**values, "file": str(path)}
+    restore_env(old)
+
+
+def secret_spec(tmp: Path, name: str, node_secrets: dict[str, str]):
+    """A tiny job whose step function records, per rank, a hash of each secret it sees."""
+    probe = tmp / "probe"
+    probe.mkdir()
+    spec = tiny_spec(tmp, name=name).with_overrides({
+        "checkpoint.storage": None, "tracking.uri": None,  # the cluster's: its S3 bucket and mlflow server
+        "train.steps": 8, "checkpoint.every_steps": 4, "train.step_fn": "tests.secrets_probe:step",
+        "worker_env": {"TIDAL_TEST_PROBE_DIR": str(probe)},
+        "env": {"HF_TOKEN": f"env:{NODE_VAR}", "DB_PASSWORD": {"from_file": node_secrets["file"]}},
+    })
+    return spec, probe
+
+
+def test_tidal_submit_keeps_secrets_on_the_workers(head, cluster_env, node_secrets, tmp_path, monkeypatch,  # noqa: F811
+                                                   tmp_path_factory):
+    monkeypatch.chdir(ROOT)
+    for var in ("MLFLOW_TRACKING_URI", "TIDAL_STORAGE"):
+        monkeypatch.delenv(var, raising=False)  # the cluster decides
+    spec, probe = secret_spec(tmp_path, "secret-submit", node_secrets)
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
+    assert main(["submit", str(path), "--address", head, "--follow"]) == 0
+    job_id = next(j.submission_id for j in connect(head).list_jobs() if (j.metadata or {}).get("tidal.job") == spec.name)
+    check_secrets_kept(head, job_id, cluster_env, node_secrets, probe, tmp_path_factory)
+
+
+def test_plain_ray_job_submit_keeps_secrets_on_the_workers(head, cluster_env, node_secrets, tmp_path,  # noqa: F811
+                                                           tmp_path_factory):
+    spec, probe = secret_spec(tmp_path, "secret-plain", node_secrets)
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
+    job_id = f"secret-plain-{secrets.token_hex(4)}"
+    env = {**os.environ, "RAY_AUTH_MODE": "token"}
+    for var in ("MLFLOW_TRACKING_URI", "TIDAL_STORAGE"):
+        env.pop(var, None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ray.scripts.scripts", "job", "submit", "--address", head, "--working-dir", str(ROOT),
+         "--submission-id", job_id, "--", "tidal", "run", str(path)],
+        env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    check_secrets_kept(head, job_id, cluster_env, node_secrets, probe, tmp_path_factory, printed=proc.stdout + proc.stderr)
+
+
+def check_secrets_kept(head: str, job_id: str, cluster_env: dict[str, str], node_secrets: dict[str, str],  # noqa: F811
+                       probe: Path, tmp_path_factory, printed: str = "") -> None:
+    values = [node_secrets[k] for k in NAMES]
+    # Every rank read both.
+    seen = {p.name: json.loads(p.read_text()) for p in probe.glob("*.json")}
+    assert seen == {f"{r}.json": {k: digest(node_secrets[k]) for k in NAMES} for r in (0, 1)}, seen
+
+    # Ray: the job list (CLI and API), the job's info, its logs and the record in them.
+    client = connect(head)
+    listed = subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "job", "list", "--address", head],
+                            env={**os.environ, "RAY_AUTH_MODE": "token"},
+                            capture_output=True, text=True, timeout=120)
+    assert listed.returncode == 0 and job_id in listed.stdout, listed.stderr[-2000:]
+    logs = client.get_job_logs(job_id)
+    record = parse_record(logs)
+    assert record.get("mlflow_run_id"), logs[-2000:]
+    runs = train_runs(head)
+    assert record["name"] in runs, "Ray Train's state API lists the run (and its train_loop_config)"
+    ray_views = {"ray job list": listed.stdout, "Ray Train state API": runs, "list_jobs": repr(client.list_jobs()),
+                 "get_job_info": repr(client.get_job_info(job_id)), "logs": logs, "record": json.dumps(record),
+                 "printed": printed}
+
+    # MLflow: params, tags, and every artifact of the run.
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    run = MlflowClient(cluster_env["MLFLOW_TRACKING_URI"]).get_run(record["mlflow_run_id"])
+    artifacts = Path(mlflow.artifacts.download_artifacts(run_id=run.info.run_id, dst_path=str(probe.parent / "art"),
+                                                         tracking_uri=cluster_env["MLFLOW_TRACKING_URI"]))
+    files = [p for p in artifacts.rglob("*") if p.is_file()]
+    assert files, "the run has artifacts (its spec.yaml at least)"
+    mlflow_views = {"params": json.dumps(run.data.params), "tags": json.dumps(run.data.tags),
+                    **{f"artifact {p.name}": p.read_bytes().decode(errors="replace") for p in files}}
+    for where, text in {**ray_views, **mlflow_views}.items():
+        for value in values:
+            assert value not in text, f"a secret value is in {where}"
+
+    # Every object in the cluster's bucket (checkpoints, the job's files, MLflow's artifacts) and every
+    # file this test session wrote (the head's Ray logs, MLflow's database...), but the secret file itself.
+    import boto3
+
+    s3 = boto3.client("s3")
+    bucket = cluster_env["TIDAL_STORAGE"].removeprefix("s3://").split("/")[0]
+    keys = [o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket)
+            for o in page.get("Contents", [])]
+    assert any("checkpoint_000000008" in k for k in keys), "the job checkpointed into the bucket"
+    for key in keys:
+        body = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+        assert not [v for v in values if v.encode() in body], f"a secret value is in s3://{bucket}/{key}"
+    for p in Path(tmp_path_factory.getbasetemp()).rglob("*"):
+        if p.is_file() and not p.is_symlink() and str(p) != node_secrets["file"]:
+            data = p.read_bytes()
+            assert not [v for v in values if v.encode() in data], f"a secret value is in {p}"
+
+
+def train_runs(address: str) -> str:
+    """Ray Train V2's state API (its runs and their train_loop_config), as the dashboard shows it to every
+    token holder."""
+    import urllib.request
+
+    from tidal.launch.jobs import auth_token
+
+    request = urllib.request.Request(f"{address}/api/train/v2/runs/v1", headers={"Authorization": f"Bearer {auth_token()}"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return response.read().decode()
