@@ -52,3 +52,20 @@ def test_the_walk_and_cap_work_on_a_folder(tmp_path):
     ray_private.walk_working_dir(tmp_path, ["skip.bin"], lambda p: seen.append(p.name))
     assert "keep.txt" in seen and "skip.bin" not in seen
     assert ray_private.working_dir_upload_cap() >= 100 * 1024 * 1024
+
+
+def test_the_train_requester_id_is_rays():
+    """Ray's elastic policy asks the coordinator as `train-<run id>` (Tidal releases a killed
+    launch's reservation by that name, tidal/launch/trainer.py): fails when Ray names it otherwise."""
+    import inspect
+
+    from ray.train.v2._internal.execution.scaling_policy.scaling_policy import ScalingPolicy
+
+    assert 'f"train-{train_run_context.run_id}"' in inspect.getsource(ScalingPolicy.after_controller_start)
+
+    class Trainer:  # what DataParallelTrainer carries
+        class train_run_context:  # noqa: N801
+            run_id = "abc"
+
+    assert ray_private.train_requester(Trainer()) == "train-abc"
+    assert ray_private.train_requester(object()) is None

@@ -35,6 +35,9 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("ray.train.v2._internal.execution.context", "TrainContext"),
     ("ray.train.v2._internal.execution.controller.placement_group_cleaner", "PlacementGroupCleaner"),
     ("ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator", "_AutoscalingCoordinatorActor"),
+    ("ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_client",
+     "AUTOSCALING_REQUESTS_EXPIRE_TIME_S"),
+    ("ray.train.v2._internal.execution.context", "TrainRunContext"),
 )
 
 # Ray Train V2's settings read from the environment (ray.train.v2._internal.constants, 2.60):
@@ -122,3 +125,23 @@ def recompute_reserved_resources(requester: str, timeout_s: float) -> None:
 
     coordinator = ray.get_actor(AUTOSCALING_COORDINATOR, namespace=AUTOSCALING_COORDINATOR)
     ray.get(coordinator.get_reserved_resources.remote(requester, recompute=True), timeout=timeout_s)
+
+
+def train_requester(trainer: Any) -> str | None:
+    """The id under which a Ray Train V2 run asks the autoscaling coordinator for its workers.
+    Ray 2.60: `f"train-{run_id}"` (train/v2/_internal/execution/scaling_policy/scaling_policy.py
+    `after_controller_start`), the run id drawn in the driver when the trainer is built
+    (`DataParallelTrainer.train_run_context`); no public API names either."""
+    run_id = getattr(getattr(trainer, "train_run_context", None), "run_id", None)
+    return f"train-{run_id}" if run_id else None
+
+
+def cancel_reservation(requester: str, timeout_s: float) -> None:
+    """Have Ray's autoscaling coordinator drop `requester`'s request and what it reserved for it
+    (a requester it does not know: nothing happens). Ray 2.60: a run whose controller died with
+    its driver keeps its reservation until the request expires (`AUTOSCALING_REQUESTS_EXPIRE_TIME_S`,
+    180 s), and the coordinator has no public API; raises whatever Ray raises."""
+    import ray
+
+    coordinator = ray.get_actor(AUTOSCALING_COORDINATOR, namespace=AUTOSCALING_COORDINATOR)
+    ray.get(coordinator.cancel_request.remote(requester_id=requester), timeout=timeout_s)

@@ -18,6 +18,7 @@ from tidal.launch.console_pump import ConsolePump
 from tidal.launch.recovery import recovery_settings
 from tidal.launch.result import RunResult
 from tidal.output import print_record
+from tidal.ray_private import cancel_reservation, train_requester
 from tidal.redact import redact_uri
 from tidal.spec.job import JobSpec
 from tidal.storage import JOB_FILE, Found, RunDir, find_resume_point
@@ -64,10 +65,15 @@ def run(spec: JobSpec, restart: bool = False, mlflow_tags: dict[str, str] | None
 
     connect_ray()
     tags = {**_ray_tags(spec, run_dir), **(mlflow_tags or {})}
-    # The job file names the run the tracker reopens (a new job under this name: none, a new run);
-    # whoever reads the bucket reads it, so the tracking URI is kept redacted (tidal/redact.py).
+    trainer = _trainer(spec, callbacks or [])
+    release_reservation(job.get("ray_requester"))
+    # The job file names the run the tracker reopens (a new job under this name: none, a new run)
+    # and this launch's Ray Train requester (the next launch releases it); whoever reads the
+    # bucket reads it, so the tracking URI is kept redacted (tidal/redact.py). Written before the
+    # tracker starts: the tracker adds the MLflow run id to what it reads here.
     run_dir.write_json(JOB_FILE, {"mlflow_run_id": job.get("mlflow_run_id"), "fingerprint": spec.fingerprint_hash(),
-                                  "tracking_uri": redact_uri(spec.tracking.uri), "tidal_version": __version__})
+                                  "tracking_uri": redact_uri(spec.tracking.uri), "tidal_version": __version__,
+                                  "ray_requester": train_requester(trainer)})
     # The tracker opens the MLflow run while Ray starts the controller and the workers.
     tracker, _ = start_tracker(spec, tags, job_record(spec, None), lambda run_id: _announce(spec, run_id))
     pump = ConsolePump(tracker).start()
@@ -77,7 +83,7 @@ def run(spec: JobSpec, restart: bool = False, mlflow_tags: dict[str, str] | None
     try:
         # site "any": on-prem first, cloud nodes after burst_after_s; Tidal's recovery defaults for Ray
         with burst.burst_capacity(spec), recovery_settings(spec):
-            _trainer(spec, callbacks or []).fit()
+            trainer.fit()
         ok = True
         _say_if_stopped_early(spec, run_dir)
     except ray.train.TrainingFailedError as e:
@@ -93,6 +99,24 @@ def run(spec: JobSpec, restart: bool = False, mlflow_tags: dict[str, str] | None
                   f"{run_dir.path}/{BUFFER_DIR} and are sent when this job runs again", flush=True)
     return RunResult(spec.name, run_id or "", spec.tracking.uri, spec.checkpoint.storage, latest, time.time() - t0,
                      url=_safe_url(spec, run_id) if run_id else "")
+
+
+def release_reservation(requester: str | None, timeout_s: float = 10.0) -> bool:
+    """Have Ray's autoscaling coordinator drop what it still reserves for an earlier launch of this
+    job. Why: a launch whose driver was killed leaves its elastic run's request in the coordinator
+    until it expires (180 s in Ray 2.60), and a new launch on the same nodes found no capacity
+    reserved for it and waited that out: a killed `tidal run` cost 200 s before its first step
+    again (benchmarks/chaos_combined.py). A launch that ended cleanly cancelled its own request:
+    dropping it again does nothing. False when there was nothing to drop or the coordinator
+    could not be asked (no coordinator yet: nothing is held)."""
+    if not requester:
+        return False
+    try:
+        cancel_reservation(requester, timeout_s)
+        return True
+    except Exception as e:  # noqa: BLE001 - no coordinator (a fixed-size job, a new cluster): nothing to release
+        log.debug("could not release %s's reservation: %s: %s", requester, type(e).__name__, e)
+        return False
 
 
 def _already_complete(spec: JobSpec, state: dict[str, Any]) -> bool:
