@@ -41,8 +41,8 @@ EPILOG = """examples:
   tidal run jobs/quickstart.yaml                      # local Ray, or the cluster in RAY_ADDRESS
   tidal run jobs/quickstart.yaml --set train.steps=50 --restart
   tidal sweep jobs/quickstart.yaml --param train.lr=loguniform:1e-4:1e-2 --samples 8 --set sweep.scheduler=asha
-  tidal submit jobs/quickstart.yaml --address http://head:8265   # follows it to its end; --no-wait returns at once
-  tidal list --address http://head:8265; tidal logs ID --follow; tidal stop ID
+  tidal submit jobs/quickstart.yaml --address http://127.0.0.1:8265   # follows it to its end; --no-wait returns at once
+  tidal list --address http://127.0.0.1:8265; tidal logs ID --follow; tidal stop ID
   tidal runs; tidal runs compare RUN_ID RUN_ID
   tidal export jobs/quickstart.yaml --format torch --output out/gpt --mlflow   # the trained model, one folder
   tidal runs --output json                            # also list, status, cluster status: fields in their --help
@@ -184,7 +184,7 @@ class _Version(argparse.Action):
 
 
 def _address(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--address", default=None, help="Ray dashboard address, e.g. http://head:8265 (default: $RAY_ADDRESS)")
+    p.add_argument("--address", default=None, help="Ray dashboard address, e.g. http://127.0.0.1:8265 (the head through `ray dashboard CLUSTER.yaml`) or https://... behind a TLS proxy (default: $RAY_ADDRESS)")
 
 
 def _command(sub: argparse._SubParsersAction, name: str, func: Callable[[argparse.Namespace], int | None], help: str) -> argparse.ArgumentParser:
