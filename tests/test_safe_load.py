@@ -124,6 +124,30 @@ def test_planted_pickles_never_run(tmp_path, bucket, capfd) -> None:
     assert not marker.exists()
 
 
+@pytest.mark.slow
+@pytest.mark.usefixtures("s3_server", "ray_local")
+def test_a_resize_never_runs_a_planted_pickle(tmp_path, bucket) -> None:
+    """A resize converts the checkpoint with DeepSpeed's `ds_to_universal`, which unpickles with
+    `weights_only=False`: a listed file replaced by a pickle ran code there (on rank 0, with the
+    node's credentials) before the conversion's input was checked."""
+    import tidal
+    from tidal.storage import QUARANTINE_FILE, RunDir, checkpoint_dir_name, listed_files
+
+    marker = tmp_path / "ran"
+    common = {"train.steps": 8, "checkpoint.every_steps": 4, "checkpoint.storage": f"{bucket}/runs"}
+    spec = tiny_spec(tmp_path, name="resized", **common)  # 2 workers
+    assert tidal.run(spec.with_overrides({"train.stop_at": 4})).error is None
+    run = RunDir(spec.checkpoint.storage, spec.name)
+    four = checkpoint_dir_name(4)
+    target = "global_step4/zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    _plant(run, f"{four}/{target}", evil_bytes(marker, listed_files(run.fs, f"{run.path}/{four}")[target]))
+
+    result = tidal.run(spec.with_overrides({"scaling.min_workers": 1, "scaling.max_workers": 1}))
+    assert not marker.exists(), "the planted pickle ran during the resize's conversion"
+    assert result.error is None, result.error  # quarantined, then started over at 1 worker
+    assert run.fs.get_file_info(f"{run.path}/{four}/{QUARANTINE_FILE}").is_file
+
+
 def _selector(path: str):
     import pyarrow.fs as pafs
 

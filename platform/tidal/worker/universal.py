@@ -40,6 +40,7 @@ import pyarrow.fs as pafs
 from tidal import fs
 from tidal.errors import CheckpointError
 from tidal.storage import Found, listed_files
+from tidal.worker import safe_load
 from tidal.worker.fetch import LocalDiskFull, NodeCache
 
 log = logging.getLogger("tidal")
@@ -162,6 +163,10 @@ def _convert(found: Found, step_tag: str, out_tag: str) -> None:
         log.warning("Resharding: converting %s of %s (%d files, %.0f MiB) to universal form", step_tag, found.name,
                     len(files), total / 2**20)
         src = _input(found, cache, files, step_tag)
+        # ds_to_universal unpickles with weights_only=False: each file is first read weights-only
+        # (its pickle, not its tensors), so a planted one is refused here instead of run there.
+        status.stage = "checking the files' pickles"
+        safe_load.check_files(os.path.dirname(src), files)
         dst = os.path.join(cache.dir, "out", out_tag)
         _run(src, dst, files, status)
         status.stage = "publishing"
