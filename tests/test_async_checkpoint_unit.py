@@ -189,7 +189,9 @@ def test_writes_held_by_rays_report_queue_are_measured_and_named(tmp_path: Path)
     """Ray Train takes one report per worker per poll: saves faster than that wait for Ray, not
     for storage, and the user is told what to change; saves Ray keeps up with wait for nothing."""
     held = _ray_hand_over(StorageWriter(), tmp_path / "slow", saves=4, poll_s=0.3)
-    assert held >= 0.3, "four saves at once through a queue emptied every 0.3 s wait for at least one poll"
+    # At least one poll's wait; the poll clock starts before the first save waits, so a few ms less
+    # (0.296 s was seen in a full-suite run).
+    assert held >= 0.25, "four saves at once through a queue emptied every 0.3 s wait for about a poll"
     assert _ray_hand_over(StorageWriter(), tmp_path / "fast", saves=4, poll_s=0.001) < 0.1
 
     from tidal.worker.checkpoint import ray_backlog
