@@ -8,9 +8,9 @@ import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tidal.errors import SpecError
 from tidal.redact import redact_data
@@ -20,19 +20,12 @@ from tidal.spec.consistency import consistency_problems
 from tidal.spec.evaluation import EvalSpec, KeepBestSpec
 from tidal.spec.parse import apply_overrides, read_yaml, validated
 from tidal.spec.scheduling import SchedulingSpec
+from tidal.spec.secrets import SecretRef
 from tidal.spec.sweep import SweepSpec, sweeps_fields_of
 from tidal.spec.user_refs import check_ref
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$"
 DEFAULT_WARMUP_STEPS = 20
-# What an editor accepts for one `env` entry: the forms tidal.spec.secrets.parse_ref takes.
-SecretRef = Annotated[str, WithJsonSchema({"anyOf": [
-    {"type": "string", "pattern": "^(env:[A-Za-z_][A-Za-z0-9_]*|file:/.+)$"},
-    {"type": "object", "properties": {"from_env": {"type": "string"}}, "required": ["from_env"],
-     "additionalProperties": False},
-    {"type": "object", "properties": {"from_file": {"type": "string"}}, "required": ["from_file"],
-     "additionalProperties": False},
-], "description": "env:NODE_VAR or file:/abs/path (or {from_env: ...} / {from_file: ...})"})]
 
 
 class Part(BaseModel):

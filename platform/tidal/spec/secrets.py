@@ -18,12 +18,22 @@ import re
 import socket
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import WithJsonSchema
 
 from tidal.errors import TidalError
 
 VAR_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 KINDS = {"from_env": "env", "from_file": "file"}
+# What an editor accepts for one `env` entry: the forms parse_ref takes.
+SecretRef = Annotated[str, WithJsonSchema({"anyOf": [
+    {"type": "string", "pattern": "^(env:[A-Za-z_][A-Za-z0-9_]*|file:/.+)$"},
+    {"type": "object", "properties": {"from_env": {"type": "string"}}, "required": ["from_env"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {"from_file": {"type": "string"}}, "required": ["from_file"],
+     "additionalProperties": False},
+], "description": "env:NODE_VAR or file:/abs/path (or {from_env: ...} / {from_file: ...})"})]
 # Name parts that say a variable holds a credential: such a variable is refused in the published
 # `worker_env` (TOKENIZERS_PARALLELISM is fine: parts are compared whole).
 SECRET_PARTS = {"TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIALS", "KEY", "APIKEY", "PAT"}
