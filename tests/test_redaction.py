@@ -203,3 +203,9 @@ def _environ(values: dict[str, str]) -> Iterator[None]:
         yield
     finally:
         restore_env(old)
+
+
+def test_a_secret_reference_is_shown_not_masked():
+    """`env:VAR` / `file:/path` say where a secret is, never what it is (tidal/spec/secrets.py)."""
+    assert redact_text("HF_TOKEN=env:NODE_HF DB_PASSWORD: file:/etc/s/db") == "HF_TOKEN=env:NODE_HF DB_PASSWORD: file:/etc/s/db"
+    assert redact_data({"HF_TOKEN": "file:/etc/s/hf", "API_KEY": "abc123456"}) == {"HF_TOKEN": "file:/etc/s/hf", "API_KEY": MASK}

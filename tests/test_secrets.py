@@ -76,3 +76,13 @@ def test_resolve_names_every_missing_key_and_reference(tmp_path):
     assert f"env.DB_PASSWORD (file:{tmp_path}/absent): cannot read the file on this node (No such file" in text
     assert "env.OK" not in text and "the-value" not in text
 
+
+
+def test_validate_shows_where_each_secret_comes_from(tmp_path, capsys):
+    from tidal.cli import main
+
+    path = tmp_path / "job.yaml"
+    path.write_text("name: v\nenv:\n  HF_TOKEN: env:NODE_HF\n  DB_PASSWORD: file:/etc/tidal/secrets/db\n")
+    assert main(["validate", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "HF_TOKEN: env:NODE_HF" in out and "DB_PASSWORD: file:/etc/tidal/secrets/db" in out

@@ -45,6 +45,8 @@ _SECRET_PARAM_PREFIXES = ("x-goog-", "x-amz-security", "x-amz-credential", "x-am
 MIN_VALUE_LEN = 8
 
 _URI = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>`]+")
+# A secret reference (tidal.spec.secrets: where a secret is on the nodes, never its value).
+_REFERENCE = re.compile(r"^(?:env:[A-Za-z_][A-Za-z0-9_]*|file:/\S+)$")
 _ASSIGN = re.compile(r"\b([A-Za-z_][A-Za-z0-9_]*)(\s*[=:]\s*)(['\"]?)([^\s'\"&,;]+)")
 
 
@@ -110,7 +112,7 @@ def redact_text(text: str, secrets: Iterable[str] | None = None) -> str:
 
 def _mask_assignment(m: re.Match[str]) -> str:
     name, sep, quote, value = m.groups()
-    if not is_secret_name(name) or value == MASK:
+    if not is_secret_name(name) or value == MASK or _REFERENCE.match(value):
         return m.group(0)
     return f"{name}{sep}{quote}{MASK}"
 
@@ -127,7 +129,7 @@ def _redact(data: Any, values: list[str]) -> Any:
         return redact_text(data, values)
     if isinstance(data, Mapping):
         return {k: MASK if isinstance(k, str) and is_secret_name(k) and isinstance(v, str) and v
-                else _redact(v, values) for k, v in data.items()}
+                and not _REFERENCE.match(v) else _redact(v, values) for k, v in data.items()}
     if isinstance(data, (list, tuple)):
         return [_redact(v, values) for v in data]
     return data
