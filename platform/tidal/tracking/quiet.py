@@ -61,34 +61,6 @@ def quiet_libraries() -> None:
     _quiet_ray_train_reports()
 
 
-def quiet_deepspeed_comm() -> None:
-    """DeepSpeed `print`s "deepspeed_shm_comm_op built successfully" in every CPU process that
-    brings up its communication backend (deepspeed.comm.torch.build_shm_op), not through a logger.
-    Wrap that one function so its stdout is dropped; errors still raise and stderr is kept. In a
-    Ray Train worker `print` itself is Ray's, which also logs the line on the root logger: a
-    filter there drops it. Call after importing deepspeed."""
-    if debug():
-        return
-    root = logging.getLogger()
-    if not any(isinstance(f, _Drop) for f in root.filters):
-        root.addFilter(_Drop("deepspeed_shm_comm_op built successfully"))
-    import contextlib
-    import io
-
-    # By name: `deepspeed.comm.torch` as an attribute is the torch module deepspeed.comm imported.
-    ds_torch = importlib.import_module("deepspeed.comm.torch")
-    build = ds_torch.build_shm_op
-    if getattr(build, "_tidal_quiet", False):
-        return
-
-    def quiet_build() -> object:
-        with contextlib.redirect_stdout(io.StringIO()):
-            return build()
-
-    quiet_build._tidal_quiet = True  # type: ignore[attr-defined]
-    ds_torch.build_shm_op = quiet_build
-
-
 def _quiet_ray_train_reports() -> None:
     """Ray Train logs `Reporting training result N: TrainingReport(...)` with the whole metrics dict
     from every rank at every checkpoint. Its logger is named by its file path (`getLogger(__file__)`

@@ -15,11 +15,8 @@ from tidal.spec.deepspeed import ds_config
 from tidal.spec.job import JobSpec
 from tidal.spec.schedule import DEEPSPEED_SCHEDULES, lr_factor
 from tidal.spec.user_refs import resize_refusal
-from tidal.tracking.quiet import quiet_deepspeed_comm
 from tidal.worker.device import arch_list_for_deepspeed, skip_cpu_shm_allreduce
 from tidal.worker.models import build_model, gpt
-
-quiet_deepspeed_comm()  # before any engine brings up DeepSpeed's communication backend
 
 # DeepSpeed logs every config key at INFO on every rank; keep its warnings only.
 logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
