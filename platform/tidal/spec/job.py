@@ -4,292 +4,34 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator
 
 from tidal.errors import SpecError
 from tidal.redact import redact_data
 from tidal.spec import secrets
-from tidal.spec.compile import CompileSpec, compile_shorthand
 from tidal.spec.consistency import consistency_problems
-from tidal.spec.evaluation import EvalSpec, KeepBestSpec
+from tidal.spec.evaluation import EvalSpec
 from tidal.spec.parse import apply_overrides, read_yaml, validated
 from tidal.spec.scheduling import SchedulingSpec
 from tidal.spec.secrets import SecretRef
+from tidal.spec.sections import (
+    NAME_PATTERN,
+    CheckpointSpec,
+    DataSpec,
+    FailureSpec,
+    ModelSpec,
+    ParallelismSpec,
+    Part,
+    ScalingSpec,
+    TrackingSpec,
+    TrainSpec,
+)
 from tidal.spec.sweep import SweepSpec, sweeps_fields_of
-from tidal.spec.user_refs import check_ref
-
-NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$"
-DEFAULT_WARMUP_STEPS = 20
-
-
-class Part(BaseModel):
-    """Base of every spec section: unknown keys are errors, assignments are validated."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-class ModelSpec(Part):
-    """The built-in decoder-only GPT (n_layer...seq_len), or a Hugging Face causal LM, or your own.
-
-    `seq_len` and `vocab_size` also shape the data for every kind of model.
-    """
-
-    n_layer: int = Field(4, ge=1, description="transformer blocks")
-    n_head: int = Field(4, ge=1, description="attention heads; must divide d_model")
-    d_model: int = Field(256, ge=8, description="hidden size")
-    vocab_size: int = Field(256, ge=2, description="tokens; 256 = byte-level text")
-    seq_len: int = Field(64, ge=2, description="tokens per training sequence")
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    hf_config: dict[str, Any] | str | None = Field(
-        None, description="a Hugging Face causal LM built from this config (a dict, or a path to a config dir/JSON); no download"
-    )
-    hf_pretrained: str | None = Field(None, description="a local directory with Hugging Face pretrained weights")
-    builder: str | None = Field(
-        None, description="'pkg.module:function' returning any torch nn.Module, imported on the workers from the job's "
-        "working directory; called as function(model_spec, **model.builder_args). Without train.step_fn its "
-        "forward(*batch) must return the loss",
-    )
-    builder_args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for model.builder")
-
-    _builder_ref = field_validator("builder")(check_ref)
-
-    @model_validator(mode="after")
-    def _one_model(self) -> ModelSpec:
-        chosen = [k for k in ("hf_config", "hf_pretrained", "builder") if getattr(self, k)]
-        if len(chosen) > 1:
-            raise ValueError(f"{chosen[1]}: choose one of hf_config, hf_pretrained or builder (got {', '.join(chosen)})")
-        if not chosen and self.d_model % self.n_head:
-            raise ValueError(f"n_head: must divide model.d_model ({self.d_model}); got {self.n_head}")
-        return self
-
-
-class DataSpec(Part):
-    source: str = Field(
-        "synthetic",
-        description="'synthetic' (a learnable task, no download), or a .txt, .jsonl or .parquet file: a path or a URI (s3://...)",
-    )
-    text_field: str = Field("text", description="the field holding the text in .jsonl records and .parquet rows")
-    tokenizer: str | None = Field(
-        None, description="a Hugging Face tokenizer directory (save_pretrained output) readable on every node; "
-        "nothing is downloaded. Default: bytes, a vocabulary of 256"
-    )
-    streaming: bool = Field(
-        False, description="for data larger than a worker's memory: Ray Data tokenizes the source once, before "
-        "training, into shards on the job's storage, and each worker reads only the shards of its windows; false: "
-        "every worker reads the source whole. Both train each window once per epoch in the same global batches at "
-        "any world size, across restarts and resizes"
-    )
-    epochs: int | None = Field(
-        None, ge=1, description="with streaming: passes over the source, after which the job ends at the last whole "
-        "step (train.steps is then an upper bound); default: as many as train.steps needs"
-    )
-    shard_windows: int | None = Field(
-        None, ge=1, description="with streaming: windows (model.seq_len + 1 tokens) per shard; default: about 4 MiB "
-        "of tokens per shard"
-    )
-    dataset: str | None = Field(
-        None, description="'pkg.module:function' returning your own map-style torch Dataset (__len__ and "
-        "__getitem__), imported on the workers from the job's working directory and called as "
-        "function(**data.dataset_args); it must give the same samples on every worker. Tidal orders it by a seeded "
-        "permutation per epoch, so a sample index is its resumable position"
-    )
-    dataset_args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for data.dataset")
-
-    _dataset_ref = field_validator("dataset")(check_ref)
-
-
-class OptimizerSpec(Part):
-    name: Literal["AdamW", "Adam", "SGD", "Lion"] = Field(
-        "AdamW", description="Lion runs on GPUs, or on CPU with parallelism.offload_optimizer (DeepSpeed's Lion)"
-    )
-    args: dict[str, Any] = Field(
-        default_factory=dict, description="the optimizer's own arguments, e.g. {betas: [0.9, 0.99]} or "
-        "{momentum: 0.9, nesterov: true}; lr and weight_decay come from train.lr and train.weight_decay"
-    )
-
-
-class TrainSpec(Part):
-    steps: int = Field(200, ge=1, description="optimizer steps in the whole job")
-    micro_batch: int = Field(8, ge=1, description="sequences per worker per forward pass")
-    global_batch: int = Field(32, ge=1, description="sequences per optimizer step, fixed at any world size")
-    lr: float = Field(3e-4, gt=0.0, le=1.0)
-    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="cosine floor as a fraction of lr")
-    warmup_steps: int | None = Field(
-        None, ge=0, description=f"steps of linear warmup (default {DEFAULT_WARMUP_STEPS} unless train.warmup is set); "
-        "a warmup as long as the job is shortened to train.steps - 1, with a note"
-    )
-    warmup: float | None = Field(
-        None, ge=0.0, le=1.0, description="warmup as a fraction of train.steps (e.g. 0.05), instead of warmup_steps"
-    )
-    schedule: Literal["cosine", "linear", "constant", "wsd"] = Field(
-        "cosine", description="after warmup: cosine or linear decay to train.min_lr_ratio, constant, or wsd "
-        "(warmup-stable-decay: constant, then a linear decay over the last train.decay_fraction of the steps)"
-    )
-    decay_fraction: float = Field(0.2, gt=0.0, le=1.0, description="with schedule wsd: the share of train.steps "
-                                  "spent decaying at the end")
-    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
-    step_fn: str | None = Field(
-        None, description="'pkg.module:function' returning the loss of one micro-batch, for objectives other than "
-        "next-token prediction: function(model, batch) -> scalar tensor (model is the DeepSpeed engine: call it like "
-        "your module). Default: model(*batch)"
-    )
-    weight_decay: float = Field(0.0, ge=0.0)
-    grad_clip: float = Field(1.0, ge=0.0, description="0 disables clipping")
-    seed: int = Field(0, ge=0)
-    log_every: int = Field(10, ge=1, description="steps between progress lines and MLflow points")
-    stop_at: int | None = Field(
-        None, ge=1, description="end this launch after that step, with a checkpoint; the same job run again continues"
-    )
-
-    _step_ref = field_validator("step_fn")(check_ref)
-
-    @model_validator(mode="after")
-    def _one_warmup(self) -> TrainSpec:
-        if self.warmup is not None and self.warmup_steps is not None:
-            raise ValueError(f"warmup: {self.warmup} and train.warmup_steps ({self.warmup_steps}) are both set; "
-                             "keep one (e.g. --set train.warmup_steps=null)")
-        return self
-
-    def warmup_plan(self) -> tuple[int, str | None]:
-        """(warmup steps the schedule uses, a note when that differs from what the spec asked for).
-
-        A warmup as long as the job leaves no step at the peak rate; like other trainers we shorten
-        it rather than refuse a short run (`--set train.steps=10` on any job).
-        """
-        if self.warmup is not None:
-            # round() first: 0.1 * 30 is 3.0000000000000004, which ceil would make 4
-            asked, field = math.ceil(round(self.warmup * self.steps, 6)), "train.warmup"
-            shown = f"{self.warmup} x {self.steps} steps = {asked}"
-        else:
-            asked = DEFAULT_WARMUP_STEPS if self.warmup_steps is None else self.warmup_steps
-            field, shown = "train.warmup_steps", f"{asked}{' (the default)' if self.warmup_steps is None else ''}"
-        if asked < self.steps:
-            return asked, None
-        steps = self.steps - 1
-        return steps, (f"{field} {shown} is not below train.steps ({self.steps}): "
-                       f"warming up over {steps} step(s) instead")
-
-
-class ParallelismSpec(Part):
-    zero_stage: Literal[0, 1, 2, 3] = 2
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    offload_optimizer: Literal["none", "cpu", "nvme"] = Field("none", description="ZeRO-Offload of optimizer state")
-    offload_params: Literal["none", "cpu", "nvme"] = Field("none", description="ZeRO-3 parameter offload")
-    nvme_path: str | None = Field(None, description="a fast local disk for nvme offload, on every node")
-    activation_checkpointing: bool = False
-    compile: CompileSpec | None = Field(
-        None, description="torch.compile the model (DeepSpeed's engine.compile()): true, or options such as "
-        "{backend: inductor, mode: max-autotune}; ZeRO 0-2 without pipeline stages. The first steps of each launch "
-        "compile and are left out of tokens/s and MFU"
-    )
-    pipeline_stages: int = Field(
-        1, ge=1, description="split the built-in GPT into this many DeepSpeed pipeline stages, one worker each; "
-        "world size = stages x data-parallel replicas"
-    )
-    pipeline_partition: Literal["parameters", "uniform"] = Field(
-        "parameters", description="how layers go to stages: balanced by parameter count, or by layer count"
-    )
-    deepspeed: dict[str, Any] = Field(
-        default_factory=dict, description="DeepSpeed config keys merged into the one Tidal derives, e.g. "
-        "{zero_optimization: {reduce_bucket_size: 5.0e+7}}; a key Tidal derives from another field is refused "
-        "(set that field instead), or may be given as \"auto\""
-    )
-
-    _compile_shorthand = field_validator("compile", mode="before")(compile_shorthand)
-
-    def data_parallel_size(self, world_size: int) -> int:
-        """Replicas of the model: each pipeline spans `pipeline_stages` workers."""
-        return world_size // self.pipeline_stages
-
-
-class ScalingSpec(Part):
-    min_workers: int = Field(2, ge=1)
-    max_workers: int = Field(2, ge=1)
-    cpus_per_worker: float = Field(1.0, gt=0.0)
-    gpus_per_worker: int = Field(0, ge=0, description="whole GPUs per worker; 0 trains on CPU")
-    elastic_check_s: float = Field(
-        60.0, gt=0.0, description="how often an elastic job looks for room to grow"
-    )
-    peak_tflops_per_worker: float | None = Field(
-        None, gt=0.0, description="peak TFLOP/s of one worker for MFU; default: a table by GPU model, or measured CPU cores"
-    )
-    site: Literal["onprem", "cloud", "any"] = Field(
-        "any", description="where workers may run: nodes labelled tidal.io/site=onprem, =cloud, or either (on-prem first)"
-    )
-    burst_after_s: float = Field(
-        300.0, ge=0.0, description="with site 'any': how long to wait for on-prem room before asking for cloud nodes"
-    )
-    reference_run: str | None = Field(
-        None, description="an MLflow run id (same tracking store) whose tokens/s per worker is the baseline for "
-        "scaling_efficiency_vs_reference"
-    )
-
-    @model_validator(mode="after")
-    def _range(self) -> ScalingSpec:
-        if self.min_workers > self.max_workers:
-            raise ValueError(f"min_workers: {self.min_workers} is above scaling.max_workers ({self.max_workers}); "
-                             "set min_workers <= max_workers")
-        return self
-
-
-class CheckpointSpec(Part):
-    every_steps: int = Field(50, ge=1)
-    keep: int = Field(3, ge=1, description="newest checkpoints kept")
-    storage: str | None = Field(
-        None, description="where each job's folder goes: a path every node shares, or a URI (s3://..., gs://...). "
-        "Default: the cluster's $TIDAL_STORAGE, else ./tidal-runs"
-    )
-    async_upload: bool = Field(
-        True, description="training waits only while the state is copied in memory; the write to storage runs in "
-        "the background, one at a time (the next checkpoint waits for it). false: training waits for the write"
-    )
-    keep_best: KeepBestSpec | None = Field(
-        None, description="also keep the best checkpoints by an eval metric: Ray Train then keeps the `keep` best "
-        "by it, plus the newest (needs an eval section)"
-    )
-
-
-class FailureSpec(Part):
-    max_restarts: int = Field(3, ge=-1, description="worker-group restarts allowed; -1 = unlimited")
-    step_timeout_s: float = Field(
-        900.0, ge=0.0, description="a worker with no finished step for this long (e.g. stuck in a collective) exits "
-        "so the group restarts from the last checkpoint; 0 disables. Armed after the first step"
-    )
-    phase_timeout_s: float = Field(
-        3600.0, ge=0.0, description="a checkpoint save or an evaluation may take this long (instead of step_timeout_s, "
-        "suspended meanwhile) before the worker is taken as hung and exits; 0: no limit for them. Raise it for "
-        "checkpoints that take longer to write synchronously"
-    )
-    straggler_ratio: float = Field(
-        1.5, ge=0.0, description="warn when one rank's time outside collectives is this many times the median "
-        "rank's (the others wait for it); 0 disables"
-    )
-    straggler_intervals: int = Field(3, ge=1, description="log intervals in a row above straggler_ratio before the warning")
-
-    @model_validator(mode="after")
-    def _straggler_ratio(self) -> FailureSpec:
-        if 0 < self.straggler_ratio <= 1:
-            raise ValueError(f"straggler_ratio: {self.straggler_ratio} would flag balanced ranks (1.0 is no spread); "
-                             "use a value above 1 such as 1.5, or 0 to turn the warning off")
-        return self
-
-
-class TrackingSpec(Part):
-    uri: str | None = Field(
-        None, description="MLflow tracking URI. Default: the cluster's $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db"
-    )
-    experiment: str | None = Field(
-        None, min_length=1, description="MLflow experiment. Default: $MLFLOW_EXPERIMENT_NAME, else 'tidal'"
-    )
-    flush_timeout_s: float = Field(
-        120.0, ge=0.0, description="at the end, how long to keep retrying an unreachable MLflow before leaving metrics buffered"
-    )
 
 
 class JobSpec(Part):
