@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -119,3 +121,53 @@ def update_doc(section: str, body: str, doc: Path = DOC) -> None:
     text = "\n## ".join([parts[0].rstrip() + "\n", *sections]).rstrip() + "\n"
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text(text)
+
+
+class Job:
+    """A `tidal run` process against a cluster at `address`, and the loss trace its rank 0 writes."""
+
+    def __init__(self, spec_path: Path, address: str, trace: Path, log: Path) -> None:
+        self.cmd = [sys.executable, "-m", "tidal", "run", str(spec_path)]
+        self.env = {**os.environ, "RAY_ADDRESS": address}
+        self.trace, self.log, self.proc = trace, log, None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=self.log.open("a"),  # noqa: SIM115
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def records(self) -> list[dict[str, Any]]:
+        if not self.trace.exists():
+            return []
+        out = []
+        for line in self.trace.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue  # a line cut short by a kill
+        return out
+
+    def steps_done(self) -> int:
+        return len(self.records())
+
+    def new_life_after(self, seen: int, timeout_s: float = 900) -> float:
+        """The time of the first step of a life that starts after record `seen` (steps go back)."""
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            recs = self.records()
+            for prev, r in zip(recs[seen - 1:], recs[seen:], strict=False):
+                if r["step"] <= prev["step"]:
+                    return r["ts"]
+            time.sleep(0.2)
+        raise TimeoutError(f"no new life within {timeout_s} s; see {self.log}")
+
+    def wait_steps(self, n: int, timeout_s: float = 600) -> None:
+        deadline = time.time() + timeout_s
+        while self.steps_done() < n:
+            if time.time() > deadline:
+                raise TimeoutError(f"the job did not reach {n} trace records; see {self.log}")
+            time.sleep(0.5)

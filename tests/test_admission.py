@@ -108,6 +108,19 @@ def test_team_at_its_quota_queues_its_next_job_naming_team_and_quota_then_admits
     assert [(a.job, a.workers) for a in d.admit] == [("v2", 2)]
 
 
+def test_a_teams_urgent_job_at_its_quota_shrinks_the_teams_own_lower_priority_job():
+    """Within a team priority decides: at the team's quota, its high job takes from its own low
+    job (it was queued for the quota, and the low job ran on to its end, on a real head)."""
+    q = teams(research=(2, 2))
+    low = running("low", 4, 1, 4, "low", team="research")
+    d = decide(8, [low], [queued("high", 2, 2, "high", team="research")], q, now=1000.0)
+    assert d.workers("low") == 2 and d.workers("high") == 2 and not d.waiting
+    # of equal priority it still waits for the quota
+    d = decide(8, [running("low", 4, 1, 4, "normal", team="research")],
+               [queued("next", 2, 2, "normal", team="research")], q, now=1000.0)
+    assert d.admit == () and d.waiting[0].why == "quota"
+
+
 def test_a_job_larger_than_its_teams_whole_quota_says_it_cannot_start():
     d = decide(8, [], [queued("huge", 6, 6, "normal", team="vision")], teams(vision=(2, 2)), now=0.0)
     (w,) = d.waiting

@@ -203,3 +203,55 @@ def test_job_bursts_to_cloud_and_the_cloud_node_is_released(burst_cluster: str, 
     # Request withdrawn, job over: the idle cloud node is terminated; the on-prem node stays.
     assert watcher.requested == 0
     wait_for("the idle cloud node to be released", lambda: nodes_by_site() == {"onprem": 1}, timeout=90)
+
+
+def requested_gpu_bundles() -> int:
+    """GPU bundles in the autoscaler's standing request (what request_resources last asked for)."""
+    from tidal.cluster.status import demand_record
+    from tidal.ray_private import autoscaler_report
+
+    record = demand_record(autoscaler_report()) or {}
+    return sum(d["count"] for d in record.get("request_demand", []) if d["shape"].get("GPU"))
+
+
+def test_two_jobs_bursts_are_summed_and_a_team_past_its_budget_is_refused(burst_cluster: str, tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch):
+    """request_resources is global: when each job called it, the second job's burst replaced the
+    first's (the autoscaler asked for 1 bundle, not 2). Under admission one caller sends the sum,
+    and a team whose cloud budget is spent is refused, naming the team and the budget."""
+    import ray
+
+    from tidal.cluster.admitter import ACTOR, NAMESPACE
+    from tidal.cluster.burst import BurstWatcher
+
+    quotas = {"unit": "gpus", "defaults": {"team": "vision", "priority": "normal"},
+              "teams": {"vision": {"onprem": {"guaranteed": 1}, "cloud": {"borrow": 4}},
+                        "interns": {"onprem": {"borrow": 1}, "cloud": {"borrow": 4},
+                                    "cloud_budget": {"gpu_hours_per_day": 0.0002}}}}  # 0.72 GPU-seconds
+    (tmp_path / "quotas.yaml").write_text(yaml.safe_dump(quotas))
+    monkeypatch.setenv("TIDAL_QUOTAS", str(tmp_path / "quotas.yaml"))
+    monkeypatch.setenv("TIDAL_QUEUE", str(tmp_path / "queue" / "queue.json"))
+
+    def watcher(name: str, team: str) -> BurstWatcher:
+        return BurstWatcher(tiny_spec(tmp_path, name, **{"scaling.gpus_per_worker": 1, "scaling.site": "any",
+                                                         "scheduling.team": team}))
+
+    one, two, spender, late = (watcher("burst-one", "vision"), watcher("burst-two", "vision"),
+                               watcher("burst-spender", "interns"), watcher("burst-late", "interns"))
+    try:
+        one.request(1)
+        two.request(1)
+        wait_for("the autoscaler asked for both jobs' bursts", lambda: requested_gpu_bundles() == 2, timeout=30)
+        spender.request(1)
+        assert spender.requested == 1, "nothing spent today yet: granted"
+        time.sleep(3)  # the interns' burst holds a GPU for longer than their budget
+        late.request(1)
+        assert late.requested == 0 and late.refused is not None
+        assert "team 'interns'" in late.refused and "0.0002 GPU-hours per day" in late.refused, late.refused
+        wait_for("the vision team's two bursts still requested, the interns' withdrawn",
+                 lambda: requested_gpu_bundles() == 2, timeout=30)
+    finally:
+        for w in (one, two, spender, late):
+            w.clear()
+        with contextlib.suppress(ValueError):
+            ray.kill(ray.get_actor(ACTOR, namespace=NAMESPACE))

@@ -137,14 +137,15 @@ def test_list_and_status_json_hold_every_field(monkeypatch, capsys):
     """Without a cluster: Ray Jobs' answers stubbed. A job before its first progress line has nulls."""
     from tidal.launch import jobs
 
-    rows = [{"id": "raysubmit_1", "name": "quickstart", "status": "RUNNING", "start_time": 1, "step": 5, "steps": 10,
-             "loss": 2.5, "tokens_per_s": 100.0, "world_size": 2},
+    rows = [{"id": "raysubmit_1", "name": "quickstart", "status": "SHRUNK", "team": "vision", "priority": "low",
+             "start_time": 1, "step": 5, "steps": 10, "loss": 2.5, "tokens_per_s": 100.0, "world_size": 2},
             {"id": "raysubmit_2", "name": "queued", "status": "PENDING", "start_time": 2}]
     monkeypatch.setattr(jobs, "list_jobs", lambda address: rows)
     assert main(["list", "--output", "json"]) == 0
     listed = json.loads(capsys.readouterr().out)
     assert listed[0] == rows[0]
-    assert listed[1] == {**rows[1], "step": None, "steps": None, "loss": None, "tokens_per_s": None, "world_size": None}
+    assert listed[1] == {**rows[1], "team": None, "priority": None, "step": None, "steps": None, "loss": None,
+                         "tokens_per_s": None, "world_size": None}
 
     monkeypatch.setattr(jobs, "connect", lambda address: type("Client", (), {"get_address": lambda self: "http://h:8265"})())
     monkeypatch.setattr(jobs.Job, "status", lambda self: "PENDING")

@@ -17,8 +17,16 @@ class Clock:
         return self.now
 
 
-def row(loss_sum: float, n: int, busy: float = NO_SAMPLE, due: bool = False, blocked: float = 0.0) -> list[float]:
-    return [loss_sum, float(n), busy, float(due), blocked]
+def row(loss_sum: float, n: int, busy: float = NO_SAMPLE, due: bool = False, blocked: float = 0.0,
+        target: float = -1.0) -> list[float]:
+    return [loss_sum, float(n), busy, float(due), blocked, target]
+
+
+def test_rank_0s_word_from_admission_is_every_ranks():
+    """Only rank 0 polls admission (worker/directive.py): its target must reach every rank, so
+    all of them end the group at the same step."""
+    assert LogSync().agree([row(1.0, 1, target=2.0), row(1.0, 1, target=-1.0)]).target == 2.0
+    assert LogSync().agree([row(1.0, 1, target=-1.0), row(1.0, 1, target=4.0)]).target == -1.0
 
 
 def test_the_loss_is_the_mean_over_ranks_and_micro_batches():

@@ -79,3 +79,20 @@ def test_the_plan_imports_neither_torch_nor_ray():
     code = "import sys, tidal.worker.plan; print(sorted(m for m in ('torch', 'ray') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def resized(step: int, cadence: Cadence = NO_EVAL):
+    d = due(step, cadence, False)
+    return plan_step(d, cadence, False, True, resize=True)
+
+
+def test_a_resize_by_admission_checkpoints_synchronously_and_ends_the_group_there():
+    """The group's last step must be durable before it ends (the restart resumes from it), so
+    the checkpoint cannot run behind: a resize that lost its last steps would train them twice."""
+    p = resized(5)
+    assert (p.checkpoint, p.background, p.end, p.drain) == (True, False, "resize", False)
+
+
+def test_a_resize_at_the_last_step_just_ends_the_job():
+    p = resized(40)
+    assert p.end is None and p.checkpoint

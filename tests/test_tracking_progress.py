@@ -62,7 +62,7 @@ def test_progress_survives_a_reworded_console(tmp_path, mlflow_uri, capsys, monk
     monkeypatch.setattr(jobs, "connect", lambda address=None: Client())
     assert main(["list", "--address", "http://h:8265", "--output", "json"]) == 0
     assert json.loads(capsys.readouterr().out) == [{"id": "raysubmit_1", "name": spec.name, "status": "RUNNING",
-                                                    "start_time": 1, **want}]
+                                                    "team": None, "priority": None, "start_time": 1, **want}]
     assert main(["status", "raysubmit_1", "--address", "http://h:8265"]) == 0
     assert "step 30/40" in capsys.readouterr().out
 

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 import yaml
 
 from tidal.cluster.cli import register as register_cluster
+from tidal.cluster.queue_view import FIELDS as QUEUE_FIELDS
 from tidal.errors import TidalError, UsageError
 from tidal.exporter.cli import register as register_export
 from tidal.launch.jobs import JOB_FIELDS, PROGRESS_FIELDS, Job
@@ -144,8 +145,20 @@ def _parser() -> argparse.ArgumentParser:
         c.set_defaults(func=func)
     ls = sub.add_parser("list", help="list Tidal jobs on a cluster with progress", description="list Tidal jobs on a cluster")
     _address(ls)
-    add_output_flag(ls, f"a list of objects with id, name, status, start_time (ms since the epoch) and {PROGRESS_DOC}")
+    add_output_flag(ls, "a list of objects with id, name, status (QUEUED, SHRUNK or SUSPENDED under the cluster's "
+                    "admission, where its queue is readable here), team, priority, start_time (ms since the epoch) "
+                    f"and {PROGRESS_DOC}")
     ls.set_defaults(func=_list)
+
+    qu = sub.add_parser("queue", help="jobs waiting and running under the cluster's admission, with why they wait",
+                        description="Every job the cluster's admission knows (docs/sharing.md): team, priority, state "
+                        "(QUEUED, RUNNING, SHRUNK, SUSPENDED), workers now/min-max, position and reason. Read from the "
+                        "queue document on the cluster's storage, so no Ray connection is needed; ended jobs are in "
+                        "`tidal list`.")
+    qu.add_argument("--storage", default=None, help="the cluster's storage root (default: $TIDAL_STORAGE), or the "
+                    "queue document itself with $TIDAL_QUEUE")
+    add_output_flag(qu, "a list of objects with " + ", ".join(QUEUE_FIELDS) + " (workers: now)")
+    qu.set_defaults(func=_queue)
 
     rn = sub.add_parser("runs", help="table of Tidal runs in MLflow; `runs compare RUN RUN ...` puts runs side by side",
                         description="Tidal runs in MLflow: job, status, steps, final loss, tokens/s, MFU, world size, "
@@ -327,6 +340,25 @@ def _list(args: argparse.Namespace) -> int:
         loss = f"{r['loss']:.4f}" if "loss" in r else "-"
         tps = f"{r['tokens_per_s']:,.0f}" if "tokens_per_s" in r else "-"
         print(f"{r['id']:<28} {r['name']:<20} {r['status']:<10} {step:>11} {loss:>8} {tps:>10} {r.get('world_size', '-'):>5}")
+    return 0
+
+
+def _queue(args: argparse.Namespace) -> int:
+    from tidal.cluster.admitter import QUEUE_VAR, queue_document
+    from tidal.cluster.queue_state import load_queue
+    from tidal.cluster.queue_view import rows, table
+
+    env = {**os.environ, **({"TIDAL_STORAGE": args.storage} if args.storage else {})}
+    if args.storage:
+        env.pop(QUEUE_VAR, None)
+    if not env.get(QUEUE_VAR) and not env.get("TIDAL_STORAGE"):
+        raise UsageError("where is the queue? pass --storage with the cluster's storage root (its TIDAL_STORAGE), "
+                         "or set TIDAL_STORAGE or TIDAL_QUEUE")
+    records = rows(load_queue(queue_document(env)))
+    if args.output == "json":
+        print_json([{k: r[k] for k in QUEUE_FIELDS} for r in records])
+    else:
+        print(table(records))
     return 0
 
 

@@ -12,7 +12,8 @@ Written by hand because nothing on a plain Ray cluster does it: Ray has no job q
 The rules, in the order they apply:
 - Order: higher priority first, then earlier submission (a suspended job keeps its place).
 - A team never holds more than its share's `guaranteed + borrow` slots; past it the job waits
-  with a reason naming the team and the quota. Quota waits block no other team.
+  with a reason naming the team and the quota, unless the team's own lower-priority jobs can
+  give the difference. Quota waits block no other team.
 - A job that does not fit takes room from running jobs that yield to it: lower-priority jobs of
   its own team; of other teams only what they borrow, to a higher-priority job or to a team
   reclaiming its guarantee (a guarantee is never taken). Other teams' borrowers give first, then
@@ -179,12 +180,18 @@ def _team_of(plan: _Plan, job: str) -> str:
 
 
 def _quota_wait(plan: _Plan, q: QueuedJob) -> Waiting | None:
-    """The job waits if admitting it at min_workers would take its team past its on-prem quota."""
+    """The job waits if admitting it at min_workers would take its team past its on-prem quota,
+    unless the team's own lower-priority jobs can give the difference (within a team, priority
+    decides): then they are shrunk or suspended for it."""
     quota = plan.quotas.team(q.team)
     if quota is None:
         return None
     holds, need = plan.team_slots(q.team), q.min_workers * q.slots_per_worker
     if holds + need <= quota.onprem.limit:
+        return None
+    own = [r for r in _victims(plan, q) if r.team == q.team and plan.may_resize(r)]
+    if need <= quota.onprem.limit and (taken := _take(plan, q, own, holds + need - quota.onprem.limit)) is not None:
+        _yield_to(plan, q, taken)
         return None
     if need > quota.onprem.limit:
         return Waiting(q.job, 0, "quota", f"needs {need} slot(s) to start, more than team {q.team!r}'s whole "
@@ -206,14 +213,19 @@ def _place(plan: _Plan, q: QueuedJob) -> Waiting | None:
         taken = _take(plan, q, victims, need - plan.free())
         if taken is None:
             return _capacity_wait(plan, q, need)
-        for job, workers in taken.items():
-            plan.target[job] = workers
-            book = plan.suspended if workers == 0 else plan.shrunk
-            book[job] = (f"{'suspended' if workers == 0 else 'shrunk'} to make room for {q.job!r} "
-                         f"({q.priority}, team {q.team!r})")
+        _yield_to(plan, q, taken)
     plan.admitted[q.job] = q
     plan.target[q.job] = q.min_workers
     return None
+
+
+def _yield_to(plan: _Plan, q: QueuedJob, taken: dict[str, int]) -> None:
+    """Record that the jobs in `taken` shrink to (or, at 0, are suspended for) `q`."""
+    for job, workers in taken.items():
+        plan.target[job] = workers
+        book = plan.suspended if workers == 0 else plan.shrunk
+        book[job] = (f"{'suspended' if workers == 0 else 'shrunk'} to make room for {q.job!r} "
+                     f"({q.priority}, team {q.team!r})")
 
 
 def _victims(plan: _Plan, q: QueuedJob) -> list[RunningJob]:

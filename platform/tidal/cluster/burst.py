@@ -11,7 +11,10 @@ Policies return decisions; one controller carries them out (as Ray Train V2's Re
   a cluster whose nodes carry site resources and which runs an autoscaler, it waits up to
   `scaling.burst_after_s` for on-prem room for `min_workers`, then asks for cloud capacity with
   `ray.autoscaler.sdk.request_resources` and clears that request when the job ends, so the
-  autoscaler releases the idle cloud nodes after their idle timeout.
+  autoscaler releases the idle cloud nodes after their idle timeout. Under the cluster's
+  admission (a quota file: cluster/admitter.py) the job hands its need to the admission actor
+  instead, which sends every job's need summed (the call is global: it must have one caller),
+  within each team's cloud quota and budget.
 
 Why wait before `fit()`: once `fit()` starts, Ray Train itself asks the autoscaler for all its
 workers (Train V2's AutoscalingCoordinator), and the autoscaler would launch cloud nodes at once.
@@ -21,6 +24,7 @@ Holding `fit()` back for `burst_after_s` is what gives on-prem nodes the first c
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -29,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from tidal.cluster import SITE_LABEL, SITES, node_site, site_resource
+from tidal.cluster.admitter import admission_enabled, admitter, job_key
 from tidal.ray_private import autoscaler_report, available_resources_per_node
 from tidal.spec.job import JobSpec
 
@@ -154,6 +159,7 @@ class BurstWatcher:
     clock: Callable[[], float] = time.monotonic
     sleep: Callable[[float], None] = time.sleep
     requested: int = 0
+    refused: str | None = None  # admission's word on this job's burst (a team's cloud budget or quota)
     placements: list[dict[str, int]] = field(default_factory=list)
 
     def room(self) -> SiteRoom:
@@ -178,15 +184,35 @@ class BurstWatcher:
         _say(f"placement: {decision.reason}")
         if decision.action == "burst":
             self.request(decision.cloud_bundles)
-            self.wait_for_launch(s.min_workers)
+            if self.requested:  # refused (a team's cloud budget): the job waits for on-prem room instead
+                self.wait_for_launch(s.min_workers)
         return decision
 
     def request(self, bundles: int) -> None:
         from ray.autoscaler.sdk import request_resources
 
         shapes, selectors = cloud_request(self.spec, bundles)
+        if admission_enabled(os.environ):
+            self._through_admission(bundles, shapes[0] if shapes else {})
+            return
         request_resources(bundles=shapes, bundle_label_selectors=selectors)
         self.requested = bundles
+
+    def _through_admission(self, bundles: int, bundle: dict[str, float]) -> None:
+        """The job's need, to the admission actor (it sums every job's); a refusal (the team's
+        cloud budget or quota) is said once, and the job runs on what on-prem has."""
+        import ray
+
+        from tidal.cluster.quotas import cluster_quotas, resolve_scheduling
+
+        team, _ = resolve_scheduling(self.spec.scheduling.team, self.spec.scheduling.priority,
+                                     cluster_quotas(os.environ))
+        handle = admitter(create=True)
+        got = ray.get(handle.burst.remote(job_key(self.spec.name), team, bundles, bundle), timeout=30)
+        if got["refused"] and got["refused"] != self.refused:
+            _say(got["refused"])
+        self.refused = got["refused"]
+        self.requested = 0 if got["refused"] else bundles
 
     def wait_for_launch(self, needed: int) -> None:
         """Until the requested nodes have joined (or launch_wait_s), re-asserting the request:
@@ -210,7 +236,10 @@ class BurstWatcher:
             return
         from ray.autoscaler.sdk import request_resources
 
-        request_resources(bundles=[])
+        if admission_enabled(os.environ):
+            self._through_admission(0, {})
+        else:
+            request_resources(bundles=[])
         self.requested = 0
         _say("cloud capacity request withdrawn; the autoscaler releases idle cloud nodes after their idle timeout")
 

@@ -41,7 +41,8 @@ class Entry:
     max_workers: int
     submitted_at: float
     state: State = "QUEUED"
-    workers: int = 0
+    workers: int = 0  # what admission gives it (its group restarts at this size)
+    workers_now: int = 0  # what its group runs at, as its rank 0 last said
     slots_per_worker: int = 1
     last_resize: float = 0.0
     reason: str = ""

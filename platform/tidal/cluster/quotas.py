@@ -89,6 +89,8 @@ class Quotas(_Part):
     unit: Literal["workers", "gpus"] = Field("workers", description="what shares and capacity count")
     priorities: list[str] = Field(list(DEFAULT_PRIORITIES), min_length=1, description="lowest first")
     min_resize_interval_s: float = Field(300.0, ge=0, description="least time between two resizes of one job")
+    capacity: int | None = Field(None, ge=1, description="on-prem slots in `unit`; default: counted from the live "
+                                 "on-prem nodes (their GPUs, or their CPUs for unit workers)")
     defaults: Defaults = Field(default_factory=Defaults)
     teams: dict[str, TeamQuota] = Field(default_factory=dict)
 

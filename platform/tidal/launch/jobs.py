@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlparse
 
+from tidal.cluster.queue_view import queue_record, queue_rows
 from tidal.cluster.quotas import cluster_quotas, resolve_scheduling
 from tidal.errors import ClusterError, TidalError
 from tidal.launch.connect import warn_plain_token
@@ -37,7 +38,7 @@ FORWARDED_ENV = ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "TIDAL_STORAGE
 T = TypeVar("T")
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 # `tidal list/status --output json` hold these always; progress fields are null before the first step is in MLflow.
-JOB_FIELDS = ("id", "name", "status", "start_time")
+JOB_FIELDS = ("id", "name", "status", "team", "priority", "start_time")
 PROGRESS_FIELDS = ("step", "steps", "loss", "tokens_per_s", "world_size")
 
 
@@ -113,8 +114,13 @@ class Job:
         return connect(self.address)
 
     def status(self) -> str:
-        """PENDING, RUNNING, SUCCEEDED, FAILED or STOPPED."""
-        return str(self._client().get_job_status(self.submission_id).value)
+        """PENDING, RUNNING, SUCCEEDED, FAILED or STOPPED; under the cluster's admission a running
+        driver's job is QUEUED, RUNNING, SHRUNK or SUSPENDED, where this machine reads the cluster's
+        queue (TIDAL_STORAGE or TIDAL_QUEUE set here: docs/sharing.md)."""
+        state = str(self._client().get_job_status(self.submission_id).value)
+        if state == "RUNNING" and (row := queue_record(self.submission_id, os.environ)):
+            return str(row["state"])
+        return state
 
     def logs(self) -> str:
         """Everything the job has printed so far."""
@@ -309,14 +315,18 @@ def forwarded_env(environ: dict[str, str] | os._Environ[str]) -> dict[str, str]:
 def list_jobs(address: str | None = None) -> list[dict[str, Any]]:
     """Tidal jobs on the cluster, newest first, with their latest progress."""
     client = connect(address)
+    queued = {r["job"]: r for r in queue_rows(os.environ)}  # under the cluster's admission, where readable here
     rows = []
     for info in client.list_jobs():
         meta = info.metadata or {}
         if "tidal.job" not in meta or not info.submission_id:
             continue
         progress = read_progress(parse_record(client.get_job_logs(info.submission_id)))
-        rows.append({"id": info.submission_id, "name": meta["tidal.job"], "status": str(info.status.value),
-                     "start_time": info.start_time or 0, **progress})
+        status, q = str(info.status.value), queued.get(info.submission_id, {})
+        rows.append({"id": info.submission_id, "name": meta["tidal.job"],
+                     "status": q["state"] if q and status == "RUNNING" else status,
+                     "team": q.get("team"), "priority": q.get("priority"), "start_time": info.start_time or 0,
+                     **progress})
     return sorted(rows, key=lambda r: r["start_time"], reverse=True)
 
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from tidal import eval_best
 from tidal.cluster import burst
 from tidal.errors import SpecError, TidalError
+from tidal.launch import admission
 from tidal.launch.connect import connect_ray
 from tidal.launch.console_pump import ConsolePump
 from tidal.launch.recovery import recovery_settings
@@ -59,13 +60,19 @@ def run(spec: JobSpec, restart: bool = False, mlflow_tags: dict[str, str] | None
         print(f"[tidal] resuming job {spec.name!r} from {found.name} (step {found.step}/{spec.train.steps}); "
               "use --restart to start over", flush=True)
 
+    connect_ray()
+    with admission.seat(spec) as seat:  # QUEUED here while the cluster's admission says wait
+        tags = {**_ray_tags(spec, run_dir), **(seat.tags() if seat else {}), **(mlflow_tags or {})}
+        return _train(spec, run_dir, job, tags, callbacks or [], seat, t0)
+
+
+def _train(spec: JobSpec, run_dir: RunDir, job: dict[str, Any], tags: dict[str, str], callbacks: list[Any],
+           seat: admission.Seat | None, t0: float) -> RunResult:
     import ray
 
     from tidal.tracking.actor import start_tracker
 
-    connect_ray()
-    tags = {**_ray_tags(spec, run_dir), **(mlflow_tags or {})}
-    trainer = _trainer(spec, callbacks or [])
+    trainer = _trainer(spec, callbacks, seat)
     release_reservation(job.get("ray_requester"))
     # The job file names the run the tracker reopens (a new job under this name: none, a new run)
     # and this launch's Ray Train requester (the next launch releases it); whoever reads the
@@ -83,7 +90,7 @@ def run(spec: JobSpec, restart: bool = False, mlflow_tags: dict[str, str] | None
     try:
         # site "any": on-prem first, cloud nodes after burst_after_s; Tidal's recovery defaults for Ray
         with burst.burst_capacity(spec), recovery_settings(spec):
-            trainer.fit()
+            _fit(spec, trainer, callbacks, seat, run_dir)
         ok = True
         _say_if_stopped_early(spec, run_dir)
     except ray.train.TrainingFailedError as e:
@@ -99,6 +106,25 @@ def run(spec: JobSpec, restart: bool = False, mlflow_tags: dict[str, str] | None
                   f"{run_dir.path}/{BUFFER_DIR} and are sent when this job runs again", flush=True)
     return RunResult(spec.name, run_id or "", spec.tracking.uri, spec.checkpoint.storage, latest, time.time() - t0,
                      url=_safe_url(spec, run_id) if run_id else "")
+
+
+def _fit(spec: JobSpec, trainer: TorchTrainer, callbacks: list[Any], seat: admission.Seat | None,
+         run_dir: RunDir) -> None:
+    """Train to the end. Under the cluster's admission a group ends early at a checkpoint when
+    admission resizes the job (worker/directive.py): restart it at the size admission now gives
+    (waiting while the job is SUSPENDED), from that checkpoint, until the job is complete."""
+    while True:
+        trainer.fit()
+        found = find_resume_point(spec) if seat is not None else None
+        if found is None or _already_complete(spec, found.state):
+            return
+        before = seat.workers
+        seat.wait()
+        print(f"[tidal] job {spec.name!r}: restarting at step {found.step} with up to {seat.workers} worker(s) "
+              f"(was {before}), as the cluster's admission decided", flush=True)
+        trainer = _trainer(spec, callbacks, seat)
+        job = run_dir.read_json(JOB_FILE) or {}
+        run_dir.write_json(JOB_FILE, {**job, "ray_requester": train_requester(trainer)})
 
 
 def release_reservation(requester: str | None, timeout_s: float = 10.0) -> bool:
@@ -221,7 +247,7 @@ def _announce(spec: JobSpec, run_id: str | None) -> None:
     print(f"[tidal] job {spec.name!r}: {_describe_scaling(spec)}; MLflow run {run_id}", flush=True)
 
 
-def _trainer(spec: JobSpec, callbacks: list[Any]) -> TorchTrainer:
+def _trainer(spec: JobSpec, callbacks: list[Any], seat: admission.Seat | None = None) -> TorchTrainer:
     from ray.train import (
         FailureConfig,
         LoggingConfig,
@@ -234,8 +260,9 @@ def _trainer(spec: JobSpec, callbacks: list[Any]) -> TorchTrainer:
     from tidal.worker import train_loop
 
     s = spec.scaling
+    most = seat.workers if seat is not None else s.max_workers  # admission's size caps the job's
     scaling = ScalingConfig(
-        num_workers=(s.min_workers, s.max_workers) if spec.elastic else s.max_workers,
+        num_workers=(min(s.min_workers, most), most) if spec.elastic else most,
         use_gpu=s.gpus_per_worker > 0,
         **burst.scaling_overrides(spec),  # resources per worker, with the site's resource when pinned
         **({"elastic_resize_monitor_interval_s": s.elastic_check_s} if spec.elastic else {}),
@@ -261,7 +288,8 @@ def _trainer(spec: JobSpec, callbacks: list[Any]) -> TorchTrainer:
         train_loop,
         # Ray Train's state API records this config: the spec's `env` holds references only, and the
         # workers read the values (tidal.spec.secrets).
-        train_loop_config={"spec": spec.model_dump(mode="json"), **streaming},
+        train_loop_config={"spec": spec.model_dump(mode="json"), **streaming,
+                           **({"admission": seat.config()} if seat is not None else {})},
         scaling_config=scaling,
         run_config=run_config,
         torch_config=TorchConfig(backend=dist_backend(s.gpus_per_worker)),

@@ -32,6 +32,7 @@ class Agreed:
     busy_s: list[float] | None  # every rank's, if this interval had a sampled step
     check_preemption: bool  # the same on every rank: call ray.train.get_preemption_info() now
     blocked_max_s: float = 0.0  # the most seconds any rank was blocked by checkpoints since the last log step
+    target: float = -1.0  # admission's size for this job, as rank 0 last heard it (worker/directive.py); -1: none
 
 
 class LogSync:
@@ -41,12 +42,13 @@ class LogSync:
         self.last_check = -math.inf
 
     def exchange(self, loss_sum: float, loss_n: int, busy_s: float | None, may_check: bool,
-                 blocked_s: float = 0.0) -> Agreed:
+                 blocked_s: float = 0.0, target: float = -1.0) -> Agreed:
         """A collective: every rank calls it at the same steps with the same `may_check`.
-        `blocked_s`: this rank's seconds blocked by checkpoints since its previous call."""
+        `blocked_s`: this rank's seconds blocked by checkpoints since its previous call; `target`:
+        admission's size for the job (rank 0's counts)."""
         due = may_check and self.clock() - self.last_check >= self.check_every_s
-        mine = torch.tensor([loss_sum, loss_n, NO_SAMPLE if busy_s is None else busy_s, float(due), blocked_s],
-                            dtype=torch.float64)
+        mine = torch.tensor([loss_sum, loss_n, NO_SAMPLE if busy_s is None else busy_s, float(due), blocked_s,
+                             target], dtype=torch.float64)
         rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(rows, mine)  # CPU tensors: gloo, also beside NCCL ("cpu:gloo,cuda:nccl")
         return self.agree(torch.stack(rows).tolist())
@@ -59,4 +61,5 @@ class LogSync:
         busy = [row[2] for row in table]
         return Agreed(loss=sum(r[0] for r in table) / max(sum(r[1] for r in table), 1.0),
                       busy_s=None if busy[0] == NO_SAMPLE else busy, check_preemption=check,
-                      blocked_max_s=max(row[4] for row in table))
+                      blocked_max_s=max(row[4] for row in table),
+                      target=table[0][5])

@@ -19,6 +19,7 @@ import torch
 from tidal.ray_private import HEALTH_CHECK_INTERVAL
 from tidal.worker import checkpoint, plan
 from tidal.worker.device import seed_step
+from tidal.worker.directive import NONE, resize_to
 from tidal.worker.engine import is_pipeline
 from tidal.worker.logsync import Agreed
 from tidal.worker.metrics import PhaseClock, speed, trace_loss
@@ -45,9 +46,16 @@ def train_loop(config: dict[str, Any]) -> None:
         warning = ray.train.get_preemption_info() if agreed.check_preemption else None
         if warning is not None:
             s.preemption_rearm_at = rearm_after_warning(warning.deadline_ms)
-        step_plan = plan.plan_step(due, s.cadence, warning is not None, spec.checkpoint.async_upload)
+        resize = resize_to(agreed.target, s.launched_max)
+        step_plan = plan.plan_step(due, s.cadence, warning is not None, spec.checkpoint.async_upload,
+                                   resize is not None)
+        if step_plan.end == "resize" and s.rank == 0:
+            s.events.say(f"admission resizes this job to {resize} worker(s): checkpoint at step {step}, "
+                         "then the group restarts at that size", step)
         if finish_step(s, step_plan, agreed, times, warning) is not None:
             break
+    if s.directive is not None:
+        s.directive.close()
     s.events.drain()  # the last checkpoint's event and notes reach storage before this process ends
 
 
@@ -59,7 +67,8 @@ def _agree(s: Session, times: dict[str, float], may_check: bool) -> Agreed:
     # blocked too; read once here, so this rank's figure and rank 0's metric agree.
     s.gate_s = checkpoint.gate_waited()
     agreed = s.sync.exchange(s.loss_sum.item(), s.loss_n, times.get("busy_s"),
-                             may_check and time.time() >= s.preemption_rearm_at, s.blocked_s + s.gate_s)
+                             may_check and time.time() >= s.preemption_rearm_at, s.blocked_s + s.gate_s,
+                             s.directive.target if s.directive is not None else NONE)
     s.loss_sum.zero_()
     s.loss_n, s.blocked_s = 0, 0.0
     return agreed

@@ -6,9 +6,10 @@ carries out the answer in one place (`finish_step`):
 1. `due(step, cadence, data_ended)`, before the log step's collective: is this a log, eval or
    checkpoint step at all (None: train on), and may Ray be asked about preemption? Every rank
    computes the same answer from the same step, so all of them enter the collective together.
-2. `plan_step(due, preempted, async_upload)`, after it: a preemption warning (which only the
+2. `plan_step(due, preempted, async_upload, resize)`, after it: a preemption warning (which only the
    collective's agreed check can bring) forces a synchronous checkpoint, an eval at it, and a
-   wait for the reclaim.
+   wait for the reclaim; a new size from the cluster's admission (worker/directive.py, agreed
+   in the same collective) forces a synchronous checkpoint and ends the group there.
 3. `after_eval(plan, stop_early)`: an eval that triggers early stopping forces a checkpoint at
    that step and ends the job.
 
@@ -22,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
-End = Literal["data", "early_stop"]
+End = Literal["data", "early_stop", "resize"]
 
 
 @dataclass(frozen=True)
@@ -74,17 +75,20 @@ def due(step: int, cadence: Cadence, data_ended: bool) -> Due | None:
     return d if d.log or d.checkpoint or _eval_due(step, cadence, d.checkpoint) else None
 
 
-def plan_step(d: Due, cadence: Cadence, preempted: bool, async_upload: bool) -> StepPlan:
+def plan_step(d: Due, cadence: Cadence, preempted: bool, async_upload: bool, resize: bool = False) -> StepPlan:
     """After the collective: a preemption warning forces a synchronous checkpoint (its deadline
-    cannot wait for a background write) and then the drain."""
-    checkpoint = d.checkpoint or preempted
+    cannot wait for a background write) and then the drain. A resize by admission forces one
+    too (the group ends at this step: the restart resumes from it, so no step is lost) and ends
+    the group, unless the job ends here anyway."""
+    resize = resize and not d.final
+    checkpoint = d.checkpoint or preempted or resize
+    end: End | None = "data" if d.data_ended and d.step < cadence.last else ("resize" if resize else None)
     return StepPlan(
         d.step, log=d.log,
         # At every checkpoint (each carries its own score, for keep_best and Tune) and the last step.
         evaluate=_eval_due(d.step, cadence, checkpoint),
-        checkpoint=checkpoint, background=async_upload and not preempted,
-        emergency=preempted, drain=preempted,
-        end="data" if d.data_ended and d.step < cadence.last else None)
+        checkpoint=checkpoint, background=async_upload and not (preempted or resize),
+        emergency=preempted, drain=preempted and not resize, end=end)
 
 
 def after_eval(plan: StepPlan, stop_early: bool) -> StepPlan:

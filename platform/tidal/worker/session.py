@@ -27,6 +27,7 @@ from tidal.tracking.emitter import Emitter
 from tidal.worker import checkpoint, restore
 from tidal.worker.data import Batches
 from tidal.worker.device import torch_device
+from tidal.worker.directive import Directive
 from tidal.worker.engine import build_engine, data_parallel_rank, param_count
 from tidal.worker.logsync import LogSync
 from tidal.worker.metrics import PhaseClock, ResourceSampler, flops_per_token, worker_peak_flops
@@ -63,6 +64,8 @@ class Session:
     gate_s: float = 0.0  # this rank's optimizer waits for checkpoint writes, read at the last log step
     preemption_rearm_at: float = 0.0  # when to ask Ray about preemption again (time.time()); inf: never
     backlog_said: bool = False  # the Ray backlog note is said once per worker group
+    directive: Directive | None = None  # rank 0's poll of the cluster's admission, under admission
+    launched_max: int | None = None  # the size admission launched this group for (None: no admission)
 
     @property
     def samples_seen(self) -> int:
@@ -106,6 +109,7 @@ def open_session(config: dict[str, Any]) -> Session:
             events.resumed(found.name, state.step, int(found.state["world_size"]), world)
     batches = _batches(spec, config, engine, rank, world, device)
     t, s = spec.train, spec.scaling
+    seat = config.get("admission") or {}  # launch/admission.py: the job's key and the size it was launched for
     return Session(
         spec, rank, world, device, events, engine, state,
         checkpoint.Provenance(world, spec.parallelism.zero_stage, spec.resume_fingerprint()),
@@ -118,6 +122,8 @@ def open_session(config: dict[str, Any]) -> Session:
         world * worker_peak_flops(device, spec.parallelism.precision, s.cpus_per_worker, s.peak_tflops_per_worker),
         ResourceSampler(device) if rank == 0 else dict,  # rank 0's host only
         PhaseClock(device, warmup_steps=warmup_steps(spec.parallelism.compile)),
+        directive=Directive(seat["job"], world) if seat and rank == 0 else None,
+        launched_max=seat.get("launched_max"),
     )
 
 

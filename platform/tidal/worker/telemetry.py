@@ -82,7 +82,9 @@ def enabled() -> bool:
 
 def exported_names() -> set[str]:
     """Every name a Prometheus scrape shows for Tidal (Ray's prefix, and `_total` on counters)."""
-    return {f"ray_tidal_{k}" for k in GAUGES} | {f"ray_tidal_{k}_total" for k in COUNTERS}
+    from tidal.cluster.admitter import QUEUE_GAUGES  # the cluster's admission exports the queue's
+
+    return {f"ray_tidal_{k}" for k in (*GAUGES, *QUEUE_GAUGES)} | {f"ray_tidal_{k}_total" for k in COUNTERS}
 
 
 def _metric(name: str) -> Any:

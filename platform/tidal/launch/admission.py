@@ -1,0 +1,125 @@
+"""A job's seat on a shared cluster: registered with the cluster's admission, QUEUED until it may
+start, checked in while it runs, given back when it ends (cluster/admitter.py owns the decisions).
+
+Every face goes through here (`tidal run`, the SDK, `tidal submit`, plain `ray job submit --
+tidal run`): `launch/trainer.run` holds a seat around its training. Where the cluster names no
+quota file there is no admission and `seat` yields None: Ray's own first come, first served.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import asdict
+from typing import Any
+
+from tidal.cluster.admitter import ACTOR, NAMESPACE, admission_enabled, admitter, job_key
+from tidal.cluster.queue_state import entry_for
+from tidal.cluster.quotas import cluster_quotas
+from tidal.errors import TidalError
+from tidal.spec.job import JobSpec
+
+log = logging.getLogger("tidal")
+POLL_S = 1.0
+HEARTBEAT_S = 5.0
+CALL_TIMEOUT_S = 15.0
+SILENT_LIMIT_S = float(os.environ.get("TIDAL_ADMISSION_WAIT_S", "300"))  # no answer at all this long: an error
+
+
+class Seat:
+    """One job's place in the cluster's queue; `workers` is the size admission gives it."""
+
+    def __init__(self, spec: JobSpec) -> None:
+        self.job = job_key(spec.name)
+        self.entry = asdict(entry_for(spec, self.job, cluster_quotas(os.environ), time.time()))
+        self.handle: Any = None
+        self.workers = 0
+        self.waited_s = 0.0  # QUEUED before the first start
+        self._stop = threading.Event()
+        self._said = ""
+
+    def wait(self, poll_s: float = POLL_S) -> int:
+        """Until admission gives this job workers (printing its state, position and reason as
+        they change); the size to run at."""
+        answered = time.time()
+        while True:
+            # world 0: no group runs while the driver waits (before its first, or after one ended)
+            status = self._call("status", self.job, 0) or self._call("submit", self.entry) or {}
+            if status.get("state") == "RUNNING" and status.get("workers", 0) > 0:
+                self.workers = int(status["workers"])
+                return self.workers
+            if status:
+                answered = time.time()
+            elif time.time() - answered > SILENT_LIMIT_S:
+                raise TidalError(f"the cluster's admission (Ray actor {ACTOR!r} in namespace {NAMESPACE!r}) has "
+                                 f"not answered for {SILENT_LIMIT_S:.0f}s; see its log (`ray list actors`, the "
+                                 "dashboard's Actors tab), or unset TIDAL_QUOTAS on the head to run without admission")
+            self._say(status)
+            time.sleep(poll_s)
+
+    def tags(self) -> dict[str, str]:
+        """For the job's MLflow run: whose quota it counted against, and how long it queued."""
+        return {"tidal.team": self.entry["team"], "tidal.priority": self.entry["priority"],
+                "tidal.queue_wait_s": f"{self.waited_s:.1f}"}
+
+    def config(self) -> dict[str, Any]:
+        """What the workers need (worker/directive.py): whom to ask, and the size they start for."""
+        return {"job": self.job, "launched_max": self.workers}
+
+    def keep_alive(self) -> None:
+        """Check in every few seconds while the job runs: a driver silent for the lease is gone."""
+        def beat() -> None:
+            while not self._stop.wait(HEARTBEAT_S):
+                self._call("status", self.job)
+        threading.Thread(target=beat, daemon=True, name="tidal-seat").start()
+
+    def release(self) -> None:
+        self._stop.set()
+        self._call("finished", self.job)
+
+    def _call(self, method: str, *args: Any) -> Any:
+        """A call to the admission actor; None while it cannot be reached (it restarts by itself;
+        one is started if none runs)."""
+        import ray
+
+        try:
+            self.handle = self.handle or admitter(create=True)
+            return ray.get(getattr(self.handle, method).remote(*args), timeout=CALL_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - admission restarting: ask again on the next poll
+            log.debug("admission %s failed: %s: %s", method, type(e).__name__, e)
+            self.handle = None
+            return None
+
+    def _say(self, status: dict[str, Any]) -> None:
+        if not status:
+            line = "waiting for the cluster's admission to answer"
+        else:
+            where = f"position {status['position']}: " if status.get("position") else ""
+            line = f"{status['state']}: {where}{status.get('reason') or 'waiting for admission'}"
+        if line != self._said:
+            print(f"[tidal] job {self.entry['name']!r} {line}", flush=True)
+            self._said = line
+
+
+@contextlib.contextmanager
+def seat(spec: JobSpec) -> Iterator[Seat | None]:
+    """Hold the job's seat while it trains: None where the cluster has no admission."""
+    if not admission_enabled(os.environ):
+        yield None
+        return
+    s = Seat(spec)
+    try:
+        t0 = time.time()
+        s.wait()
+        s.waited_s = time.time() - t0
+        s.keep_alive()
+        yield s
+    finally:
+        s.release()
+
+
+__all__ = ["Seat", "seat"]

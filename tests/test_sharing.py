@@ -1,0 +1,175 @@
+"""One cluster, many teams, against a real Ray head with token auth and 4 worker slots: jobs
+submitted through the Jobs API go through the cluster's admission (cluster/admitter.py), which
+shrinks elastic jobs for more urgent ones at a checkpoint, holds a team at its quota, and
+carries on when it is killed. Every job's MLflow history must hold every step exactly once."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import ROOT, metric_history, tiny_spec
+from tidal.cli import main
+from tidal.cluster.queue_state import load_queue
+from tidal.cluster.queue_view import rows
+from tidal.launch.jobs import Job, submit
+from tidal.testing.heads import ray_head
+from tidal.testing.runs import job_run_id
+
+pytestmark = pytest.mark.slow
+QUOTAS = {"unit": "workers", "min_resize_interval_s": 5, "defaults": {"team": "research", "priority": "normal"},
+          "teams": {"research": {"onprem": {"guaranteed": 2, "borrow": 2}},
+                    "vision": {"onprem": {"guaranteed": 2, "borrow": 0}}}}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory) -> Iterator[dict[str, str]]:
+    """A head with 4 CPUs (4 one-CPU worker slots), token auth and a quota file in its environment."""
+    tmp = tmp_path_factory.mktemp("sharing")
+    (tmp / "quotas.yaml").write_text(yaml.safe_dump(QUOTAS))
+    queue = str(tmp / "queue.json")
+    with ray_head(tmp, 4, {"TIDAL_QUOTAS": str(tmp / "quotas.yaml"), "TIDAL_QUEUE": queue}) as head:
+        yield {"address": head.address, "gcs": head.gcs, "queue": queue}
+
+
+def job_spec(tmp: Path, name: str, lo: int, hi: int, steps: int, priority: str, team: str = "research",
+             step_s: float = 0.02):
+    folder = tmp / name
+    folder.mkdir()
+    return tiny_spec(folder, name=name, **{
+        "scaling.min_workers": lo, "scaling.max_workers": hi, "scaling.cpus_per_worker": 1,
+        "train.steps": steps, "train.micro_batch": 2, "train.global_batch": 24, "checkpoint.every_steps": 25,
+        "scheduling.priority": priority, "scheduling.team": team, "train.step_fn": "tests.slow_step:step",
+        "worker_env": {"TIDAL_TEST_STEP_S": str(step_s)}, "failure.max_restarts": 0})
+
+
+def send(spec, cluster) -> Job:
+    return submit(spec, cluster["address"], working_dir=ROOT, submission_id=f"{spec.name}-{secrets.token_hex(3)}")
+
+
+def queue(cluster) -> dict[str, dict]:
+    return {r["name"]: r for r in rows(load_queue(cluster["queue"]))}
+
+
+def wait_until(check, timeout: float, what: str, *jobs: Job, poll: float = 0.5):
+    """`check()`'s first truthy value; on a timeout, what the queue and `jobs` said."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if (got := check()):
+            return got
+        time.sleep(poll)
+    said = "\n".join(f"--- {j.submission_id}:\n{j.logs()[-3000:]}" for j in jobs)
+    raise TimeoutError(f"not within {timeout:.0f}s: {what}\n{said}")
+
+
+def every_step_once(spec) -> dict[int, float]:
+    loss = metric_history(spec, job_run_id(spec), "loss")
+    assert sorted(loss) == list(range(1, spec.train.steps + 1)), "every step logged, each once"
+    return loss
+
+
+def world_sizes(spec) -> list[int]:
+    """The world sizes the job ran at, in order, each change once."""
+    hist = metric_history(spec, job_run_id(spec), "world_size")
+    out: list[int] = []
+    for step in sorted(hist):
+        if not out or out[-1] != int(hist[step]):
+            out.append(int(hist[step]))
+    return out
+
+
+def ended(job: Job, timeout: float = 400) -> str:
+    state = job.wait(timeout=timeout)
+    assert state == "SUCCEEDED", job.logs()[-4000:]
+    return state
+
+
+def test_a_high_priority_job_shrinks_the_low_one_which_grows_back_and_loses_nothing(cluster, tmp_path, monkeypatch):
+    monkeypatch.setenv("TIDAL_QUEUE", cluster["queue"])  # the SDK's status reads the cluster's queue
+    low = job_spec(tmp_path, "low", 1, 4, 320, "low")
+    low_job = send(low, cluster)
+    wait_until(lambda: queue(cluster).get("low", {}).get("workers") == 4, 180, "the low job at 4 workers", low_job)
+    high = job_spec(tmp_path, "high", 2, 2, 40, "high")
+    t0 = time.time()
+    high_job = send(high, cluster)
+    wait_until(lambda: (q := queue(cluster)).get("low", {}).get("workers") == 2 and q.get("high", {}).get("workers") == 2,
+               60, "the low job shrunk to 2 and the high one running at 2", low_job, high_job)
+    shrunk_after = time.time() - t0
+    assert queue(cluster)["low"]["state"] == "SHRUNK" and "make room for" in queue(cluster)["low"]["reason"]
+    assert low_job.status() == "SHRUNK" and high_job.status() == "RUNNING"
+    ended(high_job)
+    ended(low_job)
+    assert world_sizes(low) == [4, 2, 4], "shrunk for the high job, grown back once it ended"
+    loss = every_step_once(low)
+    every_step_once(high)
+    # The same job alone on the cluster: never resized.
+    ref = job_spec(tmp_path, "low-alone", 1, 4, 320, "low", step_s=0.0)
+    ended(send(ref, cluster))
+    alone = every_step_once(ref)
+    worst = max(abs(loss[s] - alone[s]) for s in loss)
+    assert worst < 1e-4, f"losses departed from the undisturbed run by {worst:.2e}"
+    print(f"shrunk within {shrunk_after:.1f}s of the high job's submission; worst loss difference {worst:.1e}")
+
+
+def test_a_team_at_its_quota_waits_and_a_borrowing_team_gives_back_first(cluster, tmp_path, monkeypatch, capsys):
+    """research borrows vision's idle share; vision's first job takes it back by shrinking
+    research's job; vision's second job waits for vision's quota (not capacity) until the first ends."""
+    borrower = job_spec(tmp_path, "borrower", 1, 4, 320, "normal")
+    b_job = send(borrower, cluster)
+    wait_until(lambda: queue(cluster).get("borrower", {}).get("workers") == 4, 180, "research borrowing to 4 workers")
+    first = job_spec(tmp_path, "vision-1", 2, 2, 240, "normal", team="vision")  # runs while vision-2 waits
+    first_job = send(first, cluster)
+    wait_until(lambda: queue(cluster).get("vision-1", {}).get("state") == "RUNNING", 60, "vision's first job admitted")
+    assert queue(cluster)["borrower"]["state"] == "SHRUNK"
+    wait_until(lambda: queue(cluster)["borrower"]["workers"] == 2, 60, "research's job down to its guarantee")
+    second = job_spec(tmp_path, "vision-2", 1, 1, 16, "normal", team="vision")
+    second_job = send(second, cluster)
+    waiting = wait_until(lambda: (q := queue(cluster).get("vision-2")) and q["state"] == "QUEUED" and q["reason"] and q,
+                         60, "vision's second job queued with a reason", first_job, second_job)
+    assert "team 'vision'" in waiting["reason"] and "quota" in waiting["reason"], waiting
+    assert waiting["position"] == 1
+    monkeypatch.setenv("TIDAL_QUEUE", cluster["queue"])
+    assert second_job.status() == "QUEUED"
+    capsys.readouterr()
+    assert main(["queue", "--output", "json"]) == 0
+    listed = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert listed["vision-2"]["state"] == "QUEUED" and listed["vision-2"]["team"] == "vision"
+    assert (listed["borrower"]["state"], listed["borrower"]["workers"], listed["borrower"]["max_workers"]) == \
+        ("SHRUNK", 2, 4)
+    ended(first_job)
+    ended(second_job)
+    ended(b_job)
+    for spec in (borrower, first, second):
+        every_step_once(spec)
+    assert world_sizes(borrower)[:2] == [4, 2]
+
+
+def test_a_job_that_cannot_shrink_is_suspended_and_resumes_even_across_admissions_death(cluster, tmp_path):
+    """A fixed-size low job gives up all its workers (a checkpoint, then SUSPENDED) for a high one;
+    the admission actor is killed while the high job runs and the low one waits: the high job
+    finishes, Ray restarts the actor, it reads the queue back, and the low job resumes by itself."""
+    import ray
+
+    holder = job_spec(tmp_path, "holder", 4, 4, 160, "low")
+    holder_job = send(holder, cluster)
+    wait_until(lambda: queue(cluster).get("holder", {}).get("workers") == 4, 180, "the holder at 4 workers")
+    urgent = job_spec(tmp_path, "urgent", 2, 2, 40, "high")
+    urgent_job = send(urgent, cluster)
+    wait_until(lambda: (q := queue(cluster)).get("holder", {}).get("state") == "SUSPENDED"
+               and q.get("urgent", {}).get("workers") == 2, 60, "the holder suspended, the urgent job at 2 workers")
+    ray.init(address=cluster["gcs"], logging_level="ERROR", log_to_driver=False)
+    try:
+        ray.kill(ray.get_actor("tidal-admission", namespace="tidal"), no_restart=False)  # Ray restarts it
+    finally:
+        ray.shutdown()
+    ended(urgent_job)
+    ended(holder_job)
+    assert "SUSPENDED" in holder_job.logs()
+    every_step_once(holder)
+    every_step_once(urgent)
