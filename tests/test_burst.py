@@ -31,6 +31,7 @@ import pytest
 import yaml
 
 from tests.conftest import NO_DRAIN_ON_SIGTERM, ROOT, metric_history, tiny_spec
+from tidal.ray_private import reload_auth_token
 
 pytestmark = pytest.mark.slow
 
@@ -96,7 +97,7 @@ def burst_cluster() -> Iterator[str]:
     head = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     saved = {k: os.environ.get(k) for k in auth}
     os.environ.update(auth)
-    _reload_token()
+    reload_auth_token()
     address = f"{node_ip}:{port}"
     children: list[Any] = []
     try:
@@ -110,17 +111,9 @@ def burst_cluster() -> Iterator[str]:
         log.close()
         for k, v in saved.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-        _reload_token()
+        reload_auth_token()
         if os.environ.get("TIDAL_KEEP_TEST_CLUSTER_LOGS") != "1":
             shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _reload_token() -> None:
-    """This process caches the auth token it read first (e.g. ~/.ray/auth_token): re-read it."""
-    from ray._raylet import AuthenticationTokenLoader, Config
-
-    Config.initialize("")
-    AuthenticationTokenLoader.instance().reset_cache()
 
 
 def _connects(address: str) -> bool:

@@ -108,6 +108,10 @@ def test_a_high_priority_job_shrinks_the_low_one_which_grows_back_and_loses_noth
     assert world_sizes(low) == [4, 2, 4], "shrunk for the high job, grown back once it ended"
     loss = every_step_once(low)
     every_step_once(high)
+    from mlflow.tracking import MlflowClient
+
+    tags = MlflowClient(low.tracking.uri).get_run(job_run_id(low)).data.tags
+    assert (tags["tidal.team"], tags["tidal.priority"]) == ("research", "low") and "tidal.queue_wait_s" in tags
     # The same job alone on the cluster: never resized.
     ref = job_spec(tmp_path, "low-alone", 1, 4, 320, "low", step_s=0.0)
     ended(send(ref, cluster))

@@ -38,6 +38,8 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_client",
      "AUTOSCALING_REQUESTS_EXPIRE_TIME_S"),
     ("ray.train.v2._internal.execution.context", "TrainRunContext"),
+    ("ray._raylet", "AuthenticationTokenLoader"),
+    ("ray._raylet", "Config"),
 )
 
 # Ray Train V2's settings read from the environment (ray.train.v2._internal.constants, 2.60):
@@ -145,3 +147,13 @@ def cancel_reservation(requester: str, timeout_s: float) -> None:
 
     coordinator = ray.get_actor(AUTOSCALING_COORDINATOR, namespace=AUTOSCALING_COORDINATOR)
     ray.get(coordinator.cancel_request.remote(requester_id=requester), timeout=timeout_s)
+
+
+def reload_auth_token() -> None:
+    """Have this process read the Ray auth token again (RAY_AUTH_TOKEN, ~/.ray/auth_token). Ray 2.60
+    caches the first token a process reads, so a process that talks to a second token-auth cluster
+    (a test harness starting heads one after another) is refused by it; no public API resets it."""
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()

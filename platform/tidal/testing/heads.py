@@ -17,6 +17,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from tidal.ray_private import reload_auth_token
 from tidal.testing.processes import free_port
 
 # On SIGTERM a `ray start --block` head first drains itself through its GCS, which the teardown's
@@ -50,6 +51,7 @@ def ray_head(tmp: Path, num_cpus: int, env: Mapping[str, str]) -> Iterator[Head]
         env=full, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)  # noqa: SIM115 - lives as long as the head
     old = {k: os.environ.get(k) for k in ("RAY_AUTH_TOKEN", "RAY_AUTH_MODE", "RAY_ADDRESS")}
     os.environ.update({"RAY_AUTH_TOKEN": token, "RAY_AUTH_MODE": "token"})
+    reload_auth_token()  # this process may have read another head's token before
     head = Head(f"http://127.0.0.1:{dash}", f"127.0.0.1:{port}", tmp)
     try:
         _wait_for_jobs_api(head.address, proc, log)
@@ -57,6 +59,7 @@ def ray_head(tmp: Path, num_cpus: int, env: Mapping[str, str]) -> Iterator[Head]
     finally:
         for k, v in old.items():
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        reload_auth_token()
         _stop(proc)
         if os.environ.get("TIDAL_KEEP_TEST_CLUSTER_LOGS") != "1":
             shutil.rmtree(ray_tmp, ignore_errors=True)
