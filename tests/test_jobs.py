@@ -30,6 +30,7 @@ from tests.test_local_ray import driver_in
 from tidal.cli import main
 from tidal.errors import TidalError
 from tidal.launch.jobs import submit
+from tidal.testing.heads import wait_for_jobs_api
 
 pytestmark = pytest.mark.slow
 
@@ -76,7 +77,7 @@ def head(head_tmp, cluster_env) -> Iterator[str]:
     old = {k: os.environ.get(k) for k in ("RAY_AUTH_TOKEN", "RAY_ADDRESS")}
     os.environ["RAY_AUTH_TOKEN"] = token
     try:
-        _wait_for_dashboard(address, proc, tmp / "head.log")
+        wait_for_jobs_api(address, proc, tmp / "head.log")
         yield address
     finally:
         restore_env(old)
@@ -84,21 +85,6 @@ def head(head_tmp, cluster_env) -> Iterator[str]:
         time.sleep(1)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)  # anything of that session still alive
-
-
-def _wait_for_dashboard(address: str, proc: subprocess.Popen, log: Path, timeout: float = 300) -> None:
-    from tidal.launch.jobs import connect
-
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"ray start exited: {log.read_text()[-3000:]}")
-        try:
-            connect(address).list_jobs()
-            return
-        except TidalError:
-            time.sleep(1)
-    raise TimeoutError(f"dashboard at {address} never answered: {log.read_text()[-3000:]}")
 
 
 def spec_file(tmp: Path, name: str, **overrides) -> tuple:

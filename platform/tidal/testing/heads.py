@@ -54,7 +54,7 @@ def ray_head(tmp: Path, num_cpus: int, env: Mapping[str, str]) -> Iterator[Head]
     reload_auth_token()  # this process may have read another head's token before
     head = Head(f"http://127.0.0.1:{dash}", f"127.0.0.1:{port}", tmp)
     try:
-        _wait_for_jobs_api(head.address, proc, log)
+        wait_for_jobs_api(head.address, proc, log)
         yield head
     finally:
         for k, v in old.items():
@@ -65,7 +65,7 @@ def ray_head(tmp: Path, num_cpus: int, env: Mapping[str, str]) -> Iterator[Head]
             shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
-def _wait_for_jobs_api(address: str, proc: subprocess.Popen, log: Path, timeout: float = 300) -> None:
+def wait_for_jobs_api(address: str, proc: subprocess.Popen, log: Path, timeout: float = 300) -> None:
     from tidal.errors import TidalError
     from tidal.launch.jobs import connect
 
