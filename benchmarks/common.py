@@ -9,7 +9,9 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -171,3 +173,18 @@ class Job:
             if time.time() > deadline:
                 raise TimeoutError(f"the job did not reach {n} trace records; see {self.log}")
             time.sleep(0.5)
+
+
+def pairs_main(doc: str | None, section: str, prefix: str, run: Callable[[int, Path], Any],
+               report: Callable[[Any, int], str]) -> None:
+    """The command line of a benchmark of alternating pairs: `run(pairs, tmp)` in a temporary folder,
+    its `report` printed and written as `section` of docs/benchmarks.md (unless --no-doc)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pairs", type=int, default=4, help="alternating pairs, each reported (at least 4)")
+    ap.add_argument("--no-doc", action="store_true", help="print the report only")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix=prefix) as d:
+        text = report(run(args.pairs, Path(d)), args.pairs)
+    print(text)
+    if not args.no_doc:
+        update_doc(section, text)

@@ -22,13 +22,12 @@ import tempfile
 os.environ.setdefault("RAY_TMPDIR", tempfile.mkdtemp(prefix="tidal-drv-"))
 os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")  # this process never becomes a Ray driver
 
-import argparse
 import time
 from pathlib import Path
 
 from ray.cluster_utils import Cluster
 
-from benchmarks.common import Job, median, update_doc, write_spec
+from benchmarks.common import Job, median, pairs_main, write_spec
 from tidal.spec.job import JobSpec
 from tidal.testing.processes import kill, our_processes
 
@@ -109,15 +108,7 @@ ratio **{median([r['ratio'] for r in rounds]):.2f}**.
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--pairs", type=int, default=4)
-    ap.add_argument("--no-doc", action="store_true", help="print the report only")
-    args = ap.parse_args()
-    with tempfile.TemporaryDirectory(prefix="tidal-drv-run-") as d:
-        text = report(run(args.pairs, Path(d)), args.pairs)
-    print(text)
-    if not args.no_doc:
-        update_doc(SECTION, text)
+    pairs_main(__doc__, SECTION, "tidal-drv-run-", run, report)
 
 
 if __name__ == "__main__":

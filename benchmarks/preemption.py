@@ -16,17 +16,14 @@ training). Steps trained twice are counted from the loss trace (the promise: non
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from benchmarks.common import Job, median, update_doc, write_spec
+from benchmarks.common import Job, median, pairs_main, write_spec
 from tidal.spec.job import JobSpec
 from tidal.testing.heads import ray_head
 
@@ -149,16 +146,8 @@ Medians: first step on a full cluster **{median([r['first'] for r in rounds]):.1
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--pairs", type=int, default=4)
-    ap.add_argument("--no-doc", action="store_true", help="print the report only")
-    args = ap.parse_args()
-    with tempfile.TemporaryDirectory(prefix="tidal-preempt-") as d:
-        text = report(run(args.pairs, Path(d)), args.pairs)
-    print(text)
-    if not args.no_doc:
-        update_doc(SECTION, text)
+    pairs_main(__doc__, SECTION, "tidal-preempt-", run, report)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -344,14 +344,14 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _queue(args: argparse.Namespace) -> int:
-    from tidal.cluster.admitter import QUEUE_VAR, queue_document
+    from tidal.cluster.admitter import QUEUE_VAR, queue_document, queue_named
     from tidal.cluster.queue_state import load_queue
     from tidal.cluster.queue_view import rows, table
 
     env = {**os.environ, **({"TIDAL_STORAGE": args.storage} if args.storage else {})}
     if args.storage:
         env.pop(QUEUE_VAR, None)
-    if not env.get(QUEUE_VAR) and not env.get("TIDAL_STORAGE"):
+    if not queue_named(env):
         raise UsageError("where is the queue? pass --storage with the cluster's storage root (its TIDAL_STORAGE), "
                          "or set TIDAL_STORAGE or TIDAL_QUEUE")
     records = rows(load_queue(queue_document(env)))

@@ -78,6 +78,11 @@ def admission_enabled(environ: Mapping[str, str]) -> bool:
     return bool(environ.get(QUOTAS_VAR))
 
 
+def queue_named(environ: Mapping[str, str]) -> bool:
+    """Whether `environ` names the cluster's queue document (a machine off the head reads it only then)."""
+    return bool(environ.get(QUEUE_VAR) or environ.get("TIDAL_STORAGE"))
+
+
 def queue_document(environ: Mapping[str, str]) -> str:
     """TIDAL_QUEUE, else under the cluster's storage root, else on the head's disk."""
     if environ.get(QUEUE_VAR):
@@ -317,4 +322,5 @@ def _on_head() -> Any:
     return NodeAffinitySchedulingStrategy(head, soft=True) if head else "DEFAULT"
 
 
-__all__ = ["ACTOR", "NAMESPACE", "QUEUE_GAUGES", "Admitter", "admission_enabled", "admitter", "onprem_capacity", "queue_document"]
+__all__ = ["ACTOR", "NAMESPACE", "QUEUE_GAUGES", "Admitter", "admission_enabled", "admitter", "onprem_capacity",
+           "queue_document", "queue_named"]

@@ -189,12 +189,12 @@ class BurstWatcher:
         return decision
 
     def request(self, bundles: int) -> None:
-        from ray.autoscaler.sdk import request_resources
-
         shapes, selectors = cloud_request(self.spec, bundles)
         if admission_enabled(os.environ):
             self._through_admission(bundles, shapes[0] if shapes else {})
             return
+        from ray.autoscaler.sdk import request_resources
+
         request_resources(bundles=shapes, bundle_label_selectors=selectors)
         self.requested = bundles
 
@@ -216,14 +216,16 @@ class BurstWatcher:
 
     def wait_for_launch(self, needed: int) -> None:
         """Until the requested nodes have joined (or launch_wait_s), re-asserting the request:
-        another job's Ray Train coordinator may overwrite the cluster-wide request meanwhile."""
+        another job's Ray Train coordinator may overwrite the cluster-wide request meanwhile
+        (under admission the admission actor re-asserts every job's request: cluster/admitter.py)."""
         deadline = self.clock() + self.launch_wait_s
         while self.clock() < deadline:
             room = self.room()
             if room.onprem_free + room.cloud_free >= needed:
                 _say(f"cloud capacity is up: {room.onprem_free} on-prem + {room.cloud_free} cloud worker slot(s)")
                 return
-            self.request(self.requested)
+            if not admission_enabled(os.environ):  # the admission actor re-asserts the sum itself
+                self.request(self.requested)
             self.sleep(self.poll_s)
         _say(f"WARNING: cloud nodes did not join within {self.launch_wait_s:.0f}s; "
              "starting anyway, Ray queues the workers until they do")
@@ -234,11 +236,11 @@ class BurstWatcher:
         The request is cluster-wide: other jobs' Ray Train coordinators re-send theirs within 20 s."""
         if not self.requested:
             return
-        from ray.autoscaler.sdk import request_resources
-
         if admission_enabled(os.environ):
             self._through_admission(0, {})
         else:
+            from ray.autoscaler.sdk import request_resources
+
             request_resources(bundles=[])
         self.requested = 0
         _say("cloud capacity request withdrawn; the autoscaler releases idle cloud nodes after their idle timeout")

@@ -37,9 +37,9 @@ def rows(queue: Queue) -> list[dict[str, Any]]:
 def queue_rows(environ: Mapping[str, str]) -> list[dict[str, Any]]:
     """The cluster's queue where this machine can read its document (TIDAL_QUEUE or TIDAL_STORAGE
     set here); [] where it cannot: the queue is extra detail, Ray's own status still answers."""
-    from tidal.cluster.admitter import QUEUE_VAR, queue_document
+    from tidal.cluster.admitter import queue_document, queue_named
 
-    if not environ.get(QUEUE_VAR) and not environ.get("TIDAL_STORAGE"):
+    if not queue_named(environ):
         return []
     try:
         return rows(load_queue(queue_document(environ)))
