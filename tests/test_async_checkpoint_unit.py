@@ -200,3 +200,24 @@ def test_writes_held_by_rays_report_queue_are_measured_and_named(tmp_path: Path)
     assert note is not None and "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S = 1 s" in note
     assert "checkpoint.every_steps (now 2)" in note
     assert ray_backlog(0.05, every_steps=2, interval_s="1") is None, "a wait below a tenth of a second is noise"
+
+
+def test_the_checkpoint_is_incomplete_until_its_commit_wait_returns(tmp_path: Path):
+    """Rank 0's write waits for the event log (every step up to the checkpoint durable) after its
+    files and before its manifest: a crash during that wait leaves an incomplete checkpoint,
+    never one whose steps' metrics could be lost."""
+    local = tmp_path / "small"
+    local.mkdir()
+    (local / STATE_FILE).write_text('{"step": 6, "world_size": 1}')
+    dest = tmp_path / "store" / "checkpoint_000000006"
+    seen = {}
+
+    def before_manifest() -> None:
+        seen["files"] = sorted(p.name for p in dest.rglob("*") if p.is_file())
+        seen["complete"] = check_complete(pafs.LocalFileSystem(), str(dest))[0] is None
+
+    taken = {"global_step6/mp_rank_00_model_states.pt": state(torch.ones(4))}
+    write_checkpoint(local, taken, pafs.LocalFileSystem(), str(dest), 0, 6, True, before_manifest=before_manifest)
+
+    assert seen == {"files": sorted([STATE_FILE, "mp_rank_00_model_states.pt"]), "complete": False}
+    assert check_complete(pafs.LocalFileSystem(), str(dest)) == (None, {"step": 6, "world_size": 1})

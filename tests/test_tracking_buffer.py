@@ -65,3 +65,25 @@ def test_storage_refusing_writes_never_raises_into_training_and_holds_the_checkp
     assert events.drain(timeout_s=30) is True
     run = RunDir(str(blocker), "job")
     assert [e["step"] for e in MetricsBuffer(run.fs, run.path).load()] == [1]
+
+
+def test_a_checkpoints_wait_covers_the_events_before_it_not_those_after(tmp_path):
+    """The checkpoint's write waits for the steps up to its own (`mark`, `wait_written`), not for
+    the steps trained while it is written: with storage refusing a later event, the earlier
+    ones' wait returns while a full drain does not."""
+    storage = tmp_path / "runs"
+    events = Emitter(str(storage), "job", retry_s=0.05)
+    events.metrics({"step": 1, **STEP})
+    mark = events.mark()
+    assert events.wait_written(mark, timeout_s=30)
+    log = RunDir(str(storage), "job")
+    folder = storage / "job"
+    folder.rename(tmp_path / "aside")
+    folder.write_text("a file where the run folder should be")  # storage now refuses writes
+    events.metrics({"step": 2, **STEP})
+    assert events.wait_written(mark, timeout_s=0.5) is True
+    assert events.drain(timeout_s=0.5) is False
+    folder.unlink()
+    (tmp_path / "aside").rename(folder)
+    assert events.drain(timeout_s=30) is True
+    assert [e["step"] for e in MetricsBuffer(log.fs, log.path).load()] == [1, 2]

@@ -4,9 +4,10 @@ Rank 0 writes its step metrics, checkpoints, resumes and notes to the event log 
 storage itself (tracking/buffer.py), from a background thread, instead of sending them to the
 tracker actor. So nothing the tracker does (dying, restarting, waiting on MLflow) can raise
 into training or slow a step, and the guarantee that a checkpoint never becomes the resume
-point before every step up to it is durable needs no other process: rank 0 drains its own
-queue before saving, and the log lives on the same storage as the checkpoint, which survives
-the driver. The tracker reads the log, dedupes, sends to MLflow and prints (tracking/ledger.py).
+point before every step up to it is durable needs no other process: rank 0's checkpoint write
+waits, before its manifest, until every event emitted before the save is written (`mark`,
+`wait_written`), and the log lives on the same storage as the checkpoint, which survives the
+driver. The tracker reads the log, dedupes, sends to MLflow and prints (tracking/ledger.py).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class Emitter:
         self.buffer, self.retry_s = MetricsBuffer(run.fs, run.path), retry_s
         self.queue: queue.Queue[dict[str, Any]] = queue.Queue()
         self.done = threading.Condition()
-        self.unwritten = 0
+        self.emitted = self.written = 0  # events so far, and how many of the first are durable (in order)
         threading.Thread(target=self._write_loop, name="tidal-events", daemon=True).start()
 
     # --- what workers say ---------------------------------------------------------------
@@ -60,14 +61,25 @@ class Emitter:
     def failed(self, failures: dict[int, str], step: int = 0) -> None:
         self._emit(WorkersFailed(step, {str(r): why for r, why in failures.items()}))
 
-    def drain(self, timeout_s: float | None = None) -> bool:
-        """Block until every event emitted so far is durable; False if `timeout_s` passed first.
+    def mark(self) -> int:
+        """A mark for `wait_written`: the events emitted so far."""
+        with self.done:
+            return self.emitted
 
-        Without a timeout this waits as long as storage refuses writes: rank 0 calls it before a
-        checkpoint, which could not be saved to that storage either.
+    def wait_written(self, mark: int, timeout_s: float | None = None) -> bool:
+        """Block until the events emitted before `mark` are durable; False if `timeout_s` passed first.
+
+        Events emitted after the mark do not hold it: a checkpoint's write waits for the steps
+        up to its own, not for the steps trained while it was being written. Without a timeout
+        this waits as long as storage refuses writes: the checkpoint it holds back could not be
+        saved to that storage either.
         """
         with self.done:
-            return self.done.wait_for(lambda: self.unwritten == 0, timeout=timeout_s)
+            return self.done.wait_for(lambda: self.written >= mark, timeout=timeout_s)
+
+    def drain(self, timeout_s: float | None = None) -> bool:
+        """Block until every event emitted so far is durable; False if `timeout_s` passed first."""
+        return self.wait_written(self.mark(), timeout_s)
 
     # --- the writer thread --------------------------------------------------------------
     def _emit(self, event: Event) -> None:
@@ -76,8 +88,8 @@ class Emitter:
         for key in LEDGER_FIELDS.get(type(event), ()):
             entry.pop(key)
         with self.done:
-            self.unwritten += 1
-        self.queue.put({**entry, "ts": int(time.time() * 1000)})
+            self.emitted += 1
+            self.queue.put({**entry, "ts": int(time.time() * 1000)})  # under the lock: queued in count order
 
     def _write_loop(self) -> None:
         while True:
@@ -94,5 +106,5 @@ class Emitter:
                         warned = True
                     time.sleep(self.retry_s)
             with self.done:
-                self.unwritten -= 1
+                self.written += 1
                 self.done.notify_all()

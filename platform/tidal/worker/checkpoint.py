@@ -72,7 +72,8 @@ def tag(step: int) -> str:
 
 
 def save(engine: Any, state: TrainState, written_by: Provenance, metrics: dict[str, Any],
-         save_data_position: Callable[[Path], None] | None = None, background: bool = True) -> dict[str, float]:
+         save_data_position: Callable[[Path], None] | None = None, background: bool = True,
+         before_commit: Callable[[], None] | None = None) -> dict[str, float]:
     """Save on every rank and report to Ray Train (a collective: all ranks call it together).
 
     `background`: training waits only for a snapshot of the state in memory, and the write into
@@ -80,7 +81,9 @@ def save(engine: Any, state: TrainState, written_by: Provenance, metrics: dict[s
     returns once the checkpoint is written (the preemption path does that).
     Either way the files go straight into storage, once, and the manifest last.
     `metrics` go with the checkpoint to Ray (and so to Ray Tune in a sweep);
-    `save_data_position(folder)`, a collective too, adds the data stream's position. Returns
+    `save_data_position(folder)`, a collective too, adds the data stream's position;
+    `before_commit()` runs in this rank's write before its manifest, so the checkpoint is not
+    complete until it returns. Returns
     this rank's snapshot time, time training was blocked (including the wait for the previous
     write) and the state's bytes.
     """
@@ -114,7 +117,7 @@ def save(engine: Any, state: TrainState, written_by: Provenance, metrics: dict[s
     small = sum(p.stat().st_size for p in local.rglob("*") if p.is_file())
     state_bytes = _tensor_bytes(snap.taken) + small
     upload = writer.upload_fn(rank, state.step, snap.taken, zipfile_format, storage.storage_filesystem,
-                              storage.experiment_fs_path, ray.train.Checkpoint, mode, attempt)
+                              storage.experiment_fs_path, ray.train.Checkpoint, mode, attempt, before_commit)
     try:
         ray.train.report(
             {**metrics, "step": state.step},

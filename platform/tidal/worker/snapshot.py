@@ -205,10 +205,12 @@ class StorageWriter:
         self.last.set()
 
     def upload_fn(self, rank: int, step: int, taken: dict[str, Any], zipfile: bool, storage: pafs.FileSystem,
-                  experiment: str, checkpoint_cls: Any, mode: str, attempt: str | None = None) -> Callable[[Any, str], Any]:
+                  experiment: str, checkpoint_cls: Any, mode: str, attempt: str | None = None,
+                  before_manifest: Callable[[], None] | None = None) -> Callable[[Any, str], Any]:
         """Ray Train's `checkpoint_upload_fn` for this save: (local checkpoint, folder name) -> the
         checkpoint in storage (a `checkpoint_cls`, i.e. `ray.train.Checkpoint`). `wait` blocks
-        from now until it has run, and so, for a live save, does `before_update`."""
+        from now until it has run, and so, for a live save, does `before_update`.
+        `before_manifest` runs in the write, after the files and before the manifest."""
         done, read = self.last, self.read = threading.Event(), threading.Event()
         self.live = mode == LIVE
         stale = False  # a live save that failed after training moved on: its state is gone
@@ -223,7 +225,7 @@ class StorageWriter:
             dest = f"{experiment}/{dir_name}"
             try:
                 write_checkpoint(Path(local.path), taken, storage, dest, rank, step, zipfile, on_read=read.set,
-                                 attempt=attempt)
+                                 attempt=attempt, before_manifest=before_manifest)
             except BaseException:
                 # Should this be called again with the same state, it must write this step's:
                 # later copies go into new buffers; live tensors not yet read are copied before
@@ -246,11 +248,12 @@ class StorageWriter:
 
 def write_checkpoint(local: Path, taken: dict[str, Any], storage: pafs.FileSystem, dest: str, rank: int,
                      step: int, zipfile: bool, on_read: Callable[[], None] | None = None,
-                     attempt: str | None = None) -> dict[str, int]:
+                     attempt: str | None = None, before_manifest: Callable[[], None] | None = None) -> dict[str, int]:
     """Write `taken` (serialized) and the small files DeepSpeed and Tidal left under `local` into
     `dest`, then this rank's manifest, last, naming the `attempt` (worker-group start) that wrote
-    it. `on_read` is called once every tensor of `taken` is serialized, before the fsyncs. Returns
-    the files written and their sizes."""
+    it. `on_read` is called once every tensor of `taken` is serialized, before the fsyncs;
+    `before_manifest` once every file is durable, before the manifest (rank 0 waits there for
+    the event log: see tidal.worker.loop `_save`). Returns the files written and their sizes."""
     from tidal.storage import manifest_name
 
     manifest = f"{dest}/{manifest_name(rank)}"
@@ -272,6 +275,8 @@ def write_checkpoint(local: Path, taken: dict[str, Any], storage: pafs.FileSyste
         _fsync_dirs(dest, files)
     if delay := write_delay(os.environ.get(WRITE_DELAY_ENV, ""), rank):
         time.sleep(delay)
+    if before_manifest is not None:
+        before_manifest()
     fs.write_json(storage, manifest, {"step": step, "attempt": attempt, "files": files})
     return files
 
