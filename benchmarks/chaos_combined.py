@@ -390,6 +390,18 @@ def run_job(cluster: Cluster, servers: Servers, spec: JobSpec, tmp: Path, faults
     return {"exit": code, "wall_s": time.time() - t0, "trace": _trace(trace), "log": driver.log}
 
 
+def effective(client: Any, experiment: str, job: str) -> tuple[float, float]:
+    """A job's useful step time (its MLflow `step_time_s`, one point per step) and its wall time
+    from the first step's loss to the last's."""
+    exp = client.get_experiment_by_name(experiment)
+    runs = client.search_runs([exp.experiment_id], f"tags.`tidal.job` = '{job}'") if exp else []
+    if not runs:
+        return 0.0, 0.0
+    stamps = [m.timestamp / 1000 for r in runs for m in client.get_metric_history(r.info.run_id, "loss")]
+    useful = sum(m.value for m in client.get_metric_history(runs[0].info.run_id, "step_time_s"))
+    return useful, (max(stamps) - min(stamps)) if stamps else 0.0
+
+
 def summarize(spec: JobSpec, ref: dict[str, Any], got: dict[str, Any], faults: list[Fault]) -> dict[str, Any]:
     from mlflow.tracking import MlflowClient
 
@@ -398,14 +410,12 @@ def summarize(spec: JobSpec, ref: dict[str, Any], got: dict[str, Any], faults: l
     runs = client.search_runs([exp.experiment_id], f"tags.`tidal.job` = '{spec.name}'") if exp else []
     hist = [m for r in runs for m in client.get_metric_history(r.info.run_id, "loss")]
     counts = Counter(m.step for m in hist)
-    times = client.get_metric_history(runs[0].info.run_id, "step_time_s") if runs else []
+    useful, training_wall = effective(client, spec.tracking.experiment, spec.name)
+    ref_useful, ref_wall = effective(client, spec.tracking.experiment, "undisturbed")
     expected = {r["step"]: r["loss"] for r in ref["trace"]}
     lives = got["trace"]
     diffs = [_rel(r["loss"], expected[r["step"]]) for r in lives if r["step"] in expected]
     steps = spec.train.steps
-    first = min(m.timestamp for m in hist) / 1000 if hist else 0.0
-    last = max(m.timestamp for m in hist) / 1000 if hist else 0.0
-    useful = sum(m.value for m in times)
     return {
         "runs": len(runs), "exit": got["exit"], "faults": faults,
         "missing": [s for s in range(1, steps + 1) if counts[s] == 0],
@@ -413,7 +423,8 @@ def summarize(spec: JobSpec, ref: dict[str, Any], got: dict[str, Any], faults: l
         "executions": len(lives), "replayed": len(lives) - len({r["step"] for r in lives}),
         "max_rel_diff": max(diffs, default=float("nan")), "compared": len(diffs),
         **judge(lives, expected), "restarts": restarts(lives),
-        "useful_s": useful, "training_wall_s": last - first, "wall_s": got["wall_s"], "steps": steps,
+        "useful_s": useful, "training_wall_s": training_wall, "wall_s": got["wall_s"], "steps": steps,
+        "ref_useful_s": ref_useful, "ref_wall_s": ref_wall,
         "every": spec.checkpoint.every_steps,
     }
 
@@ -517,6 +528,7 @@ each write paused {WRITE_DELAY_S} s before its manifests) under these faults, in
 | largest relative difference of any execution's loss vs the undisturbed run ({r['compared']} compared; rounding amplified over steps, see below) | {r['max_rel_diff']:.2e} |
 | effective training time, first step to last (useful step time / wall time) | {r['useful_s']:.1f} s / {r['training_wall_s']:.1f} s = **{eff:.1%}** |
 | the same from the first `tidal run` (includes launch) | {r['useful_s']:.1f} s / {r['wall_s']:.1f} s |
+| the undisturbed run's, for comparison (what logging and checkpoints every {r['every']} steps cost without a fault) | {r['ref_useful_s']:.1f} s / {r['ref_wall_s']:.1f} s = {r['ref_useful_s'] / max(r['ref_wall_s'], 1e-9):.1%} |
 | restarts: count, median seconds from a life's last step to the next life's first, steps trained again | {len(gaps)}, **{_median(gaps):.1f} s** (each: {", ".join(f"{g:.0f}" for g in gaps)}), {sum(x["replayed"] for x in r["restarts"])} |
 
 At that median cost per restart, one fault an hour would leave {1 - _median(gaps) / 3600:.1%} of the time to training,
