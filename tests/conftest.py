@@ -31,8 +31,6 @@ venv_tools_first()  # every process of the suite, test heads included, uses this
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "0.5")  # default 5 s
-# After a node is lost Ray first retries at the old size until this times out (default 60 s).
-os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "20")
 
 
 @pytest.fixture(autouse=True)
@@ -194,3 +192,20 @@ def stop_session(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+@pytest.fixture(scope="session")
+def cluster_env(tmp_path_factory, s3_server) -> Iterator[dict[str, str]]:
+    """What a cluster's nodes say about where jobs keep things: a real `mlflow server` (database on the
+    head's disk, artifacts on the shared storage) and TIDAL_STORAGE on the S3 test server.
+    One for the session: test_jobs' and test_secrets_e2e's heads each name it (a server's start
+    with a new database is the slow part)."""
+    import secrets
+
+    import boto3
+
+    tmp = tmp_path_factory.mktemp("tracking")
+    bucket = f"cluster-{secrets.token_hex(6)}"
+    boto3.client("s3").create_bucket(Bucket=bucket)
+    with mlflow_server(tmp, f"s3://{bucket}/mlartifacts", {"MLFLOW_S3_ENDPOINT_URL": os.environ["AWS_ENDPOINT_URL"]}) as uri:
+        yield {"MLFLOW_TRACKING_URI": uri, "TIDAL_STORAGE": f"s3://{bucket}/tidal"}

@@ -25,8 +25,9 @@ def names(run: RunDir, pattern: str = "") -> list[str]:
     return sorted(rel for rel in fs.files_under(run.fs, run.path) if pattern in rel)
 
 
-# ZeRO-3 only: tests/test_reshard.py runs stages 2 and 3 on a local path, and the storage code is
-# the same for both stages; the stage-3 layout (partitioned parameters) is the harder one.
+# ZeRO-3 only: tests/test_reshard.py runs stage 2 on a local path (and test_user_code_e2e stage 3),
+# and the storage code is the same for both stages; the stage-3 layout (partitioned parameters) is
+# the harder one.
 @pytest.mark.parametrize("stage", [3])
 def test_resize_on_s3_resumes_the_newest_checkpoint_with_nothing_quarantined(tmp_path, bucket, stage):
     common = {"parallelism.zero_stage": stage, "train.steps": 18, "checkpoint.every_steps": 6}

@@ -20,7 +20,7 @@ import yaml
 
 from tests.conftest import ROOT, restore_env, tiny_spec
 from tests.secrets_probe import NAMES, digest
-from tests.test_jobs import cluster_env, head, head_tmp  # noqa: F401 - the fixtures this module's head is made of
+from tests.test_jobs import head, head_tmp  # noqa: F401 - the fixtures this module's head is made of
 from tidal.cli import main
 from tidal.launch.jobs import connect
 from tidal.output import parse_record

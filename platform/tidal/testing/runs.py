@@ -38,7 +38,7 @@ def wait_for_step(spec: JobSpec, step: int, timeout: float = 180) -> int:
             seen = 0
         if seen >= step:
             return seen
-        time.sleep(0.05)
+        time.sleep(0.2)  # each look reads the whole loss history while the workers hold both cores
     raise TimeoutError(f"job {spec.name} never reached step {step}")
 
 
