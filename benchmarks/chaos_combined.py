@@ -390,28 +390,31 @@ def run_job(cluster: Cluster, servers: Servers, spec: JobSpec, tmp: Path, faults
     return {"exit": code, "wall_s": time.time() - t0, "trace": _trace(trace), "log": driver.log}
 
 
-def effective(client: Any, experiment: str, job: str) -> tuple[float, float]:
-    """A job's useful step time (its MLflow `step_time_s`, one point per step) and its wall time
-    from the first step's loss to the last's."""
+def job_losses(client: Any, experiment: str, job: str) -> tuple[list[Any], list[Any]]:
+    """A job's MLflow runs and every loss point they hold."""
     exp = client.get_experiment_by_name(experiment)
     runs = client.search_runs([exp.experiment_id], f"tags.`tidal.job` = '{job}'") if exp else []
-    if not runs:
+    return runs, [m for r in runs for m in client.get_metric_history(r.info.run_id, "loss")]
+
+
+def effective(client: Any, runs: list[Any], losses: list[Any]) -> tuple[float, float]:
+    """A job's useful step time (its MLflow `step_time_s`, one point per step) and its wall time
+    from the first step's loss to the last's."""
+    if not runs or not losses:
         return 0.0, 0.0
-    stamps = [m.timestamp / 1000 for r in runs for m in client.get_metric_history(r.info.run_id, "loss")]
+    stamps = [m.timestamp / 1000 for m in losses]
     useful = sum(m.value for m in client.get_metric_history(runs[0].info.run_id, "step_time_s"))
-    return useful, (max(stamps) - min(stamps)) if stamps else 0.0
+    return useful, max(stamps) - min(stamps)
 
 
 def summarize(spec: JobSpec, ref: dict[str, Any], got: dict[str, Any], faults: list[Fault]) -> dict[str, Any]:
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(spec.tracking.uri)
-    exp = client.get_experiment_by_name(spec.tracking.experiment)
-    runs = client.search_runs([exp.experiment_id], f"tags.`tidal.job` = '{spec.name}'") if exp else []
-    hist = [m for r in runs for m in client.get_metric_history(r.info.run_id, "loss")]
+    runs, hist = job_losses(client, spec.tracking.experiment, spec.name)
     counts = Counter(m.step for m in hist)
-    useful, training_wall = effective(client, spec.tracking.experiment, spec.name)
-    ref_useful, ref_wall = effective(client, spec.tracking.experiment, "undisturbed")
+    useful, training_wall = effective(client, runs, hist)
+    ref_useful, ref_wall = effective(client, *job_losses(client, spec.tracking.experiment, "undisturbed"))
     expected = {r["step"]: r["loss"] for r in ref["trace"]}
     lives = got["trace"]
     diffs = [_rel(r["loss"], expected[r["step"]]) for r in lives if r["step"] in expected]

@@ -34,8 +34,6 @@ from tidal.testing.heads import wait_for_jobs_api
 pytestmark = pytest.mark.slow
 
 
-
-
 @pytest.fixture(scope="module")
 def head_tmp(tmp_path_factory) -> Path:
     """The head's folder: its log, and under ray/ its temp dir (where `ray start` records its address)."""
@@ -121,7 +119,7 @@ def test_submit_exits_by_the_outcome_and_no_wait_returns_at_once(head, tmp_path,
     from tidal.launch.jobs import Job
 
     monkeypatch.chdir(ROOT)
-    _, path = spec_file(tmp_path, "followed", **{"train.steps": 8})
+    _, path = spec_file(tmp_path, "eight-steps", **{"train.steps": 8})
 
     _, broken = spec_file(tmp_path, "broken", **{"train.steps": 8, "failure.max_restarts": 0,
                                                  "model.builder": "tests.custom_model:build_failing"})
