@@ -3,7 +3,7 @@ to survive land at seeded random times, some of them in the middle of a save or 
 conversion. Reports each fault and its cost, steps lost, steps logged twice, every step's loss
 (replayed ones included) against an undisturbed run, and the effective training time.
 
-    python -m benchmarks.chaos_combined [--faults 10] [--steps 1500] [--every 25] [--seed 0]
+    python -m benchmarks.chaos_combined [--faults 10] [--steps 3000] [--every 25] [--seed 0]
         # writes the "Combined faults" section of docs/reliability.md
 
 The whole cluster is real and on this machine: a moto S3 server (checkpoints, the event log),
