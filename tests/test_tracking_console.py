@@ -12,21 +12,22 @@ import pytest
 
 from tests.conftest import ROOT
 from tests.test_cli import tidal_cli
-from tidal.tracking.quiet import quiet_libraries
+from tidal.ray_private import AUTH_TOKEN_SETUP_LOGGER
+from tidal.tracking.quiet import quiet_libraries, skip_known_ray_errors
 
 CHATTER = ("TrainingReport(", "Setting accelerator to CPU", "all_gather_into_tensor", "lr_scheduler.step()",
            "optimizer.step()` has been overridden", "built successfully", "Creating initial MLflow database tables",
-           "Failed to query Ray Train Controller actor state")
+           "Failed to query Ray Train Controller actor state", "Token authentication is enabled for this Ray cluster")
 
 
-def deepspeed_says(message: str) -> list[str]:
+def logger_says(name: str, message: str) -> list[str]:
     seen: list[str] = []
 
     class Keep(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
             seen.append(record.getMessage())
 
-    logger = logging.getLogger("DeepSpeed")
+    logger = logging.getLogger(name)
     handler = Keep()
     logger.addHandler(handler)
     try:
@@ -34,6 +35,10 @@ def deepspeed_says(message: str) -> list[str]:
     finally:
         logger.removeHandler(handler)
     return seen
+
+
+def deepspeed_says(message: str) -> list[str]:
+    return logger_says("DeepSpeed", message)
 
 
 def test_known_chatter_is_dropped_and_tidal_debug_keeps_it(monkeypatch):
@@ -55,6 +60,23 @@ def test_known_chatter_is_dropped_and_tidal_debug_keeps_it(monkeypatch):
     assert deepspeed_says("Setting accelerator to CPU. If you have GPU ...") == []
     assert deepspeed_says("a real DeepSpeed warning") == ["a real DeepSpeed warning"]
     logging.getLogger("DeepSpeed").filters.clear()
+
+
+def test_rays_token_auth_notice_is_dropped_and_its_other_lines_kept(monkeypatch):
+    """A local instance Tidal starts keeps Ray's token auth (on by default since 2.60); Ray's notice
+    that it is on advises setting RAY_AUTH_MODE=disabled, which Tidal's clusters refuse."""
+    notice = ("Token authentication is enabled for this Ray cluster. Set RAY_AUTH_MODE=disabled to opt out. "
+              "For more information, see https://docs.ray.io/en/latest/ray-security/token-auth.html")
+    off = "Token authentication is disabled for this Ray cluster. Anyone with network access ..."
+    monkeypatch.setenv("TIDAL_DEBUG", "1")
+    logging.getLogger(AUTH_TOKEN_SETUP_LOGGER).filters.clear()
+    skip_known_ray_errors()
+    assert logger_says(AUTH_TOKEN_SETUP_LOGGER, notice) == [notice]
+    monkeypatch.delenv("TIDAL_DEBUG")
+    skip_known_ray_errors()
+    assert logger_says(AUTH_TOKEN_SETUP_LOGGER, notice) == []
+    assert logger_says(AUTH_TOKEN_SETUP_LOGGER, off) == [off], "a cluster without auth is a real warning"
+    logging.getLogger(AUTH_TOKEN_SETUP_LOGGER).filters.clear()
 
 
 @pytest.mark.slow

@@ -53,6 +53,7 @@ FAKE_PROVIDER_MODULE = "ray.autoscaler._private.fake_multi_node.node_provider.Fa
 TRAIN_CONTEXT_MODULE = "ray.train.v2._internal.execution.context"
 PLACEMENT_GROUP_CLEANER_LOGGER = "ray.train.v2._internal.execution.controller.placement_group_cleaner"
 RAY_LOGGING_MODULE = "ray._private.ray_logging"
+AUTH_TOKEN_SETUP_LOGGER = "ray._private.authentication.authentication_token_setup"
 # Ray's autoscaling coordinator: a detached actor shared by Ray Data and Train V2's elastic policy
 # (ray/data/_internal/cluster_autoscaler/default_autoscaling_coordinator.py); its name and namespace.
 AUTOSCALING_COORDINATOR = "AutoscalingCoordinator"

@@ -13,6 +13,7 @@ import sys
 import warnings
 
 from tidal.ray_private import (
+    AUTH_TOKEN_SETUP_LOGGER,
     PLACEMENT_GROUP_CLEANER_LOGGER,
     TRAIN_CONTEXT_MODULE,
     log_deduplicators,
@@ -121,7 +122,8 @@ def ray_skip_regex(current: str | None) -> str:
 
 
 def skip_known_ray_errors() -> None:
-    """Drop the known-harmless `E` line from what Ray forwards to this (the driver's) console.
+    """Drop the known-harmless `E` line from what Ray forwards to this (the driver's) console, and
+    Ray's notice that a local instance has token auth on.
 
     Ray's driver-side log printer drops every forwarded line matching RAY_DEDUP_LOGS_SKIP_REGEX, which
     Ray reads once, when `ray._private.ray_constants` is imported: set it before `import ray` (the CLI
@@ -131,6 +133,12 @@ def skip_known_ray_errors() -> None:
     they are not there."""
     if debug():
         return
+    # ray.init of a local instance (token auth on by Ray 2.60's default, which Tidal keeps) warns
+    # that it is on and how to opt out; Tidal's clusters refuse RAY_AUTH_MODE=disabled. Its warning
+    # that a cluster runs *without* auth is a real one and stays.
+    auth = logging.getLogger(AUTH_TOKEN_SETUP_LOGGER)
+    if not any(isinstance(f, _Drop) for f in auth.filters):
+        auth.addFilter(_Drop("Token authentication is enabled for this Ray cluster"))
     os.environ[SKIP_ENV] = ray_skip_regex(os.environ.get(SKIP_ENV))
     import re
 
