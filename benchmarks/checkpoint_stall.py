@@ -1,10 +1,11 @@
 """How long a checkpoint blocks training through `tidal run` (asynchronous checkpoints), against a
 synchronous `torch.save` + fsync of the same bytes, in one invocation, alternating, every pair
-reported; and what checkpoints every 2 steps cost in throughput against none.
+reported; and what checkpoints every N steps cost in throughput against none.
 
     python -m benchmarks.checkpoint_stall --storage local --pairs 4
     python -m benchmarks.checkpoint_stall --storage s3 --pairs 4     # moto's S3 server on 127.0.0.1
-    python -m benchmarks.checkpoint_stall --throughput --pairs 4
+    python -m benchmarks.checkpoint_stall --throughput --pairs 4     # every 2 steps, local storage
+    python -m benchmarks.checkpoint_stall --throughput --storage s3 --every 10 --pairs 4
 
 Stall: a GPT wide enough that rank 0 holds over 400 MB of checkpoint state (2 workers, ZeRO-2,
 fp32, CPU). Blocked time is what each rank-0 save reported as `checkpoint_blocked_s` (the
@@ -156,32 +157,39 @@ Median ratio, the slowest rank: **{median([r['ratio_any'] for r in rounds]):.3f}
 
 
 def throughput(args: argparse.Namespace, tmp: Path) -> str:
+    every = args.every or 2
     none = bench_spec(tmp, args.steps)
-    every2 = none.with_overrides({"name": "bench-every2", "checkpoint.every_steps": 2})
-    paths = {"none": write_spec(none, tmp / "none.yaml"), "every2": write_spec(every2, tmp / "every2.yaml")}
-    specs = {"none": none, "every2": every2}
+    if args.storage == "s3":
+        none = none.with_overrides({"checkpoint.storage": f"{start_s3(tmp)}/runs"})
+    every_n = none.with_overrides({"name": f"bench-every{every}", "checkpoint.every_steps": every})
+    paths = {"none": write_spec(none, tmp / "none.yaml"), "every": write_spec(every_n, tmp / "every.yaml")}
+    specs = {"none": none, "every": every_n}
     rounds = []
     for i in range(args.pairs):
         r = {}
-        for kind in (("none", "every2") if i % 2 == 0 else ("every2", "none")):
+        for kind in (("none", "every") if i % 2 == 0 else ("every", "none")):
             settle()
             r[kind] = timed_tidal_run(specs[kind], paths[kind])["step_s"]
-        r["ratio"] = r["none"] / r["every2"]
+        r["ratio"] = r["none"] / r["every"]
         rounds.append(r)
-        print(f"round {i + 1}: no checkpoints {r['none'] * 1000:.1f} ms/step, a checkpoint every 2 steps "
-              f"{r['every2'] * 1000:.1f} ms/step: throughput ratio {r['ratio']:.3f}", flush=True)
-    rows = "\n".join(f"| {i + 1} | {r['none'] * 1000:.1f} ms | {r['every2'] * 1000:.1f} ms | {r['ratio']:.3f} |"
+        print(f"round {i + 1}: no checkpoints {r['none'] * 1000:.1f} ms/step, a checkpoint every {every} steps "
+              f"{r['every'] * 1000:.1f} ms/step: throughput ratio {r['ratio']:.3f}", flush=True)
+    rows = "\n".join(f"| {i + 1} | {r['none'] * 1000:.1f} ms | {r['every'] * 1000:.1f} ms | {r['ratio']:.3f} |"
                      for i, r in enumerate(rounds))
-    return f"""Command: `python -m benchmarks.checkpoint_stall --throughput --pairs {args.pairs} --steps {args.steps}` ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, CPU only)
+    where = "local storage" if args.storage == "local" else "moto's S3 server on 127.0.0.1, on the same cores"
+    flags = "" if args.storage == "local" else f" --storage s3 --every {every}"
+    return f"""Command: `python -m benchmarks.checkpoint_stall --throughput{flags} --pairs {args.pairs} --steps {args.steps}` ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, CPU only)
 
-Work: the throughput benchmark's job (GPT 4 layers x d256, ZeRO-2, fp32, 2 workers, local storage), {args.steps} steps,
-timed from step 10 to step {args.steps - 10}; `tidal run` with a checkpoint every 2 steps vs none in that window, alternating.
+Work: the throughput benchmark's job (GPT 4 layers x d256, ZeRO-2, fp32, 2 workers, {where}), {args.steps} steps,
+timed from step 10 to step {args.steps - 10}; `tidal run` with a checkpoint every {every} steps vs none in that window,
+alternating (the first of each pair alternates too).
 
-| round | no checkpoint | a checkpoint every 2 steps | throughput ratio |
+| round | no checkpoint | a checkpoint every {every} steps | throughput ratio |
 |---|---|---|---|
 {rows}
 
-Median ratio: **{median([r['ratio'] for r in rounds]):.3f}** (goal >= 0.95).
+Median ratio: **{median([r['ratio'] for r in rounds]):.3f}** (goal >= 0.95); each round's step times are printed so
+that a machine whose speed drifts during the invocation can be seen.
 """
 
 
@@ -217,15 +225,20 @@ STARTED: list[subprocess.Popen] = []
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--storage", choices=("local", "s3"), default="local")
-    ap.add_argument("--throughput", action="store_true", help="checkpoints every 2 steps vs none, instead of the stall")
+    ap.add_argument("--throughput", action="store_true",
+                    help="throughput with checkpoints every --every steps (default 2) vs none, instead of the stall")
     ap.add_argument("--pairs", type=int, default=4)
-    ap.add_argument("--every", type=int, default=EVERY, help="steps between checkpoints (stall); raise it for slow storage")
+    ap.add_argument("--every", type=int, default=None,
+                    help=f"steps between checkpoints (stall: default {EVERY}, --throughput: 2); raise it for slow storage")
     ap.add_argument("--steps", type=int, default=60, help="steps per run (--throughput)")
     args = ap.parse_args()
+    if not args.throughput:
+        args.every = args.every or EVERY
     try:
         with tempfile.TemporaryDirectory() as d:
             if args.throughput:
-                update_doc("Checkpoints every 2 steps vs none: throughput", throughput(args, Path(d)))
+                where = "" if args.storage == "local" else f" ({args.storage})"
+                update_doc(f"Checkpoints every {args.every or 2} steps vs none: throughput{where}", throughput(args, Path(d)))
             else:
                 section = f"Checkpoint stall: asynchronous checkpoints vs torch.save ({args.storage})"
                 update_doc(section, stall(args, Path(d)))
