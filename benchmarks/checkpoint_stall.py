@@ -5,7 +5,7 @@ reported; and what checkpoints every N steps cost in throughput against none.
     python -m benchmarks.checkpoint_stall --storage local --pairs 4
     python -m benchmarks.checkpoint_stall --storage s3 --pairs 4     # moto's S3 server on 127.0.0.1
     python -m benchmarks.checkpoint_stall --throughput --pairs 4     # every 2 steps, local storage
-    python -m benchmarks.checkpoint_stall --throughput --storage s3 --every 10 --pairs 4
+    python -m benchmarks.checkpoint_stall --throughput --storage s3 --every 5 --pairs 4
 
 Stall: a GPT wide enough that rank 0 holds over 400 MB of checkpoint state (2 workers, ZeRO-2,
 fp32, CPU). Blocked time is what each rank-0 save reported as `checkpoint_blocked_s` (the

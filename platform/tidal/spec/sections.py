@@ -227,7 +227,10 @@ class ScalingSpec(Part):
 
 
 class CheckpointSpec(Part):
-    every_steps: int = Field(50, ge=1, description="steps between checkpoints; a fault costs the steps since the last one. Least lost: a checkpoint about every sqrt(2 x its cost x the time between faults) (Young's rule, docs/reliability.md)")
+    every_steps: int = Field(
+        50, ge=1, description="steps between checkpoints; a fault costs the steps since the last one. Least lost: a "
+        "checkpoint about every sqrt(2 x its cost x the time between faults) (Young's rule, docs/reliability.md)"
+    )
     keep: int = Field(3, ge=1, description="newest checkpoints kept")
     storage: str | None = Field(
         None, description="where each job's folder goes: a path every node shares, or a URI (s3://..., gs://...). "
