@@ -157,7 +157,7 @@ Median ratio, the slowest rank: **{median([r['ratio_any'] for r in rounds]):.3f}
 
 
 def throughput(args: argparse.Namespace, tmp: Path) -> str:
-    every = args.every or 2
+    every = args.every
     none = bench_spec(tmp, args.steps)
     if args.storage == "s3":
         none = none.with_overrides({"checkpoint.storage": f"{start_s3(tmp)}/runs"})
@@ -232,13 +232,12 @@ def main() -> None:
                     help=f"steps between checkpoints (stall: default {EVERY}, --throughput: 2); raise it for slow storage")
     ap.add_argument("--steps", type=int, default=60, help="steps per run (--throughput)")
     args = ap.parse_args()
-    if not args.throughput:
-        args.every = args.every or EVERY
+    args.every = args.every or (2 if args.throughput else EVERY)
     try:
         with tempfile.TemporaryDirectory() as d:
             if args.throughput:
                 where = "" if args.storage == "local" else f" ({args.storage})"
-                update_doc(f"Checkpoints every {args.every or 2} steps vs none: throughput{where}", throughput(args, Path(d)))
+                update_doc(f"Checkpoints every {args.every} steps vs none: throughput{where}", throughput(args, Path(d)))
             else:
                 section = f"Checkpoint stall: asynchronous checkpoints vs torch.save ({args.storage})"
                 update_doc(section, stall(args, Path(d)))

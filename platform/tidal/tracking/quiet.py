@@ -32,6 +32,13 @@ class _Drop(logging.Filter):
         return not any(f in message for f in self.fragments)
 
 
+def _drop(logger: str, *fragments: str) -> None:
+    """Drop `logger`'s records that contain any of `fragments`; once per process."""
+    target = logging.getLogger(logger)
+    if not any(isinstance(f, _Drop) for f in target.filters):
+        target.addFilter(_Drop(*fragments))
+
+
 def debug() -> bool:
     return os.environ.get(DEBUG_ENV, "") not in ("", "0")
 
@@ -44,10 +51,7 @@ def quiet_libraries() -> None:
     # workers that is Tidal's own choice (worker/device.py), and GPU workers never see it.
     # DeepSpeed's warmup schedules warn when the lr is read before their first step; the loop reads
     # it at the first log step of every launch, and the value it gets is the schedule's start.
-    deepspeed = logging.getLogger("DeepSpeed")
-    if not any(isinstance(f, _Drop) for f in deepspeed.filters):
-        deepspeed.addFilter(_Drop("Setting accelerator to CPU",
-                                  "Attempting to get learning rate from scheduler before it has started"))
+    _drop("DeepSpeed", "Setting accelerator to CPU", "Attempting to get learning rate from scheduler before it has started")
     # DeepSpeed wraps the optimizer, so torch's check of the scheduler/optimizer call order
     # misfires; the engine steps the scheduler after its optimizer step.
     for message in (r"Seems like `optimizer\.step\(\)` has been overridden",
@@ -136,9 +140,7 @@ def skip_known_ray_errors() -> None:
     # ray.init of a local instance (token auth on by Ray 2.60's default, which Tidal keeps) warns
     # that it is on and how to opt out; Tidal's clusters refuse RAY_AUTH_MODE=disabled. Its warning
     # that a cluster runs *without* auth is a real one and stays.
-    auth = logging.getLogger(AUTH_TOKEN_SETUP_LOGGER)
-    if not any(isinstance(f, _Drop) for f in auth.filters):
-        auth.addFilter(_Drop("Token authentication is enabled for this Ray cluster"))
+    _drop(AUTH_TOKEN_SETUP_LOGGER, "Token authentication is enabled for this Ray cluster")
     os.environ[SKIP_ENV] = ray_skip_regex(os.environ.get(SKIP_ENV))
     import re
 
