@@ -1,0 +1,383 @@
+"""One live attempt per job: the lease on a job's run folder, on any storage.
+
+A job's checkpoints, event log and MLflow run have one owner at a time: the driver holding the
+job's lease. Two drivers of one job (a retried `tidal run`, two `tidal submit`s, a notebook cell
+run twice) would otherwise both train into the same folder: the second's first save clears the
+first's in-flight checkpoint as stale, both rewrite the same manifests, and both trackers send
+one event log into one MLflow run, every step twice.
+
+The lease is a folder of generation files beside the run folder, `<storage>/<name>.lease/
+<generation>.json`, each created exclusively: an `O_EXCL` create on a local or shared (NFS)
+filesystem, a conditional PUT (`If-None-Match: *`) on S3. pyarrow offers neither, and nothing
+in Ray, DeepSpeed or MLflow fences a job's storage, hence this module. The current holder is
+the highest generation; taking the lease over from a holder that stopped renewing is creating
+the next generation, which only one contender can do. Every writer that could harm a newer
+attempt (rank 0's event log, each rank's checkpoint manifest, the attempt's stale-folder
+clearing, the tracker's MLflow writes) checks that no higher generation exists before it
+writes (`LeaseCheck`), and a stale attempt stops itself instead. That check needs no clock:
+only *when* a lease may be taken over does (its holder's renewals, `ttl_s`), so clocks must
+agree to within a few seconds (NTP) for a takeover to wait its full length.
+
+Beside the run folder, not in it: `tidal run --restart` moves the run folder aside, and the
+lease must stay where the next start looks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow.fs as pafs
+
+from tidal import fs
+from tidal.errors import TidalError
+
+log = logging.getLogger("tidal")
+
+TTL_ENV = "TIDAL_LEASE_TTL_S"
+DEFAULT_TTL_S = 30.0
+KEEP_GENERATIONS = 3  # older generation files are deleted by the holder (the newest is what counts)
+
+
+class JobAlreadyRunning(TidalError):
+    """A second start of a job whose driver is alive."""
+
+
+@dataclass(frozen=True)
+class Holder:
+    """A lease's generation file: who holds it, since when, and its last renewal."""
+
+    generation: int
+    host: str
+    pid: int
+    pid_started: float  # the process's start time: a pid reused by another process is not the holder
+    since: float
+    renewed: float
+    ttl_s: float
+    face: str = "tidal run"
+    submission_id: str = ""
+    released: bool = False
+
+    def live(self, now: float, host: str) -> bool:
+        """Whether this holder may still be training: it renewed within its ttl, was not
+        released, and, when it ran on this host, its process still exists (a driver killed on
+        this host frees its job at once instead of after the ttl)."""
+        if self.released or now - self.renewed > self.ttl_s:
+            return False
+        return self.host != host or _process_alive(self.pid, self.pid_started)
+
+    def describe(self, now: float) -> str:
+        who = f"Ray job {self.submission_id} (driver pid {self.pid} on {self.host})" if self.submission_id \
+            else f"`{self.face}` (pid {self.pid} on host {self.host})"
+        started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.since))
+        return f"{who}, running since {started}, lease renewed {max(0.0, now - self.renewed):.0f}s ago"
+
+    def stop_hint(self) -> str:
+        if self.submission_id:
+            return f"tidal stop {self.submission_id}   (or: ray job stop {self.submission_id})"
+        return f"stop that command (Ctrl-C in its terminal, or kill {self.pid} on {self.host})"
+
+
+def lease_path(storage: str, name: str) -> tuple[pafs.FileSystem, str]:
+    store, root = fs.resolve(storage)
+    return store, f"{root}/{name}.lease"
+
+
+def ttl_s() -> float:
+    return float(os.environ.get(TTL_ENV, DEFAULT_TTL_S))
+
+
+class Lease:
+    """The job's lease as its driver holds it: `acquire`, renewed in the background by `keep`,
+    `release` at the end. `lost` is set once a newer generation exists (another start took the
+    job over while this driver was stopped or cut off from storage)."""
+
+    def __init__(self, storage: str, name: str, face: str = "tidal run", ttl: float | None = None) -> None:
+        self.storage, self.name, self.face = storage, name, face
+        self.fs, self.path = lease_path(storage, name)
+        self.ttl_s = ttl if ttl is not None else ttl_s()
+        self.generation = 0
+        self.since = 0.0
+        self.lost = threading.Event()
+        self.taken_by: Holder | None = None  # who took it over, once lost
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # --- taking it ----------------------------------------------------------------------------
+    def acquire(self, wait: bool = False, poll_s: float = 2.0,
+                say: Callable[[str], None] = lambda line: print(line, flush=True)) -> int:
+        """Take the lease; the generation. A live holder refuses it (JobAlreadyRunning naming
+        that holder), or with `wait`, is waited for: its end, or its lease's expiry."""
+        said = False
+        while True:
+            current = latest(self.fs, self.path)
+            now = time.time()
+            if current is not None and current.live(now, socket.gethostname()):
+                if not wait:
+                    raise JobAlreadyRunning(refusal(self.name, current, now))
+                if not said:
+                    say(f"[tidal] job {self.name!r} is running: {current.describe(now)}; "
+                        "waiting for it to end (--wait)")
+                    said = True
+                time.sleep(poll_s)
+                continue
+            generation = (current.generation if current else 0) + 1
+            self.since = time.time()
+            if create_exclusive(self.fs, self._file(generation), self._doc(generation, self.since)):
+                self.generation = generation
+                self._forget_old()
+                return generation
+            # another start created this generation first: look again (and refuse it, if live)
+
+    def keep(self) -> None:
+        """Renew every ttl/6 in the background until `release`; sets `lost` when a newer
+        generation appears. A renewal that fails (storage down) is retried: the lease is lost
+        only to a newer generation, never to an error."""
+        def loop() -> None:
+            while not self._stop.wait(self.ttl_s / 6):
+                self.renew()
+        self._thread = threading.Thread(target=loop, daemon=True, name="tidal-lease")
+        self._thread.start()
+
+    def renew(self) -> bool:
+        """One renewal; False once the lease is lost."""
+        if self.lost.is_set():
+            return False
+        try:
+            current = latest(self.fs, self.path, strict=True)
+            if current is not None and current.generation > self.generation:
+                self.taken_by = current
+                self.lost.set()
+                return False
+            fs.write_json(self.fs, self._file(self.generation), self._doc(self.generation, self.since))
+        except OSError as e:
+            log.warning("[tidal] could not renew job %r's lease (%s); retrying", self.name, e)
+        return True
+
+    def release(self) -> None:
+        """The driver ends: the next start takes the lease at once. Nothing is written once lost."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if self.generation and self.renew():
+            try:
+                fs.write_json(self.fs, self._file(self.generation),
+                              {**self._doc(self.generation, self.since), "released": True})
+            except OSError as e:  # the next start waits out the ttl instead
+                log.warning("[tidal] could not release job %r's lease (%s)", self.name, e)
+
+    def check(self) -> LeaseCheck:
+        return LeaseCheck(self.storage, self.name, self.generation)
+
+    def config(self) -> dict[str, Any]:
+        """What the workers and the tracker need to check the lease (`LeaseCheck.from_config`)."""
+        return {"generation": self.generation}
+
+    # --- files --------------------------------------------------------------------------------
+    def _file(self, generation: int) -> str:
+        return f"{self.path}/{generation:012d}.json"
+
+    def _doc(self, generation: int, since: float) -> dict[str, Any]:
+        me = _this_process()
+        return {"generation": generation, "host": socket.gethostname(), "pid": os.getpid(),
+                "pid_started": me, "since": since, "renewed": time.time(), "ttl_s": self.ttl_s,
+                "face": self.face, "submission_id": os.environ.get("RAY_JOB_SUBMISSION_ID", "")}
+
+    def _forget_old(self) -> None:
+        for generation in generations(self.fs, self.path)[:-KEEP_GENERATIONS]:
+            fs.delete_file(self.fs, self._file(generation))
+
+
+class LeaseCheck:
+    """A writer's check that its attempt still holds the job (no newer generation exists).
+
+    Cached for `every_s`: writers call it before each write and a check is one listing of the
+    lease folder. A listing that fails proves nothing, so it counts as still current: a
+    transient storage error never stops a live attempt (its writes fail on their own)."""
+
+    def __init__(self, storage: str, name: str, generation: int, every_s: float = 1.0) -> None:
+        self.name, self.generation, self.every_s = name, generation, every_s
+        self.fs, self.path = lease_path(storage, name)
+        self._checked_at = -float("inf")
+        self._newer: Holder | None = None
+
+    @classmethod
+    def from_config(cls, storage: str, name: str, config: dict[str, Any] | None) -> LeaseCheck | None:
+        return cls(storage, name, int(config["generation"])) if config else None
+
+    def current(self, fresh: bool = False) -> bool:
+        if self._newer is not None:
+            return False  # once superseded, always: a newer generation never goes away
+        if fresh or time.monotonic() - self._checked_at >= self.every_s:
+            self._checked_at = time.monotonic()
+            try:
+                newest = latest(self.fs, self.path, strict=True)
+            except OSError as e:
+                log.debug("lease check of %s failed: %s", self.path, e)
+                return True
+            if newest is not None and newest.generation > self.generation:
+                self._newer = newest
+        return self._newer is None
+
+    def why(self) -> str:
+        """Why this attempt stopped (after `current` said False)."""
+        newer = self._newer
+        by = newer.describe(time.time()) if newer else "another start"
+        return (f"job {self.name!r} was started again while this attempt's driver did not renew its lease "
+                f"(generation {self.generation}; now {newer.generation if newer else '?'}: {by}); "
+                "this attempt stops without writing, and the newer one goes on from the latest checkpoint")
+
+
+def refusal(name: str, holder: Holder, now: float) -> str:
+    return (f"job {name!r} is already running: {holder.describe(now)}.\n"
+            "Two starts of one job would train into the same checkpoints and MLflow run, so this one stops here.\n"
+            f"  stop it:      {holder.stop_hint()}\n"
+            "  wait for it:  run the same command with --wait, to start once it has ended\n"
+            f"  A driver that died without ending its lease frees the job {holder.ttl_s:.0f}s after its last renewal "
+            "(at once when it ran on this host).")
+
+
+# --- storage ------------------------------------------------------------------------------------
+def generations(store: pafs.FileSystem, path: str, strict: bool = False) -> list[int]:
+    """The generation numbers in the lease folder, oldest first. `strict`: a failed listing
+    raises OSError instead of reading as empty."""
+    try:
+        infos = store.get_file_info(pafs.FileSelector(path, allow_not_found=True))
+    except OSError:
+        if strict:
+            raise
+        return []
+    out = []
+    for info in infos:
+        stem = info.base_name.removesuffix(".json")
+        if info.type == pafs.FileType.File and stem.isdigit() and info.base_name.endswith(".json"):
+            out.append(int(stem))
+    return sorted(out)
+
+
+def latest(store: pafs.FileSystem, path: str, strict: bool = False) -> Holder | None:
+    """The newest generation's holder; None when the job has never been leased. A generation
+    file that cannot be parsed (a create caught half-way on a filesystem without atomic
+    creates) counts as a holder that renewed at its file's modification time."""
+    found = generations(store, path, strict)
+    if not found:
+        return None
+    generation = found[-1]
+    doc = fs.read_json(store, f"{path}/{generation:012d}.json")
+    if not isinstance(doc, dict):
+        mtime = store.get_file_info(f"{path}/{generation:012d}.json").mtime
+        stamp = mtime.timestamp() if mtime else time.time()
+        return Holder(generation, "?", 0, 0.0, stamp, stamp, ttl_s())
+    return _holder(generation, doc)
+
+
+def _holder(generation: int, doc: dict[str, Any]) -> Holder:
+    def num(key: str, default: float = 0.0) -> float:
+        try:
+            return float(doc.get(key, default))
+        except (TypeError, ValueError):
+            return default
+    return Holder(generation, str(doc.get("host", "?")), int(num("pid")), num("pid_started"), num("since"),
+                  num("renewed"), num("ttl_s", ttl_s()), str(doc.get("face", "tidal run")),
+                  str(doc.get("submission_id", "")), bool(doc.get("released", False)))
+
+
+def create_exclusive(store: pafs.FileSystem, path: str, data: dict[str, Any]) -> bool:
+    """Create `path` holding `data` only if it does not exist; False if it did."""
+    blob = json.dumps(data, indent=2).encode()
+    if fs.is_local(store):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)  # exclusive on NFSv3+ too
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "wb") as f:
+            f.write(blob)
+            f.flush()
+            os.fsync(f.fileno())
+        return True
+    if isinstance(store, pafs.S3FileSystem):
+        return _s3_create_exclusive(store, path, blob)
+    # No conditional create is known for this filesystem: check, then write (a race between two
+    # starts within the same instant is not excluded here).
+    log.warning("[tidal] this storage has no exclusive create Tidal knows of: two starts of one job at the same "
+                "instant are not excluded")
+    if fs.exists(store, path):
+        return False
+    with store.open_output_stream(path) as f:
+        f.write(blob)
+    return True
+
+
+def _s3_create_exclusive(store: pafs.S3FileSystem, path: str, blob: bytes) -> bool:
+    """A conditional PUT (If-None-Match: *), which S3 and S3-compatible stores honour: pyarrow
+    has none, so this one object goes through boto3 with the same endpoint and credentials."""
+    import boto3
+    import botocore.exceptions
+
+    bucket, _, key = path.partition("/")
+    s3 = boto3.client("s3", **_s3_options(store))
+    try:
+        s3.put_object(Bucket=bucket, Key=key, Body=blob, IfNoneMatch="*")
+    except botocore.exceptions.ClientError as e:
+        code = e.response.get("Error", {}).get("Code", "")
+        if code in ("PreconditionFailed", "ConditionalRequestConflict") or \
+                e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") in (409, 412):
+            return False
+        raise OSError(f"could not create {path}: {code or e}") from None
+    return True
+
+
+def _s3_options(store: pafs.S3FileSystem) -> dict[str, str]:
+    """boto3 client options for the endpoint, region and credentials a pyarrow S3 filesystem
+    was built with (from its URI or the AWS_* environment, which boto3 also reads)."""
+    options: dict[str, str] = {}
+    try:
+        reduced = store.__reduce__()[1]  # pyarrow keeps its options only in its pickle arguments
+        kwargs: dict[str, Any] = reduced[0] if reduced and isinstance(reduced[0], dict) else {}
+    except Exception:  # noqa: BLE001 - an older pyarrow: the environment decides, as for boto3 alone
+        kwargs = {}
+    if endpoint := kwargs.get("endpoint_override"):
+        scheme = kwargs.get("scheme") or "https"
+        options["endpoint_url"] = endpoint if "://" in endpoint else f"{scheme}://{endpoint}"
+    if region := kwargs.get("region"):
+        options["region_name"] = region
+    if kwargs.get("access_key"):
+        options["aws_access_key_id"] = kwargs["access_key"]
+        options["aws_secret_access_key"] = kwargs.get("secret_key") or ""
+    return options
+
+
+def _this_process() -> float:
+    return _process_started(os.getpid())
+
+
+def _process_started(pid: int) -> float:
+    import psutil
+
+    try:
+        return round(psutil.Process(pid).create_time(), 2)
+    except psutil.Error:
+        return 0.0
+
+
+def _process_alive(pid: int, started: float) -> bool:
+    import psutil
+
+    try:
+        p = psutil.Process(pid)
+        if p.status() == psutil.STATUS_ZOMBIE:
+            return False
+        return not started or abs(round(p.create_time(), 2) - started) < 0.05
+    except psutil.Error:
+        return False
+
+
+__all__ = ["Holder", "JobAlreadyRunning", "Lease", "LeaseCheck", "latest", "refusal"]
