@@ -3,7 +3,7 @@
     python -m benchmarks.preemption [--pairs 4]     # writes a section of docs/benchmarks.md
 
 A Ray head with 4 one-CPU worker slots, token auth and a quota file (the cluster's admission,
-tidal/cluster/admitter.py). Each pair runs, in alternating order:
+tidal/admission/actor.py). Each pair runs, in alternating order:
 - idle: a high-priority 2-worker job submitted to the empty cluster (the baseline);
 - full: a low-priority elastic job (1-4 workers) fills the cluster, then the same high-priority
   job is submitted: admission shrinks the low job to 2 at its next log step (a checkpoint), and

@@ -214,7 +214,7 @@ def test_two_jobs_bursts_are_summed_and_a_team_past_its_budget_is_refused(burst_
     and a team whose cloud budget is spent is refused, naming the team and the budget."""
     import ray
 
-    from tidal.cluster.admitter import ACTOR, NAMESPACE
+    from tidal.admission.actor import ACTOR, NAMESPACE
     from tidal.cluster.burst import BurstWatcher
 
     quotas = {"unit": "gpus", "defaults": {"team": "vision", "priority": "normal"},

@@ -10,7 +10,8 @@ layer and any below it:
     tidal.launch, tidal.exporter          the driver: submit, run, sweep, export
     tidal.worker, tidal.eval_best         what runs in Ray Train's workers
     tidal.tracking                        the job's event log, ledger and MLflow writer
-    tidal.storage, tidal.cluster          checkpoints in storage; clusters, sites and bursts
+    tidal.storage, tidal.cluster,         checkpoints in storage; clusters, sites and bursts;
+      tidal.admission                     the team queue (quotas, decisions, its actor and seats)
     tidal.fs, tidal.errors, tidal.output, tidal.version, tidal.ray_private, tidal.redact
     tidal.spec (beside all)               the job spec: imported by every layer, imports only the lowest
 

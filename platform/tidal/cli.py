@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 
 import yaml
 
+from tidal.admission.view import FIELDS as QUEUE_FIELDS
 from tidal.cluster.cli import register as register_cluster
-from tidal.cluster.queue_view import FIELDS as QUEUE_FIELDS
 from tidal.errors import TidalError, UsageError
 from tidal.exporter.cli import register as register_export
 from tidal.launch.jobs import JOB_FIELDS, PROGRESS_FIELDS, Job
@@ -344,9 +344,9 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _queue(args: argparse.Namespace) -> int:
-    from tidal.cluster.admitter import QUEUE_VAR, queue_document, queue_named
-    from tidal.cluster.queue_state import load_queue
-    from tidal.cluster.queue_view import rows, table
+    from tidal.admission.actor import QUEUE_VAR, queue_document, queue_named
+    from tidal.admission.queue_doc import load_queue
+    from tidal.admission.view import rows, table
 
     env = {**os.environ, **({"TIDAL_STORAGE": args.storage} if args.storage else {})}
     if args.storage:

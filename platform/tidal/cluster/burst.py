@@ -12,7 +12,7 @@ Policies return decisions; one controller carries them out (as Ray Train V2's Re
   `scaling.burst_after_s` for on-prem room for `min_workers`, then asks for cloud capacity with
   `ray.autoscaler.sdk.request_resources` and clears that request when the job ends, so the
   autoscaler releases the idle cloud nodes after their idle timeout. Under the cluster's
-  admission (a quota file: cluster/admitter.py) the job hands its need to the admission actor
+  admission (a quota file: admission/actor.py) the job hands its need to the admission actor
   instead, which sends every job's need summed (the call is global: it must have one caller),
   within each team's cloud quota and budget.
 
@@ -32,8 +32,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from tidal.admission.actor import admission_enabled, admitter, job_key
 from tidal.cluster import SITE_LABEL, SITES, node_site, site_resource
-from tidal.cluster.admitter import admission_enabled, admitter, job_key
 from tidal.ray_private import autoscaler_report, available_resources_per_node
 from tidal.spec.job import JobSpec
 
@@ -203,7 +203,7 @@ class BurstWatcher:
         cloud budget or quota) is said once, and the job runs on what on-prem has."""
         import ray
 
-        from tidal.cluster.quotas import cluster_quotas, resolve_scheduling
+        from tidal.admission.quotas import cluster_quotas, resolve_scheduling
 
         team, _ = resolve_scheduling(self.spec.scheduling.team, self.spec.scheduling.priority,
                                      cluster_quotas(os.environ))
@@ -217,7 +217,7 @@ class BurstWatcher:
     def wait_for_launch(self, needed: int) -> None:
         """Until the requested nodes have joined (or launch_wait_s), re-asserting the request:
         another job's Ray Train coordinator may overwrite the cluster-wide request meanwhile
-        (under admission the admission actor re-asserts every job's request: cluster/admitter.py)."""
+        (under admission the admission actor re-asserts every job's request: admission/actor.py)."""
         deadline = self.clock() + self.launch_wait_s
         while self.clock() < deadline:
             room = self.room()

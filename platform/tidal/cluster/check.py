@@ -8,9 +8,9 @@ from pathlib import Path
 
 import yaml
 
+from tidal.admission.quotas import is_quota_file, named_quota_problems, quota_problems
 from tidal.cluster.configs import _START_KEYS, Problem, check_launcher
 from tidal.cluster.kuberay import check_kuberay, is_manifest, manifest_problems
-from tidal.cluster.quotas import is_quota_file, named_quota_problems, quota_problems
 
 
 def validate_cluster_config(path: str | Path) -> list[Problem]:

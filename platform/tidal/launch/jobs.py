@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlparse
 
-from tidal.cluster.queue_view import queue_record, queue_rows
-from tidal.cluster.quotas import cluster_quotas, resolve_scheduling
+from tidal.admission.quotas import cluster_quotas, resolve_scheduling
+from tidal.admission.view import queue_record, queue_rows
 from tidal.errors import ClusterError, TidalError
 from tidal.launch.connect import warn_plain_token
 from tidal.launch.result import RunResult

@@ -11,9 +11,9 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from tidal import eval_best
+from tidal.admission import seat as admission
 from tidal.cluster import burst
 from tidal.errors import SpecError, TidalError
-from tidal.launch import admission
 from tidal.launch.connect import connect_ray
 from tidal.launch.console_pump import ConsolePump
 from tidal.launch.recovery import recovery_settings
@@ -111,7 +111,7 @@ def _train(spec: JobSpec, run_dir: RunDir, job: dict[str, Any], tags: dict[str, 
 def _fit(spec: JobSpec, trainer: TorchTrainer, callbacks: list[Any], seat: admission.Seat | None,
          run_dir: RunDir) -> None:
     """Train to the end. Under the cluster's admission a group ends early at a checkpoint when
-    admission resizes the job (worker/directive.py): restart it at the size admission now gives
+    admission resizes the job (admission/directive.py): restart it at the size admission now gives
     (waiting while the job is SUSPENDED), from that checkpoint, until the job is complete."""
     while True:
         trainer.fit()

@@ -3,7 +3,7 @@
 Both default to the cluster's choice (its quota file's `defaults`), so a job file stays portable
 between clusters. The priority is a plain name, not a fixed list: a cluster's quota file may
 define its own priorities, so the name is checked against that file when the job is submitted
-(cluster/quotas.py `resolve_scheduling`), not here.
+(admission/quotas.py `resolve_scheduling`), not here.
 """
 
 from __future__ import annotations

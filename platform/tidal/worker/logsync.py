@@ -32,7 +32,7 @@ class Agreed:
     busy_s: list[float] | None  # every rank's, if this interval had a sampled step
     check_preemption: bool  # the same on every rank: call ray.train.get_preemption_info() now
     blocked_max_s: float = 0.0  # the most seconds any rank was blocked by checkpoints since the last log step
-    target: float = -1.0  # admission's size for this job, as rank 0 last heard it (worker/directive.py); -1: none
+    target: float = -1.0  # admission's size for this job, as rank 0 last heard it (admission/directive.py); -1: none
 
 
 class LogSync:

@@ -17,10 +17,10 @@ from typing import Any
 import ray.train
 import torch
 
+from tidal.admission.directive import NONE, resize_to
 from tidal.ray_private import HEALTH_CHECK_INTERVAL
 from tidal.worker import checkpoint, plan
 from tidal.worker.device import seed_step
-from tidal.worker.directive import NONE, resize_to
 from tidal.worker.engine import is_pipeline
 from tidal.worker.logsync import Agreed
 from tidal.worker.metrics import PhaseClock, speed, trace_loss

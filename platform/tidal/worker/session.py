@@ -19,6 +19,7 @@ import ray.train
 import torch
 
 from tidal import fs
+from tidal.admission.directive import Directive
 from tidal.eval_best import stopped_early
 from tidal.spec import secrets
 from tidal.spec.compile import compile_note, warmup_steps
@@ -27,7 +28,6 @@ from tidal.tracking.emitter import Emitter
 from tidal.worker import checkpoint, restore
 from tidal.worker.data import Batches
 from tidal.worker.device import torch_device
-from tidal.worker.directive import Directive
 from tidal.worker.engine import build_engine, data_parallel_rank, param_count
 from tidal.worker.logsync import LogSync
 from tidal.worker.metrics import PhaseClock, ResourceSampler, flops_per_token, worker_peak_flops
@@ -109,7 +109,7 @@ def open_session(config: dict[str, Any]) -> Session:
             events.resumed(found.name, state.step, int(found.state["world_size"]), world)
     batches = _batches(spec, config, engine, rank, world, device)
     t, s = spec.train, spec.scaling
-    seat = config.get("admission") or {}  # launch/admission.py: the job's key and the size it was launched for
+    seat = config.get("admission") or {}  # admission/seat.py: the job's key and the size it was launched for
     return Session(
         spec, rank, world, device, events, engine, state,
         checkpoint.Provenance(world, spec.parallelism.zero_stage, spec.resume_fingerprint()),

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from tests.conftest import ROOT
-from tidal.cluster.quotas import QuotaFileError, cluster_quotas, load_quotas, resolve_scheduling
+from tidal.admission.quotas import QuotaFileError, cluster_quotas, load_quotas, resolve_scheduling
 from tidal.errors import SpecError
 
 EXAMPLE = ROOT / "cluster_configs" / "quotas.yaml"

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from tidal.cluster.admission import decide
-from tidal.cluster.queue_state import (
+from tidal.admission.policy import decide
+from tidal.admission.queue_doc import (
     Entry,
     Queue,
     apply,
@@ -19,7 +19,7 @@ from tidal.cluster.queue_state import (
     submitted,
     waiting,
 )
-from tidal.cluster.quotas import Quotas
+from tidal.admission.quotas import Quotas
 from tidal.errors import TidalError
 
 QUOTAS = Quotas(min_resize_interval_s=0)
@@ -90,8 +90,8 @@ def test_queue_round_trips_on_s3(bucket):
 
 def test_entry_takes_the_clusters_default_team_and_priority_and_counts_gpus(tmp_path):
     from tests.conftest import ROOT, tiny_spec
-    from tidal.cluster.queue_state import entry_for
-    from tidal.cluster.quotas import load_quotas
+    from tidal.admission.queue_doc import entry_for
+    from tidal.admission.quotas import load_quotas
 
     quotas = load_quotas(str(ROOT / "cluster_configs" / "quotas.yaml"))  # unit: gpus, defaults research/normal
     spec = tiny_spec(tmp_path).with_overrides({"scaling.gpus_per_worker": 2, "scaling.min_workers": 1,

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from tidal.cluster.quotas import Quotas
+from tidal.admission.quotas import Quotas
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from tidal.cluster.quotas import Quotas
+from tidal.admission.quotas import Quotas
 
 Why = Literal["capacity", "quota", "priority", "resize_interval"]
 

@@ -3,9 +3,9 @@ cluster would see happen to their jobs, case by case (issue #36's "Must show")."
 
 from __future__ import annotations
 
-from tidal.cluster.admission import QueuedJob, RunningJob, decide
-from tidal.cluster.cloud_requests import BurstRequest, CloudUse, aggregate_bursts
-from tidal.cluster.quotas import Quotas
+from tidal.admission.cloud import BurstRequest, CloudUse, aggregate_bursts
+from tidal.admission.policy import QueuedJob, RunningJob, decide
+from tidal.admission.quotas import Quotas
 
 GAP = 60.0  # min_resize_interval_s in these tests
 QUOTAS = Quotas(min_resize_interval_s=GAP)

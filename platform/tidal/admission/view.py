@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from tidal.cluster.queue_state import Entry, Queue, load_queue
+from tidal.admission.queue_doc import Entry, Queue, load_queue
 
 FIELDS = ("job", "name", "team", "priority", "state", "workers", "min_workers", "max_workers", "reason", "position")
 
@@ -37,7 +37,7 @@ def rows(queue: Queue) -> list[dict[str, Any]]:
 def queue_rows(environ: Mapping[str, str]) -> list[dict[str, Any]]:
     """The cluster's queue where this machine can read its document (TIDAL_QUEUE or TIDAL_STORAGE
     set here); [] where it cannot: the queue is extra detail, Ray's own status still answers."""
-    from tidal.cluster.admitter import queue_document, queue_named
+    from tidal.admission.actor import queue_document, queue_named
 
     if not queue_named(environ):
         return []

@@ -3,10 +3,10 @@
 Why by hand: open-source Ray has no job queue (ray#32116, #41241), and Kueue, which does this on
 Kubernetes, needs Kubernetes. The actor is the one owner of the cluster's capacity decisions:
 - every job's driver (`tidal run` under any face: the CLI, the SDK, `ray job submit -- tidal run`)
-  registers it and waits while it is QUEUED (launch/admission.py);
+  registers it and waits while it is QUEUED (admission/seat.py);
 - once a second it decides (admission.decide) and saves the queue (queue_state) before anyone
   acts on the decision, so a restarted actor finds what the last one promised;
-- each job's rank 0 polls its target (worker/directive.py); a job told to shrink, grow or
+- each job's rank 0 polls its target (admission/directive.py); a job told to shrink, grow or
   suspend checkpoints at its next log step and its driver restarts it at the new size.
 
 No new single point of failure: the state lives in the queue document (TIDAL_STORAGE or the
@@ -27,11 +27,9 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from tidal import fs
-from tidal.cluster import SITE_LABEL, node_site
-from tidal.cluster.admission import decide
-from tidal.cluster.cloud_requests import BurstPlan, BurstRequest, CloudUse, aggregate_bursts
-from tidal.cluster.prices import PRICE_LABEL, worker_price
-from tidal.cluster.queue_state import (
+from tidal.admission.cloud import BurstPlan, BurstRequest, CloudUse, aggregate_bursts
+from tidal.admission.policy import decide
+from tidal.admission.queue_doc import (
     Entry,
     Queue,
     apply,
@@ -43,7 +41,9 @@ from tidal.cluster.queue_state import (
     submitted,
     waiting,
 )
-from tidal.cluster.quotas import QUOTAS_VAR, Quotas, load_quotas
+from tidal.admission.quotas import QUOTAS_VAR, Quotas, load_quotas
+from tidal.cluster import SITE_LABEL, node_site
+from tidal.cluster.prices import PRICE_LABEL, worker_price
 
 log = logging.getLogger("tidal")
 ACTOR = "tidal-admission"

@@ -1,5 +1,5 @@
 """A job's seat on a shared cluster: registered with the cluster's admission, QUEUED until it may
-start, checked in while it runs, given back when it ends (cluster/admitter.py owns the decisions).
+start, checked in while it runs, given back when it ends (admission/actor.py owns the decisions).
 
 Every face goes through here (`tidal run`, the SDK, `tidal submit`, plain `ray job submit --
 tidal run`): `launch/trainer.run` holds a seat around its training. Where the cluster names no
@@ -17,9 +17,9 @@ from collections.abc import Iterator
 from dataclasses import asdict
 from typing import Any
 
-from tidal.cluster.admitter import ACTOR, NAMESPACE, admission_enabled, admitter, job_key
-from tidal.cluster.queue_state import entry_for
-from tidal.cluster.quotas import cluster_quotas
+from tidal.admission.actor import ACTOR, NAMESPACE, admission_enabled, admitter, job_key
+from tidal.admission.queue_doc import entry_for
+from tidal.admission.quotas import cluster_quotas
 from tidal.errors import TidalError
 from tidal.spec.job import JobSpec
 
@@ -67,7 +67,7 @@ class Seat:
                 "tidal.queue_wait_s": f"{self.waited_s:.1f}"}
 
     def config(self) -> dict[str, Any]:
-        """What the workers need (worker/directive.py): whom to ask, and the size they start for."""
+        """What the workers need (admission/directive.py): whom to ask, and the size they start for."""
         return {"job": self.job, "launched_max": self.workers}
 
     def keep_alive(self) -> None:

@@ -17,8 +17,8 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
 from tidal import fs
-from tidal.cluster.admission import AdmissionDecision, QueuedJob, RunningJob
-from tidal.cluster.quotas import Quotas, resolve_scheduling
+from tidal.admission.policy import AdmissionDecision, QueuedJob, RunningJob
+from tidal.admission.quotas import Quotas, resolve_scheduling
 from tidal.errors import TidalError
 from tidal.spec.job import JobSpec
 

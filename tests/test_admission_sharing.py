@@ -1,5 +1,5 @@
 """One cluster, many teams, against a real Ray head with token auth and 4 worker slots: jobs
-submitted through the Jobs API go through the cluster's admission (cluster/admitter.py), which
+submitted through the Jobs API go through the cluster's admission (admission/actor.py), which
 shrinks elastic jobs for more urgent ones at a checkpoint, holds a team at its quota, and
 carries on when it is killed. Every job's MLflow history must hold every step exactly once."""
 
@@ -15,9 +15,9 @@ import pytest
 import yaml
 
 from tests.conftest import ROOT, metric_history, tiny_spec
+from tidal.admission.queue_doc import load_queue
+from tidal.admission.view import rows
 from tidal.cli import main
-from tidal.cluster.queue_state import load_queue
-from tidal.cluster.queue_view import rows
 from tidal.launch.jobs import Job, submit
 from tidal.testing.heads import ray_head
 from tidal.testing.runs import job_run_id

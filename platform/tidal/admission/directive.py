@@ -1,11 +1,11 @@
-"""What the cluster's admission wants of this job's size, as rank 0 sees it (cluster/admitter.py).
+"""What the cluster's admission wants of this job's size, as rank 0 sees it (admission/actor.py).
 
 Rank 0 asks the admission actor in a background thread, once a second, and the log step's one
 collective (worker/logsync.py) carries its latest answer to every rank, so all of them stop at
 the same step. A target other than the size this group was launched for (fewer workers for a
 more urgent job, more when capacity frees, 0 to suspend) makes that step a checkpoint (written
 before the group ends) and the group's last: the driver restarts it at the new size
-(launch/admission.py). The thread never holds a step: while the actor cannot be reached, the
+(admission/seat.py). The thread never holds a step: while the actor cannot be reached, the
 group trains on at its size (admission down is never a reason to stop).
 """
 
@@ -30,7 +30,7 @@ class Directive:
     def _poll(self) -> None:
         import ray
 
-        from tidal.cluster.admitter import admitter
+        from tidal.admission.actor import admitter
 
         handle: Any = None
         while not self._stop.wait(self.poll_s):

@@ -1,6 +1,6 @@
-"""The admission component's body, without Ray (cluster/admitter.py): what drivers and workers
+"""The admission component's body, without Ray (admission/actor.py): what drivers and workers
 see as jobs come and go, what survives its restart (the queue document), and a driver that
-stops checking in giving its slots back. Against a real Ray head: tests/test_sharing.py."""
+stops checking in giving its slots back. Against a real Ray head: tests/test_admission_sharing.py."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from dataclasses import asdict
 
 import yaml
 
-from tidal.cluster.admitter import Admitter, onprem_capacity, queue_document
-from tidal.cluster.queue_state import Entry
-from tidal.cluster.quotas import Quotas
+from tidal.admission.actor import Admitter, onprem_capacity, queue_document
+from tidal.admission.queue_doc import Entry
+from tidal.admission.quotas import Quotas
 
 
 def quota_file(tmp_path, **extra) -> str:
@@ -79,7 +79,7 @@ def test_capacity_counts_live_onprem_nodes_in_the_files_unit():
 def test_a_submitted_job_is_known_by_its_submission_id():
     import json
 
-    from tidal.cluster.admitter import job_key
+    from tidal.admission.actor import job_key
 
     config = json.dumps({"runtime_env": {}, "metadata": {"job_submission_id": "low-4f2a1c"}})
     assert job_key("low", {"RAY_JOB_CONFIG_JSON_ENV_VAR": config}) == "low-4f2a1c"
