@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tidal.redact import redact_text
+from tidal.tracking.findings import summary_lines
 
 if TYPE_CHECKING:
     from tidal.storage import Found
@@ -80,6 +81,7 @@ class RunResult:
         if "tokens_per_s" in m:
             lines.append(f"  throughput      {m['tokens_per_s']:,.0f} tokens/s, {m.get('samples_per_s', 0):,.1f} samples/s, "
                          f"MFU {100 * m.get('mfu', 0):.1f}% (last interval)")
+        lines += summary_lines(m)  # where the time went; input-bound if it was
         lines += [f"  checkpoints     {self.run_dir}",
                   f"  MLflow run      {self.mlflow_run_id} in {self.tracking_uri}"]
         if self.url:

@@ -88,6 +88,12 @@ class DataSpec(Part):
         "permutation per epoch, so a sample index is its resumable position"
     )
     dataset_args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for data.dataset")
+    input_bound_share: float = Field(
+        0.2, ge=0.0, lt=1.0, description="say once (console, MLflow tag tidal.input_bound, Prometheus "
+        "ray_tidal_input_bound) that the job is input-bound when waiting for data takes this share of rank 0's step "
+        "time over data.input_bound_intervals log intervals; 0 turns it off"
+    )
+    input_bound_intervals: int = Field(5, ge=1, description="log intervals the data-wait share is summed over")
 
     _dataset_ref = field_validator("dataset")(check_ref)
 
@@ -244,6 +250,19 @@ class CheckpointSpec(Part):
         None, description="also keep the best checkpoints by an eval metric: Ray Train then keeps the `keep` best "
         "by it, plus the newest (needs an eval section)"
     )
+    safe_globals: list[str] = Field(
+        default_factory=list, description="types and functions (module.name, as torch names them, e.g. numpy.dtype) "
+        "that the model's own state holds and checkpoints may load besides tensors and DeepSpeed's types; loading "
+        "refuses any other. The first save fails naming what is missing here"
+    )
+
+    @field_validator("safe_globals")
+    @classmethod
+    def _dotted_names(cls, names: list[str]) -> list[str]:
+        for name in names:
+            if not all(part.isidentifier() for part in name.replace(":", ".").split(".")):
+                raise ValueError(f"{name!r} is not a dotted name such as numpy.dtype or numpy._core.multiarray.scalar")
+        return names
 
 
 class FailureSpec(Part):

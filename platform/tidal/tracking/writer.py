@@ -34,6 +34,7 @@ from tidal.output import print_record
 from tidal.redact import redact_data, redact_text
 from tidal.spec.job import JobSpec
 from tidal.storage import JOB_FILE, RunDir
+from tidal.tracking.findings import run_tags
 from tidal.tracking.reader import PROGRESS_TAG, client, metrics_frame
 from tidal.version import __version__
 
@@ -135,6 +136,8 @@ class RunWriter:
         # The job's progress as one structured tag, in the same transaction as its points:
         # `tidal status/list` and `Job.progress()` read it (launch/jobs.py), never the console.
         tags = [RunTag(PROGRESS_TAG, json.dumps(progress(steps[-1], self.spec.train.steps)))] if steps else []
+        found = {k: v for e in entries for k, v in run_tags(e["values"]).items()}  # input-bound, straggler
+        tags += [RunTag(k, v) for k, v in found.items()]
         client(self.spec).log_batch(run_id, metrics=metrics, tags=tags, synchronous=True)
 
     def logged_steps(self, run_id: str, key: str) -> set[int]:

@@ -32,6 +32,8 @@ from tidal.cluster import node_site
 from tidal.cluster.prices import worker_price
 from tidal.spec.job import JobSpec
 from tidal.storage import Found
+from tidal.tracking.findings import input_bound_advice, input_bound_line
+from tidal.worker.input_bound import InputWatch, Interval, PhaseTotals
 from tidal.worker.metrics import Every, gpu_stats
 from tidal.worker.stragglers import Spread, StragglerWatch, spread
 
@@ -49,6 +51,8 @@ GAUGES: dict[str, str] = {
     "world_size": "workers in the group",
     "step_time_s": "seconds per optimizer step on this rank",
     "data_wait_s": "seconds per step waiting for data",
+    "data_wait_frac": "share of the step waiting for data in the last log interval",
+    "input_bound": "1 once the job was found input-bound (data.input_bound_share), else 0",
     "forward_backward_s": "seconds per step in forward and backward",
     "optimizer_s": "seconds per step in the optimizer step",
     "comm_s": "seconds inside collectives in the last sampled step",
@@ -126,6 +130,13 @@ class Telemetry:
         ctx = ray.train.get_context()
         self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
         self.spec, self.events, self.device = spec, events, device
+        d = spec.data
+        # Rank 0's own: where its time goes does not need Prometheus, so it runs with telemetry off too.
+        self.inputs = InputWatch(d.input_bound_share, d.input_bound_intervals)
+        self.totals = PhaseTotals()
+        self.input_last: tuple[int, float] | None = None  # (step, time) at the previous log step
+        self.first_step = (found.step if found else 0) + 1  # this group's first step
+        self.input_bound = 0.0
         self.enabled = enabled()
         if not self.enabled:
             return
@@ -145,8 +156,9 @@ class Telemetry:
         """Gauges for this rank; for rank 0's metrics, the straggler and placement keys.
         `busy_s`: every rank's busy time on the interval's sampled step (worker/logsync.py).
         `final`: the group's last step, whose values the gauges keep."""
+        inputs = self._inputs(metrics) if self.rank == 0 else {}
         if not self.enabled:
-            return {}
+            return inputs
         if self.places is None:  # once per group: where every rank runs (a collective)
             self.places = [self.place] * self.world
             dist.all_gather_object(self.places, self.place)
@@ -163,9 +175,32 @@ class Telemetry:
             trained = (step - self.last[0]) * float(metrics.get("step_time_s", 0.0))
             local["stall_s"] = max(0.0, now - self.last[1] - trained)
         self.last = (step, now)
+        extra |= inputs
         if self.gauges_due.due(force=final):
             self._export({**metrics, **local, **gpu_stats(self.device), **(extra if self.rank == 0 else {})})
         return extra if self.rank == 0 else {}
+
+    def _inputs(self, metrics: dict[str, Any]) -> dict[str, float]:
+        """Rank 0: the data-wait share, whether the job is input-bound (said once), each phase's share."""
+        now, step = time.time(), int(metrics["step"])
+        prev_step, prev_t = self.input_last or (self.first_step - 1, None)
+        self.input_last = (step, now)
+        interval = Interval(float(metrics.get("data_wait_s", 0.0)), float(metrics.get("step_time_s", 0.0)),
+                            step - prev_step)
+        self.totals.add(interval, float(metrics.get("forward_backward_s", 0.0)), float(metrics.get("optimizer_s", 0.0)),
+                        None if prev_t is None else now - prev_t)
+        out = self.totals.shares()
+        if interval.step_time_s > 0:
+            out["data_wait_frac"] = interval.data_wait_s / interval.step_time_s
+        verdict = self.inputs.update(step, interval)
+        if verdict is not None:
+            d = self.spec.data
+            self.events.say(input_bound_line(verdict.share, verdict.first_step, verdict.last_step,
+                                             input_bound_advice(bool(d.dataset), d.streaming), d.input_bound_share),
+                            step)
+            self.input_bound = 1.0
+            out["input_bound_share"] = verdict.share
+        return out | {"input_bound": self.input_bound}
 
     def _placement(self) -> dict[str, float]:
         places = self.places or []
