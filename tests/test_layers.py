@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("tidal.launch", "tidal.exporter"),
     ("tidal.worker", "tidal.eval_best"),
     ("tidal.tracking",),
-    ("tidal.storage", "tidal.cluster", "tidal.admission"),
+    ("tidal.storage", "tidal.lease", "tidal.cluster", "tidal.admission"),
     ("tidal.fs", "tidal.errors", "tidal.output", "tidal.version", "tidal.ray_private", "tidal.redact"),
 ]
 SPEC = "tidal.spec"

@@ -10,8 +10,9 @@ layer and any below it:
     tidal.launch, tidal.exporter          the driver: submit, run, sweep, export
     tidal.worker, tidal.eval_best         what runs in Ray Train's workers
     tidal.tracking                        the job's event log, ledger and MLflow writer
-    tidal.storage, tidal.cluster,         checkpoints in storage; clusters, sites and bursts;
-      tidal.admission                     the team queue (quotas, decisions, its actor and seats)
+    tidal.storage, tidal.lease,           checkpoints in storage and the job's one live attempt;
+      tidal.cluster, tidal.admission      clusters, sites and bursts; the team queue (quotas,
+                                          decisions, its actor and seats)
     tidal.fs, tidal.errors, tidal.output, tidal.version, tidal.ray_private, tidal.redact
     tidal.spec (beside all)               the job spec: imported by every layer, imports only the lowest
 
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from tidal.errors import CheckpointError, ClusterError, SpecError, TidalError
+from tidal.errors import CheckpointError, ClusterError, JobAlreadyRunning, SpecError, TidalError
 from tidal.spec.job import JobSpec
 from tidal.version import __version__ as __version__
 
@@ -39,14 +40,16 @@ if TYPE_CHECKING:
     from tidal.launch.sweep import SweepResult
 
 
-def run(spec: JobSpec, restart: bool = False) -> RunResult:
+def run(spec: JobSpec, restart: bool = False, wait: bool = False) -> RunResult:
     """Run `spec` to the end on the Ray cluster in RAY_ADDRESS, or on a local Ray instance.
 
-    Resumes from the job's latest complete checkpoint unless `restart` is true.
+    Resumes from the job's latest complete checkpoint unless `restart` is true. A job runs
+    one driver at a time: while another runs it, this raises `JobAlreadyRunning` naming that
+    driver, or with `wait` waits for it to end first.
     """
     from tidal.launch.trainer import run as _run
 
-    return _run(spec, restart=restart)
+    return _run(spec, restart=restart, wait=wait)
 
 
 def submit(spec: JobSpec, address: str | None = None, working_dir: str = ".") -> Job:
@@ -115,5 +118,5 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(name)
 
 
-__all__ = ["CheckpointError", "ClusterError", "Exported", "Job", "JobSpec", "RunResult", "SpecError", "SweepResult",
-           "TidalError", "export", "load_exported", "run", "submit", "sweep"]
+__all__ = ["CheckpointError", "ClusterError", "Exported", "Job", "JobAlreadyRunning", "JobSpec", "RunResult",
+           "SpecError", "SweepResult", "TidalError", "export", "load_exported", "run", "submit", "sweep"]

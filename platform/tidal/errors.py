@@ -35,3 +35,7 @@ class CheckpointError(TidalError):
 
 class ClusterError(TidalError):
     """The Ray cluster cannot be reached or refused the request."""
+
+
+class JobAlreadyRunning(TidalError):
+    """A second start of a job whose driver is alive (tidal/lease.py): nothing was started or written."""

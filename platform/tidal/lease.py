@@ -37,17 +37,13 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from tidal import fs
-from tidal.errors import TidalError
+from tidal.errors import JobAlreadyRunning
 
 log = logging.getLogger("tidal")
 
 TTL_ENV = "TIDAL_LEASE_TTL_S"
 DEFAULT_TTL_S = 30.0
 KEEP_GENERATIONS = 3  # older generation files are deleted by the holder (the newest is what counts)
-
-
-class JobAlreadyRunning(TidalError):
-    """A second start of a job whose driver is alive."""
 
 
 @dataclass(frozen=True)
@@ -173,6 +169,12 @@ class Lease:
             except OSError as e:  # the next start waits out the ttl instead
                 log.warning("[tidal] could not release job %r's lease (%s)", self.name, e)
 
+    def why_lost(self) -> str:
+        by = self.taken_by.describe(time.time()) if self.taken_by else "another start"
+        return (f"job {self.name!r} was started again while this driver could not renew its lease (stopped, "
+                f"or cut off from storage for over {self.ttl_s:.0f}s): {by} owns it now. This driver's workers "
+                "stopped without writing; the newer start goes on from the latest checkpoint.")
+
     def check(self) -> LeaseCheck:
         return LeaseCheck(self.storage, self.name, self.generation)
 
@@ -233,6 +235,18 @@ class LeaseCheck:
         return (f"job {self.name!r} was started again while this attempt's driver did not renew its lease "
                 f"(generation {self.generation}; now {newer.generation if newer else '?'}: {by}); "
                 "this attempt stops without writing, and the newer one goes on from the latest checkpoint")
+
+
+def driver_command() -> str:
+    """How this driver was started, for a refusal that names it (`tidal run jobs/x.yaml`, a
+    notebook's kernel...); credentials on the command line are masked."""
+    import sys
+
+    from tidal.redact import redact_text
+
+    argv = [os.path.basename(sys.argv[0] or "python"), *sys.argv[1:]] if sys.argv else ["python"]
+    text = " ".join(argv)
+    return redact_text(text if len(text) <= 80 else text[:77] + "...")
 
 
 def refusal(name: str, holder: Holder, now: float) -> str:

@@ -17,7 +17,7 @@ import traceback
 from collections.abc import Iterable
 from typing import Any
 
-from tidal.errors import SpecError, TidalError, UsageError
+from tidal.errors import JobAlreadyRunning, SpecError, TidalError, UsageError
 from tidal.redact import redact_data, redact_text
 
 EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
@@ -47,7 +47,7 @@ def finite(data: Any) -> Any:
 
 def exit_code(e: TidalError) -> int:
     """2 when nothing could start as asked (scripts should not retry), 1 when it ran and failed."""
-    return EXIT_USAGE if isinstance(e, (SpecError, UsageError)) else EXIT_FAILED
+    return EXIT_USAGE if isinstance(e, (SpecError, UsageError, JobAlreadyRunning)) else EXIT_FAILED
 
 
 def print_error(e: BaseException) -> None:

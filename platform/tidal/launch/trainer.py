@@ -18,6 +18,7 @@ from tidal.launch.connect import connect_ray
 from tidal.launch.console_pump import ConsolePump
 from tidal.launch.recovery import recovery_settings
 from tidal.launch.result import RunResult
+from tidal.lease import Lease, driver_command
 from tidal.output import print_record
 from tidal.ray_private import cancel_reservation, train_requester
 from tidal.redact import redact_uri
@@ -38,14 +39,31 @@ RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by Ray's job supervisor for a
 
 
 def run(spec: JobSpec, restart: bool = False, mlflow_tags: dict[str, str] | None = None,
-        callbacks: list[Any] | None = None) -> RunResult:
+        callbacks: list[Any] | None = None, wait: bool = False) -> RunResult:
     """Train `spec` to its last step, resuming from its latest complete checkpoint.
 
     `mlflow_tags` are added to the job's MLflow run (e.g. `mlflow.parentRunId` for a sweep
     trial); `callbacks` are extra Ray Train `UserCallback`s (e.g. Tune's report callback).
+    A job has one live driver (tidal/lease.py): a second start of a running job is refused
+    (JobAlreadyRunning, naming the live one), or with `wait` starts once that one has ended.
     """
     t0 = time.time()
     spec = spec.resolved()
+    # Before anything reads or writes the job's folder, MLflow run or seat in the queue.
+    lease = Lease(spec.checkpoint.storage, spec.name, face=driver_command())
+    lease.acquire(wait=wait)
+    lease.keep()
+    try:
+        result = _run_holding(spec, restart, mlflow_tags, callbacks, lease, t0)
+    finally:
+        lease.release()
+    if lease.lost.is_set():
+        raise TidalError(lease.why_lost())
+    return result
+
+
+def _run_holding(spec: JobSpec, restart: bool, mlflow_tags: dict[str, str] | None,
+                 callbacks: list[Any] | None, lease: Lease, t0: float) -> RunResult:
     run_dir = RunDir(spec.checkpoint.storage, spec.name)
     if restart and (aside := run_dir.set_aside()):
         print(f"[tidal] --restart: the previous run's folder is kept as {aside}", flush=True)
@@ -55,7 +73,7 @@ def run(spec: JobSpec, restart: bool = False, mlflow_tags: dict[str, str] | None
     if job.get("fingerprint") != spec.fingerprint_hash():
         job = {}  # a different job under the same name and no checkpoint: a new MLflow run
     if found and _already_complete(spec, found.state):
-        return _complete(spec, found, job, run_dir, t0)
+        return _complete(spec, found, job, run_dir, t0, lease)
     if found:
         print(f"[tidal] resuming job {spec.name!r} from {found.name} (step {found.step}/{spec.train.steps}); "
               "use --restart to start over", flush=True)
@@ -63,16 +81,16 @@ def run(spec: JobSpec, restart: bool = False, mlflow_tags: dict[str, str] | None
     connect_ray()
     with admission.seat(spec) as seat:  # QUEUED here while the cluster's admission says wait
         tags = {**_ray_tags(spec, run_dir), **(seat.tags() if seat else {}), **(mlflow_tags or {})}
-        return _train(spec, run_dir, job, tags, callbacks or [], seat, t0)
+        return _train(spec, run_dir, job, tags, callbacks or [], seat, t0, lease)
 
 
 def _train(spec: JobSpec, run_dir: RunDir, job: dict[str, Any], tags: dict[str, str], callbacks: list[Any],
-           seat: admission.Seat | None, t0: float) -> RunResult:
+           seat: admission.Seat | None, t0: float, lease: Lease) -> RunResult:
     import ray
 
     from tidal.tracking.actor import start_tracker
 
-    trainer = _trainer(spec, callbacks, seat)
+    trainer = _trainer(spec, callbacks, seat, lease)
     release_reservation(job.get("ray_requester"))
     # The job file names the run the tracker reopens (a new job under this name: none, a new run)
     # and this launch's Ray Train requester (the next launch releases it); whoever reads the
@@ -82,7 +100,8 @@ def _train(spec: JobSpec, run_dir: RunDir, job: dict[str, Any], tags: dict[str, 
                                   "tracking_uri": redact_uri(spec.tracking.uri), "tidal_version": __version__,
                                   "ray_requester": train_requester(trainer)})
     # The tracker opens the MLflow run while Ray starts the controller and the workers.
-    tracker, _ = start_tracker(spec, tags, job_record(spec, None), lambda run_id: _announce(spec, run_id))
+    tracker, _ = start_tracker(spec, tags, job_record(spec, None), lambda run_id: _announce(spec, run_id),
+                               lease.config())
     pump = ConsolePump(tracker).start()
     # leftovers of an earlier launch that Ray never registered (the best one stays, under keep_best)
     run_dir.prune(spec.checkpoint.keep, spare=eval_best.spared(spec, run_dir))
@@ -90,9 +109,10 @@ def _train(spec: JobSpec, run_dir: RunDir, job: dict[str, Any], tags: dict[str, 
     try:
         # site "any": on-prem first, cloud nodes after burst_after_s; Tidal's recovery defaults for Ray
         with burst.burst_capacity(spec), recovery_settings(spec):
-            _fit(spec, trainer, callbacks, seat, run_dir)
-        ok = True
-        _say_if_stopped_early(spec, run_dir)
+            _fit(spec, trainer, callbacks, seat, run_dir, lease)
+        ok = not lease.lost.is_set()
+        if ok:
+            _say_if_stopped_early(spec, run_dir)
     except ray.train.TrainingFailedError as e:
         # A controller error ends the run at once, with no worker restarts spent.
         how = ("in Ray Train's controller" if isinstance(e, ray.train.ControllerError)
@@ -100,7 +120,7 @@ def _train(spec: JobSpec, run_dir: RunDir, job: dict[str, Any], tags: dict[str, 
         raise TidalError(f"job {spec.name!r} failed {how}: {_root_cause(e)}\n"
                          f"Its checkpoints are in {run_dir.path}; run the same command again to resume.") from e
     finally:
-        run_id, latest, left = _close_tracker(spec, tracker, ok, t0, pump)
+        run_id, latest, left = _close_tracker(spec, tracker, ok, t0, pump, lease)
         if left:
             print(f"[tidal] WARNING: {left} metric point(s) could not reach MLflow; they stay in "
                   f"{run_dir.path}/{BUFFER_DIR} and are sent when this job runs again", flush=True)
@@ -109,12 +129,14 @@ def _train(spec: JobSpec, run_dir: RunDir, job: dict[str, Any], tags: dict[str, 
 
 
 def _fit(spec: JobSpec, trainer: TorchTrainer, callbacks: list[Any], seat: admission.Seat | None,
-         run_dir: RunDir) -> None:
+         run_dir: RunDir, lease: Lease) -> None:
     """Train to the end. Under the cluster's admission a group ends early at a checkpoint when
     admission resizes the job (admission/directive.py): restart it at the size admission now gives
     (waiting while the job is SUSPENDED), from that checkpoint, until the job is complete."""
     while True:
         trainer.fit()
+        if lease.lost.is_set():
+            return  # a newer start owns the job: its workers stopped themselves (worker/loop.py)
         found = find_resume_point(spec) if seat is not None else None
         if found is None or _already_complete(spec, found.state):
             return
@@ -122,7 +144,7 @@ def _fit(spec: JobSpec, trainer: TorchTrainer, callbacks: list[Any], seat: admis
         seat.wait()
         print(f"[tidal] job {spec.name!r}: restarting at step {found.step} with up to {seat.workers} worker(s) "
               f"(was {before}), as the cluster's admission decided", flush=True)
-        trainer = _trainer(spec, callbacks, seat)
+        trainer = _trainer(spec, callbacks, seat, lease)
         job = run_dir.read_json(JOB_FILE) or {}
         run_dir.write_json(JOB_FILE, {**job, "ray_requester": train_requester(trainer)})
 
@@ -158,7 +180,8 @@ def _say_if_stopped_early(spec: JobSpec, run_dir: RunDir) -> None:
               f"{eval_best.stop_reason(spec, last.state)}", flush=True)
 
 
-def _complete(spec: JobSpec, found: Found, job: dict[str, Any], run_dir: RunDir, t0: float) -> RunResult:
+def _complete(spec: JobSpec, found: Found, job: dict[str, Any], run_dir: RunDir, t0: float,
+              lease: Lease) -> RunResult:
     """Running a finished job again: say so at once, without starting Ray or any worker, after
     sending whatever an earlier driver left in the metrics buffer."""
     t = spec.train
@@ -175,7 +198,7 @@ def _complete(spec: JobSpec, found: Found, job: dict[str, Any], run_dir: RunDir,
           "  start over:    --restart (the old run's folder is kept aside)", flush=True)
     run_id, uri = job.get("mlflow_run_id") or None, job.get("tracking_uri") or spec.tracking.uri
     if MetricsBuffer(run_dir.fs, run_dir.path).load():
-        run_id, _, left = _finish_here(spec, True, t0)
+        run_id, _, left = _finish_here(spec, True, t0, lease)
         if left:
             print(f"[tidal] WARNING: {left} metric point(s) still wait for MLflow in {run_dir.path}/{BUFFER_DIR}",
                   flush=True)
@@ -209,11 +232,17 @@ def _check_vocab(spec: JobSpec) -> None:
                           f"({spec.data.tokenizer}); set model.vocab_size: {size} or more")])
 
 
-def _close_tracker(spec: JobSpec, tracker: Any, ok: bool, t0: float,
-                   pump: ConsolePump) -> tuple[str | None, dict[str, float], int]:
+def _close_tracker(spec: JobSpec, tracker: Any, ok: bool, t0: float, pump: ConsolePump,
+                   lease: Lease) -> tuple[str | None, dict[str, float], int]:
     """Stop the tracker, first giving an unreachable MLflow up to `tracking.flush_timeout_s` to
-    come back; it ends the run. If the actor cannot be reached, one in this process does."""
+    come back; it ends the run. If the actor cannot be reached, one in this process does.
+    A driver whose job was taken over by a newer start ends nothing: the run is the newer one's."""
     import ray
+
+    if lease.lost.is_set():
+        pump.stop()
+        ray.kill(tracker)
+        return None, {}, 0
 
     timeout_s = spec.tracking.flush_timeout_s
     try:
@@ -230,15 +259,16 @@ def _close_tracker(spec: JobSpec, tracker: Any, ok: bool, t0: float,
         closed = None
     pump.stop()  # before the kill: the lines the tracker printed while closing the run
     ray.kill(tracker)
-    return closed if closed is not None else _finish_here(spec, ok, t0)
+    return closed if closed is not None else _finish_here(spec, ok, t0, lease)
 
 
-def _finish_here(spec: JobSpec, ok: bool, t0: float) -> tuple[str | None, dict[str, float], int]:
+def _finish_here(spec: JobSpec, ok: bool, t0: float, lease: Lease) -> tuple[str | None, dict[str, float], int]:
     """The tracker, in this process: sends what the event log still holds and ends the run."""
     from tidal.tracking.tracker import Tracker
 
     rec = job_record(spec, None)
-    return Tracker(spec, record=rec, system_metrics=False, background=False).close(ok, time.time() - t0)
+    return Tracker(spec, record=rec, system_metrics=False, background=False,
+                   lease=lease.config()).close(ok, time.time() - t0)
 
 
 def _announce(spec: JobSpec, run_id: str | None) -> None:
@@ -247,7 +277,8 @@ def _announce(spec: JobSpec, run_id: str | None) -> None:
     print(f"[tidal] job {spec.name!r}: {_describe_scaling(spec)}; MLflow run {run_id}", flush=True)
 
 
-def _trainer(spec: JobSpec, callbacks: list[Any], seat: admission.Seat | None = None) -> TorchTrainer:
+def _trainer(spec: JobSpec, callbacks: list[Any], seat: admission.Seat | None = None,
+             lease: Lease | None = None) -> TorchTrainer:
     from ray.train import (
         FailureConfig,
         LoggingConfig,
@@ -289,7 +320,8 @@ def _trainer(spec: JobSpec, callbacks: list[Any], seat: admission.Seat | None = 
         # Ray Train's state API records this config: the spec's `env` holds references only, and the
         # workers read the values (tidal.spec.secrets).
         train_loop_config={"spec": spec.model_dump(mode="json"), **streaming,
-                           **({"admission": seat.config()} if seat is not None else {})},
+                           **({"admission": seat.config()} if seat is not None else {}),
+                           **({"lease": lease.config()} if lease is not None else {})},
         scaling_config=scaling,
         run_config=run_config,
         torch_config=TorchConfig(backend=dist_backend(s.gpus_per_worker)),

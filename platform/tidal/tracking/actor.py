@@ -20,12 +20,13 @@ class TrackerActor:
     """tracking.tracker.Tracker, built in the actor's own process (Ray needs a class it can name
     without importing MLflow in the driver)."""
 
-    def __init__(self, spec: JobSpec, tags: dict[str, str], record: dict[str, Any] | None) -> None:
+    def __init__(self, spec: JobSpec, tags: dict[str, str], record: dict[str, Any] | None,
+                 lease: dict[str, Any] | None = None) -> None:
         from tidal.tracking.console import hold_tidal_lines
         from tidal.tracking.tracker import Tracker
 
         self.lines = hold_tidal_lines()  # the driver prints them, without Ray's actor prefix
-        self.tracker = Tracker(spec, tags, record=record)
+        self.tracker = Tracker(spec, tags, record=record, lease=lease)
 
     def take_lines(self) -> list[str]:
         """The `[tidal]` lines printed here since the last call (tidal.launch.console_pump)."""
@@ -42,9 +43,12 @@ class TrackerActor:
 
 
 def start_tracker(spec: JobSpec, tags: dict[str, str], record: dict[str, Any] | None,
-                  on_run_id: Callable[[str | None], None]) -> tuple[Any, ray.ObjectRef]:
+                  on_run_id: Callable[[str | None], None],
+                  lease: dict[str, Any] | None = None) -> tuple[Any, ray.ObjectRef]:
     """(the actor, a reference to its MLflow run id); `on_run_id` is called with the id once the
     tracker has opened the run (None: MLflow was unreachable; the tracker creates it later).
+    `lease`: the driver's generation (tidal/lease.py); the tracker writes nothing once a newer
+    start owns the job.
 
     Pinned to this (the driver's) node, where a SQLite store lives. Ray restarts it whenever it
     dies and retries the driver's calls to it: it recovers from the job's event log.
@@ -53,7 +57,7 @@ def start_tracker(spec: JobSpec, tags: dict[str, str], record: dict[str, Any] | 
 
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     actor = ray.remote(num_cpus=0, scheduling_strategy=here, max_restarts=-1,
-                       max_task_retries=-1)(TrackerActor).remote(spec, tags, record)
+                       max_task_retries=-1)(TrackerActor).remote(spec, tags, record, lease)
     run_id = actor.run_id.remote()
     run_id.future().add_done_callback(lambda f: on_run_id(None if f.exception() else f.result()))
     return actor, run_id

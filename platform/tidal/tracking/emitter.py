@@ -18,6 +18,7 @@ import threading
 import time
 from typing import Any
 
+from tidal.lease import LeaseCheck
 from tidal.redact import redact_text
 from tidal.storage import RunDir
 from tidal.tracking.buffer import MetricsBuffer
@@ -37,9 +38,12 @@ def metric_values(m: dict[str, Any]) -> dict[str, float]:
 class Emitter:
     """Writes events to `<storage>/<name>/tidal-mlflow-buffer/` in order, off the caller's thread."""
 
-    def __init__(self, storage: str, name: str, retry_s: float = 1.0) -> None:
+    def __init__(self, storage: str, name: str, retry_s: float = 1.0, fence: LeaseCheck | None = None) -> None:
         run = RunDir(storage, name)
         self.buffer, self.retry_s = MetricsBuffer(run.fs, run.path), retry_s
+        # The job's log is its lease holder's: once a newer start holds it, this attempt's events
+        # are dropped (that start trains these steps again from its resume point, and logs them once).
+        self.fence = fence
         self.queue: queue.Queue[dict[str, Any]] = queue.Queue()
         self.done = threading.Condition()
         self.emitted = self.written = 0  # events so far, and how many of the first are durable (in order)
@@ -95,7 +99,7 @@ class Emitter:
         while True:
             event = self.queue.get()
             warned = False
-            while True:
+            while self.fence is None or self.fence.current():
                 try:
                     self.buffer.append(event)
                     break

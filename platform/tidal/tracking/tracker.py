@@ -18,6 +18,7 @@ import logging
 import threading
 from typing import Any
 
+from tidal.lease import LeaseCheck
 from tidal.redact import redact_text, redact_uri
 from tidal.spec.job import JobSpec
 from tidal.storage import JOB_FILE, RunDir
@@ -33,9 +34,12 @@ log = logging.getLogger("tidal")
 class Tracker:
     def __init__(self, spec: JobSpec, tags: dict[str, str] | None = None, retry_s: float = 5.0,
                  record: dict[str, Any] | None = None, system_metrics: bool = True,
-                 poll_s: float = 0.5, background: bool = True) -> None:
+                 poll_s: float = 0.5, background: bool = True, lease: dict[str, Any] | None = None) -> None:
         quiet_libraries()  # this may be its own process (a Ray actor)
         self.spec = spec
+        # Two trackers of one job would send one event log into one run twice: the one whose
+        # driver lost the job's lease to a newer start stops sending (tidal/lease.py).
+        self.fence = LeaseCheck.from_config(spec.checkpoint.storage, spec.name, lease)
         run_dir = RunDir(spec.checkpoint.storage, spec.name)
         self.writer = RunWriter(spec, tags, record)
         run_id = self._start((run_dir.read_json(JOB_FILE) or {}).get("mlflow_run_id"))
@@ -44,6 +48,7 @@ class Tracker:
         if system_metrics:
             self.writer.start_system_metrics(run_id)
         self.stopped = threading.Event()
+        self.stopped_writing = False
         self.thread = threading.Thread(target=self._loop, args=(poll_s,), daemon=True, name="tidal-tracker")
         if background:
             self.thread.start()
@@ -65,6 +70,8 @@ class Tracker:
     def flush(self, force: bool = False) -> int:
         """Take in the event log and send what is pending; returns the entries left unsent, those
         still in the log included (the driver waits for them before it ends the run)."""
+        if not self.current():
+            return 0
         self.ledger.poll(force)
         return self.ledger.flush(force) + self.ledger.untaken
 
@@ -77,10 +84,20 @@ class Tracker:
         self.writer.stop_system_metrics()  # its last samples go with the final flush
         left = self.flush(force=True)
         run_id, latest = self.ledger.run_id, dict(self.ledger.latest)
-        if run_id:
+        if run_id and self.current():
             summary = {"job": self.spec.name, "status": "FINISHED" if ok else "FAILED", "wall_s": wall_s, **latest}
             self.writer.finish(run_id, ok, summary)
         return run_id, latest, left
+
+    def current(self) -> bool:
+        """Whether this tracker's driver still owns the job; says once when it stopped owning it."""
+        if self.fence is None or self.fence.current():
+            return True
+        if not self.stopped_writing:
+            self.stopped_writing = True
+            self.writer.stop_system_metrics()
+            print(f"[tidal] tracking stops: {self.fence.why()}", flush=True)
+        return False
 
     def _loop(self, poll_s: float) -> None:
         # A fixed cadence, even while the log is quiet. Backing off (tried: 0.5 s doubling to 4 s, to

@@ -21,13 +21,14 @@ import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import ray.train
 import torch
 import torch.distributed as dist
 
 from tidal import fs
+from tidal.lease import LeaseCheck
 from tidal.storage import (
     STATE_FILE,
     checkpoint_dir_name,
@@ -37,7 +38,6 @@ from tidal.worker.engine import is_pipeline
 from tidal.worker.snapshot import SnapshotEngine, StorageWriter, snapshot_mode
 
 log = logging.getLogger("tidal")
-T = TypeVar("T")
 
 
 @dataclass
@@ -117,7 +117,8 @@ def save(engine: Any, state: TrainState, written_by: Provenance, metrics: dict[s
     small = sum(p.stat().st_size for p in local.rglob("*") if p.is_file())
     state_bytes = _tensor_bytes(snap.taken) + small
     upload = writer.upload_fn(rank, state.step, snap.taken, zipfile_format, storage.storage_filesystem,
-                              storage.experiment_fs_path, ray.train.Checkpoint, mode, attempt, before_commit)
+                              storage.experiment_fs_path, ray.train.Checkpoint, mode, attempt, before_commit,
+                              may_write=_may_write)
     try:
         ray.train.report(
             {**metrics, "step": state.step},
@@ -160,6 +161,18 @@ def gate_waited() -> float:
 
 _WRITER: StorageWriter | None = None
 _ATTEMPT: str | None = None
+_FENCE: LeaseCheck | None = None
+
+
+def fence_writes(lease: LeaseCheck | None) -> None:
+    """Check `lease` before this worker clears or commits anything (tidal/lease.py): a save of an
+    attempt whose driver lost the job to a newer start writes no manifest, and clears nothing."""
+    global _FENCE
+    _FENCE = lease
+
+
+def _may_write() -> bool:
+    return _FENCE is None or _FENCE.current(fresh=True)
 
 
 def _attempt(storage: Any, run_path: str, step: int) -> str:
@@ -174,7 +187,8 @@ def _attempt(storage: Any, run_path: str, step: int) -> str:
     if _ATTEMPT is None:
         box: list[str | None] = [None]
         if dist.get_rank() == 0:
-            clear_stale(storage, run_path, step)
+            if _may_write():  # a superseded attempt must not clear the newer one's in-flight saves
+                clear_stale(storage, run_path, step)
             box = [uuid.uuid4().hex[:12]]
         dist.broadcast_object_list(box, src=0)
         _ATTEMPT = box[0]

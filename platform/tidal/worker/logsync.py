@@ -33,6 +33,7 @@ class Agreed:
     check_preemption: bool  # the same on every rank: call ray.train.get_preemption_info() now
     blocked_max_s: float = 0.0  # the most seconds any rank was blocked by checkpoints since the last log step
     target: float = -1.0  # admission's size for this job, as rank 0 last heard it (admission/directive.py); -1: none
+    superseded: bool = False  # rank 0 found a newer start of the job holding its lease (tidal/lease.py): stop now
 
 
 class LogSync:
@@ -42,13 +43,13 @@ class LogSync:
         self.last_check = -math.inf
 
     def exchange(self, loss_sum: float, loss_n: int, busy_s: float | None, may_check: bool,
-                 blocked_s: float = 0.0, target: float = -1.0) -> Agreed:
+                 blocked_s: float = 0.0, target: float = -1.0, superseded: bool = False) -> Agreed:
         """A collective: every rank calls it at the same steps with the same `may_check`.
         `blocked_s`: this rank's seconds blocked by checkpoints since its previous call; `target`:
-        admission's size for the job (rank 0's counts)."""
+        admission's size for the job, `superseded`: whether a newer start owns the job (rank 0's count)."""
         due = may_check and self.clock() - self.last_check >= self.check_every_s
         mine = torch.tensor([loss_sum, loss_n, NO_SAMPLE if busy_s is None else busy_s, float(due), blocked_s,
-                             target], dtype=torch.float64)
+                             target, float(superseded)], dtype=torch.float64)
         rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(rows, mine)  # CPU tensors: gloo, also beside NCCL ("cpu:gloo,cuda:nccl")
         return self.agree(torch.stack(rows).tolist())
@@ -62,4 +63,4 @@ class LogSync:
         return Agreed(loss=sum(r[0] for r in table) / max(sum(r[1] for r in table), 1.0),
                       busy_s=None if busy[0] == NO_SAMPLE else busy, check_preemption=check,
                       blocked_max_s=max(row[4] for row in table),
-                      target=table[0][5])
+                      target=table[0][5], superseded=len(table[0]) > 6 and table[0][6] > 0)

@@ -28,6 +28,8 @@ from tidal.worker.session import Session, open_session
 
 
 def train_loop(config: dict[str, Any]) -> None:
+    if not still_owner(config):
+        return  # a newer start owns the job: this group ends before it touches anything
     s = open_session(config)
     spec, state = s.spec, s.state
     for step in s.steps():
@@ -43,13 +45,17 @@ def train_loop(config: dict[str, Any]) -> None:
         if due is None:
             continue
         times = s.clock.take()
-        agreed = _agree(s, times, due.may_check_preemption)  # the log step's one collective
+        agreed = _agree(s, times, due.may_check_preemption, due.checkpoint)  # the log step's one collective
         warning = ray.train.get_preemption_info() if agreed.check_preemption else None
         if warning is not None:
             s.preemption_rearm_at = rearm_after_warning(warning.deadline_ms)
         resize = resize_to(agreed.target, s.launched_max)
         step_plan = plan.plan_step(due, s.cadence, warning is not None, spec.checkpoint.async_upload,
-                                   resize is not None)
+                                   resize is not None, agreed.superseded)
+        if step_plan.end == "superseded":
+            if s.rank == 0:
+                print(f"[tidal] {s.lease.why()}", flush=True)  # not an event: the job's log is the newer start's
+            break
         if step_plan.end == "resize" and s.rank == 0:
             s.events.say(f"admission resizes this job to {resize} worker(s): checkpoint at step {step}, "
                          "then the group restarts at that size", step)
@@ -60,16 +66,33 @@ def train_loop(config: dict[str, Any]) -> None:
     s.events.drain()  # the last checkpoint's event and notes reach storage before this process ends
 
 
-def _agree(s: Session, times: dict[str, float], may_check: bool) -> Agreed:
+def still_owner(config: dict[str, Any]) -> bool:
+    """False when a newer start of this job holds its lease: a group Ray starts (or restarts) for a
+    superseded driver must not open a session, whose first acts (aborting uploads, clearing
+    stale checkpoint folders) would undo the newer attempt's work."""
+    from tidal.lease import LeaseCheck
+
+    spec = config["spec"]
+    check = LeaseCheck.from_config(spec["checkpoint"]["storage"], spec["name"], config.get("lease"))
+    if check is None or check.current(fresh=True):
+        return True
+    if ray.train.get_context().get_world_rank() == 0:
+        print(f"[tidal] {check.why()}", flush=True)
+    return False
+
+
+def _agree(s: Session, times: dict[str, float], may_check: bool, due_checkpoint: bool = False) -> Agreed:
     """One collective: the loss over ranks, their busy times, the seconds checkpoints blocked
-    each since the last log step, and whether to ask Ray now if a node of this group is being
-    drained or reclaimed (its check is a barrier of its own)."""
+    each since the last log step, whether to ask Ray now if a node of this group is being
+    drained or reclaimed (its check is a barrier of its own), and whether a newer start of the
+    job took its lease (rank 0 looks at most once a second, and afresh before a checkpoint)."""
     # Checkpoint writes that optimizer steps waited for (checkpoint.before_update) count as
     # blocked too; read once here, so this rank's figure and rank 0's metric agree.
     s.gate_s = checkpoint.gate_waited()
     agreed = s.sync.exchange(s.loss_sum.item(), s.loss_n, times.get("busy_s"),
                              may_check and time.time() >= s.preemption_rearm_at, s.blocked_s + s.gate_s,
-                             s.directive.target if s.directive is not None else NONE)
+                             s.directive.target if s.directive is not None else NONE,
+                             s.rank == 0 and s.lease is not None and not s.lease.current(fresh=due_checkpoint))
     s.loss_sum.zero_()
     s.loss_n, s.blocked_s = 0, 0.0
     return agreed

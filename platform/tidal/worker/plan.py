@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
-End = Literal["data", "early_stop", "resize"]
+End = Literal["data", "early_stop", "resize", "superseded"]
 
 
 @dataclass(frozen=True)
@@ -75,11 +75,17 @@ def due(step: int, cadence: Cadence, data_ended: bool) -> Due | None:
     return d if d.log or d.checkpoint or _eval_due(step, cadence, d.checkpoint) else None
 
 
-def plan_step(d: Due, cadence: Cadence, preempted: bool, async_upload: bool, resize: bool = False) -> StepPlan:
+def plan_step(d: Due, cadence: Cadence, preempted: bool, async_upload: bool, resize: bool = False,
+              superseded: bool = False) -> StepPlan:
     """After the collective: a preemption warning forces a synchronous checkpoint (its deadline
     cannot wait for a background write) and then the drain. A resize by admission forces one
     too (the group ends at this step: the restart resumes from it, so no step is lost) and ends
-    the group, unless the job ends here anyway."""
+    the group, unless the job ends here anyway. A newer start of the job holding its lease
+    (tidal/lease.py) ends this group at once with nothing written: no metrics, no checkpoint
+    (the newer attempt trains these steps from its own resume point, once)."""
+    if superseded:
+        return StepPlan(d.step, log=False, evaluate=False, checkpoint=False, background=False, emergency=False,
+                        drain=False, end="superseded")
     resize = resize and not d.final
     checkpoint = d.checkpoint or preempted or resize
     end: End | None = "data" if d.data_ended and d.step < cadence.last else ("resize" if resize else None)

@@ -21,6 +21,7 @@ import torch
 from tidal import fs
 from tidal.admission.directive import Directive
 from tidal.eval_best import stopped_early
+from tidal.lease import LeaseCheck
 from tidal.spec import secrets
 from tidal.spec.compile import compile_note, warmup_steps
 from tidal.spec.job import JobSpec
@@ -66,6 +67,7 @@ class Session:
     backlog_said: bool = False  # the Ray backlog note is said once per worker group
     directive: Directive | None = None  # rank 0's poll of the cluster's admission, under admission
     launched_max: int | None = None  # the size admission launched this group for (None: no admission)
+    lease: LeaseCheck | None = None  # whether this attempt's driver still owns the job (tidal/lease.py)
 
     @property
     def samples_seen(self) -> int:
@@ -91,7 +93,11 @@ def open_session(config: dict[str, Any]) -> Session:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     # Tracking goes to the job's durable event log, written off this thread: no tracking
     # process can fail or slow a step (tracking/emitter.py).
-    events = Emitter(spec.checkpoint.storage, spec.name)
+    # Every write that could harm a newer start of the job checks that none took its lease:
+    # rank 0's event log, each rank's manifests, the first save's clearing (tidal/lease.py).
+    lease = LeaseCheck.from_config(spec.checkpoint.storage, spec.name, config.get("lease"))
+    events = Emitter(spec.checkpoint.storage, spec.name, fence=lease)
+    checkpoint.fence_writes(lease)
     device = torch_device()
     if rank == 0:
         abort_dead_uploads(spec, events)
@@ -123,7 +129,7 @@ def open_session(config: dict[str, Any]) -> Session:
         ResourceSampler(device) if rank == 0 else dict,  # rank 0's host only
         PhaseClock(device, warmup_steps=warmup_steps(spec.parallelism.compile)),
         directive=Directive(seat["job"], world) if seat and rank == 0 else None,
-        launched_max=seat.get("launched_max"),
+        launched_max=seat.get("launched_max"), lease=lease,
     )
 
 

@@ -34,6 +34,7 @@ loader and its universal-checkpoint converter (Tidal's resize path) do not read.
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import threading
 import time
@@ -52,7 +53,9 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
 from tidal import fs
 from tidal.errors import CheckpointError
 from tidal.worker.host_buffers import Buffers, rebuilt, tensors_in
-from tidal.worker.safe_load import safe_load
+from tidal.worker.safe_load import check_saveable, safe_load
+
+log = logging.getLogger("tidal")
 
 # Fault-injection for tests and benchmarks: seconds the background write pauses after a
 # rank's data files and before its manifest, as a slow store would, so a kill lands mid-write
@@ -100,6 +103,7 @@ class SnapshotEngine(CheckpointEngine):
 
     def save(self, state_dict: Any, path: str) -> None:
         rel = os.path.relpath(path, self.root)
+        check_saveable(rel, state_dict)  # a state no restore could load fails here, at the first save
         if self.mode == COPY:
             # DeepSpeed puts every file in a folder named for the step (global_step12/...): the
             # buffers go by the name inside it, so the next save reuses them instead of holding
@@ -206,11 +210,13 @@ class StorageWriter:
 
     def upload_fn(self, rank: int, step: int, taken: dict[str, Any], zipfile: bool, storage: pafs.FileSystem,
                   experiment: str, checkpoint_cls: Any, mode: str, attempt: str | None = None,
-                  before_manifest: Callable[[], None] | None = None) -> Callable[[Any, str], Any]:
+                  before_manifest: Callable[[], None] | None = None,
+                  may_write: Callable[[], bool] | None = None) -> Callable[[Any, str], Any]:
         """Ray Train's `checkpoint_upload_fn` for this save: (local checkpoint, folder name) -> the
         checkpoint in storage (a `checkpoint_cls`, i.e. `ray.train.Checkpoint`). `wait` blocks
         from now until it has run, and so, for a live save, does `before_update`.
-        `before_manifest` runs in the write, after the files and before the manifest."""
+        `before_manifest` runs in the write, after the files and before the manifest; `may_write`
+        (whether this attempt still owns the job) is asked before the first write and the manifest."""
         done, read = self.last, self.read = threading.Event(), threading.Event()
         self.live = mode == LIVE
         stale = False  # a live save that failed after training moved on: its state is gone
@@ -225,7 +231,7 @@ class StorageWriter:
             dest = f"{experiment}/{dir_name}"
             try:
                 write_checkpoint(Path(local.path), taken, storage, dest, rank, step, zipfile, on_read=read.set,
-                                 attempt=attempt, before_manifest=before_manifest)
+                                 attempt=attempt, before_manifest=before_manifest, may_write=may_write)
             except BaseException:
                 # Should this be called again with the same state, it must write this step's:
                 # later copies go into new buffers; live tensors not yet read are copied before
@@ -248,14 +254,24 @@ class StorageWriter:
 
 def write_checkpoint(local: Path, taken: dict[str, Any], storage: pafs.FileSystem, dest: str, rank: int,
                      step: int, zipfile: bool, on_read: Callable[[], None] | None = None,
-                     attempt: str | None = None, before_manifest: Callable[[], None] | None = None) -> dict[str, int]:
+                     attempt: str | None = None, before_manifest: Callable[[], None] | None = None,
+                     may_write: Callable[[], bool] | None = None) -> dict[str, int]:
     """Write `taken` (serialized) and the small files DeepSpeed and Tidal left under `local` into
     `dest`, then this rank's manifest, last, naming the `attempt` (worker-group start) that wrote
     it. `on_read` is called once every tensor of `taken` is serialized, before the fsyncs;
     `before_manifest` once every file is durable, before the manifest (rank 0 waits there for
-    the event log: see tidal.worker.loop `_save`). Returns the files written and their sizes."""
+    the event log: see tidal.worker.loop `_save`). Returns the files written and their sizes.
+
+    When `may_write()` says a newer start of the job took its lease (tidal/lease.py), nothing is
+    written (before the first file), or no manifest (after the files): such files count for
+    nothing, and a newer attempt's manifest of the same step is never deleted or replaced."""
     from tidal.storage import manifest_name
 
+    if may_write is not None and not may_write():
+        if on_read is not None:
+            on_read()
+        log.warning("[tidal] checkpoint of step %d not written: a newer start of the job holds its lease", step)
+        return {}
     manifest = f"{dest}/{manifest_name(rank)}"
     fs.delete_file(storage, manifest)  # a retry of this step after a crash: not complete until rewritten
     storage.create_dir(dest, recursive=True)
@@ -277,6 +293,9 @@ def write_checkpoint(local: Path, taken: dict[str, Any], storage: pafs.FileSyste
         time.sleep(delay)
     if before_manifest is not None:
         before_manifest()
+    if may_write is not None and not may_write():
+        log.warning("[tidal] checkpoint of step %d left incomplete: a newer start of the job holds its lease", step)
+        return files
     fs.write_json(storage, manifest, {"step": step, "attempt": attempt, "files": files})
     return files
 
