@@ -235,3 +235,57 @@ def test_a_teams_use_counts_gpu_hours_and_cost_from_the_node_price_labels():
     quotas = Quotas.model_validate({"teams": {"v": {"cloud": {"borrow": 8}, "cloud_budget": {"cost_per_day": 32}}}})
     (r,) = aggregate_bursts([BurstRequest("j", "v", 1, GPU)], {"v": use}, quotas).refused
     assert "32 per day" in r.reason and "32.00 spent today" in r.reason
+
+
+# --- every rule on every path (issue #52) --------------------------------------------------------
+
+def test_nothing_is_suspended_for_a_job_that_cannot_be_placed_anyway():
+    """Capacity 5; team a guaranteed 3, team b 4. a's low elastic job runs at 1 worker, b's
+    4-worker job runs; a's high 3-worker job arrives. Within a's quota it would take the low
+    job's worker, but even then only 1 slot is free and b's job holds its guarantee: the high job
+    waits and the low job trains on (it used to be suspended, and its slot idled)."""
+    quotas = teams(a=(3, 0), b=(4, 0))
+    low = running("a-low", 1, 1, 3, "low", team="a")
+    b = running("b-job", 4, 4, 4, "normal", team="b")
+    d = decide(5, [low, b], [queued("a-high", 3, 3, "high", team="a")], quotas, now=1000.0)
+    assert d.suspend == () and d.shrink == () and d.admit == ()
+    (w,) = d.waiting
+    assert w.job == "a-high" and w.why == "capacity"
+
+
+def test_a_large_job_that_has_waited_long_enough_holds_back_same_priority_backfill():
+    """Small jobs of the same priority may start past a large waiting one (backfill) until it
+    has waited `reserve_after_s`; from then on it holds a reservation, and they wait, naming it."""
+    quotas = Quotas(min_resize_interval_s=GAP, reserve_after_s=300)
+    busy = running("busy", 3, 3, 3, "normal")
+    waiting = [queued("big", 4, 4, "normal", at=0.0), queued("small", 1, 1, "normal", at=10.0)]
+    early = decide(4, [busy], waiting, quotas, now=100.0)
+    assert [a.job for a in early.admit] == ["small"]  # backfill while big has waited 100 s
+    late = decide(4, [busy], waiting, quotas, now=400.0)
+    assert late.admit == ()
+    assert [(w.job, w.why) for w in late.waiting] == [("big", "capacity"), ("small", "reservation")]
+    assert "'big'" in late.waiting[1].reason and "reserve_after_s" in late.waiting[1].reason
+    # nor does a running job of that priority grow into the slot the reservation waits for
+    elastic = running("elastic", 2, 1, 3, "normal")
+    assert decide(4, [elastic, running("one", 1, 1, 1, "normal")], waiting[:1], quotas, now=400.0).grow == ()
+
+
+def test_a_reservation_does_not_hold_back_another_teams_job_within_its_guarantee():
+    quotas = Quotas.model_validate({"min_resize_interval_s": GAP, "reserve_after_s": 300, "defaults": {"team": "a"},
+                                    "teams": {"a": {"onprem": {"guaranteed": 2, "borrow": 2}},
+                                              "b": {"onprem": {"guaranteed": 2, "borrow": 0}}}})
+    busy = running("a-busy", 3, 3, 3, "normal", team="a")
+    d = decide(4, [busy], [queued("a-big", 4, 4, "normal", team="a", at=0.0),
+                           queued("b-small", 1, 1, "normal", team="b", at=10.0)], quotas, now=1000.0)
+    assert [a.job for a in d.admit] == ["b-small"]
+
+
+def test_slots_are_what_ray_places_cpus_or_gpus_per_worker():
+    """Capacity counts on-prem CPUs (unit workers) or GPUs (unit gpus): a worker is as many slots
+    as it asks of Ray. Two 2-worker jobs at 4 CPUs a worker on 8 CPUs: one runs, one waits."""
+    assert Quotas(unit="workers").slots_per_worker(cpus=4, gpus=0) == 4
+    assert Quotas(unit="workers").slots_per_worker(cpus=0.5, gpus=0) == 1
+    assert Quotas(unit="gpus").slots_per_worker(cpus=8, gpus=2) == 2
+    jobs = [QueuedJob(j, "default", "normal", 2, 2, at, slots_per_worker=4) for j, at in (("a", 1.0), ("b", 2.0))]
+    d = decide(8, [], jobs, QUOTAS, now=10.0)
+    assert [a.job for a in d.admit] == ["a"] and d.waiting[0].job == "b"

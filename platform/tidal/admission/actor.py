@@ -163,7 +163,7 @@ class Admitter:
         request used to replace another's. Returns what the job got, or why it was refused."""
         with self.lock:
             self.bursts[job] = BurstRequest(job, team, bundles, bundle,
-                                            self.quotas.slots_per_worker(bundle.get("GPU", 0.0)))
+                                            self.quotas.slots_per_worker(bundle.get("CPU", 1.0), bundle.get("GPU", 0.0)))
             plan = self._request_cloud(time.time(), force=True)
         refused = next((r.reason for r in plan.refused if r.job == job), None)
         return {"granted": plan.granted.get(job, 0), "refused": refused, "requested": len(plan.bundles)}

@@ -90,7 +90,7 @@ def entry_for(spec: JobSpec, job: str, quotas: Quotas | None, now: float) -> Ent
     team, priority = resolve_scheduling(spec.scheduling.team, spec.scheduling.priority, quotas)
     s = spec.scaling
     return Entry(job, spec.name, team, priority, s.min_workers, s.max_workers, now,
-                 slots_per_worker=(quotas or Quotas()).slots_per_worker(s.gpus_per_worker))
+                 slots_per_worker=(quotas or Quotas()).slots_per_worker(s.cpus_per_worker, s.gpus_per_worker))
 
 
 def submitted(queue: Queue, entry: Entry) -> Queue:

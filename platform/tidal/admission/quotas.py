@@ -15,6 +15,7 @@ Shares are counted in one unit for the whole file, workers or GPUs, on-prem and 
 from __future__ import annotations
 
 import difflib
+import math
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -86,9 +87,12 @@ class Defaults(_Part):
 
 
 class Quotas(_Part):
-    unit: Literal["workers", "gpus"] = Field("workers", description="what shares and capacity count")
+    unit: Literal["workers", "gpus"] = Field("workers", description="what shares and capacity count: gpus, or "
+                                             "workers (each worker counts its CPUs, as Ray places it)")
     priorities: list[str] = Field(list(DEFAULT_PRIORITIES), min_length=1, description="lowest first")
     min_resize_interval_s: float = Field(300.0, ge=0, description="least time between two resizes of one job")
+    reserve_after_s: float = Field(600.0, ge=0, description="how long the job at the head of the queue lets jobs "
+                                   "of its own priority start past it (backfill) before it holds a reservation")
     capacity: int | None = Field(None, ge=1, description="on-prem slots in `unit`; default: counted from the live "
                                  "on-prem nodes (their GPUs, or their CPUs for unit workers)")
     defaults: Defaults = Field(default_factory=Defaults)
@@ -120,9 +124,10 @@ class Quotas(_Part):
         """The team's quota; None where the file sets none (no limit)."""
         return self.teams.get(name)
 
-    def slots_per_worker(self, gpus_per_worker: float) -> int:
-        """One worker's size in the file's unit."""
-        return max(1, round(gpus_per_worker)) if self.unit == "gpus" else 1
+    def slots_per_worker(self, cpus: float, gpus: float) -> int:
+        """One worker's size in the file's unit: what Ray places for it. Unit gpus counts its GPUs,
+        unit workers its CPUs (capacity is then the on-prem CPUs), a whole slot at least."""
+        return max(1, math.ceil((gpus if self.unit == "gpus" else cpus) - 1e-9))
 
 
 def quota_problems(data: Any) -> list[Problem]:

@@ -1,0 +1,96 @@
+"""How long the team queue's decision takes at the size of a real organisation.
+
+    python -m benchmarks.admission_decide [--sizes 100,300,1000,3000] [--repeats 5] [--no-doc]
+
+Pure CPU, no Ray: `tidal.admission.policy.decide` on a full cluster. Each size is N jobs, half
+running and half waiting, in 10 teams (each guaranteed a tenth of the cluster, and allowed to
+borrow as much again) at 3 priorities, 1-8 workers each, a third of them elastic, every job
+resizable (the worst case: each waiting job may look for room among every running one). The
+cluster's capacity is what the running half holds, so nothing fits without preemption. Each size
+is decided `--repeats` times on the same input (the first call included); every time is
+reported, with the median. Goal (issue #52): under 0.1 s at 1,000 jobs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import random
+import statistics
+import time
+from datetime import date
+
+from tidal.admission.policy import QueuedJob, RunningJob, decide
+from tidal.admission.quotas import Quotas
+
+SECTION = "The team queue's decision at 100 to 3,000 jobs"
+TEAMS = 10
+PRIORITIES = ("low", "normal", "high")
+
+
+def workload(n: int, seed: int = 0) -> tuple[int, list[RunningJob], list[QueuedJob], Quotas]:
+    """N jobs on a full cluster: half running (holding all of its capacity), half waiting."""
+    rng = random.Random(seed)
+    running, queue = [], []
+    for i in range(n):
+        team, priority = f"team{i % TEAMS}", rng.choice(PRIORITIES)
+        hi = rng.randint(1, 8)
+        lo = rng.randint(1, hi) if rng.random() < 1 / 3 else hi
+        if i % 2 == 0:
+            running.append(RunningJob(f"run-{i}", team, priority, lo, hi, hi, last_resize=0.0,
+                                      submitted_at=float(i)))
+        else:
+            queue.append(QueuedJob(f"wait-{i}", team, priority, lo, hi, submitted_at=float(i)))
+    capacity = sum(r.slots for r in running)
+    share = max(1, capacity // TEAMS)
+    quotas = Quotas.model_validate({
+        "min_resize_interval_s": 60, "defaults": {"team": "team0"},
+        "teams": {f"team{t}": {"onprem": {"guaranteed": share, "borrow": share}} for t in range(TEAMS)}})
+    return capacity, running, queue, quotas
+
+
+def time_decide(n: int, repeats: int) -> tuple[list[float], list[float], int, int]:
+    """Seconds per decision, wall and this process's CPU (every repeat; the CPU time is what a
+    loaded machine disturbs least), and how many jobs the last decision admitted and touched."""
+    capacity, running, queue, quotas = workload(n)
+    wall, cpu = [], []
+    for _ in range(repeats):
+        t0, c0 = time.perf_counter(), time.process_time()
+        d = decide(capacity, running, queue, quotas, now=10_000.0)
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    return wall, cpu, len(d.admit), len(d.shrink) + len(d.suspend)
+
+
+def report(results: dict[int, tuple[list[float], list[float], int, int]], repeats: int) -> str:
+    lines = [f"Command: `python -m benchmarks.admission_decide --sizes {','.join(map(str, results))} "
+             f"--repeats {repeats}` ({date.today()}, {platform.machine()}, one Python thread, no Ray)", "",
+             "| jobs (half running, 10 teams) | every decision, wall ms | median | every decision, CPU ms | median "
+             "| admitted / shrunk or suspended |", "|---|---|---|---|---|---|"]
+    for n, (wall, cpu, admitted, touched) in results.items():
+        lines.append(f"| {n:,} | {', '.join(f'{t * 1000:.1f}' for t in wall)} | **{statistics.median(wall) * 1000:.1f}** "
+                     f"| {', '.join(f'{t * 1000:.1f}' for t in cpu)} | {statistics.median(cpu) * 1000:.1f} "
+                     f"| {admitted} / {touched} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", default="100,300,1000,3000")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--no-doc", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    args = p.parse_args()
+    results = {}
+    for n in (int(s) for s in args.sizes.split(",")):
+        results[n] = time_decide(n, args.repeats)
+        print(f"[bench] {n} jobs, wall: " + ", ".join(f"{t:.4f}s" for t in results[n][0]), flush=True)
+    body = report(results, args.repeats)
+    print(body)
+    if not args.no_doc:
+        from benchmarks.common import update_doc
+
+        update_doc(SECTION, body)
+
+
+if __name__ == "__main__":
+    main()
