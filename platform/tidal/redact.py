@@ -136,16 +136,34 @@ def _redact(data: Any, values: list[str]) -> Any:
 
 
 class RedactingStream:
-    """A text stream that redacts what is written to it before passing it on: the CLI puts it in
-    front of stdout and stderr, so that the driver's prints, Ray's copies of the workers' lines
-    (Ray looks up `sys.stdout` at each print) and logging reach the console redacted."""
+    """A text stream that redacts what is written to it before passing it on: the CLI and the
+    submitted job's entrypoint put it in front of stdout and stderr, so that the driver's prints,
+    Ray's copies of the workers' lines (Ray looks up `sys.stdout` at each print) and logging reach
+    the console (and `ray job logs`) redacted. `secrets` are values masked besides those of this
+    process's secret variables (a worker's resolved secrets, whatever their names)."""
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: Any, secrets: Iterable[str] = ()) -> None:
         self.inner = inner
+        self.secrets = [s for s in secrets if len(s) >= MIN_VALUE_LEN]
 
     def write(self, text: str) -> int:
-        self.inner.write(redact_text(text))
+        extra = sorted({*secret_values(), *self.secrets}, key=len, reverse=True) if self.secrets else None
+        self.inner.write(redact_text(text, extra))
         return len(text)  # what the caller gave: print() and logging check nothing else
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
+
+
+def install(secrets: Iterable[str] = ()) -> None:
+    """Put a RedactingStream in front of this process's stdout and stderr (once), masking `secrets`
+    too: a submitted driver's output and a worker's lines, which Ray copies to the job's log."""
+    import sys
+
+    values = list(secrets)
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if isinstance(stream, RedactingStream):
+            stream.secrets = sorted({*stream.secrets, *(v for v in values if len(v) >= MIN_VALUE_LEN)})
+        elif stream is not None:
+            setattr(sys, name, RedactingStream(stream, values))

@@ -13,8 +13,11 @@ import base64
 import contextlib
 import json
 import os
+import secrets
 import sys
+import tempfile
 import time
+import zipfile
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +31,9 @@ from tidal.launch.connect import warn_plain_token
 from tidal.launch.result import RunResult
 from tidal.output import parse_record
 from tidal.ray_private import walk_working_dir, working_dir_upload_cap
+from tidal.redact import redact_text
 from tidal.spec.job import JobSpec
+from tidal.spec.secrets import refuse_credentials
 
 ALWAYS_EXCLUDE = [".git", ".venv", "venv", "__pycache__", "*.egg-info", ".ipynb_checkpoints",
                   "tidal-runs", "mlruns", "mlartifacts", "mlflow.db", "*.db-journal", ".pytest_cache", ".ruff_cache"]
@@ -40,6 +45,10 @@ TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 # `tidal list/status --output json` hold these always; progress fields are null before the first step is in MLflow.
 JOB_FIELDS = ("id", "name", "status", "team", "priority", "start_time")
 PROGRESS_FIELDS = ("step", "steps", "loss", "tokens_per_s", "world_size")
+# In every package `submit` uploads: a value of its own per submission (see package_working_dir).
+SUBMISSION_MARKER = ".tidal-submission"
+# The Jobs API's error types for a job whose entrypoint ran (and failed on its own): its output says why.
+ENTRYPOINT_ERRORS = {"JOB_ENTRYPOINT_COMMAND_ERROR"}
 
 
 def auth_token() -> str | None:
@@ -113,18 +122,25 @@ class Job:
     def _client(self) -> Any:
         return connect(self.address)
 
-    def status(self) -> str:
+    def status(self) -> JobState:
         """PENDING, RUNNING, SUCCEEDED, FAILED or STOPPED; under the cluster's admission a running
         driver's job is QUEUED, RUNNING, SHRUNK or SUSPENDED, where this machine reads the cluster's
-        queue (TIDAL_STORAGE or TIDAL_QUEUE set here: docs/sharing.md)."""
-        state = str(self._client().get_job_status(self.submission_id).value)
+        queue (TIDAL_STORAGE or TIDAL_QUEUE set here: docs/sharing.md). A job that failed before
+        its entrypoint ran has the Jobs API's reason in `.reason` (redacted)."""
+        info = self._client().get_job_info(self.submission_id)
+        state = str(info.status.value)
         if state == "RUNNING" and (row := queue_record(self.submission_id, os.environ)):
-            return str(row["state"])
-        return state
+            return JobState(str(row["state"]))
+        return JobState(state, start_failure(state, info.error_type, info.message))
 
     def logs(self) -> str:
-        """Everything the job has printed so far."""
-        return self._client().get_job_logs(self.submission_id)
+        """Everything the job has printed so far; for a job that failed before its entrypoint ran
+        (which printed nothing), a last line with the Jobs API's reason."""
+        return self._client().get_job_logs(self.submission_id) + self._failure_note()
+
+    def _failure_note(self) -> str:
+        reason = self.status().reason
+        return f"[tidal] job {self.submission_id} failed before its entrypoint ran: {reason}\n" if reason else ""
 
     def follow(self, poll_s: float = 1.0) -> Iterator[str]:
         """Yield the job's output as it comes, until the job ends.
@@ -133,14 +149,15 @@ class Job:
         own; inside a running loop (a Jupyter kernel) that cannot be had, and the logs are polled
         every `poll_s` seconds instead, as they are if the stream breaks off.
         """
+        seen: int | None = 0
         try:
             asyncio.get_running_loop()
-            seen = 0
         except RuntimeError:
             seen = yield from self._tail()
-            if seen is None:
-                return
-        yield from self._poll(poll_s, seen)
+        if seen is not None:
+            yield from self._poll(poll_s, seen)
+        if note := self._failure_note():  # nothing was printed: say why it never started
+            yield note
 
     def _tail(self) -> Generator[str, None, int | None]:
         """Stream the logs; returns None when the job ended, else how many characters were yielded."""
@@ -244,6 +261,58 @@ class Job:
                 "cluster") from None
 
 
+class JobState(str):
+    """A submitted job's state: equal to its name ('FAILED'...), so it compares as a string does.
+    `reason` is the Jobs API's message, redacted, when the job failed before its entrypoint ran
+    (its runtime environment or its supervisor failed: the job printed nothing), else None."""
+
+    reason: str | None
+
+    def __new__(cls, state: str, reason: str | None = None) -> JobState:
+        obj = super().__new__(cls, state)
+        obj.reason = reason
+        return obj
+
+    def __repr__(self) -> str:
+        return f"JobState({str(self)!r}, reason={self.reason!r})" if self.reason else repr(str(self))
+
+
+def start_failure(state: str, error_type: Any, message: str | None) -> str | None:
+    """Why a job failed before its entrypoint ran (Ray's message, redacted: it quotes the runtime
+    env), or None for any other job: one whose entrypoint ran says why in its own output."""
+    kind = getattr(error_type, "value", error_type)
+    if state != "FAILED" or not kind or kind in ENTRYPOINT_ERRORS:
+        return None
+    return redact_text((message or str(kind)).strip())
+
+
+def package_working_dir(root: Path, excludes: list[str], dest: Path) -> Path:
+    """`root` zipped as Ray zips a working_dir (its own walk: .gitignore, .rayignore, `excludes`),
+    plus SUBMISSION_MARKER holding a random value, so that the package's name (Ray names an
+    uploaded package by the hash of its bytes) is this submission's own.
+
+    Why (ray#36703, #46625): Ray does not upload an unchanged working_dir again when the GCS says
+    it holds its package, and the GCS deletes a package once no job references it; a job submitted
+    from a folder as another job from that folder ends finds its package gone before its runtime
+    env is set up, and fails before its entrypoint runs. A package of its own is referenced by this
+    job only (and pinned by its upload until the job holds it): no other job's end can delete it.
+    Not a retry on that error: the failed submission id is final (the retry would be another job,
+    under an id the user was not shown) and could lose the same race; not a check-and-upload: the
+    check is Ray's own, and the package can go between check and setup. The cost: one upload per
+    submission (Ray's limit keeps it under 100 MiB), freed when the job ends.
+    """
+    path = dest / "working_dir.zip"
+    with zipfile.ZipFile(path, "w", strict_timestamps=False) as z:
+
+        def add(p: Path) -> None:  # files and empty folders, as Ray's own packaging does
+            if p.is_file() or (p.is_dir() and next(p.iterdir(), None) is None):
+                z.write(p, p.relative_to(root))
+
+        walk_working_dir(root, excludes, add)
+        z.writestr(SUBMISSION_MARKER, secrets.token_hex(16) + "\n")
+    return path
+
+
 def read_progress(rec: dict[str, Any]) -> dict[str, Any]:
     """The structured progress the job keeps in its MLflow run (tracking.reader.PROGRESS_TAG), found
     through the record it printed at start; never parsed from the printed progress lines."""
@@ -274,20 +343,26 @@ def submit(spec: JobSpec, address: str | None = None, working_dir: str | os.Path
     quotas = cluster_quotas(os.environ)
     if quotas is not None:  # this machine reads the cluster's quota file: a team or priority it lacks fails here
         resolve_scheduling(spec.scheduling.team, spec.scheduling.priority, quotas)
+    # The spec's `env` holds references only (spec/secrets.py): the values are read on the workers.
+    # Neither the entrypoint nor the runtime_env (both shown to every token holder) may carry a
+    # credential anywhere else: a URI's password, a signed URL, a secret in worker_env.
+    data = spec.model_dump(mode="json")
+    forwarded = forwarded_env(os.environ)
+    refuse_credentials(data, forwarded, FORWARDED_ENV)
     client = connect(address)
-    # The spec's `env` holds references only (spec/secrets.py): the values are read on the workers,
-    # so neither the entrypoint nor the runtime_env (both shown to every token holder) carries one.
-    payload = base64.urlsafe_b64encode(json.dumps(spec.model_dump(mode="json")).encode()).decode()
-    env = {**forwarded_env(os.environ), **({"PYTHONPATH": "platform"} if (root / "platform" / "tidal").is_dir() else {})}
-    try:
-        sid = client.submit_job(
-            entrypoint=f"python -m tidal.launch.entrypoint {payload}",
-            runtime_env={"working_dir": str(root), "excludes": excludes, "env_vars": env},
-            submission_id=submission_id,
-            metadata={"tidal.job": spec.name, "tidal.steps": str(spec.train.steps)},
-        )
-    except Exception as e:  # noqa: BLE001 - translate Ray's HTTP errors into a message that says what to do
-        raise _friendly(e, address or os.environ.get("RAY_ADDRESS", ""), auth_token()) from None
+    payload = base64.urlsafe_b64encode(json.dumps(data).encode()).decode()
+    env = {**forwarded, **({"PYTHONPATH": "platform"} if (root / "platform" / "tidal").is_dir() else {})}
+    with tempfile.TemporaryDirectory(prefix="tidal-submit-") as tmp:
+        package = package_working_dir(root, excludes, Path(tmp))  # a package of its own: see there
+        try:
+            sid = client.submit_job(
+                entrypoint=f"python -m tidal.launch.entrypoint {payload}",
+                runtime_env={"working_dir": str(package), "env_vars": env},
+                submission_id=submission_id,
+                metadata={"tidal.job": spec.name, "tidal.steps": str(spec.train.steps)},
+            )
+        except Exception as e:  # noqa: BLE001 - translate Ray's HTTP errors into a message that says what to do
+            raise _friendly(e, address or os.environ.get("RAY_ADDRESS", ""), auth_token()) from None
     return Job(sid, client.get_address(), spec)
 
 

@@ -10,9 +10,11 @@
 - **Resources.** The trial function only drives its job; Train's workers ask for their own CPUs/GPUs.
   The trial asks for no CPU (1 byte of memory: Tune refuses an empty request), so a 2-worker trial
   fits a 2-CPU machine. Trials at once default to what the cluster holds at `max_workers` each.
-- **Resume.** Tune's experiment state lives at `<checkpoint.storage>/<name>-sweep`. Running the same
-  sweep again restores it (`Tuner.restore`): unfinished and failed trials rerun their function, whose
-  `run()` resumes from that trial's latest complete checkpoint and reopens its MLflow run.
+- **Resume.** The sweep's state is data (launch/sweep_state.py): every trial's values, drawn up front,
+  and its outcome, in `<checkpoint.storage>/<name>-sweep/tidal-sweep.json`. Running the same sweep
+  again rebuilds the Tuner from it, never from Tune's pickles (`Tuner.restore` would unpickle
+  `tuner.pkl` from storage): unfinished and failed trials rerun their function, whose `run()`
+  resumes from that trial's latest complete checkpoint and reopens its MLflow run.
   `restart=True` sets the old experiment and trial folders aside (never deletes them) and starts over.
 """
 
@@ -37,14 +39,22 @@ from tidal import fs
 from tidal.errors import SpecError, TidalError
 from tidal.launch.connect import connect_ray
 from tidal.launch.sweep_mlflow import close_parent, end_parent, open_parent
+from tidal.launch.sweep_state import (
+    SWEEP_FILE,
+    TRIAL_KEY,
+    Recorder,
+    SweepState,
+    new_trials,
+    plan_trials,
+    read_state,
+)
 from tidal.launch.trainer import run
 from tidal.spec.job import JobSpec
 from tidal.spec.sweep import Param as SweepParam
-from tidal.spec.sweep import SweepSpec, check_metric, merged, trial_label
+from tidal.spec.sweep import SweepSpec, check_metric, merged
 from tidal.storage import RunDir
 from tidal.version import __version__
 
-SWEEP_FILE = "tidal-sweep.json"  # in the experiment folder: the MLflow parent run id and a fingerprint
 # Tune needs a non-empty resource request; one byte of memory reserves nothing that training needs.
 TRIAL_RESOURCES = {"memory": 1}
 
@@ -120,33 +130,39 @@ def sweep(spec: JobSpec, params: dict[str, str] | list[str] | None = None, sampl
     exp_path = f"{base.checkpoint.storage.rstrip('/')}/{exp_name}"
     folder = RunDir(base.checkpoint.storage, exp_name)
     fingerprint = _fingerprint(base, cfg)
-    resuming = not restart and tune.Tuner.can_restore(exp_path)
-    state = folder.read_json(SWEEP_FILE) if resuming else None
-    if state and state.get("fingerprint") != fingerprint:
+    state = None if restart else read_state(folder, cfg.parsed())
+    if state and state.fingerprint != fingerprint:
         raise TidalError(f"the sweep in {exp_path} was started with another spec or other sweep settings. "
                          "Run it with the original ones to resume it, or add --restart (restart=True) to start over "
                          "(its trials are set aside, not deleted).")
-    if not resuming:
+    if state is None:
         _set_aside(base)
-    parent = open_parent(base, cfg, (state or {}).get("parent_run_id"))
-    folder.write_json(SWEEP_FILE, {"parent_run_id": parent, "fingerprint": fingerprint, "tidal_version": __version__})
-
-    trainable = tune.with_resources(
-        tune.with_parameters(_run_trial, base=base.model_dump(mode="json"), parent_run_id=parent), TRIAL_RESOURCES
-    )
-    if resuming:
-        print(f"[tidal] resuming sweep {base.name!r} from {exp_path}; use --restart to start over", flush=True)
-        tuner = tune.Tuner.restore(exp_path, trainable, resume_unfinished=True, resume_errored=True)
+        state = SweepState("", fingerprint, new_trials(plan_trials(cfg.parsed(), cfg.samples, cfg.seed)))
     else:
-        tuner = _new_tuner(trainable, base, cfg, exp_name)
+        print(f"[tidal] resuming sweep {base.name!r} from {exp_path} ({len(state.todo())} of {len(state.trials)} "
+              "trial(s) to run); use --restart to start over", flush=True)
+    state.parent_run_id = open_parent(base, cfg, state.parent_run_id or None)
+    state.tidal_version = __version__
+    folder.write_json(SWEEP_FILE, state.as_json())
+
+    if state.todo():
+        _fit(base, cfg, exp_name, folder, state)
+    return _finish(state, base, cfg, exp_path, time.time() - t0)
+
+
+def _fit(base: JobSpec, cfg: SweepSpec, exp_name: str, folder: RunDir, state: SweepState) -> None:
+    """Run the trials not finished yet, recording each outcome in the sweep's state as it comes."""
+    plan = [t["values"] for t in state.trials]
+    trainable = tune.with_resources(tune.with_parameters(
+        _run_trial, base=base.model_dump(mode="json"), plan=plan, parent_run_id=state.parent_run_id), TRIAL_RESOURCES)
+    tuner = _new_tuner(trainable, base, cfg, exp_name, state.todo(), Recorder(folder, state, _last_step(base)))
     ok = False
     try:
-        grid = tuner.fit()
+        tuner.fit()
         ok = True
     finally:
         if not ok:
-            end_parent(base, parent)
-    return _finish(grid, base, cfg, parent, exp_path, time.time() - t0)
+            end_parent(base, state.parent_run_id)
 
 
 # --- before the sweep ---------------------------------------------------------------------
@@ -201,8 +217,9 @@ def _last_step(base: JobSpec) -> int:
     return min(base.train.steps, base.train.stop_at or base.train.steps)
 
 
-def _new_tuner(trainable: Any, base: JobSpec, cfg: SweepSpec, exp_name: str) -> tune.Tuner:
-    concurrent = cfg.max_concurrent or _default_concurrency(base)
+def _new_tuner(trainable: Any, base: JobSpec, cfg: SweepSpec, exp_name: str, todo: list[int],
+               recorder: Recorder) -> tune.Tuner:
+    concurrent = min(cfg.max_concurrent or _default_concurrency(base), len(todo))
     scheduler = None
     if cfg.scheduler == "asha":
         # max_t one past the last step: ASHA stops a trial that reaches max_t, and a trial stopped at
@@ -211,29 +228,18 @@ def _new_tuner(trainable: Any, base: JobSpec, cfg: SweepSpec, exp_name: str) -> 
                                   grace_period=cfg.grace_steps or base.checkpoint.every_steps)
     return tune.Tuner(
         trainable,
-        param_space={k: _domain(p) for k, p in cfg.parsed().items()},
+        # The values were drawn up front (sweep_state.plan_trials): Tune sweeps the trial numbers.
+        param_space={TRIAL_KEY: tune.grid_search(todo)},
         tune_config=tune.TuneConfig(
-            metric=cfg.metric, mode=cfg.mode, num_samples=cfg.samples, scheduler=scheduler,
+            metric=cfg.metric, mode=cfg.mode, num_samples=1, scheduler=scheduler,
             # Tune ignores max_concurrent_trials when given a generator: the generator limits itself.
-            search_alg=BasicVariantGenerator(max_concurrent=concurrent, random_state=cfg.seed),
+            search_alg=BasicVariantGenerator(max_concurrent=concurrent),
         ),
         # Train restarts failed workers itself (failure.max_restarts); a trial that still fails is
         # retried when the sweep runs again.
-        run_config=tune.RunConfig(name=exp_name, storage_path=base.checkpoint.storage,
+        run_config=tune.RunConfig(name=exp_name, storage_path=base.checkpoint.storage, callbacks=[recorder],
                                   failure_config=tune.FailureConfig(max_failures=0)),
     )
-
-
-def _domain(p: SweepParam) -> Any:
-    if p.kind == "choice":
-        return tune.choice(list(p.values))
-    if p.kind == "grid":
-        return tune.grid_search(list(p.values))
-    if p.kind == "uniform":
-        return tune.uniform(p.low, p.high)
-    if p.kind == "loguniform":
-        return tune.loguniform(p.low, p.high)
-    return tune.randint(p.low, p.high)
 
 
 def _default_concurrency(base: JobSpec) -> int:
@@ -267,11 +273,11 @@ def _fingerprint(base: JobSpec, cfg: SweepSpec) -> str:
 
 
 # --- one trial (runs in a Tune trial actor) -----------------------------------------------
-def _run_trial(config: dict[str, Any], base: dict[str, Any], parent_run_id: str) -> None:
+def _run_trial(config: dict[str, Any], base: dict[str, Any], plan: list[dict[str, Any]], parent_run_id: str) -> None:
     from ray.tune.integration.ray_train import TuneReportCallback
 
-    index = trial_label(tune.get_context().get_trial_id())
-    spec = trial_spec(base, config, index)
+    index = str(config[TRIAL_KEY])
+    spec = trial_spec(base, plan[int(index)], index)
     tags = {"mlflow.parentRunId": parent_run_id, "tidal.sweep": base["name"], "tidal.trial": index}
     run(spec, mlflow_tags=tags, callbacks=[TuneReportCallback()])
 
@@ -282,46 +288,37 @@ def trial_spec(base: dict[str, Any], values: dict[str, Any], index: str) -> JobS
 
 
 # --- after the sweep ----------------------------------------------------------------------
-def _finish(grid: Any, base: JobSpec, cfg: SweepSpec, parent: str, exp_path: str, wall_s: float) -> SweepResult:
+def _finish(state: SweepState, base: JobSpec, cfg: SweepSpec, exp_path: str, wall_s: float) -> SweepResult:
     import pandas as pd
 
+    parent = state.parent_run_id
     client = MlflowClient(base.tracking.uri)
     children = _children(client, base, parent)
-    results = list(grid)
-    # Values from Tune's config, not from the DataFrame, whose numpy scalars pydantic may refuse.
-    configs = {trial_label(str(r.metrics.get("trial_id", ""))): r.config or {} for r in results}
-    rows = [_row(r, base, cfg, children) for r in results]
-    trials = pd.DataFrame(rows).sort_values("trial", key=lambda c: c.map(_sort_key)).reset_index(drop=True)
+    trials = pd.DataFrame([_row(i, t, base, cfg, children) for i, t in enumerate(state.trials)])
     best = _best(trials, cfg)
     best_spec, best_metrics = None, {}
     if best is not None:
-        best_spec = trial_spec(base.model_dump(mode="json"), configs[str(best["trial"])], str(best["trial"]))
-        child = children.get(str(best["trial"]))
+        index = int(best["trial"])
+        best_spec = trial_spec(base.model_dump(mode="json"), state.trials[index]["values"], str(index))
+        child = children.get(str(index))
         best_metrics = dict(child.data.metrics) if child else {cfg.metric: float(best[cfg.metric])}
     close_parent(base, cfg, parent, trials, children, best_spec, best_metrics)
     return SweepResult(base.name, best_spec, best_metrics, trials, parent, exp_path, base.tracking.uri,
                        cfg.metric, cfg.mode, wall_s, list(cfg.params))
 
 
-def _row(result: Any, base: JobSpec, cfg: SweepSpec, children: dict[str, Any]) -> dict[str, Any]:
-    m = result.metrics or {}
-    index = trial_label(str(m.get("trial_id", "")))
-    child = children.get(index)
-    last = _last_step(base)
-    step = m.get("step")
-    if result.error is not None:
-        status = "failed"
-    elif step is not None and int(step) >= last or m.get("early_stopped"):
-        status = "completed"  # to the end, or ended by its own eval.patience
-    else:
-        status = "stopped_early"  # ASHA ended it at a checkpoint step
-    row: dict[str, Any] = {"trial": int(index) if index.isdigit() else index, "name": f"{base.name}-t{index}"}
-    row.update({k: (result.config or {}).get(k) for k in cfg.params})
-    row.update({"status": status, "step": int(step) if step is not None else None})
+def _row(index: int, trial: dict[str, Any], base: JobSpec, cfg: SweepSpec, children: dict[str, Any]) -> dict[str, Any]:
+    """One trial as the sweep's state recorded it: completed, stopped_early, failed, or unfinished
+    (an interrupted sweep's trial that has not ended)."""
+    child = children.get(str(index))
+    status = trial["status"] if trial["status"] in ("completed", "stopped_early", "failed") else "unfinished"
+    row: dict[str, Any] = {"trial": index, "name": f"{base.name}-t{index}"}
+    row.update({k: trial["values"].get(k) for k in cfg.params})
+    row.update({"status": status, "step": trial.get("step")})
     for key in dict.fromkeys(["loss", cfg.metric]):
         # MLflow holds the last logged step; Tune only the last checkpoint step.
         value = child.data.metrics.get(key) if child else None
-        row[key] = value if value is not None else m.get(key, math.nan)
+        row[key] = value if value is not None else trial.get("metrics", {}).get(key, math.nan)
     row["mlflow_run_id"] = child.info.run_id if child else None
     return row
 
@@ -348,10 +345,6 @@ def _children(client: MlflowClient, base: JobSpec, parent: str) -> dict[str, Any
 # --- small helpers ------------------------------------------------------------------------
 def _get(spec: JobSpec, dotted: str) -> Any:
     return spec.flat().get(dotted)
-
-
-def _sort_key(v: Any) -> tuple[int, Any]:
-    return (0, v) if isinstance(v, int) else (1, str(v))
 
 
 def _resources(r: dict[str, float]) -> str:

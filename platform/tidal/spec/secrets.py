@@ -139,3 +139,67 @@ def _read_file(path: str) -> str:
     # A file written with `echo` or `kubectl create secret --from-file` of such a file ends in a
     # newline that is no part of the secret.
     return Path(path).read_text().rstrip("\r\n")
+
+
+# --- what a submission carries -------------------------------------------------------------
+# How to leave a credential to the cluster, by where it was found.
+_INSTEAD = {
+    "MLFLOW_TRACKING_URI": "unset it here (the cluster's own MLFLOW_TRACKING_URI applies), or give the server's "
+                           "address without user-info and set MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD "
+                           "in the nodes' environment (where `ray start` runs, or the pod's env)",
+    "TIDAL_STORAGE": "unset it here (the cluster's own TIDAL_STORAGE applies), or name the bucket without "
+                     "credentials and give the nodes theirs (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY in their "
+                     "environment, an instance or pod role)",
+    "tracking.uri": "leave tracking.uri out (the cluster's MLFLOW_TRACKING_URI applies), or write the address "
+                    "without user-info and set MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD in the nodes' "
+                    "environment",
+    "checkpoint.storage": "leave checkpoint.storage out (the cluster's TIDAL_STORAGE applies), or name the bucket "
+                          "without credentials and give the nodes theirs (their environment, an instance or pod "
+                          "role)",
+}
+_DEFAULT_INSTEAD = ("reference it instead: `env: {NAME: env:NODE_VAR}` (a variable in the nodes' environment) or "
+                    "`env: {NAME: file:/etc/tidal/secrets/name}` (a file on the nodes), read on the cluster only")
+
+
+def credential_problems(spec_data: Any, environ: Mapping[str, str], forwarded: tuple[str, ...]) -> list[tuple[str, str]]:
+    """(where, what to do) for each credential a submission would carry: a string of the spec (its
+    JSON form, every field) or a forwarded variable of the submitter's environment that the one
+    redaction rule (tidal.redact) would mask: a URI's password or token, a signed query, a
+    `SECRET_NAME=value`. References in `env` are not credentials. Never names the value."""
+    from tidal.redact import redact_text
+
+    found: list[tuple[str, str]] = []
+
+    def visit(data: Any, path: str) -> None:
+        if isinstance(data, str):
+            if redact_text(data, secrets=()) != data:
+                found.append((path, _INSTEAD.get(path, _DEFAULT_INSTEAD)))
+        elif isinstance(data, Mapping):
+            for k, v in data.items():
+                visit(v, f"{path}.{k}" if path else str(k))
+        elif isinstance(data, (list, tuple)):
+            for i, v in enumerate(data):
+                visit(v, f"{path}[{i}]")
+
+    visit(spec_data, "")
+    for key in forwarded:
+        value = environ.get(key, "")
+        if value and redact_text(value, secrets=()) != value:
+            found.append((f"${key} (this machine's environment)", _INSTEAD.get(key, _DEFAULT_INSTEAD)))
+    return found
+
+
+def refuse_credentials(spec_data: Any, environ: Mapping[str, str], forwarded: tuple[str, ...]) -> None:
+    """SubmissionCarriesSecret unless credential_problems finds nothing: what `tidal submit` sends (the
+    entrypoint, its runtime_env) is shown to every holder of the cluster's token (`ray job list`,
+    the dashboard), so a credential in it is refused before anything is sent."""
+    problems = credential_problems(spec_data, environ, forwarded)
+    if problems:
+        lines = "\n".join(f"  - {where} holds a credential: {how}" for where, how in problems)
+        raise SubmissionCarriesSecret(
+            "refused: a submission is shown to every holder of the cluster's token (ray job list, the "
+            f"dashboard), and this one would carry a credential.\n{lines}")
+
+
+class SubmissionCarriesSecret(TidalError):
+    """A submission would carry a credential (refused before anything is sent)."""
