@@ -1,7 +1,8 @@
 """Restores end to end through Ray Train and real DeepSpeed engines: from S3 a 2-worker restore
 reads each file of the checkpoint once (each rank its own partition, the model states once for
-the node), counted by the S3 server itself; a resize's conversion killed half-way is made again
-by the next attempt, which loads it, while the waiting rank never sat in a collective."""
+the node), counted by the S3 server itself, and a worker killed afterwards restores from its
+node's copy with zero bytes from S3; a resize's conversion killed half-way is made again by the
+next attempt, which loads it, while the waiting rank never sat in a collective."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import pytest
 
 import tidal
 from tests.conftest import metric_history, moto_s3, tiny_spec
+from tests.helpers import run_killing_a_worker
 from tidal import fs
 from tidal.storage import QUARANTINE_FILE, RunDir, checkpoint_dir_name, listed_files
 from tidal.worker import fetch, universal
@@ -73,14 +75,17 @@ def bytes_read(recording: str, folder: str, sizes: dict[str, int]) -> dict[str, 
 
 def test_a_two_worker_restore_from_s3_reads_each_file_once(tmp_path, recorded_s3, ray_here):
     """Each rank reads its own ZeRO partition, and the model states are read once for the node:
-    the checkpoint's bytes cross the network once, where every rank used to read all of them."""
+    the checkpoint's bytes cross the network once, where every rank used to read all of them.
+    Then a worker is killed before the next checkpoint: its node lived, so the restart restores
+    from the node's copy and reads nothing more from S3 (it used to download the rank's state again)."""
     import boto3
 
     bucket = f"tidal-{uuid.uuid4().hex[:12]}"
     boto3.client("s3").create_bucket(Bucket=bucket)
-    spec = tiny_spec(tmp_path, name="fetch", **{"train.steps": 10, "checkpoint.every_steps": 8,
-                                                "checkpoint.storage": f"s3://{bucket}/runs"},
-                     worker_env={fetch.CACHE_ENV: str(tmp_path / "cache")})
+    spec = tiny_spec(tmp_path, name="fetch", **{"train.steps": 16, "checkpoint.every_steps": 8,
+                                                "checkpoint.storage": f"s3://{bucket}/runs",
+                                                "train.step_fn": "tests.slow_step:step"},
+                     worker_env={fetch.CACHE_ENV: str(tmp_path / "cache"), "TIDAL_TEST_STEP_S": "0.5"})
     tidal.run(spec.with_overrides({"train.stop_at": 8}))
     run = RunDir(spec.checkpoint.storage, spec.name)
     ckpt = f"{run.path}/{checkpoint_dir_name(8)}"
@@ -92,19 +97,21 @@ def test_a_two_worker_restore_from_s3_reads_each_file_once(tmp_path, recorded_s3
     recorder(recorded_s3, "reset-recording")
     recorder(recorded_s3, "start-recording")
     try:
-        result = tidal.run(spec)
+        result, killed = run_killing_a_worker(spec, after_step=10)
     finally:
         recorder(recorded_s3, "stop-recording")
     read = bytes_read(recorder(recorded_s3, "download-recording"), f"{checkpoint_dir_name(8)}/global_step8", tag)
 
-    assert sorted(metric_history(spec, result.mlflow_run_id, "loss")) == list(range(1, 11))
-    assert metric_history(spec, result.mlflow_run_id, "steps_lost")[10] == 0, "resumed from step 8"
+    assert killed and result.error is None, result.error
+    assert sorted(metric_history(spec, result.mlflow_run_id, "loss")) == list(range(1, 17))
+    assert metric_history(spec, result.mlflow_run_id, "restarts")[16] >= 1
+    assert metric_history(spec, result.mlflow_run_id, "steps_lost")[16] > 0, "the restart resumed from step 8 again"
     needed = {rel: size for rel, size in tag.items() if rel.endswith(".pt")}
-    assert read == needed, f"each file read exactly once for the node; read {read}, sizes {tag}"
+    assert read == needed, f"each file read exactly once for the node, over both restores; read {read}, sizes {tag}"
     whole = sum(tag.values())
-    print(f"restore read {sum(read.values())} bytes of a {whole}-byte step folder for 2 ranks on one node "
+    print(f"two restores read {sum(read.values())} bytes of a {whole}-byte step folder for 2 ranks on one node "
           f"(partitions {[tag[p] for p in partitions]}, model states {tag['mp_rank_00_model_states.pt']})")
-    assert not list((tmp_path / "cache").iterdir()), "the node's cache was removed after the restore"
+    assert len(list((tmp_path / "cache").iterdir())) == 1, "the node keeps one checkpoint's copy"
 
 
 class Killer:
@@ -175,4 +182,5 @@ def test_a_conversion_killed_half_way_is_made_again_and_loads(tmp_path, ray_here
     assert status is not None and status["state"] == "done"
     assert not [rel for rel in fs.files_under(run.fs, run.path) if QUARANTINE_FILE in rel]
     assert not converters(psutil.Process()), "no conversion process outlived its attempt"
-    assert not list((tmp_path / "cache").iterdir()), "the conversion's local folders were removed"
+    left = [p.name for p in (tmp_path / "cache").iterdir()]
+    assert len(left) == 1 and "convert" not in left[0], f"the conversion's folders were removed: {left}"

@@ -114,7 +114,12 @@ def test_two_ranks_of_a_node_download_the_shared_file_once_and_clean_up(bucket, 
     model = "mp_rank_00_model_states.pt"
     assert sorted([model in out[0]["downloaded"], model in out[1]["downloaded"]]) == [False, True], "downloaded once"
     assert sum(sum(o["downloaded"].values()) for o in out) == sum(listed.values()), "no byte fetched twice"
-    assert not os.listdir(tmp_path / "cache"), "the last rank out removed the cache"
+    assert os.listdir(tmp_path / "cache") == [os.path.basename(out[0]["dir"])], "the node keeps its copy, one folder"
+
+    again = run_rank(uri, fetch.rank_files(listed, 0), tmp_path / "cache", hold_s=0)
+    reread = json.loads(again.communicate(timeout=120)[0])
+    assert reread["downloaded"] == {} and reread["read"]["zero_pp_rank_0_mp_rank_00_optim_states.pt"] == "0" * 5000, \
+        "a restart on the same node reads the node's copy, nothing from storage"
 
 
 def test_the_fetched_folder_holds_exactly_the_fetched_files(bucket, tmp_path):
@@ -138,7 +143,9 @@ def test_a_cache_left_by_a_killed_rank_is_removed_by_the_next_restore(tmp_path):
     with fetch.NodeCache("some/other/checkpoint", root=str(tmp_path)) as cache:
         assert not stale.exists(), "nobody held it: swept"
         assert os.path.isdir(cache.dir)
-    assert not os.listdir(tmp_path)
+    assert os.listdir(tmp_path) == [os.path.basename(cache.dir)], "kept for the node's next restore"
+    with fetch.NodeCache("a/newer/checkpoint", root=str(tmp_path)) as newer:
+        assert os.listdir(tmp_path) == [os.path.basename(newer.dir)], "bounded: the older copy went"
 
 
 def test_a_cache_in_use_by_another_rank_is_kept(tmp_path):

@@ -6,6 +6,7 @@ from scratch instead of crashing in a loop; an export of such a checkpoint is re
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 from pathlib import Path
@@ -48,8 +49,6 @@ def test_a_pickle_that_runs_code_is_refused_not_run(tmp_path) -> None:
 
 def test_what_deepspeed_saves_loads() -> None:
     """The allow-listed types round-trip (DeepSpeed's ZeRO optimizer states hold them)."""
-    import io
-
     from deepspeed.runtime.fp16.loss_scaler import LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
 
@@ -62,10 +61,10 @@ def test_what_deepspeed_saves_loads() -> None:
 
 
 def test_the_damage_check_counts_a_refused_pickle_as_damage(tmp_path) -> None:
-    from tidal.worker.restore import _damaged_bytes
+    from tidal.worker.restore import file_damage
 
     marker = tmp_path / "ran"
-    damage = _damaged_bytes(evil_bytes(marker))
+    damage = file_damage(io.BytesIO(evil_bytes(marker)))
     assert damage is not None and "refused to load" in damage and not marker.exists()
 
 

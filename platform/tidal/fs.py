@@ -31,6 +31,53 @@ def resolve(uri_or_path: str) -> tuple[pafs.FileSystem, str]:
     return pafs.LocalFileSystem(), os.path.abspath(uri_or_path)
 
 
+class UnsafeName(ValueError):
+    """A file name read from storage (a manifest, a marker, an index) that could reach outside
+    the folder it is joined to: absolute, with a `..` or `.` part, empty, or not a string."""
+
+
+def check_name(rel: object) -> str:
+    """`rel` when it is a plain relative name (`a/b.pt`); else UnsafeName saying why.
+
+    Every name Tidal reads from storage goes through this before it is joined to a path, local or
+    remote: pyarrow's S3 client normalises `..` inside keys (`ck/global_step4/../../x` names
+    `x` two levels up, an object that exists), and a local join would write or read there."""
+    if not isinstance(rel, str) or not rel:
+        raise UnsafeName(f"{rel!r} is not a file name")
+    if rel.startswith(("/", "~")) or "\\" in rel or "\0" in rel or (len(rel) > 1 and rel[1] == ":"):
+        raise UnsafeName(f"{rel!r} is not a relative file name")
+    if any(part in ("", ".", "..") for part in rel.split("/")):
+        raise UnsafeName(f"{rel!r} has an empty, '.' or '..' part")
+    return rel
+
+
+def join(root: str, rel: str) -> str:
+    """`root/rel` for a storage path (any filesystem), `rel` checked first (`check_name`)."""
+    return f"{root.rstrip('/')}/{check_name(rel)}"
+
+
+def join_local(root: str, rel: str) -> str:
+    """`root/rel` on this machine, `rel` checked (`check_name`) and the result, links resolved,
+    inside `root`: a link planted in the folder cannot lead a read or write elsewhere."""
+    path = os.path.join(root, check_name(rel))
+    base = os.path.realpath(root)
+    if not os.path.realpath(path).startswith(base.rstrip(os.sep) + os.sep):
+        raise UnsafeName(f"{rel!r} leads outside {root}")
+    return path
+
+
+def checked_files(files: object) -> dict[str, int]:
+    """A manifest's `files` (name -> size) with every name checked and every size a non-negative
+    int; UnsafeName otherwise."""
+    if not isinstance(files, dict):
+        raise UnsafeName(f"a file list must map names to sizes, not {type(files).__name__}")
+    for rel, size in files.items():
+        check_name(rel)
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise UnsafeName(f"{rel!r} has size {size!r}, not a byte count")
+    return dict(files)
+
+
 def is_local(fs: pafs.FileSystem) -> bool:
     return isinstance(fs, pafs.LocalFileSystem)
 
@@ -223,19 +270,19 @@ def local_copy(fs: pafs.FileSystem, path: str) -> Iterator[str]:
 
 @contextmanager
 def local_files(fs: pafs.FileSystem, root: str, rels: list[str]) -> Iterator[str]:
-    """A private local folder holding exactly the files `rels` (paths relative to `root`), at the
-    same relative paths, removed afterwards. For a folder that holds more than the files that
-    count (a checkpoint folder written into by a save that died): readers that glob a folder
-    (DeepSpeed's converters count files) must see only these. On a local filesystem each is a
-    symbolic link (no bytes copied); otherwise a download of just these files."""
+    """A private local folder holding copies of exactly the files `rels` (paths relative to
+    `root`, each checked by `check_name`), at the same relative paths, removed afterwards.
+
+    For readers that glob a folder (DeepSpeed's converters count files) and unpickle without
+    weights-only (zero_to_fp32): they must see only these files, and only the bytes Tidal checks.
+    Copies on every filesystem, a local or shared one included: a link into a shared folder
+    would let a writer swap a file between Tidal's check and DeepSpeed's read."""
     with tempfile.TemporaryDirectory(prefix="tidal-files-") as tmp:
         for rel in rels:
-            dst = os.path.join(tmp, rel)
+            dst = join_local(tmp, rel)
             os.makedirs(os.path.dirname(dst), exist_ok=True)
-            if is_local(fs):
-                os.symlink(f"{root}/{rel}", dst)
-            else:
-                pafs.copy_files(f"{root}/{rel}", dst, source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
+            src = join_local(root, rel) if is_local(fs) else join(root, rel)
+            pafs.copy_files(src, dst, source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
         yield tmp
 
 
@@ -248,19 +295,31 @@ def upload_dir(local: str, fs: pafs.FileSystem, path: str) -> dict[str, int]:
     return files_under(pafs.LocalFileSystem(), local)
 
 
-def publish_dir(local: str, fs: pafs.FileSystem, path: str, marker: str) -> None:
-    """Upload `local` to `path`, then write `marker` (a JSON manifest of its files) last.
+def publish_dir(local: str, fs: pafs.FileSystem, path: str, marker: str, **extra: Any) -> None:
+    """Upload `local` to `path`, then write `marker` (a JSON manifest of its files, and `extra`) last.
 
     Readers trust the folder only when `published` finds the marker and every listed file at
     its size, so a copy interrupted half-way is never used, on any filesystem.
     """
     files = upload_dir(local, fs, path)
-    write_json(fs, marker, {"files": files})
+    write_json(fs, marker, {"files": files, **extra})
+
+
+def published_files(fs: pafs.FileSystem, path: str, marker: str) -> dict[str, Any] | None:
+    """The marker's document when every file it lists is in `path` at its size and every name is
+    safe (`check_name`); else None: the folder does not count."""
+    manifest = read_json(fs, marker)
+    if not isinstance(manifest, dict) or "files" not in manifest:
+        return None
+    try:
+        files = checked_files(manifest["files"])
+    except UnsafeName:
+        return None
+    present = files_under(fs, path)
+    if not all(present.get(rel) == size for rel, size in files.items()):
+        return None
+    return {**manifest, "files": files}
 
 
 def published(fs: pafs.FileSystem, path: str, marker: str) -> bool:
-    manifest = read_json(fs, marker)
-    if not isinstance(manifest, dict) or "files" not in manifest:
-        return False
-    present = files_under(fs, path)
-    return all(present.get(rel) == size for rel, size in manifest["files"].items())
+    return published_files(fs, path, marker) is not None

@@ -16,13 +16,14 @@ import logging
 import re
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow.fs as pafs
 
 from tidal import fs
 from tidal.errors import CheckpointError
+from tidal.fs import UnsafeName, checked_files
 from tidal.spec.job import JobSpec
 
 log = logging.getLogger("tidal")
@@ -34,6 +35,10 @@ STATE_FILE = "tidal-state.json"  # written by rank 0: step, world size, ZeRO sta
 JOB_FILE = "tidal-job.json"  # written by the driver at start: MLflow run id, fingerprint
 QUARANTINE_FILE = "tidal-quarantined.json"  # a checkpoint proven corrupt; never tried again
 TRUNCATED = "(truncated save)"
+# A manifest naming a file outside its checkpoint (absolute, `..`): never read, condemned like a
+# truncated save (tidal.fs.check_name).
+UNSAFE = "(unsafe name)"
+DAMAGED = (TRUNCATED, UNSAFE)  # problems that prove a checkpoint damaged
 # A storage error while checking (a flaky mount, a 503): nothing is known about the checkpoint, so
 # it is skipped for now but never cleared or condemned for it.
 UNREADABLE = "could not read"
@@ -54,6 +59,9 @@ class Found:
     path: str  # path within `fs`
     fs: pafs.FileSystem
     state: dict[str, Any]
+    # The files its manifests list (relative path -> size), names checked; None: not read yet
+    # (`listed_files` reads them). Rank 0 reads them once and hands them to every rank.
+    files: dict[str, int] | None = field(default=None, compare=False)
 
     @property
     def step(self) -> int:
@@ -93,12 +101,12 @@ class RunDir:
         differs: proven damaged. Only the driver at start asks for it, when no save can be in flight.
         """
         for path in self.checkpoints():
-            problem, state = check_complete(self.fs, path)
+            problem, state, files = complete_listing(self.fs, path)
             if problem is None:
-                return Found(path, self.fs, state)
+                return Found(path, self.fs, state, files)
             if warn:
                 log.warning("Skipping checkpoint %s: %s. Falling back to an older one.", path, problem)
-            if condemn_truncated and problem.endswith(TRUNCATED):
+            if condemn_truncated and problem.endswith(DAMAGED):
                 quarantine(Found(path, self.fs, {}), problem)
         return None
 
@@ -166,16 +174,23 @@ def prune_plan(newest_first: list[str], complete: Callable[[str], bool], keep: i
 
 
 def check_complete(fs: pafs.FileSystem, path: str) -> tuple[str | None, dict[str, Any]]:
-    """(None, state) when complete, else (what is wrong, {}).
+    """(None, state) when complete, else (what is wrong, {}); see `complete_listing`."""
+    problem, state, _ = complete_listing(fs, path)
+    return problem, state
+
+
+def complete_listing(fs: pafs.FileSystem, path: str) -> tuple[str | None, dict[str, Any], dict[str, int]]:
+    """(None, state, listed files) when complete, else (what is wrong, {}, {}).
 
     Complete: rank 0's state file names the world size and the attempt (one worker-group start)
     that wrote it, and every rank below that world size has a manifest of the same attempt and
-    step whose files are all there at their sizes. A folder written into by two attempts (a save
-    that died, then the same step saved again after a resume) holds files of both; only the
-    manifests of the state file's attempt say which are this checkpoint's."""
+    step whose files are all there at their sizes, every name a plain relative one
+    (tidal.fs.check_name). A folder written into by two attempts (a save that died, then the
+    same step saved again after a resume) holds files of both; only the manifests of the state
+    file's attempt say which are this checkpoint's."""
     try:
         with fs.open_input_stream(f"{path}/{QUARANTINE_FILE}") as f:
-            return f"quarantined as corrupt ({json.loads(f.read()).get('error', '?')})", {}
+            return f"quarantined as corrupt ({json.loads(f.read()).get('error', '?')})", {}, {}
     except (FileNotFoundError, OSError, ValueError):
         pass
     try:
@@ -183,25 +198,29 @@ def check_complete(fs: pafs.FileSystem, path: str) -> tuple[str | None, dict[str
             state = json.loads(f.read())
         world_size = int(state["world_size"])
     except (FileNotFoundError, ValueError, KeyError):
-        return f"{STATE_FILE} is missing or unreadable (the save did not finish)", {}
+        return f"{STATE_FILE} is missing or unreadable (the save did not finish)", {}, {}
     except OSError as e:
-        return f"{UNREADABLE} {STATE_FILE} ({e})", {}
+        return f"{UNREADABLE} {STATE_FILE} ({e})", {}, {}
+    listed: dict[str, int] = {}
     for rank in range(world_size):
         try:
             manifest = fs_read_manifest(fs, path, rank)
-            files: dict[str, int] = manifest["files"]
-        except (FileNotFoundError, ValueError, KeyError):
-            return f"rank {rank} of {world_size} never finished writing its files", {}
+            files = checked_files(manifest["files"])
+        except UnsafeName as e:
+            return f"rank {rank}'s manifest lists {e} {UNSAFE}", {}, {}
+        except (FileNotFoundError, ValueError, KeyError, TypeError):
+            return f"rank {rank} of {world_size} never finished writing its files", {}, {}
         except OSError as e:
-            return f"{UNREADABLE} rank {rank}'s manifest ({e})", {}
+            return f"{UNREADABLE} rank {rank}'s manifest ({e})", {}, {}
         if (other := other_attempt(state, manifest)) is not None:
-            return f"rank {rank}'s manifest is {other}: the save of this attempt did not finish", {}
+            return f"rank {rank}'s manifest is {other}: the save of this attempt did not finish", {}, {}
         infos = fs.get_file_info([f"{path}/{name}" for name in files])
         for info, (name, size) in zip(infos, files.items(), strict=True):
             if info.type != pafs.FileType.File or info.size != size:
                 got = "missing" if info.type != pafs.FileType.File else f"{info.size} bytes"
-                return f"{name} is {got}, expected {size} bytes {TRUNCATED}", {}
-    return None, state
+                return f"{name} is {got}, expected {size} bytes {TRUNCATED}", {}, {}
+        listed.update(files)
+    return None, state, listed
 
 
 def other_attempt(state: dict[str, Any], manifest: dict[str, Any]) -> str | None:
@@ -218,17 +237,10 @@ def other_attempt(state: dict[str, Any], manifest: dict[str, Any]) -> str | None
 
 def listed_files(fs: pafs.FileSystem, path: str) -> dict[str, int]:
     """The files that make up the checkpoint at `path` (relative path -> size): those the
-    manifests of the attempt that wrote it list (see `check_complete`). Whatever else sits in the
+    manifests of the attempt that wrote it list (see `complete_listing`). Whatever else sits in the
     folder (another attempt's files, a rank that no longer exists) is no part of it, and nothing
     reads it (conversion, export, damage checks). Empty when the checkpoint is not complete."""
-    problem, state = check_complete(fs, path)
-    if problem is not None:
-        return {}
-    files: dict[str, int] = {}
-    for rank in range(int(state["world_size"])):
-        manifest = fs_read_manifest(fs, path, rank)
-        files.update(manifest.get("files", {}))
-    return files
+    return complete_listing(fs, path)[2]
 
 
 def fs_read_manifest(fs: pafs.FileSystem, path: str, rank: int) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Fetch from object storage only what a rank loads, once per node, into a bounded local cache.
+"""Fetch only what a rank loads, once per node, into a private, bounded local cache.
 
 DeepSpeed (0.19, `engine._get_all_zero_checkpoint_state_dicts`) loads a rank's own ZeRO partition
 and the model states file, not its peers' partitions; from a universal folder a ZeRO-1/2 rank
@@ -12,13 +12,26 @@ universal loader reads `zero/` with `os.listdir`, `os.path.isfile` and `torch.lo
 past any checkpoint engine. So the files a rank needs are chosen by name (`rank_files`, a pure
 function) and placed where DeepSpeed looks; a name this module does not recognise is fetched.
 
+DeepSpeed reads only this private folder, never storage itself, on every filesystem: its
+universal loader and converter unpickle every `*.pt` they find without weights-only, so a file
+planted in a storage folder, or swapped there after Tidal checked it (a shared filesystem), must
+never be where they look. Files are copied (from a local or shared filesystem too, never linked)
+into a folder only this user can write, and checked there. Every name is checked before it is
+joined (tidal.fs.check_name): a manifest's name cannot place a file outside the folder.
+
 Ranks on one node share one cache folder: a file is downloaded by whichever rank takes its
 lock first (`fcntl.flock`, released by the kernel if that process dies) into a `.part` file
 renamed into place once whole, and the others reuse it (locks and parts sit in a folder of their
 own: DeepSpeed lists the data folders by file-name prefix). The free disk is checked before any
 download: too little is a `LocalDiskFull` naming the folder and the bytes, never a retry, and
-never held against the checkpoint. The folder is removed by the last rank that leaves it; one
-left by a killed process is removed by the next restore on that node.
+never held against the checkpoint.
+
+The folder outlives the restore: a worker that fails on a node that lives restores from it, not
+from storage. Its name holds the checkpoint's identity (its folder, the attempt that wrote it and
+the list of its files with their sizes), so a copy of another attempt's save of the same step is
+never taken for it, and each file is reused only at its listed size. The cache is bounded: each
+restore removes every other cache folder under the root that no process holds, so a node keeps
+the copy of one checkpoint (the newest restored) and any a live process still reads.
 """
 
 from __future__ import annotations
@@ -38,7 +51,9 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
+from tidal import fs
 from tidal.errors import CheckpointError
+from tidal.worker.share import NotSliceable, fetch_share, sliced
 
 log = logging.getLogger("tidal")
 
@@ -63,7 +78,7 @@ def rank_files(listed: dict[str, int], dp_rank: int, params: set[str] | None = N
     """
     out = {}
     for rel, size in listed.items():
-        parts = rel.split("/")
+        parts = fs.check_name(rel).split("/")
         if len(parts) == 1 and (m := _PARTITION.match(rel)) and int(m.group(1)) != dp_rank:
             continue
         if params is not None and len(parts) == 3 and parts[0] == "zero" and parts[1] not in params:
@@ -87,13 +102,15 @@ class Fetched:
 
 
 class NodeCache:
-    """A cache folder shared by the ranks of one node for one checkpoint folder (`key`)."""
+    """A cache folder shared by the ranks of one node for one checkpoint folder (`key`: what
+    identifies its content). `keep`: leave it for later restores (False: removed by the last
+    process out, for scratch such as a conversion's)."""
 
-    def __init__(self, key: str, name: str = "", root: str | None = None) -> None:
+    def __init__(self, key: str, name: str = "", root: str | None = None, keep: bool = True) -> None:
         root = root or os.environ.get(CACHE_ENV) or tempfile.gettempdir()
         tag = re.sub(r"[^A-Za-z0-9_.-]", "_", name)[-60:]
-        self.root = root
-        self.dir = os.path.join(root, f"{PREFIX}{tag}-{hashlib.sha1(key.encode()).hexdigest()[:12]}")
+        self.root, self.keep = root, keep
+        self.dir = os.path.join(root, f"{PREFIX}{tag}-{hashlib.sha1(key.encode()).hexdigest()[:16]}")
         self._lock: Any = None
 
     def __enter__(self) -> NodeCache:
@@ -106,10 +123,12 @@ class NodeCache:
         lock, self._lock = self._lock, None
         fcntl.flock(lock, fcntl.LOCK_UN)
         lock.close()
-        _remove_if_unused(self.dir)
+        if not self.keep:
+            _remove_if_unused(self.dir)
 
     def fetch(self, storage: pafs.FileSystem, src: str, files: dict[str, int]) -> Fetched:
         """Make `files` (relative to `src` in `storage` -> size) present under `self.dir`."""
+        files = fs.checked_files(files)
         missing = {rel: size for rel, size in files.items() if not _present(self.path(rel), size)}
         need = sum(missing.values())
         free = shutil.disk_usage(self.dir).free
@@ -120,14 +139,41 @@ class NodeCache:
                 "itself is sound and is kept.")
         got = Fetched()
         for rel, size in sorted(files.items()):
-            if self._fetch_one(storage, f"{src}/{rel}", rel, size):
+            where = fs.join_local(src, rel) if fs.is_local(storage) else fs.join(src, rel)
+            if self._fetch_one(storage, where, rel, size):
                 got.downloaded[rel] = size
             else:
                 got.reused[rel] = size
         return got
 
+    def fetch_share(self, storage: pafs.FileSystem, src: str, rel: str, size: int, into: str,
+                    share: tuple[int, int], got: Fetched) -> None:
+        """Make `into/rel` this rank's sparse copy of `src/rel` (tidal.worker.share.fetch_share),
+        unless an earlier restore of the same rank and world made it; a file that cannot be
+        sliced is fetched whole into the node's copy and linked."""
+        dst = fs.join_local(into, rel)
+        if _present(dst, size):
+            got.reused[rel] = size
+            return
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        where = fs.join_local(src, rel) if fs.is_local(storage) else fs.join(src, rel)
+        part = f"{dst}.{os.getpid()}.part"
+        try:
+            read = fetch_share(storage, where, part, size, *share)
+        except NotSliceable:
+            got.downloaded.update(self.fetch(storage, src, {rel: size}).downloaded)
+            _link(dst, self.path(rel))
+            return
+        finally:
+            if os.path.exists(part) and os.path.getsize(part) != size:
+                os.remove(part)
+        if not os.path.exists(part):
+            raise CheckpointError(f"{where}'s size differs from its manifest's {size:,} bytes")
+        os.rename(part, dst)
+        got.downloaded[rel] = read
+
     def path(self, rel: str) -> str:
-        return os.path.join(self.dir, rel)
+        return fs.join_local(self.dir, rel)
 
     def _fetch_one(self, storage: pafs.FileSystem, src: str, rel: str, size: int) -> bool:
         """Download one file unless another rank did; True when this process downloaded it.
@@ -174,7 +220,8 @@ def _hold_shared(folder: str) -> Any:
     """A shared lock on `folder`'s in-use file, created if need be. A folder removed between
     opening and locking its file (by `_remove_if_unused`) is made again."""
     while True:
-        os.makedirs(folder, exist_ok=True)
+        os.makedirs(folder, mode=0o700, exist_ok=True)  # private: only this user can place a file there
+        _check_private(folder)
         f = open(os.path.join(folder, INUSE), "a")  # noqa: SIM115 - held until __exit__
         fcntl.flock(f, fcntl.LOCK_SH)
         try:
@@ -183,6 +230,14 @@ def _hold_shared(folder: str) -> Any:
         except FileNotFoundError:
             pass
         f.close()
+
+
+def _check_private(folder: str) -> None:
+    """A cache folder another user made (a shared temp dir, a guessed name) could hold their files."""
+    st = os.stat(folder)
+    if st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise CheckpointError(f"the restore cache {folder} belongs to another user or others can write to it; "
+                              f"remove it, or point {CACHE_ENV} at a folder of this user's")
 
 
 def _remove_if_unused(folder: str) -> bool:
@@ -220,13 +275,31 @@ def sweep(root: str, keep: str = "") -> list[str]:
 
 
 @contextlib.contextmanager
-def tag_folder(storage: pafs.FileSystem, root: str, tag: str, files: dict[str, int], name: str) -> Iterator[str]:
-    """A local folder holding `files` of `root/tag` (relative to the tag folder), laid out as
-    DeepSpeed expects (`<dir>/<tag>/...`); yields `<dir>`. A local filesystem is read in place."""
-    if isinstance(storage, pafs.LocalFileSystem):
-        yield root
-        return
-    with NodeCache(f"{root}/{tag}", name=f"{name}-{tag}") as cache:
-        got = cache.fetch(storage, root, {f"{tag}/{rel}": size for rel, size in files.items()})
-        log.warning("Restore: %s/%s (pid %d): %s", name, tag, os.getpid(), got.line())
-        yield cache.dir
+def tag_folder(storage: pafs.FileSystem, root: str, tag: str, files: dict[str, int], name: str,
+               identity: str = "", share: tuple[int, int] | None = None) -> Iterator[tuple[str, Fetched]]:
+    """A private local folder holding copies of `files` of `root/tag` (relative to the tag folder),
+    laid out as DeepSpeed expects (`<dir>/<tag>/...`), on every filesystem; yields (`<dir>`, what
+    was fetched). `identity` names the checkpoint's content (see the module's docstring).
+
+    `share` (world, rank): a ZeRO-3 rank's load of a universal folder, which slices each
+    parameter's optimizer files by rank: those are read by byte range (tidal.worker.share) into
+    a folder of this rank's own, beside links to the node's whole copies of the rest."""
+    with NodeCache(f"{root}/{tag}#{identity}", name=f"{name}-{tag}") as cache:
+        whole = {rel: size for rel, size in files.items() if share is None or not sliced(rel)}
+        got = cache.fetch(storage, root, {f"{tag}/{rel}": size for rel, size in whole.items()})
+        load_dir = cache.dir
+        if share is not None:
+            load_dir = cache.path(f".share-{share[0]}-{share[1]}")
+            for rel, size in sorted(files.items()):
+                if rel not in whole:
+                    cache.fetch_share(storage, root, f"{tag}/{rel}", size, load_dir, share, got)
+                else:
+                    _link(fs.join_local(load_dir, f"{tag}/{rel}"), cache.path(f"{tag}/{rel}"))
+        log.info("Restore: %s/%s (pid %d): %s", name, tag, os.getpid(), got.line())
+        yield load_dir, got
+
+
+def _link(link: str, target: str) -> None:
+    os.makedirs(os.path.dirname(link), exist_ok=True)
+    if not os.path.islink(link):
+        os.symlink(target, link)

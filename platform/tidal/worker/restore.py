@@ -18,11 +18,11 @@ a clear error, and the checkpoint is kept.
 from __future__ import annotations
 
 import contextlib
-import io
+import hashlib
+import json
 import logging
 import zipfile
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, TypeVar
 
 import torch.distributed as dist
@@ -31,7 +31,7 @@ from tidal import fs
 from tidal.errors import CheckpointError
 from tidal.spec.job import JobSpec
 from tidal.storage import (
-    TRUNCATED,
+    DAMAGED,
     Found,
     RunDir,
     check_complete,
@@ -44,6 +44,7 @@ from tidal.worker.checkpoint import TrainState, tag
 
 log = logging.getLogger("tidal")
 T = TypeVar("T")
+CHUNK = 8 * 2**20  # a damage check holds at most this much of a file at once
 
 def needs_reshard(state: dict[str, Any], world_size: int) -> bool:
     """ZeRO 1-3 partition optimizer state by rank; stage 0 keeps it whole, so it loads anywhere."""
@@ -51,36 +52,50 @@ def needs_reshard(state: dict[str, Any], world_size: int) -> bool:
 
 
 def agree_on_resume_point(spec: JobSpec) -> Found | None:
-    """Rank 0 picks the newest complete checkpoint and every rank takes that one.
+    """Rank 0 picks the newest complete checkpoint and every rank takes that one, with its list
+    of files: rank 0 lists and verifies the checkpoint once, and no other rank reads a manifest,
+    so a rank's storage requests grow with its own files, not with the world.
 
     Ranks must never pick their own: one that lists storage a moment later could see a
     checkpoint another rank did not, and they would load different steps.
     """
-    def pick() -> tuple[str, dict[str, Any]] | None:
+    # Before any load here, and any save after: the types this job's state may hold.
+    safe_load.allow(spec.checkpoint.safe_globals)
+
+    def pick() -> tuple[str, dict[str, Any], dict[str, int] | None] | None:
         found = find_resume_point(spec)
         if found is None:
             return None
-        if needs_reshard(found.state, dist.get_world_size()):
-            universal.prepare(found, tag(found.step))  # before the others can read a stale status
-        return found.path, found.state
+        step_tag = tag(found.step)
+        if needs_reshard(found.state, dist.get_world_size()) and not universal.ready(found, step_tag):
+            universal.prepare(found, step_tag)  # before the others can read a stale status or marker
+        return found.path, found.state, found.files
 
     chosen = _on_rank0(pick)
     if chosen is None:
         return None
-    return Found(chosen[0], RunDir(spec.checkpoint.storage, spec.name).fs, chosen[1])
+    return Found(chosen[0], RunDir(spec.checkpoint.storage, spec.name).fs, chosen[1], chosen[2])
 
 
 def restore(engine: Any, found: Found, reshard: bool) -> TrainState:
-    """Load `found` into `engine`, converting it first if it was written at another world size."""
+    """Load `found` into `engine`, converting it first if it was written at another world size.
+
+    DeepSpeed reads a private copy of exactly this rank's listed files, checked weights-only
+    there (tidal.worker.fetch): never the storage folder, whatever the filesystem."""
     state = TrainState.from_saved(found.state)
     step_tag = tag(state.step)
     if reshard:
-        step_tag = _converted(found, step_tag)
-    files = rank_files(engine, found, step_tag)
-    with fetch.tag_folder(found.fs, found.path, step_tag, files, found.name) as load_dir:
+        step_tag, listed, identity = _converted(found, step_tag)
+    else:
+        listed, identity = tag_files(found, step_tag), _identity(found, found.files or {})
+    files = rank_files(engine, listed, step_tag)
+    share = _zero3_share(engine) if step_tag.endswith("_universal") else None
+    with fetch.tag_folder(found.fs, found.path, step_tag, files, found.name, identity, share) as (load_dir, _):
         try:
-            if step_tag.endswith("_universal"):  # DeepSpeed's universal loader unpickles with weights_only=False
-                safe_load.check_files(f"{load_dir}/{step_tag}", files)
+            # DeepSpeed's universal loader unpickles with weights_only=False, its other loads go
+            # through the engine's checkpoint engine (weights-only while inside safe_loading):
+            # every file is checked first, the copy DeepSpeed will read.
+            safe_load.check_files(f"{load_dir}/{step_tag}", files)
             with safe_load.safe_loading(engine):  # the model and optimizer states: weights-only
                 load_path, _ = engine.load_checkpoint(load_dir, tag=step_tag,
                                                       load_optimizer_states=True, load_lr_scheduler_states=True)
@@ -88,19 +103,22 @@ def restore(engine: Any, found: Found, reshard: bool) -> TrainState:
                 raise CheckpointError(f"DeepSpeed found nothing to load under tag {step_tag}")
         except Exception as e:
             raise _load_failed(found, files, step_tag, e) from e
-        if not fs.is_local(found.fs):
-            # The node's cache goes with the last rank that leaves it: without this, a rank done
-            # early removes it before a slower rank of its node arrives, which downloads again.
-            # The wait is for peers' loads, never for a conversion (tidal.worker.universal).
-            dist.barrier()
     return state
 
 
-def _converted(found: Found, step_tag: str) -> str:
-    """The universal tag of `step_tag`; a conversion that fails on checkpoint files proven
-    corrupt quarantines the checkpoint (rank 0, which read them)."""
+def _identity(found: Found, listed: dict[str, int], extra: str = "") -> str:
+    """What tells this checkpoint's content from another's under the same folder name: the attempt
+    that wrote it and its whole file list with sizes (not the rank's: ranks of a node share a copy)."""
+    blob = json.dumps([found.state.get("attempt"), sorted(listed.items()), extra])
+    return hashlib.sha1(blob.encode()).hexdigest()
+
+
+def _converted(found: Found, step_tag: str) -> tuple[str, dict[str, int], str]:
+    """The universal tag of `step_tag`, its files (relative to it -> size) and identity; rank 0
+    verifies the published conversion once and hands its list to every rank. A conversion that
+    fails on checkpoint files proven corrupt quarantines the checkpoint (rank 0, which read them)."""
     try:
-        return universal.ensure(found, step_tag, dist.get_rank())
+        out_tag = universal.ensure(found, step_tag, dist.get_rank())
     except fetch.LocalDiskFull:
         raise
     except CheckpointError as e:
@@ -112,22 +130,21 @@ def _converted(found: Found, step_tag: str) -> str:
         quarantine(found, corrupt)
         raise CheckpointError(f"converting {found.name} to a universal checkpoint failed ({corrupt}; "
                               f"quarantined): {e}") from e
+    doc = _on_rank0(lambda: universal.published(found, step_tag))
+    files = dict(doc["files"])
+    return out_tag, files, _identity(found, files, str(doc.get("id", "")))
 
 
 def tag_files(found: Found, step_tag: str) -> dict[str, int]:
-    """The files of the folder `step_tag` of `found` (relative to it -> size) that a manifest
-    lists: the checkpoint's own manifests, or for a universal folder its conversion's marker."""
-    if step_tag.endswith("_universal"):
-        published = fs.read_json(found.fs, f"{found.path}/{universal_marker(step_tag)}") or {}
-        return dict(published.get("files", {}))
+    """The files of the folder `step_tag` of `found` (relative to it -> size) that its manifests
+    list: from the list rank 0 handed out (`Found.files`), read from storage only without one."""
+    listed = found.files if found.files is not None else listed_files(found.fs, found.path)
     prefix = f"{step_tag}/"
-    return {rel[len(prefix):]: size for rel, size in listed_files(found.fs, found.path).items()
-            if rel.startswith(prefix)}
+    return {rel[len(prefix):]: size for rel, size in listed.items() if rel.startswith(prefix)}
 
 
-def rank_files(engine: Any, found: Found, step_tag: str) -> dict[str, int]:
-    """The listed files of `step_tag` this rank's engine loads (see tidal.worker.fetch.rank_files)."""
-    listed = tag_files(found, step_tag)
+def rank_files(engine: Any, listed: dict[str, int], step_tag: str) -> dict[str, int]:
+    """Of `listed` (a tag folder's files), those this rank's engine loads (tidal.worker.fetch.rank_files)."""
     if step_tag.endswith("_universal"):  # DeepSpeed reads the old rank 0's model states whatever the rank
         return fetch.rank_files(listed, 0, _held_params(engine))
     return fetch.rank_files(listed, _dp_rank(engine))
@@ -139,6 +156,16 @@ def rank_files(engine: Any, found: Found, step_tag: str) -> dict[str, int]:
 def _dp_rank(engine: Any) -> int:
     group = getattr(engine.optimizer, "dp_process_group", None)
     return dist.get_rank(group=group) if group is not None else dist.get_rank()
+
+
+def _zero3_share(engine: Any) -> tuple[int, int] | None:
+    """(data-parallel world, rank) of a ZeRO-3 engine, whose universal loader keeps only this
+    rank's slice of each parameter's optimizer files (tidal.worker.share); None otherwise."""
+    stage = getattr(engine, "zero_optimization_stage", None)
+    if stage is None or stage() != 3:
+        return None
+    group = getattr(engine.optimizer, "dp_process_group", None)
+    return dist.get_world_size(group=group), _dp_rank(engine)
 
 
 def _held_params(engine: Any) -> set[str] | None:
@@ -178,54 +205,53 @@ def _safe_corruption(found: Found, files: dict[str, int], step_tag: str) -> str 
 
 
 def _corruption(found: Found, files: dict[str, int], step_tag: str) -> str | None:
-    """What proves the checkpoint's files damaged: a size that differs from its manifest, or one
-    of `files` (those this rank read, all listed) whose bytes in storage do not unpickle. None
-    when neither holds: a read error, a missing import or a lack of memory says nothing about
-    the checkpoint, so it is not condemned for them. Storage is read, not a local copy: a copy
-    damaged on this node proves nothing about the checkpoint."""
+    """What proves the checkpoint's files damaged: a size that differs from its manifest, an
+    unsafe name, or one of `files` (those this rank read, all listed) whose bytes in storage do
+    not unpickle. None when none holds: a read error, a missing import or a lack of memory says
+    nothing about the checkpoint, so it is not condemned for them. Storage is read, not a local
+    copy: a copy damaged on this node proves nothing about the checkpoint. Each file is streamed
+    (its archive's entries checked in chunks, its pickle read without the tensors' bytes), never
+    read whole into memory."""
     if step_tag.endswith("_universal"):
         if not fs.published(found.fs, f"{found.path}/{step_tag}", f"{found.path}/{universal_marker(step_tag)}"):
             return "its files differ from the conversion's manifest"
     else:
         problem, _ = check_complete(found.fs, found.path)
-        if problem is not None and problem.endswith(TRUNCATED):
+        if problem is not None and problem.endswith(DAMAGED):
             return problem
     for rel in sorted(r for r in files if r.endswith(".pt")):
-        with found.fs.open_input_stream(f"{found.path}/{step_tag}/{rel}") as f:
-            data = f.read()
-        damage = _damaged_bytes(data)
+        with found.fs.open_input_file(fs.join(f"{found.path}/{step_tag}", rel)) as f:
+            damage = file_damage(f)
         if damage is not None:
             return f"{rel} {damage}"
     return None
 
 
-def _damage(path: Path) -> str | None:
-    """What is wrong with the bytes of one checkpoint file, or None.
+def file_damage(f: Any) -> str | None:
+    """What is wrong with the bytes of one checkpoint file (`f`: a seekable binary file), or None.
 
-    The bytes are read first, so a read error (a flaky mount, a dropped connection) propagates
-    rather than counting as damage; then the zip archive's CRCs are checked where it has them
-    (torch.save writes one per entry by default, which catches flipped bits inside tensors too;
-    Tidal's own saves write none, see tidal.worker.snapshot._without_crc32) and the file is
-    unpickled from memory. A missing class (a library upgrade) or a lack of memory is no proof either.
-    """
-    return _damaged_bytes(path.read_bytes())
-
-
-def _damaged_bytes(data: bytes) -> str | None:
-    if zipfile.is_zipfile(io.BytesIO(data)):
+    The zip archive's CRCs are checked where it has them, entry by entry in chunks (torch.save
+    writes one per entry by default, which catches flipped bits inside tensors too; Tidal's own
+    saves write none, see tidal.worker.snapshot._without_crc32), then the pickle is unpickled
+    weights-only onto the meta device, which reads the records' headers, not the tensors' bytes.
+    A read error propagates rather than counting as damage; a missing class (a library upgrade)
+    or a lack of memory is no proof either."""
+    if zipfile.is_zipfile(f):
         try:
-            bad = _failed_crc(zipfile.ZipFile(io.BytesIO(data)))
+            f.seek(0)
+            bad = _failed_crc(zipfile.ZipFile(f))
         except zipfile.BadZipFile as e:
             return f"is not a readable archive ({e})"
         if bad is not None:
             return f"fails its checksum (entry {bad})"
+    f.seek(0)
     try:
         # Weights-only: a pickle naming a type Tidal's checkpoints never hold is refused, never run,
         # and counts as damage (safe_load.UnsafeCheckpointFile), so the checkpoint is quarantined.
-        safe_load.safe_load(io.BytesIO(data))
-    except (ImportError, AttributeError, MemoryError):
+        safe_load.safe_load(f, map_location="meta")
+    except (ImportError, AttributeError, MemoryError, OSError):
         raise
-    except Exception as e:  # noqa: BLE001 - no I/O happens here: any other failure is the bytes'
+    except Exception as e:  # noqa: BLE001 - any other failure is the bytes'
         return f"does not unpickle ({type(e).__name__}: {str(e)[:200]})"
     return None
 
@@ -237,7 +263,9 @@ def _failed_crc(archive: zipfile.ZipFile) -> str | None:
         if info.CRC == 0:
             continue
         try:
-            archive.read(info)  # zipfile checks the CRC-32 as it reads
+            with archive.open(info) as entry:  # zipfile checks the CRC-32 as it reads
+                while entry.read(CHUNK):
+                    pass
         except zipfile.BadZipFile:
             return info.filename
     return None

@@ -5,20 +5,28 @@ A pickle can name any callable; whoever can write one object under a run's prefi
 on every rank that unpickles it, with the nodes' credentials. torch's weights-only unpickler
 refuses every global outside its defaults and the list below (checked against DeepSpeed 0.19.8
 and torch 2.13 with ZeRO 1-3, fp32/bf16/fp16: `torch.serialization.get_unsafe_globals_in_checkpoint`
-named these and no others). DeepSpeed's own loaders that pass `weights_only=False` (the universal
-conversion and loader, zero_to_fp32) only ever see folders whose files the manifests list.
+named these and no others), plus what the job lists in `checkpoint.safe_globals` (`allow`): a
+model whose own state holds other types (a numpy value in `get_extra_state()`) says so in its
+spec. Such a state fails loudly at the first save (`check_saveable`), naming the types and the
+field, rather than being written into checkpoints that would each be refused, and condemned, on
+restore. DeepSpeed's own loaders that pass `weights_only=False` (the universal conversion and
+loader, zero_to_fp32) only ever see private copies of listed files, checked here first.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
+import io
 import os
 import pickle
+import re
 import zipfile
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+from torch import _weights_only_unpickler as weights_only  # torch's own list of what it loads
 
 from tidal.errors import CheckpointError
 
@@ -31,7 +39,102 @@ def allowed_globals() -> list[Any]:
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
 
-    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address, *_extra]
+
+
+_extra: list[Any] = []  # this job's checkpoint.safe_globals, resolved (`allow`)
+_checked: set[str] = set()  # files whose state `check_saveable` found loadable in this process
+FIELD = "checkpoint.safe_globals"
+
+
+def allow(names: Iterable[str]) -> None:
+    """Add the job's `checkpoint.safe_globals` (dotted names, as torch prints them) to this
+    process's allow-list, for every load and save check that follows."""
+    _extra[:] = [resolve(name) for name in names]
+    _checked.clear()
+
+
+def resolve(name: str) -> Any:
+    """The object a dotted name (`numpy.dtype`, `numpy._core.multiarray._reconstruct`, or
+    `module:attr`) names; CheckpointError saying which field when nothing importable has it."""
+    module, _, attr = name.partition(":") if ":" in name else name.rpartition(".")
+    while module:
+        try:
+            obj: Any = importlib.import_module(module)
+            for part in attr.split("."):
+                obj = getattr(obj, part)
+            return obj
+        except (ImportError, AttributeError):
+            if ":" in name:
+                break
+            module, _, head = module.rpartition(".")
+            attr = f"{head}.{attr}"
+    raise CheckpointError(f"{FIELD}: {name!r} names nothing importable here; write it as torch names it "
+                          "(module.name, e.g. numpy.dtype) and check the module is installed on the workers")
+
+
+class UnsafeState(CheckpointError):
+    """A state to save that a weights-only load would refuse: every checkpoint would be condemned."""
+
+
+def unsafe_globals(state: Any) -> list[str]:
+    """The types and functions (module.name) a weights-only load of `state`, once saved, would
+    refuse. Its structure is pickled as torch.save does (protocol 2) with the tensors' bytes left
+    out, then unpickled by torch's weights-only unpickler onto the meta device; each refusal is
+    noted and allowed for the next try, so every missing name is found, those a static look at
+    the pickle misses too (numpy builds `numpy.dtypes.Float64DType` while loading)."""
+    class Structure(pickle.Pickler):
+        def persistent_id(self, obj: Any) -> Any:
+            if isinstance(obj, torch.storage.TypedStorage):
+                return ("storage", str(obj.dtype).removeprefix("torch."), obj._untyped_storage.nbytes())
+            if isinstance(obj, torch.UntypedStorage):
+                return ("storage", "uint8", obj.nbytes())
+            return None
+
+    def storage(pid: Any) -> Any:
+        return torch.storage.TypedStorage(wrap_storage=torch.UntypedStorage(pid[2], device="meta"),
+                                          dtype=getattr(torch, pid[1]), _internal=True)
+
+    buf = io.BytesIO()
+    Structure(buf, protocol=2).dump(state)
+    refused: list[str] = []
+    for _ in range(32):  # one refusal per try; a state names few types
+        buf.seek(0)
+        with torch.serialization.safe_globals([*allowed_globals(), *map(resolve, refused)]):
+            unpickler = weights_only.Unpickler(buf, encoding="utf-8")
+            unpickler.persistent_load = storage
+            try:
+                unpickler.load()
+                return refused
+            except pickle.UnpicklingError as e:
+                name = _refused_name(str(e))
+                if name is None or name in refused:
+                    return [*refused, name or str(e).splitlines()[0][:200]]
+                refused.append(name)
+    return refused
+
+
+def _refused_name(message: str) -> str | None:
+    """The global torch's weights-only unpickler refused, from its message."""
+    m = re.search(r"GLOBAL ([\w.]+)|got <class '([\w.]+)'>", message)
+    return next((g for g in m.groups() if g), None) if m else None
+
+
+def check_saveable(rel: str, state: Any) -> None:
+    """Before a file is first saved in this process (by its name without the step folder): its
+    state must load weights-only, else UnsafeState naming the types and how to allow them."""
+    name = rel.replace(os.sep, "/").split("/", 1)[-1]
+    if name in _checked:
+        return
+    refused = unsafe_globals(state)
+    if refused:
+        listed = ", ".join(f'"{g}"' for g in refused)
+        raise UnsafeState(
+            f"the checkpoint file {name} would hold {', '.join(refused)}, which Tidal's weights-only loading refuses "
+            f"(a pickle naming them could run code when loaded), so no checkpoint of this job could be restored. "
+            f"If these are safe to load, allow them in the spec: {FIELD}: [{listed}]; or keep only tensors and "
+            "plain Python values (numbers, strings, lists, dicts) in the model's state (get_extra_state).")
+    _checked.add(name)
 
 
 class UnsafeCheckpointFile(CheckpointError):

@@ -43,7 +43,11 @@ class ShardReader:
         if not isinstance(index, dict):
             raise TidalError(f"the streamed data's shard index {uri}/{INDEX_FILE} is missing or unreadable; "
                              "run the job again to rebuild it")
-        self.names: list[str] = index["shards"]
+        try:  # names from storage: never joined unchecked (tidal.fs.check_name)
+            self.names: list[str] = [fs.check_name(name) for name in index["shards"]]
+        except fs.UnsafeName as e:
+            raise TidalError(f"the streamed data's shard index {uri}/{INDEX_FILE} names a shard outside its folder "
+                             f"({e}); run the job again to rebuild it") from None
         self.counts: list[int] = index["counts"]
         self.starts = np.concatenate([[0], np.cumsum(self.counts)]).astype(np.int64)
         self.cache: OrderedDict[int, np.ndarray] = OrderedDict()

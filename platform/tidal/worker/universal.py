@@ -14,9 +14,17 @@ size and starting the workers), and the group's nodes already have the storage c
 the CPUs a conversion needs. Converting eagerly before every start would cost a full
 conversion even when the size did not change.
 
-The conversion reads only the files the checkpoint's manifests list (a dead attempt's stray
-partition would make `ds_to_universal` infer the wrong data-parallel degree), uses DeepSpeed's
-parallel extract and merge workers, and is published once (`fs.publish_dir`, marker last).
+The conversion reads only private copies of the files the checkpoint's manifests list (a dead
+attempt's stray partition would make `ds_to_universal` infer the wrong data-parallel degree, and
+it unpickles without weights-only: the copies are checked weights-only first, and a file swapped
+in storage after the check never reaches it), uses DeepSpeed's parallel extract and merge
+workers, and is published once (`fs.publish_dir`, marker last, with an id that tells one
+conversion's copy on a node from another's). Rank 0 verifies a published conversion once
+(`published`) and hands its file list to every rank.
+
+Its console output is one `[tidal]` line saying that a resize conversion ran and how long it
+took; DeepSpeed's own prints go to a log file beside the conversion, and Tidal's stage lines are
+logged only under TIDAL_DEBUG=1.
 It runs in its own process group that kills itself if rank 0 dies, so nothing is left running;
 a conversion killed half-way left no marker, and the next attempt converts again from scratch.
 """
@@ -32,6 +40,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -72,32 +81,62 @@ def timeout_s() -> float:
     return float(os.environ.get(TIMEOUT_ENV) or DEFAULT_TIMEOUT_S)
 
 
+def debug() -> bool:
+    return os.environ.get("TIDAL_DEBUG") == "1"
+
+
+def _say(msg: str, *args: Any) -> None:
+    """A conversion's progress: in the log, on the console only under TIDAL_DEBUG=1."""
+    log.log(logging.WARNING if debug() else logging.INFO, msg, *args)
+
+
 def prepare(found: Found, step_tag: str) -> None:
-    """Rank 0, before it tells the others the resume point: a status of this attempt replaces
-    any earlier attempt's, so no waiter reads a failure that is not this attempt's."""
+    """Rank 0, before it tells the others the resume point, when the conversion must be made: a
+    marker that does not verify goes (a waiter must not take it for this attempt's), and a status
+    of this attempt replaces any earlier attempt's, so no waiter reads a failure that is not this
+    attempt's."""
+    fs.delete_file(found.fs, f"{found.path}/{marker(step_tag)}")
     fs.write_json(found.fs, f"{found.path}/{status_name(step_tag)}", {"state": "pending", "beats": 0})
+
+
+def ready(found: Found, step_tag: str) -> bool:
+    """Rank 0: whether a conversion of `step_tag` is published whole (an earlier attempt's)."""
+    return fs.published(found.fs, f"{found.path}/{step_tag}_universal", f"{found.path}/{marker(step_tag)}")
 
 
 def ensure(found: Found, step_tag: str, rank: int) -> str:
     """The universal tag of `step_tag`, converted and published by rank 0 if need be; every
-    other rank waits for it by polling storage."""
+    other rank waits for its marker by polling storage (one small read per poll: rank 0 verifies
+    the folder, `published`, and hands its list to the others)."""
     out_tag = f"{step_tag}_universal"
-    if fs.published(found.fs, f"{found.path}/{out_tag}", f"{found.path}/{marker(step_tag)}"):
-        return out_tag  # converted by an earlier attempt
     if rank == 0:
-        _convert(found, step_tag, out_tag)
+        if not ready(found, step_tag):
+            _convert(found, step_tag, out_tag)
     else:
         _wait(found, step_tag, out_tag)
     return out_tag
 
 
+def published(found: Found, step_tag: str) -> dict[str, Any]:
+    """Rank 0, once the conversion is there: its marker's document (file list with sizes, names
+    checked, and the conversion's id). A folder that does not match its marker is discarded (the
+    marker deleted): the next attempt converts again."""
+    done = f"{found.path}/{marker(step_tag)}"
+    doc = fs.published_files(found.fs, f"{found.path}/{step_tag}_universal", done)
+    if doc is None:
+        fs.delete_file(found.fs, done)
+        raise CheckpointError(f"the universal conversion of {found.name} does not match its marker (a file missing, "
+                              "resized or unsafely named); it is discarded and made again on the next attempt")
+    return doc
+
+
 def _wait(found: Found, step_tag: str, out_tag: str) -> None:
     status_path = f"{found.path}/{status_name(step_tag)}"
-    out, done = f"{found.path}/{out_tag}", f"{found.path}/{marker(step_tag)}"
+    done = f"{found.path}/{marker(step_tag)}"
     t0 = said = last_change = time.monotonic()
     beats = None
-    # The marker alone first: one small read per poll, where `published` also lists the folder.
-    while not (fs.exists(found.fs, done) and fs.published(found.fs, out, done)):
+    # The marker alone, written last: rank 0 cleared any stale one before the others started.
+    while not fs.exists(found.fs, done):
         now = time.monotonic()
         status = fs.read_json(found.fs, status_path) or {}
         if status.get("state") == "failed":
@@ -111,7 +150,7 @@ def _wait(found: Found, step_tag: str, out_tag: str) -> None:
             raise CheckpointError(f"waited {now - t0:.0f} s for rank 0's conversion of {found.name}, past "
                                   f"{TIMEOUT_ENV}={timeout_s():.0f}")
         if now - said >= 60:
-            log.warning("Resharding: waiting for rank 0 to convert %s (%.0f s; %s)", found.name, now - t0,
+            _say("Resharding: waiting for rank 0 to convert %s (%.0f s; %s)", found.name, now - t0,
                         status.get("stage", "starting"))
             said = now
         time.sleep(POLL_S)
@@ -152,28 +191,33 @@ def _convert(found: Found, step_tag: str, out_tag: str) -> None:
     t0 = time.monotonic()
     out, done = f"{found.path}/{out_tag}", f"{found.path}/{marker(step_tag)}"
     fs.delete_file(found.fs, done)  # a stale marker must not bless a half-made upload
-    files = {rel: size for rel, size in listed_files(found.fs, found.path).items() if rel.startswith(f"{step_tag}/")}
+    listed = found.files if found.files is not None else listed_files(found.fs, found.path)
+    files = {rel: size for rel, size in listed.items() if rel.startswith(f"{step_tag}/")}
     if not files:
         raise CheckpointError(f"{found.name} lists no files under {step_tag}: nothing to convert")
     total = sum(files.values())
     with _Status(found.fs, f"{found.path}/{status_name(step_tag)}") as status, \
-            NodeCache(f"convert:{found.path}/{step_tag}", name=f"convert-{found.name}") as cache:
-        _check_disk(cache.dir, total, 0 if fs.is_local(found.fs) else total)
+            NodeCache(f"convert:{found.path}/{step_tag}", name=f"convert-{found.name}", keep=False) as cache:
+        _check_disk(cache.dir, total, total)
         status.stage = f"fetching {len(files)} files, {total / 2**20:.0f} MiB"
-        log.warning("Resharding: converting %s of %s (%d files, %.0f MiB) to universal form", step_tag, found.name,
-                    len(files), total / 2**20)
-        src = _input(found, cache, files, step_tag)
-        # ds_to_universal unpickles with weights_only=False: each file is first read weights-only
+        _say("Resharding: converting %s of %s (%d files, %.0f MiB) to universal form", step_tag, found.name,
+             len(files), total / 2**20)
+        # Private copies, on every filesystem (tidal.worker.fetch): what is checked is what is read.
+        cache.fetch(found.fs, found.path, files)
+        # ds_to_universal unpickles with weights_only=False: each copy is first read weights-only
         # (its pickle, not its tensors), so a planted one is refused here instead of run there.
         status.stage = "checking the files' pickles"
-        safe_load.check_files(os.path.dirname(src), files)
+        safe_load.check_files(cache.dir, files)
         dst = os.path.join(cache.dir, "out", out_tag)
-        _run(src, dst, files, status)
-        status.stage = "publishing"
         t1 = time.monotonic()
-        fs.publish_dir(dst, found.fs, out, done)
-        log.warning("Resharding: %s of %s converted and published in %.1f s (upload %.1f s)", step_tag,
-                    found.name, time.monotonic() - t0, time.monotonic() - t1)
+        _run(cache.path(step_tag), dst, files, status)
+        status.stage = "publishing"
+        t2 = time.monotonic()
+        fs.publish_dir(dst, found.fs, out, done, id=uuid.uuid4().hex)
+        t3 = time.monotonic()
+    print(f"[tidal] resize: converted {found.name} ({total / 2**20:.0f} MiB) for the new world size in "
+          f"{t3 - t0:.1f} s (fetch and check {t1 - t0:.1f} s, convert {t2 - t1:.1f} s, upload {t3 - t2:.1f} s)",
+          flush=True)
 
 
 def _check_disk(folder: str, total: int, download: int) -> None:
@@ -245,7 +289,7 @@ def _stages(out_log: str, seen: int, status: _Status, t0: float) -> int:
         for line in lines[seen:]:
             if line.startswith("***"):
                 status.stage = line.strip("* ")
-                log.warning("Resharding: %s (%.0f s)", status.stage, time.monotonic() - t0)
+                _say("Resharding: %s (%.0f s)", status.stage, time.monotonic() - t0)
         return len(lines)
     return seen
 

@@ -1,0 +1,139 @@
+"""A ZeRO-3 rank's share of a universal checkpoint, read by byte range: bytes about state / world.
+
+DeepSpeed's ZeRO-3 universal loader (`stage3.load_hp_checkpoint_state`, checked against 0.19.8)
+reads each parameter's `zero/<name>/{fp32,exp_avg,exp_avg_sq}.pt` whole and keeps the slice
+`[r*p, (r+1)*p)` of its flattened tensor (p = ceil(numel / world)): every rank downloaded the
+whole optimizer state (about 84 GB per node at 7B). These files are uncompressed zip archives
+(torch.save) holding one tensor record, so a rank's slice is one byte range. Each rank reads the
+archive's directory and small records whole and, of the tensor, only its slice, into a sparse
+local file of the original's size and layout: every other byte is a hole (no disk; zeros when
+read). torch checks no record's CRC when it loads, so DeepSpeed loads that file as it would the
+whole one and keeps the same slice, which holds the stored bytes. A file of any other layout
+(more than one tensor record, a view) is fetched whole.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import pickle
+import struct
+import zipfile
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow.fs as pafs
+import torch
+from torch import _weights_only_unpickler as weights_only
+
+from tidal.errors import CheckpointError
+
+SLICED = ("fp32.pt", "exp_avg.pt", "exp_avg_sq.pt")  # what the ZeRO-3 loader slices by rank
+CHUNK = 64 * 2**20
+
+
+def sliced(rel: str) -> bool:
+    """Whether `rel` (relative to a universal tag folder) is a file the ZeRO-3 loader slices."""
+    parts = rel.split("/")
+    return len(parts) == 3 and parts[0] == "zero" and parts[2] in SLICED
+
+
+def partition(numel: int, world: int, rank: int) -> tuple[int, int]:
+    """The elements `[lo, hi)` of a flattened parameter that ZeRO-3 rank `rank` of `world` holds
+    (DeepSpeed pads the last partition; its padding is not in the file)."""
+    per = math.ceil(numel / world)
+    lo = min(rank * per, numel)
+    return lo, min(lo + per, numel)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the parts of one archive lie: byte ranges copied whole, and the tensor's record."""
+
+    size: int
+    whole: list[tuple[int, int]]
+    data_start: int  # the first byte of the tensor's storage in the file
+    offset: int  # the tensor's first element within its storage
+    numel: int
+    itemsize: int
+
+
+class NotSliceable(Exception):
+    """An archive whose tensor cannot be read as one byte range: fetch it whole."""
+
+
+def layout(f: Any, size: int) -> Layout:
+    """The layout of the archive `f` (a seekable binary file of `size` bytes), from its directory
+    and its pickle: a few small reads."""
+    archive = zipfile.ZipFile(f)
+    infos = archive.infolist()
+    records = [i for i in infos if "/data/" in i.filename and not i.filename.endswith(".pkl")]
+    pickles = [i for i in infos if i.filename.endswith("/data.pkl")]
+    if len(records) != 1 or len(pickles) != 1 or any(i.compress_type != zipfile.ZIP_STORED for i in infos):
+        raise NotSliceable(f"{len(records)} tensor records")
+    tensor = _tensor(archive.read(pickles[0]))
+    starts = {i.filename: _data_start(f, i) for i in infos}
+    record = records[0]
+    whole = [(i.header_offset, starts[i.filename] + i.compress_size) for i in infos if i is not record]
+    whole += [(record.header_offset, starts[record.filename]), (archive.start_dir, size)]
+    return Layout(size, whole, starts[record.filename], tensor.storage_offset(), tensor.numel(), tensor.element_size())
+
+
+def _tensor(pkl: bytes) -> torch.Tensor:
+    """The tensor a universal file holds (`{"param": t, ...}` or `t`), on the meta device: the
+    pickle is read weights-only and no storage byte is."""
+    def storage(pid: Any) -> Any:
+        dtype = pid[1].dtype if hasattr(pid[1], "dtype") else torch.uint8
+        return torch.storage.TypedStorage(wrap_storage=torch.UntypedStorage(int(pid[4]) * _itemsize(dtype),
+                                                                            device="meta"),
+                                          dtype=dtype, _internal=True)
+
+    unpickler = weights_only.Unpickler(io.BytesIO(pkl), encoding="utf-8")
+    unpickler.persistent_load = storage
+    try:
+        obj = unpickler.load()
+    except (pickle.UnpicklingError, IndexError, TypeError) as e:
+        raise NotSliceable(str(e)) from e
+    tensor = obj.get("param") if isinstance(obj, dict) else obj
+    if not isinstance(tensor, torch.Tensor) or not tensor.is_contiguous():
+        raise NotSliceable("no contiguous tensor")
+    return tensor
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _data_start(f: Any, info: zipfile.ZipInfo) -> int:
+    """The first byte of a stored entry's data: after its local header, whose name and extra
+    field lengths may differ from the directory's."""
+    f.seek(info.header_offset)
+    header = f.read(30)
+    name_len, extra_len = struct.unpack("<HH", header[26:30])
+    return info.header_offset + 30 + name_len + extra_len
+
+
+def fetch_share(storage: pafs.FileSystem, src: str, dst: str, size: int, world: int, rank: int) -> int:
+    """Write into `dst` a sparse copy of the archive `src` holding rank `rank`'s slice of its
+    tensor (of `world`) and every other record whole; returns the bytes read from storage.
+    NotSliceable: fetch it whole instead."""
+    read = 0
+    with storage.open_input_file(src) as f:
+        if f.size() != size:
+            raise CheckpointError(f"{src} is {f.size():,} bytes in storage, its manifest says {size:,}")
+        lay = layout(f, size)
+        lo, hi = partition(lay.numel, world, rank)
+        first = lay.data_start + (lay.offset + lo) * lay.itemsize
+        ranges = [*lay.whole, (first, first + (hi - lo) * lay.itemsize)]
+        with open(dst, "wb") as out:
+            out.truncate(lay.size)  # holes everywhere not written below
+            for start, end in ranges:
+                for at in range(start, end, CHUNK):
+                    block = f.read_at(min(CHUNK, end - at), at)
+                    out.seek(at)
+                    out.write(block)
+                    read += len(block)
+            out.flush()
+            os.fsync(out.fileno())
+    return read

@@ -1,0 +1,146 @@
+"""Restore I/O that does not grow with the world: rank 0 lists and verifies a checkpoint once, and
+each rank's restore then makes storage requests for its own files only. A simulated 64-rank
+ZeRO-2 checkpoint, read through a pyarrow filesystem that counts every request (one per path
+asked about, as S3 sends a HEAD or GET per key), behind the real restore (a process group of
+one, the rank's data-parallel rank set per simulated rank). No Ray."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow.fs as pafs
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.conftest import free_port
+from tidal.storage import STATE_FILE, RunDir, manifest_name
+from tidal.worker import fetch, restore
+
+
+class Counting(pafs.FileSystemHandler):
+    """A local filesystem that counts requests by kind (each path of a batched info is one)."""
+
+    def __init__(self) -> None:
+        self.inner, self.calls = pafs.LocalFileSystem(), Counter()
+
+    def get_type_name(self) -> str:
+        return "counting"
+
+    def normalize_path(self, path: str) -> str:
+        return path
+
+    def equals(self, other: Any) -> bool:
+        return self is other
+
+    def get_file_info(self, paths: list[str]) -> list[pafs.FileInfo]:
+        self.calls["info"] += len(paths)
+        return self.inner.get_file_info(paths)
+
+    def get_file_info_selector(self, selector: pafs.FileSelector) -> list[pafs.FileInfo]:
+        self.calls["list"] += 1
+        return self.inner.get_file_info(selector)
+
+    def open_input_stream(self, path: str) -> Any:
+        self.calls["read"] += 1
+        return self.inner.open_input_stream(path)
+
+    def open_input_file(self, path: str) -> Any:
+        self.calls["read"] += 1
+        return self.inner.open_input_file(path)
+
+    def create_dir(self, path: str, recursive: bool) -> None:
+        self.inner.create_dir(path, recursive=recursive)
+
+    def delete_dir(self, path: str) -> None:
+        self.inner.delete_dir(path)
+
+    def delete_dir_contents(self, path: str, missing_dir_ok: bool = False) -> None:
+        self.inner.delete_dir_contents(path, missing_dir_ok=missing_dir_ok)
+
+    def delete_root_dir_contents(self) -> None:
+        raise OSError("not here")
+
+    def delete_file(self, path: str) -> None:
+        self.inner.delete_file(path)
+
+    def move(self, src: str, dest: str) -> None:
+        self.inner.move(src, dest)
+
+    def copy_file(self, src: str, dest: str) -> None:
+        self.inner.copy_file(src, dest)
+
+    def open_output_stream(self, path: str, metadata: Any = None) -> Any:
+        return self.inner.open_output_stream(path)
+
+    def open_append_stream(self, path: str, metadata: Any = None) -> Any:
+        return self.inner.open_append_stream(path)
+
+
+def zero2_checkpoint(root: Path, world: int) -> str:
+    """Rank r lists its optimizer partition; rank 0 also the model states. Small real torch files."""
+    path = root / "job" / "checkpoint_000000008"
+    (path / "global_step8").mkdir(parents=True)
+    (path / STATE_FILE).write_text(json.dumps({"step": 8, "world_size": world, "zero_stage": 2, "attempt": "a",
+                                               "checkpoint_every": 8}))
+    for rank in range(world):
+        names = [f"global_step8/zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"]
+        if rank == 0:
+            names.append("global_step8/mp_rank_00_model_states.pt")
+        files = {}
+        for rel in names:
+            torch.save({"x": torch.full((4,), float(rank))}, path / rel)
+            files[rel] = (path / rel).stat().st_size
+        (path / manifest_name(rank)).write_text(json.dumps({"step": 8, "attempt": "a", "files": files}))
+    return str(path)
+
+
+class Engine:
+    optimizer = None
+    checkpoint_engine = None
+
+    def load_checkpoint(self, load_dir: str, tag: str, **_: Any) -> tuple[str, dict]:
+        return load_dir, {}
+
+
+@pytest.fixture
+def group() -> Iterator[None]:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def requests(world: int, ranks: list[int], tmp: Path, monkeypatch) -> tuple[Counter, dict[int, Counter]]:
+    """(rank 0's requests to choose and verify the checkpoint, each rank's requests to restore it)."""
+    zero2_checkpoint(tmp / f"w{world}", world)
+    handler = Counting()
+    run = RunDir(str(tmp / f"w{world}"), "job")
+    run.fs = pafs.PyFileSystem(handler)  # an object store's behaviour: not a LocalFileSystem
+    found = run.latest_complete()
+    assert found is not None and found.files is not None
+    planning, handler.calls = handler.calls, Counter()
+    per_rank = {}
+    for rank in ranks:
+        monkeypatch.setattr(restore, "_dp_rank", lambda engine, r=rank: r)
+        monkeypatch.setenv(fetch.CACHE_ENV, str(tmp / f"cache-{world}-{rank}"))  # a node each
+        restore.restore(Engine(), found, reshard=False)
+        per_rank[rank], handler.calls = handler.calls, Counter()
+    return planning, per_rank
+
+
+def test_each_ranks_restore_requests_grow_with_its_own_files_not_the_world(tmp_path, group, monkeypatch):
+    small_plan, small = requests(8, [1, 7], tmp_path, monkeypatch)
+    big_plan, big = requests(64, [1, 33, 63], tmp_path, monkeypatch)
+
+    own = sum(big[1].values())
+    assert all(sum(c.values()) == own for c in [*small.values(), *big.values()]), (small, big)
+    assert own <= 4 * 2, f"a rank's restore asks about its 2 files, a few requests each: {big[1]}"
+    # Rank 0 reads every manifest once, and asks once about each listed file, at any world size.
+    assert big_plan["read"] - small_plan["read"] == 64 - 8
+    assert big_plan["info"] - small_plan["info"] <= 2 * (64 - 8)
+    print(f"per-rank restore requests: {dict(big[1])} at 8 and 64 ranks; rank 0's listing: {dict(small_plan)} "
+          f"at 8 ranks, {dict(big_plan)} at 64")

@@ -1,0 +1,104 @@
+"""Nothing read from storage is trusted, end to end through Ray Train and real DeepSpeed: a
+manifest naming a file outside its checkpoint (on moto's S3 server and on a local path) writes
+nothing outside the restore cache, the checkpoint is condemned and the job goes on from the one
+before; a pickle planted in a published universal folder on a local filesystem never runs at a
+resize; a model whose state holds numpy values fails at its first save naming the types, and
+with them allowed in the spec trains, resumes and resizes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import tidal
+from tests.conftest import metric_history, tiny_spec
+from tests.extra_state_model import NUMPY_SCALAR
+from tests.test_restore_private import evil
+from tidal import fs
+from tidal.storage import QUARANTINE_FILE, UNSAFE, RunDir, checkpoint_dir_name, manifest_name
+from tidal.worker import fetch
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("s3_server", "ray_local")]
+
+
+def workers(n: int) -> dict[str, int]:
+    return {"scaling.min_workers": n, "scaling.max_workers": n}
+
+
+def files_named(folder: Path, name: str) -> list[Path]:
+    return [p for p in folder.rglob(name)] if folder.exists() else []
+
+
+@pytest.mark.parametrize("where", ["s3", "local"])
+def test_a_manifest_name_outside_its_checkpoint_is_never_used_and_the_job_ends_well(tmp_path, where, request):
+    storage = f"{request.getfixturevalue('bucket')}/runs" if where == "s3" else str(tmp_path / "runs")
+    cache = tmp_path / "cache"
+    spec = tiny_spec(tmp_path, name="names", **{"train.steps": 12, "checkpoint.every_steps": 4,
+                                                "checkpoint.storage": storage},
+                     worker_env={fetch.CACHE_ENV: str(cache)})
+    assert tidal.run(spec.with_overrides({"train.stop_at": 8})).error is None
+    run = RunDir(storage, spec.name)
+    eight = f"{run.path}/{checkpoint_dir_name(8)}"
+    # What a writer of one object under the run's prefix can do: on S3 `ck/global_step8/../../x`
+    # is the key `<run>/x`, which exists, so the checkpoint counted as complete.
+    with run.fs.open_output_stream(f"{run.path}/x") as f:
+        f.write(b"abc")
+    (tmp_path / "outside").write_bytes(b"abc")
+    manifest = fs.read_json(run.fs, f"{eight}/{manifest_name(1)}")
+    bad = {"global_step8/../../x": 3} if where == "s3" else {str(tmp_path / "outside"): 3}
+    manifest["files"] = {**bad, **manifest["files"]}
+    fs.write_json(run.fs, f"{eight}/{manifest_name(1)}", manifest)
+
+    result = tidal.run(spec)
+
+    assert result.error is None, result.error
+    assert sorted(metric_history(spec, result.mlflow_run_id, "loss")) == list(range(1, 13))
+    assert metric_history(spec, result.mlflow_run_id, "steps_lost")[12] == 4, "resumed from step 4"
+    assert not files_named(cache, "x") and not files_named(cache, "outside"), "nothing written outside its folder"
+    condemned = fs.read_json(run.fs, f"{eight}/{QUARANTINE_FILE}")
+    assert condemned is not None and UNSAFE in condemned["error"]
+
+
+def test_a_pickle_planted_in_a_published_universal_folder_never_runs_at_a_resize(tmp_path):
+    """On a local (or NFS) path DeepSpeed's universal loader was handed the storage folder, and
+    unpickles every `*.pt` in each `zero/<param>/` folder without weights-only."""
+    marker = tmp_path / "ran"
+    common = {"train.steps": 18, "checkpoint.every_steps": 6}
+    # 2 workers to 6, then 1 to 12: the resize publishes global_step6_universal beside step 6.
+    for n, until in ((2, 6), (1, 12)):
+        assert tidal.run(tiny_spec(tmp_path, name="planted", **common, **workers(n),
+                                   **{"train.stop_at": until})).error is None
+    run = tmp_path / "runs" / "planted"
+    universal = run / checkpoint_dir_name(6) / "global_step6_universal" / "zero"
+    params = [p for p in universal.iterdir() if p.is_dir()]
+    assert params, "the resize published a universal folder"
+    for param in params:
+        (param / "planted.pt").write_bytes(evil(marker))
+    # Step 12 set aside by hand, so the next 1-worker start resumes from step 6 (written by 2
+    # workers) through that published universal folder.
+    (run / checkpoint_dir_name(12) / QUARANTINE_FILE).write_text('{"error": "set aside by the test"}')
+
+    result = tidal.run(tiny_spec(tmp_path, name="planted", **common, **workers(1)))
+
+    assert not marker.exists(), "the planted pickle ran"
+    assert result.error is None, result.error
+    assert metric_history(tiny_spec(tmp_path, name="planted"), result.mlflow_run_id, "world_size")[7] == 1
+
+
+def test_a_state_that_will_not_load_fails_at_the_first_save_until_its_types_are_allowed(tmp_path):
+    common = {"train.steps": 18, "checkpoint.every_steps": 6, "model.builder": "tests.extra_state_model:build",
+              "failure.max_restarts": 0}
+    refused = tidal.run(tiny_spec(tmp_path, name="numpy", **common, **{"train.stop_at": 6}))
+    assert refused.error is not None
+    assert "numpy.dtype" in refused.error and "checkpoint.safe_globals" in refused.error, refused.error
+    assert not RunDir(str(tmp_path / "runs"), "numpy").latest_complete(), "no checkpoint no restore could load"
+
+    allowed = {**common, "checkpoint.safe_globals": NUMPY_SCALAR}
+    # Trains and saves at 2 workers, resizes to 1 (universal), resumes at 1, resizes back to 2.
+    for n, until in ((2, 6), (1, 12), (2, 18)):
+        result = tidal.run(tiny_spec(tmp_path, name="numpy-ok", **allowed, **workers(n), **{"train.stop_at": until}))
+        assert result.error is None, result.error
+    spec = tiny_spec(tmp_path, name="numpy-ok", **allowed)
+    assert sorted(metric_history(spec, result.mlflow_run_id, "loss")) == list(range(1, 19))
+    assert not [p for p in (tmp_path / "runs" / "numpy-ok").rglob(QUARANTINE_FILE)]
