@@ -34,12 +34,8 @@ import os
 os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")  # this process never becomes a Ray driver
 
 import argparse
-import json
 import random
 import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -51,11 +47,13 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from ray.cluster_utils import Cluster
 
-from benchmarks.common import update_doc, write_spec
+from benchmarks.common import Job, read_trace, update_doc, write_spec
 from tidal.spec.job import JobSpec
 from tidal.storage import RunDir, check_complete
+from tidal.testing.clusters import raylet_cluster
+from tidal.testing.processes import our_processes
+from tidal.testing.servers import MlflowServer, moto_s3
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "reliability.md"
 SECTION = "Combined faults"
@@ -78,136 +76,10 @@ def chaos_spec(storage: str, tracking: str, name: str, steps: int, every: int, t
     )
 
 
-# --- the servers and the cluster -----------------------------------------------------------------
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_port(port: int, proc: subprocess.Popen, log: Path, timeout: float = 120) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        with suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
-            return
-        if proc.poll() is not None:
-            raise RuntimeError(log.read_text()[-3000:])
-        time.sleep(0.3)
-    raise TimeoutError(f"nothing listens on 127.0.0.1:{port}")
-
-
-def _stop(proc: subprocess.Popen | None) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    with suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
-
-
-class Servers:
-    """moto's S3 server and an MLflow tracking server on 127.0.0.1, each in its own process group."""
-
-    def __init__(self, tmp: Path) -> None:
-        self.tmp, self.s3_port, self.mlflow_port = tmp, _free_port(), _free_port()
-        self.moto: subprocess.Popen | None = None
-        self.mlflow: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        log = self.tmp / "moto.log"
-        self.moto = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p",
-                                      str(self.s3_port)], stdout=log.open("w"), stderr=subprocess.STDOUT,  # noqa: SIM115
-                                     start_new_session=True)
-        _wait_port(self.s3_port, self.moto, log)
-        os.environ.update({"AWS_ENDPOINT_URL": f"http://127.0.0.1:{self.s3_port}", "AWS_ACCESS_KEY_ID": "test",
-                           "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1",
-                           "AWS_EC2_METADATA_DISABLED": "true"})
-        import boto3
-
-        boto3.client("s3").create_bucket(Bucket="chaos")
-        self.start_mlflow()
-
-    def start_mlflow(self) -> None:
-        log = self.tmp / "mlflow.log"
-        self.mlflow = subprocess.Popen(
-            [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.mlflow_port),
-             "--workers", "1", "--backend-store-uri", f"sqlite:///{self.tmp}/mlflow.db",
-             "--default-artifact-root", str(self.tmp / "artifacts")],
-            stdout=log.open("a"), stderr=subprocess.STDOUT, start_new_session=True)  # noqa: SIM115
-        _wait_port(self.mlflow_port, self.mlflow, log)
-
-    def stop_mlflow(self) -> None:
-        _stop(self.mlflow)
-        self.mlflow = None
-
-    @property
-    def tracking_uri(self) -> str:
-        return f"http://127.0.0.1:{self.mlflow_port}"
-
-    def close(self) -> None:
-        _stop(self.mlflow)
-        _stop(self.moto)
-
-
-class Driver:
-    """The job's `tidal run` process; run again after a driver kill, as a user (or Ray Jobs) would."""
-
-    def __init__(self, spec_path: Path, address: str, log: Path) -> None:
-        self.cmd = [sys.executable, "-m", "tidal", "run", str(spec_path)]
-        self.env = {**os.environ, "RAY_ADDRESS": address}
-        self.log, self.proc = log, None
-        self.lock = threading.Lock()
-        self.exits: list[int] = []
-
-    def start(self) -> None:
-        with self.lock:
-            self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=self.log.open("a"),  # noqa: SIM115
-                                         stderr=subprocess.STDOUT, start_new_session=True)
-
-    def kill_and_restart(self) -> None:
-        with self.lock:
-            old = self.proc
-        _stop(old)
-        self.start()
-
-    def wait(self, timeout: float) -> int:
-        """Until a driver exits by itself (not killed by a fault); its exit code."""
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            with self.lock:
-                proc = self.proc
-            code = proc.poll()
-            if code is not None and code != -signal.SIGKILL:
-                self.exits.append(code)
-                return code
-            time.sleep(0.5)
-        raise TimeoutError("the job did not end")
-
-
 # --- where the job is ------------------------------------------------------------------------------
 
-def _ours(fragment: str) -> list[psutil.Process]:
-    out = []
-    for p in psutil.Process().children(recursive=True):
-        with suppress(psutil.Error):
-            if fragment in " ".join(p.cmdline()):
-                out.append(p)
-    return out
-
-
-def _trace(path: Path) -> list[dict[str, Any]]:
-    """The loss trace's records; a line cut short by a kill mid-write is skipped."""
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        with suppress(ValueError):
-            out.append(json.loads(line))
-    return out
-
-
 def _top_step(path: Path) -> int:
-    return max((r["step"] for r in _trace(path)), default=0)
+    return max((r["step"] for r in read_trace(path)), default=0)
 
 
 def _save_in_flight(run: RunDir) -> bool:
@@ -255,9 +127,9 @@ class Fault:
 class Chaos:
     """Carries out the planned faults one after another, each when the job passes its step."""
 
-    cluster: Cluster
-    servers: Servers
-    driver: Driver
+    cluster: Any  # ray.cluster_utils.Cluster
+    mlflow: MlflowServer
+    driver: Job
     run: RunDir
     trace: Path
     plan: list[Fault]
@@ -288,7 +160,7 @@ class Chaos:
         return None if self.stop.is_set() else seen.get("value")
 
     def _kill_worker(self, fault: Fault) -> bool:
-        workers = self._until(lambda: _ours("RayTrainWorker"), 120, 0.2)
+        workers = self._until(lambda: our_processes("RayTrainWorker"), 120, 0.2)
         if not workers:
             fault.note = "no worker found"
             return False
@@ -341,10 +213,10 @@ class Chaos:
 
     def _driver(self, fault: Fault) -> None:
         fault.t = time.time()
-        self.driver.kill_and_restart()
+        self.driver.restart()
 
     def _tracker(self, fault: Fault) -> None:
-        trackers = self._until(lambda: _ours("TrackerActor"), 60, 0.2)
+        trackers = self._until(lambda: our_processes("TrackerActor"), 60, 0.2)
         if trackers:
             fault.t = time.time()
             with suppress(psutil.Error):
@@ -354,10 +226,10 @@ class Chaos:
 
     def _mlflow(self, fault: Fault) -> None:
         fault.t = time.time()
-        self.servers.stop_mlflow()
+        self.mlflow.crash()
         down = self.rng.uniform(5, 15)
         self.stop.wait(down)
-        self.servers.start_mlflow()
+        self.mlflow.start()
         fault.note = f"down {down:.0f} s"
 
 
@@ -371,15 +243,15 @@ def plan_faults(rng: random.Random, n: int, steps: int) -> list[Fault]:
 
 # --- one invocation --------------------------------------------------------------------------------
 
-def run_job(cluster: Cluster, servers: Servers, spec: JobSpec, tmp: Path, faults: list[Fault],
+def run_job(cluster: Any, mlflow: MlflowServer, spec: JobSpec, tmp: Path, faults: list[Fault],
             seed: int) -> dict[str, Any]:
     trace = Path(spec.worker_env["TIDAL_LOSS_TRACE"])
-    driver = Driver(write_spec(spec, tmp / f"{spec.name}.yaml"), cluster.address, tmp / f"{spec.name}.log")
-    chaos = Chaos(cluster, servers, driver, RunDir(spec.checkpoint.storage, spec.name), trace, faults,
+    driver = Job(write_spec(spec, tmp / f"{spec.name}.yaml"), cluster.address, trace, tmp / f"{spec.name}.log")
+    chaos = Chaos(cluster, mlflow, driver, RunDir(spec.checkpoint.storage, spec.name), trace, faults,
                   random.Random(seed))
     # The faults run on this (main) thread: Ray's Cluster adds a node only from the main thread.
     ended: dict[str, int] = {}
-    waiter = threading.Thread(target=lambda: (ended.setdefault("code", driver.wait(4 * 3600)), chaos.stop.set()),
+    waiter = threading.Thread(target=lambda: (ended.setdefault("code", driver.wait_exit(4 * 3600)), chaos.stop.set()),
                               daemon=True)
     t0 = time.time()
     driver.start()
@@ -387,7 +259,7 @@ def run_job(cluster: Cluster, servers: Servers, spec: JobSpec, tmp: Path, faults
     chaos.go()
     waiter.join()
     code = ended.get("code", -1)
-    return {"exit": code, "wall_s": time.time() - t0, "trace": _trace(trace), "log": driver.log}
+    return {"exit": code, "wall_s": time.time() - t0, "trace": read_trace(trace), "log": driver.log}
 
 
 def job_losses(client: Any, experiment: str, job: str) -> tuple[list[Any], list[Any]]:
@@ -566,27 +438,20 @@ def main() -> None:
         ap.error(f"--faults must be at least {len(KINDS)}: one of each kind ({', '.join(KINDS)})")
     with tempfile.TemporaryDirectory(prefix="tidal-chaos-") as d:
         tmp = Path(d)
-        servers = Servers(tmp)
-        servers.start()  # first: every raylet inherits the S3 endpoint
-        cluster = Cluster(initialize_head=True, connect=False,
-                          head_node_args={"num_cpus": 0, "include_dashboard": False})
+        mlflow = MlflowServer(tmp, str(tmp / "artifacts"), direct_artifacts=True)
         try:
-            for _ in range(2):
-                cluster.add_node(num_cpus=1)
-            cluster.wait_for_nodes()
-            ref_spec = chaos_spec("s3://chaos/runs", servers.tracking_uri, "undisturbed", args.steps, args.every,
-                                  tmp / "undisturbed.trace")
-            ref = run_job(cluster, servers, ref_spec, tmp, [], args.seed)
-            spec = chaos_spec("s3://chaos/runs", servers.tracking_uri, "chaos", args.steps, args.every,
-                              tmp / "chaos.trace")
-            faults = plan_faults(random.Random(args.seed), args.faults, args.steps)
-            got = run_job(cluster, servers, spec, tmp, faults, args.seed)
-            r = summarize(spec, ref, got, faults)
+            # S3 first: every raylet inherits its endpoint
+            with moto_s3(tmp / "moto.log", buckets=("chaos",)), raylet_cluster(workers=2, connect=False) as cluster:
+                mlflow.start()
+                ref_spec = chaos_spec("s3://chaos/runs", mlflow.uri, "undisturbed", args.steps, args.every,
+                                      tmp / "undisturbed.trace")
+                ref = run_job(cluster, mlflow, ref_spec, tmp, [], args.seed)
+                spec = chaos_spec("s3://chaos/runs", mlflow.uri, "chaos", args.steps, args.every, tmp / "chaos.trace")
+                faults = plan_faults(random.Random(args.seed), args.faults, args.steps)
+                got = run_job(cluster, mlflow, spec, tmp, faults, args.seed)
+                r = summarize(spec, ref, got, faults)
         finally:
-            try:
-                cluster.shutdown()
-            finally:
-                servers.close()
+            mlflow.stop()
             _keep(tmp)
         cmd = f"python -m benchmarks.chaos_combined --faults {args.faults} --steps {args.steps} --every {args.every} --seed {args.seed}"
         text = report(r, cmd)

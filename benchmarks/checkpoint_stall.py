@@ -20,11 +20,9 @@ GPU it also allocates the pinned buffers that later saves reuse).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform as pyplatform
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -48,6 +46,7 @@ from benchmarks.throughput import tidal as timed_tidal_run
 from tidal import fs
 from tidal.spec.job import JobSpec
 from tidal.storage import RunDir
+from tidal.testing.servers import moto_s3
 
 WIDE = {"n_layer": 4, "n_head": 8, "d_model": 1024, "vocab_size": 256, "seq_len": 16}
 EVERY, STEPS = 5, 20
@@ -193,33 +192,13 @@ that a machine whose speed drifts during the invocation can be seen.
 """
 
 
+S3 = contextlib.ExitStack()  # moto's server once started; closed at the end of main
+
+
 def start_s3(tmp: Path) -> str:
-    """moto's S3 server on a free port, in the environment `tidal run` and its Ray workers inherit."""
-    import socket
-
-    import boto3
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    moto = Path(sys.executable).parent / "moto_server"
-    proc = subprocess.Popen([str(moto), "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
-    STARTED.append(proc)
-    os.environ.update({"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test",
-                       "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1",
-                       "AWS_EC2_METADATA_DISABLED": "true"})
-    for _ in range(150):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            time.sleep(0.2)
-    boto3.client("s3").create_bucket(Bucket="bench")
+    """moto's S3 server with a bucket, in the environment `tidal run` and its Ray workers inherit."""
+    S3.enter_context(moto_s3(tmp / "moto.log", buckets=("bench",)))
     return "s3://bench"
-
-
-STARTED: list[subprocess.Popen] = []
 
 
 def main() -> None:
@@ -242,9 +221,7 @@ def main() -> None:
                 section = f"Checkpoint stall: asynchronous checkpoints vs torch.save ({args.storage})"
                 update_doc(section, stall(args, Path(d)))
     finally:
-        for proc in STARTED:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait()
+        S3.close()
 
 
 if __name__ == "__main__":

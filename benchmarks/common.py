@@ -10,6 +10,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -18,7 +19,7 @@ from typing import Any
 import yaml
 
 from tidal.spec.job import JobSpec
-from tidal.testing.processes import venv_tools_first
+from tidal.testing.processes import kill_session, start_in_session, venv_tools_first
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -125,33 +126,60 @@ def update_doc(section: str, body: str, doc: Path = DOC) -> None:
     doc.write_text(text)
 
 
+def read_trace(path: Path) -> list[dict[str, Any]]:
+    """The records of a loss trace (TIDAL_LOSS_TRACE: rank 0's step, loss, world, time of every
+    step of every life); a line cut short by a kill mid-write is skipped."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
 class Job:
-    """A `tidal run` process against a cluster at `address`, and the loss trace its rank 0 writes."""
+    """A `tidal run` process against a cluster at `address`, and the loss trace its rank 0 writes.
+    A driver killed and started again (`restart`) is the same job resuming, as a user or Ray Jobs
+    would run the command again."""
 
     def __init__(self, spec_path: Path, address: str, trace: Path, log: Path) -> None:
         self.cmd = [sys.executable, "-m", "tidal", "run", str(spec_path)]
         self.env = {**os.environ, "RAY_ADDRESS": address}
         self.trace, self.log, self.proc = trace, log, None
+        self.lock = threading.Lock()  # a fault thread restarts the driver while another waits on it
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=self.log.open("a"),  # noqa: SIM115
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        with self.lock:
+            self.proc = start_in_session(self.cmd, self.log, env=self.env)
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        """SIGKILL the driver (a crash, not a shutdown)."""
+        with self.lock:
+            proc = self.proc
+        if proc and proc.poll() is None:
+            kill_session(proc)
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def wait_exit(self, timeout_s: float) -> int:
+        """Until a driver exits by itself (not killed by a fault); its exit code."""
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            with self.lock:
+                proc = self.proc
+            code = proc.poll() if proc else None
+            if code is not None and code != -signal.SIGKILL:
+                return code
+            time.sleep(0.5)
+        raise TimeoutError(f"the job did not end within {timeout_s} s; see {self.log}")
 
     def records(self) -> list[dict[str, Any]]:
-        if not self.trace.exists():
-            return []
-        out = []
-        for line in self.trace.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue  # a line cut short by a kill
-        return out
+        return read_trace(self.trace)
 
     def steps_done(self) -> int:
         return len(self.records())

@@ -25,10 +25,9 @@ os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")  # this process never beco
 import time
 from pathlib import Path
 
-from ray.cluster_utils import Cluster
-
 from benchmarks.common import Job, median, pairs_main, write_spec
 from tidal.spec.job import JobSpec
+from tidal.testing.clusters import raylet_cluster
 from tidal.testing.processes import kill, our_processes
 
 SECTION = "Recovery: a killed driver against a killed worker"
@@ -57,17 +56,12 @@ def kill_worker(job: Job) -> float:
 
 def kill_driver(job: Job) -> float:
     seen, t = job.steps_done(), time.time()
-    job.stop()
-    job.start()
+    job.restart()
     return job.new_life_after(seen) - t
 
 
 def run(pairs: int, tmp: Path) -> list[dict[str, float]]:
-    cluster = Cluster(initialize_head=True, connect=False, head_node_args={"num_cpus": 0, "include_dashboard": False})
-    try:
-        for _ in range(2):
-            cluster.add_node(num_cpus=1)
-        cluster.wait_for_nodes()
+    with raylet_cluster(workers=2, connect=False) as cluster:
         spec = job_spec(tmp)
         job = Job(write_spec(spec, tmp / "job.yaml"), cluster.address, tmp / "loss.trace", tmp / "driver.log")
         job.start()
@@ -85,8 +79,6 @@ def run(pairs: int, tmp: Path) -> list[dict[str, float]]:
         finally:
             job.stop()
         return rounds
-    finally:
-        cluster.shutdown()
 
 
 def report(rounds: list[dict[str, float]], pairs: int) -> str:

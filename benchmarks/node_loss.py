@@ -23,13 +23,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import ray
 from mlflow.tracking import MlflowClient
-from ray.cluster_utils import Cluster
 
 import tidal
 from benchmarks.common import update_doc
 from tidal.spec.job import JobSpec
+from tidal.testing.clusters import raylet_cluster
 
 ELASTIC_CHECK_S = 10.0  # how often the job looks for room to grow (the spec's default is 60 s)
 
@@ -37,10 +36,8 @@ ELASTIC_CHECK_S = 10.0  # how often the job looks for room to grow (the spec's d
 def measure(name: str) -> tuple[float, float]:
     """One node loss and return on a fresh local cluster: seconds from the removal to the first
     step at size 1, and from the returned node's registration to the first step at size 2."""
-    cluster = Cluster(initialize_head=True, connect=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
-    nodes = [cluster.add_node(num_cpus=1) for _ in range(2)]
-    cluster.wait_for_nodes()
-    try:
+    with raylet_cluster(workers=2) as cluster:
+        nodes = [n for n in cluster.list_all_nodes() if not n.head]
         with tempfile.TemporaryDirectory() as d:
             tmp = Path(d)
             spec = JobSpec(
@@ -61,9 +58,6 @@ def measure(name: str) -> tuple[float, float]:
             cluster.add_node(num_cpus=1)  # returns once the node is registered
             t_back = time.time()
             grow = _wait(lambda: _first_at_size(client, run_id, 2, t_back), timeout=600) - t_back
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
     return shrink, grow
 
 

@@ -4,24 +4,23 @@ seconds); each test gets its own storage folder and MLflow SQLite file."""
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tidal.spec.job import JobSpec
+from tidal.testing.heads import NO_DRAIN_ON_SIGTERM as NO_DRAIN_ON_SIGTERM
+from tidal.testing.heads import ray_head
 from tidal.testing.processes import free_port as free_port
+from tidal.testing.processes import restore_env as restore_env
+from tidal.testing.processes import stop_session as stop_session
 from tidal.testing.processes import venv_tools_first
 from tidal.testing.runs import metric_history as metric_history
+from tidal.testing.servers import mlflow_server as mlflow_server
+from tidal.testing.servers import moto_s3 as moto_s3
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,11 +42,6 @@ def _mlflow_tracking_uri_put_back() -> Iterator[None]:
         import mlflow
 
         mlflow.set_tracking_uri(before)
-
-
-# For a test head from `ray start --block`: on SIGTERM a head first drains itself through its GCS,
-# which the teardown's signal to the whole session has just stopped, and waits out the 30 s default.
-NO_DRAIN_ON_SIGTERM = {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
 
 
 def tiny_spec(tmp: Path, name: str = "tiny", **overrides: Any) -> JobSpec:
@@ -81,79 +75,6 @@ def mlflow_uri(tmp_path_factory) -> str:
     return f"sqlite:///{tmp_path_factory.mktemp('mlflow')}/mlflow.db"
 
 
-@contextmanager
-def moto_s3(log: Path, server_env: dict[str, str] | None = None) -> Iterator[str]:
-    """A real S3 API (moto's server) on 127.0.0.1, its endpoint and test credentials set in this
-    process's environment (so every client, and every Ray instance started meanwhile, finds it);
-    `server_env` goes to the server alone (e.g. moto's request recorder). Yields the endpoint."""
-    port = free_port()
-    moto = Path(sys.executable).parent / "moto_server"
-    proc = subprocess.Popen([str(moto), "-H", "127.0.0.1", "-p", str(port)], stdout=log.open("w"),  # noqa: SIM115
-                            stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **(server_env or {})})
-    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test",
-           "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        deadline = time.time() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if time.time() > deadline or proc.poll() is not None:
-                    raise RuntimeError(f"moto_server did not start: {log.read_text()[-2000:]}") from None
-                time.sleep(0.2)
-        yield env["AWS_ENDPOINT_URL"]
-    finally:
-        restore_env(old)
-        stop_session(proc)
-
-
-MLFLOW_AUTH_INI = ROOT / "cluster_configs" / "mlflow" / "basic_auth.ini"  # what the cluster configs run
-
-
-@contextmanager
-def mlflow_server(tmp: Path, artifacts: str, env: dict[str, str] | None = None,
-                  admin_password: str | None = None) -> Iterator[str]:
-    """A real `mlflow server` on 127.0.0.1, its database and log in `tmp`, its artifacts at `artifacts`
-    (a path or an s3:// URI); `env` goes to the server alone. Yields its URI; stops its process group.
-
-    With `admin_password`, MLflow's basic-auth app runs as the cluster configs start it: the shipped
-    cluster_configs/mlflow/basic_auth.ini (no permission by default), its user store in `tmp` (the
-    server's working directory, as on the head), the admin `admin` with that password, and the
-    Flask secret key its CSRF protection needs."""
-    port = free_port()
-    server_env = {**os.environ, **(env or {})}
-    for name in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
-        server_env.pop(name, None)  # a client's, not the server's
-    auth: list[str] = []
-    if admin_password is not None:
-        server_env |= {"MLFLOW_AUTH_CONFIG_PATH": str(MLFLOW_AUTH_INI), "MLFLOW_AUTH_ADMIN_PASSWORD": admin_password,
-                       "MLFLOW_FLASK_SERVER_SECRET_KEY": uuid.uuid4().hex}  # the app refuses to start without one
-        auth = ["--app-name", "basic-auth"]
-    proc = subprocess.Popen(
-        [str(Path(sys.executable).parent / "mlflow"), "server", *auth, "--host", "127.0.0.1", "--port", str(port),
-         "--workers", "1", "--backend-store-uri", f"sqlite:///{tmp}/mlflow.db", "--artifacts-destination", artifacts],
-        env=server_env, cwd=tmp, stdout=(tmp / "mlflow.log").open("w"), stderr=subprocess.STDOUT,  # noqa: SIM115
-        start_new_session=True)
-    uri = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 300  # seen: 135 s to answer on this 2-core machine under load
-        while True:
-            try:
-                with urllib.request.urlopen(f"{uri}/health", timeout=2):  # unauthenticated in basic-auth too
-                    break
-            except OSError:
-                if time.time() > deadline or proc.poll() is not None:
-                    raise RuntimeError(f"mlflow server did not start: {(tmp / 'mlflow.log').read_text()[-3000:]}") from None
-                time.sleep(0.5)
-        yield uri
-    finally:
-        if proc.poll() is None:  # one that failed to start has nothing left to stop
-            stop_session(proc)
-
-
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory) -> Iterator[str]:
     """A real S3 API (moto's server) on 127.0.0.1; every client finds it through AWS_ENDPOINT_URL.
@@ -175,25 +96,6 @@ def bucket(s3_server) -> str:
     return f"s3://{name}"
 
 
-def restore_env(old: dict[str, str | None]) -> None:
-    """Put back the environment variables a fixture changed (None: it was unset)."""
-    for k, v in old.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-
-
-def stop_session(proc: subprocess.Popen) -> None:
-    """SIGTERM the process group a fixture started (start_new_session=True), SIGKILL if it lingers."""
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
 @pytest.fixture(scope="session")
 def cluster_env(tmp_path_factory, s3_server) -> Iterator[dict[str, str]]:
     """What a cluster's nodes say about where jobs keep things: a real `mlflow server` (database on the
@@ -209,3 +111,20 @@ def cluster_env(tmp_path_factory, s3_server) -> Iterator[dict[str, str]]:
     boto3.client("s3").create_bucket(Bucket=bucket)
     with mlflow_server(tmp, f"s3://{bucket}/mlartifacts", {"MLFLOW_S3_ENDPOINT_URL": os.environ["AWS_ENDPOINT_URL"]}) as uri:
         yield {"MLFLOW_TRACKING_URI": uri, "TIDAL_STORAGE": f"s3://{bucket}/tidal"}
+
+
+@pytest.fixture(scope="module")
+def head_tmp(tmp_path_factory) -> Path:
+    """`head`'s folder: its log, and under ray/ its temp dir (where `ray start` records its address)."""
+    return tmp_path_factory.mktemp("head")
+
+
+@pytest.fixture(scope="module")
+def head(head_tmp, cluster_env) -> Iterator[str]:
+    """A Ray head on 127.0.0.1 with its dashboard and token auth (tidal.testing.heads), its nodes'
+    environment naming the cluster's tracking server and storage; yields the Jobs API address.
+    The head's environment is the cluster's Python environment: `python` and `tidal` from this venv
+    (first on PATH, above). This process holds the token but not RAY_AUTH_MODE=token: Tidal's
+    clients must send it by themselves, as they do on a laptop."""
+    with ray_head(head_tmp, 2, cluster_env, ray_tmp=head_tmp / "ray", auth_mode_in_client=False) as h:
+        yield h.address

@@ -1,19 +1,49 @@
-"""Test helpers that touch real processes: find Ray workers we started, wait on MLflow progress,
-register checkpoints with Ray Train's own checkpoint manager."""
+"""Test helpers shared by several test files (a test file never imports another): run the CLI and
+a driver as a user does, kill a worker mid-run, fake a checkpoint folder, register checkpoints with
+Ray Train's own checkpoint manager, the batch a job trained on at a step. The real servers and
+processes are tidal.testing's (re-exported here where tests already import them from here)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from tidal.spec.job import JobSpec
-from tidal.storage import RunDir, checkpoint_dir_name
+from tidal.storage import STATE_FILE, RunDir, checkpoint_dir_name, manifest_name
 from tidal.testing.processes import kill as kill
 from tidal.testing.processes import our_processes as our_processes
 from tidal.testing.runs import job_run_id as job_run_id
 from tidal.testing.runs import wait_for_step as wait_for_step
+
+ROOT = Path(__file__).resolve().parents[1]
+# An exported model's loss on a batch against the loss the distributed job logged for it.
+EXPORT_TOLERANCE = 1e-4
+
+
+def tidal_cli(*args: str, cwd: os.PathLike[str] | str = ROOT, timeout: float = 120,
+              env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`tidal ARGS` from this worktree's sources, without TIDAL_DEBUG (tracebacks would be expected);
+    `env` on top of this process's environment."""
+    full = {**os.environ, **(env or {}), "PYTHONPATH": f"{ROOT / 'platform'}{os.pathsep}{ROOT}"}
+    full.pop("TIDAL_DEBUG", None)
+    return subprocess.run([sys.executable, "-m", "tidal", *args], capture_output=True, text=True, env=full, cwd=cwd,
+                          timeout=timeout)
+
+
+def driver_in(ray_tmpdir: Path) -> subprocess.CompletedProcess[str]:
+    """A fresh driver process, no RAY_ADDRESS, whose Ray temp dir is `ray_tmpdir`: it connects as Tidal
+    does and prints the GCS address it got, then disconnects."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": str(ray_tmpdir)}
+    code = ("from tidal.launch.connect import connect_ray; import ray; connect_ray(); "
+            "print('gcs', ray.get_runtime_context().gcs_address); ray.shutdown()")
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
 
 
 def run_killing_a_worker(spec: JobSpec, after_step: int) -> tuple[Any, bool]:
@@ -35,6 +65,32 @@ def run_killing_a_worker(spec: JobSpec, after_step: int) -> tuple[Any, bool]:
     result = tidal.run(spec)
     killer.join(timeout=5)
     return result, bool(killed)
+
+
+def fake_checkpoint(run: Path, step: int, world: int = 2, spec: JobSpec | None = None) -> Path:
+    """A complete checkpoint folder as Tidal writes one (state file, per-rank files and manifests),
+    with placeholder bytes instead of DeepSpeed's state."""
+    d = run / checkpoint_dir_name(step)
+    (d / f"global_step{step}").mkdir(parents=True)
+    fp = (spec or JobSpec()).resume_fingerprint()
+    (d / STATE_FILE).write_text(json.dumps({"step": step, "world_size": world, "fingerprint": fp}))
+    for rank in range(world):
+        f = d / f"global_step{step}" / f"zero_pp_rank_{rank}_optim_states.pt"
+        f.write_bytes(b"x" * (100 + rank))
+        files = {str(f.relative_to(d)): f.stat().st_size}
+        if rank == 0:
+            files[STATE_FILE] = (d / STATE_FILE).stat().st_size
+        (d / manifest_name(rank)).write_text(json.dumps({"step": step, "files": files}))
+    return d
+
+
+def batch_of_step(spec: JobSpec, step: int) -> tuple[Any, Any]:
+    """The whole global batch the job trained on at `step` (tidal.worker.data's order): (inputs, targets)."""
+    from tidal.worker.data import SyntheticTask
+
+    t, m = spec.train, spec.model
+    rows = SyntheticTask(m.vocab_size, m.seq_len, t.seed).samples((step - 1) * t.global_batch, t.global_batch)
+    return rows[:, :-1], rows[:, 1:]
 
 
 def ray_registers(run: RunDir, keep: int) -> Callable[[int], None]:

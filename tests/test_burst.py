@@ -15,44 +15,24 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import secrets
 import shutil
-import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from tests.conftest import NO_DRAIN_ON_SIGTERM, ROOT, metric_history, tiny_spec
-from tidal.ray_private import reload_auth_token
+from tests.conftest import ROOT, metric_history, tiny_spec
+from tidal.testing.heads import KEEP_LOGS_ENV, ray_head
+from tidal.testing.processes import free_port, wait_for
 
 pytestmark = pytest.mark.slow
 
 IDLE_TIMEOUT_MIN = 0.5  # 30 s: long enough to still see the cloud node in the status taken after the job
 MEMORY = 150 * 1024 * 1024  # object store per node: three raylets share a small machine
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(what: str, check: Callable[[], Any], timeout: float, every: float = 1.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 def burst_config(port: int, node_ip: str) -> dict[str, Any]:
@@ -67,80 +47,25 @@ def burst_config(port: int, node_ip: str) -> dict[str, Any]:
     return config
 
 
-def descendants(pid: int) -> list[Any]:
-    import psutil
-
-    try:
-        return psutil.Process(pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
-
-
 @pytest.fixture(scope="module")
 def burst_cluster() -> Iterator[str]:
-    """A head with the fake multi-node autoscaler; yields its GCS address."""
+    """A head with the fake multi-node autoscaler (tidal.testing.heads); yields its GCS address,
+    this process its driver."""
     import ray
 
     tmp = Path(tempfile.mkdtemp(prefix="tb-", dir="/tmp"))  # short: Ray's socket paths have a length limit
     port, node_ip = free_port(), ray.util.get_node_ip_address()
     config = tmp / "cluster.yaml"
     config.write_text(yaml.safe_dump(burst_config(port, node_ip)))
-    token = secrets.token_hex(16)
-    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
-    env = {**os.environ, **auth, **NO_DRAIN_ON_SIGTERM, "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1"}
-    cmd = [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--disable-usage-stats",
-           f"--port={port}", f"--dashboard-port={free_port()}", f"--ray-client-server-port={free_port()}",
-           f"--dashboard-agent-listen-port={free_port()}", f"--temp-dir={tmp}",
-           f"--autoscaling-config={config}", "--num-cpus=1", "--num-gpus=0", f"--object-store-memory={MEMORY}",
-           f"--resources={json.dumps({'site_onprem': 1000})}", "--labels=tidal.io/site=onprem"]
-    log = open(tmp / "head.log", "w")  # noqa: SIM115 - closed in the teardown below
-    head = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    saved = {k: os.environ.get(k) for k in auth}
-    os.environ.update(auth)
-    reload_auth_token()
-    address = f"{node_ip}:{port}"
-    children: list[Any] = []
+    env = {"RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1"}
+    args = [f"--autoscaling-config={config}", "--num-gpus=0", f"--object-store-memory={MEMORY}",
+            f"--resources={json.dumps({'site_onprem': 1000})}", "--labels=tidal.io/site=onprem"]
     try:
-        wait_for("the head to accept connections", lambda: _connects(address), timeout=60)
-        children = descendants(head.pid)
-        yield address
+        with ray_head(tmp, 1, env, args=args, port=port, node_ip=node_ip, ray_tmp=tmp, connect=True) as head:
+            yield head.gcs
     finally:
-        ray.shutdown()
-        children += descendants(head.pid)
-        _stop(head, children)
-        log.close()
-        for k, v in saved.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-        reload_auth_token()
-        if os.environ.get("TIDAL_KEEP_TEST_CLUSTER_LOGS") != "1":
+        if os.environ.get(KEEP_LOGS_ENV) != "1":
             shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _connects(address: str) -> bool:
-    import ray
-
-    try:
-        ray.init(address=address, logging_level="WARNING")
-        return True
-    except ConnectionError:
-        return False
-
-
-def _stop(head: subprocess.Popen[bytes], children: list[Any]) -> None:
-    """SIGTERM the head's process group (ray start --block stops its own), then SIGKILL stragglers
-    that this test started: the fake nodes' raylets are the autoscaler's children."""
-    import psutil
-
-    try:
-        os.killpg(head.pid, signal.SIGTERM)
-        head.wait(timeout=30)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        pass
-    for p in children:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.kill()
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(head.pid, signal.SIGKILL)
 
 
 def nodes_by_site() -> dict[str, int]:

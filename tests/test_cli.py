@@ -5,24 +5,14 @@ No Ray instance: what needs one is in test_jobs.py and test_cli_e2e.py (slow).""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from importlib.metadata import version
 
 import pytest
 
 import tidal
 from tests.conftest import ROOT
+from tests.helpers import tidal_cli
 from tidal.cli import main
-
-
-def tidal_cli(*args: str, cwd: os.PathLike[str] | str = ROOT, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    """`tidal ARGS` from this worktree's sources, without TIDAL_DEBUG (tracebacks would be expected)."""
-    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'platform'}{os.pathsep}{ROOT}"}
-    env.pop("TIDAL_DEBUG", None)
-    return subprocess.run([sys.executable, "-m", "tidal", *args], capture_output=True, text=True, env=env, cwd=cwd,
-                          timeout=timeout)
 
 
 def test_version_names_tidal_and_the_stack_it_runs_on():

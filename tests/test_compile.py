@@ -16,7 +16,8 @@ import torch
 
 import tidal
 from tests.conftest import metric_history, tiny_spec
-from tests.test_export_e2e import TOLERANCE, batch_of_step
+from tests.helpers import EXPORT_TOLERANCE as TOLERANCE
+from tests.helpers import batch_of_step
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local")]
 

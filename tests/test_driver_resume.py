@@ -8,18 +8,17 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
-import psutil
 import pytest
 import yaml
 
 from tests.conftest import metric_history, tiny_spec
 from tests.helpers import job_run_id, wait_for_step
 from tidal.storage import RunDir
+from tidal.testing.processes import kill_session
 
 pytestmark = pytest.mark.slow
 
@@ -33,21 +32,6 @@ def start(job: Path, *args: str) -> subprocess.Popen:
     env.pop("RAY_ADDRESS", None)
     return subprocess.Popen([sys.executable, "-m", "tidal", "run", str(job), *args], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
-
-
-def kill_session(proc: subprocess.Popen) -> None:
-    """SIGKILL the driver and everything in its session (its Ray instance), then wait for them."""
-    members = [p for p in psutil.process_iter(["pid"]) if _sid(p.pid) == proc.pid]
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
-    psutil.wait_procs(members, timeout=30)
-
-
-def _sid(pid: int) -> int | None:
-    try:
-        return os.getsid(pid)
-    except OSError:
-        return None
 
 
 def kill_mid_run(spec, path: Path) -> tuple:

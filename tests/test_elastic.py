@@ -18,22 +18,15 @@ from ray.core.generated import autoscaler_pb2
 import tidal
 from tests.conftest import metric_history, tiny_spec
 from tests.helpers import wait_for_step
+from tidal.testing.clusters import add_worker_node, raylet_cluster
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    c = Cluster(initialize_head=True, connect=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
-    yield c
-    ray.shutdown()
-    c.shutdown()
-
-
-def add_worker_node(c: Cluster):
-    node = c.add_node(num_cpus=1)
-    c.wait_for_nodes()
-    return node
+    with raylet_cluster() as c:
+        yield c
 
 
 def drain(c: Cluster, node, seconds: float) -> None:

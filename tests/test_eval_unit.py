@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import ray_registers
-from tests.test_storage import fake_checkpoint
+from tests.helpers import fake_checkpoint, ray_registers
 from tidal.errors import SpecError
 from tidal.eval_best import best_checkpoint, improved, spared, stopped_early
 from tidal.spec.job import JobSpec

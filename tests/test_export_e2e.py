@@ -16,23 +16,14 @@ import torch.nn.functional as F
 
 import tidal
 from tests.conftest import ROOT, metric_history
+from tests.helpers import EXPORT_TOLERANCE as TOLERANCE
+from tests.helpers import batch_of_step
 from tidal.cli import main
 from tidal.exporter.model import EXPORT_FILE
 from tidal.spec.load import load_spec
-from tidal.worker.data import SyntheticTask
 
 # The S3 server's address must be in the environment before this module's Ray instance starts.
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("s3_server", "ray_local")]
-TOLERANCE = 1e-4
-
-
-def batch_of_step(spec: tidal.JobSpec, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The whole global batch the job trained on at `step` (tidal.worker.data's order)."""
-    t, m = spec.train, spec.model
-    rows = SyntheticTask(m.vocab_size, m.seq_len, t.seed).samples((step - 1) * t.global_batch, t.global_batch)
-    return rows[:, :-1], rows[:, 1:]
-
-
 def hf_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     with torch.no_grad():
         logits = model(input_ids=x).logits

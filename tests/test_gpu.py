@@ -19,7 +19,6 @@ from __future__ import annotations
 import gc
 import math
 import os
-import socket
 import time
 import warnings
 from collections.abc import Iterator
@@ -30,6 +29,7 @@ import pytest
 import torch
 
 from tidal.spec.job import JobSpec
+from tidal.testing.processes import free_port
 from tidal.worker.metrics import CPU_PEAK_PER_CORE, PEAK_FLOPS, gpu_peak_flops, worker_peak_flops
 
 CUDA = torch.cuda.is_available()
@@ -164,12 +164,6 @@ def _spec(tmp: Path, zero_stage: int) -> JobSpec:
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def device() -> Iterator[torch.device]:
     """A process group of one, as a single Ray Train worker has: NCCL for CUDA tensors."""
@@ -177,7 +171,7 @@ def device() -> Iterator[torch.device]:
 
     from tidal.worker.device import dist_backend, torch_device
 
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0", "LOCAL_RANK": "0",
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "LOCAL_RANK": "0",
            "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
     with pytest.MonkeyPatch.context() as mp:
         for k, v in env.items():

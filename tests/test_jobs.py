@@ -3,74 +3,23 @@ API through `tidal submit/status/logs/list/stop`, plain `ray job submit`, and th
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import secrets
-import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.conftest import (
-    NO_DRAIN_ON_SIGTERM,
-    ROOT,
-    free_port,
-    restore_env,
-    stop_session,
-    tiny_spec,
-)
-from tests.test_local_ray import driver_in
+from tests.conftest import ROOT, tiny_spec
+from tests.helpers import driver_in
 from tidal.cli import main
 from tidal.errors import TidalError
 from tidal.launch.jobs import submit
-from tidal.testing.heads import wait_for_jobs_api
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def head_tmp(tmp_path_factory) -> Path:
-    """The head's folder: its log, and under ray/ its temp dir (where `ray start` records its address)."""
-    return tmp_path_factory.mktemp("head")
-
-
-@pytest.fixture(scope="module")
-def head(head_tmp, cluster_env) -> Iterator[str]:
-    """A Ray head on 127.0.0.1 with its dashboard and token auth, its nodes' environment naming the
-    cluster's tracking server and storage; stopped by killing its session."""
-    tmp = head_tmp
-    token = secrets.token_hex(16)
-    port, dash = free_port(), free_port()
-    # The head's environment is the cluster's Python environment: `python` and `tidal` from this venv
-    # (first on PATH: tests/conftest.py).
-    env = {**os.environ, **cluster_env, **NO_DRAIN_ON_SIGTERM, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
-    env.pop("RAY_ADDRESS", None)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={port}",
-         "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
-         "--num-cpus=2", f"--temp-dir={tmp}/ray", "--disable-usage-stats",
-         # the agent's default port (52365) is taken by any other head on this machine: its agent then
-         # dies and every submission fails with "No available agent to submit job"
-         f"--dashboard-agent-listen-port={free_port()}"],
-        env=env, stdout=(tmp / "head.log").open("w"), stderr=subprocess.STDOUT, start_new_session=True)  # noqa: SIM115 - lives as long as the head
-    address = f"http://127.0.0.1:{dash}"
-    old = {k: os.environ.get(k) for k in ("RAY_AUTH_TOKEN", "RAY_ADDRESS")}
-    os.environ["RAY_AUTH_TOKEN"] = token
-    try:
-        wait_for_jobs_api(address, proc, tmp / "head.log")
-        yield address
-    finally:
-        restore_env(old)
-        stop_session(proc)
-        time.sleep(1)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # anything of that session still alive
 
 
 def spec_file(tmp: Path, name: str, **overrides) -> tuple:

@@ -5,7 +5,7 @@ MLflow that cannot say what it holds is waited for, never taken as "nothing logg
 from __future__ import annotations
 
 from tests.conftest import metric_history
-from tests.test_tracking_ledger import Clock, Server, emit, ledger, setup
+from tests.ledger_fakes import Clock, Server, emit, ledger, setup
 from tidal.tracking.emitter import Emitter
 from tidal.tracking.ledger import SENT_FILE, retry_delay
 from tidal.tracking.writer import RunWriter

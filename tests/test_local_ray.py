@@ -7,16 +7,14 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 import shutil
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, free_port
+from tests.conftest import free_port
+from tests.helpers import driver_in
 from tidal.launch.connect import QUIET_HOOK as QUIET
 from tidal.launch.connect import local_ray_options
 
@@ -87,15 +85,6 @@ def test_the_address_file_is_where_ray_start_writes_it(tmp_path):
             for k, v in env.items():
                 mp.setenv(k, v)
             assert address_file(env) == Path(get_ray_address_file(None))
-
-
-def driver_in(ray_tmpdir: Path) -> subprocess.CompletedProcess[str]:
-    """A fresh driver process, no RAY_ADDRESS, whose Ray temp dir is `ray_tmpdir`: it connects as Tidal
-    does and prints the GCS address it got, then disconnects."""
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": str(ray_tmpdir)}
-    code = ("from tidal.launch.connect import connect_ray; import ray; connect_ray(); "
-            "print('gcs', ray.get_runtime_context().gcs_address); ray.shutdown()")
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
 
 
 @pytest.mark.slow

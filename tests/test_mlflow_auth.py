@@ -21,7 +21,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from tests.conftest import ROOT, mlflow_server, restore_env
-from tests.test_cli import tidal_cli
+from tests.helpers import tidal_cli
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from tests.conftest import metric_history, mlflow_server, tiny_spec
-from tests.test_tracking_ledger import emit
+from tests.ledger_fakes import emit
 from tidal.storage import JOB_FILE, RunDir
 from tidal.tracking.tracker import Tracker
 from tidal.tracking.writer import RunWriter, run_is_gone

@@ -5,16 +5,13 @@ artifacts."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import free_port, restore_env, tiny_spec
+from tests.conftest import tiny_spec
 from tidal.cli import main
 from tidal.errors import TidalError
 from tidal.launch.result import RunResult
@@ -156,20 +153,22 @@ def test_no_sink_of_a_job_holds_its_credentials(tmp_path, bucket) -> None:
     (params, tags, metrics, artifacts), the job's files in storage or `tidal runs --output json`."""
     import boto3
 
-    from tests.test_cli import tidal_cli
-    from tests.test_telemetry import start_mlflow_server, stop
+    from tests.helpers import tidal_cli
+    from tidal.testing.processes import patched_env
+    from tidal.testing.servers import MlflowServer
 
-    db, port = tmp_path / "server.db", free_port()
-    server = start_mlflow_server(db, port, tmp_path / "server.log")
+    db = tmp_path / "server.db"
+    server = MlflowServer(tmp_path, str(tmp_path / "artifacts"), direct_artifacts=True, db=db)
+    server.start()
     try:
-        tracking = f"http://tidal:{TRACKING_SECRET}@127.0.0.1:{port}"
+        tracking = f"http://tidal:{TRACKING_SECRET}@127.0.0.1:{server.port}"
         spec = tiny_spec(tmp_path, name="creds", **{
             "train.steps": 8, "checkpoint.every_steps": 4, "scaling.min_workers": 1, "scaling.max_workers": 1,
             "checkpoint.storage": f"s3://AKIATEST:{STORAGE_SECRET}@{bucket[len('s3://'):]}/runs", "tracking.uri": tracking})
         job = tmp_path / "job.yaml"
         job.write_text(json.dumps(spec.model_dump(mode="json")))  # JSON is YAML
         env = {"MLFLOW_TRACKING_USERNAME": "tidal", "MLFLOW_TRACKING_PASSWORD": ENV_SECRET}
-        with _environ(env):
+        with patched_env(env):
             run = tidal_cli("run", str(job), cwd=tmp_path, timeout=540)
             runs = tidal_cli("runs", "--uri", tracking, "--experiment", "tests", "--output", "json", cwd=tmp_path)
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -186,23 +185,13 @@ def test_no_sink_of_a_job_holds_its_credentials(tmp_path, bucket) -> None:
         assert not leaks, leaks
         assert "s3://AKIATEST:***@" in run.stdout  # redacted where shown, not dropped
     finally:
-        stop(server)
+        server.stop()
 
 
 def _bytes_under(tmp: Path, db: Path) -> str:
     """The MLflow server's database and every artifact it stores, as text."""
     files = [db, *(p for p in (tmp / "artifacts").rglob("*") if p.is_file())]
     return "\n".join(p.read_bytes().decode(errors="replace") for p in files)
-
-
-@contextlib.contextmanager
-def _environ(values: dict[str, str]) -> Iterator[None]:
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        restore_env(old)
 
 
 def test_a_secret_reference_is_shown_not_masked():

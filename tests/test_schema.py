@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from tests.conftest import ROOT
-from tests.test_cli import tidal_cli
+from tests.helpers import tidal_cli
 
 SCHEMA = ROOT / "jobs" / "tidal-job.schema.json"
 HEADER = "# yaml-language-server: $schema=./tidal-job.schema.json"

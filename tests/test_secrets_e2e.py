@@ -1,4 +1,4 @@
-"""Secrets by reference against a real Ray head with token auth (tests/test_jobs.py's fixtures: its
+"""Secrets by reference against a real Ray head with token auth (tests/conftest.py's `head`: its
 `mlflow server` with artifacts on moto S3, TIDAL_STORAGE on S3): a job with two secrets, one from
 the head's environment and one from a file on it, submitted with `tidal submit` and with plain
 `ray job submit`. Every worker reads both; neither value is in Ray's job list (`ray job list`; Ray
@@ -20,7 +20,6 @@ import yaml
 
 from tests.conftest import ROOT, restore_env, tiny_spec
 from tests.secrets_probe import NAMES, digest
-from tests.test_jobs import head, head_tmp  # noqa: F401 - the fixtures this module's head is made of
 from tidal.cli import main
 from tidal.launch.jobs import connect
 from tidal.output import parse_record
@@ -57,7 +56,7 @@ def secret_spec(tmp: Path, name: str, node_secrets: dict[str, str]):
     return spec, probe
 
 
-def test_tidal_submit_keeps_secrets_on_the_workers(head, cluster_env, node_secrets, tmp_path, monkeypatch,  # noqa: F811
+def test_tidal_submit_keeps_secrets_on_the_workers(head, cluster_env, node_secrets, tmp_path, monkeypatch,
                                                    tmp_path_factory):
     monkeypatch.chdir(ROOT)
     for var in ("MLFLOW_TRACKING_URI", "TIDAL_STORAGE"):
@@ -70,7 +69,7 @@ def test_tidal_submit_keeps_secrets_on_the_workers(head, cluster_env, node_secre
     check_secrets_kept(head, job_id, cluster_env, node_secrets, probe, tmp_path_factory)
 
 
-def test_plain_ray_job_submit_keeps_secrets_on_the_workers(head, cluster_env, node_secrets, tmp_path,  # noqa: F811
+def test_plain_ray_job_submit_keeps_secrets_on_the_workers(head, cluster_env, node_secrets, tmp_path,
                                                            tmp_path_factory):
     spec, probe = secret_spec(tmp_path, "secret-plain", node_secrets)
     path = tmp_path / "job.yaml"
@@ -87,7 +86,7 @@ def test_plain_ray_job_submit_keeps_secrets_on_the_workers(head, cluster_env, no
     check_secrets_kept(head, job_id, cluster_env, node_secrets, probe, tmp_path_factory, printed=proc.stdout + proc.stderr)
 
 
-def check_secrets_kept(head: str, job_id: str, cluster_env: dict[str, str], node_secrets: dict[str, str],  # noqa: F811
+def check_secrets_kept(head: str, job_id: str, cluster_env: dict[str, str], node_secrets: dict[str, str],
                        probe: Path, tmp_path_factory, printed: str = "") -> None:
     values = [node_secrets[k] for k in NAMES]
     # Every rank read both.

@@ -2,30 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import logging
-from pathlib import Path
 
 import pytest
 
+from tests.helpers import fake_checkpoint
 from tidal.errors import CheckpointError
 from tidal.spec.job import JobSpec
-from tidal.storage import STATE_FILE, RunDir, check_compatible, checkpoint_dir_name, manifest_name
-
-
-def fake_checkpoint(run: Path, step: int, world: int = 2, spec: JobSpec | None = None) -> Path:
-    d = run / checkpoint_dir_name(step)
-    (d / f"global_step{step}").mkdir(parents=True)
-    fp = (spec or JobSpec()).resume_fingerprint()
-    (d / STATE_FILE).write_text(json.dumps({"step": step, "world_size": world, "fingerprint": fp}))
-    for rank in range(world):
-        f = d / f"global_step{step}" / f"zero_pp_rank_{rank}_optim_states.pt"
-        f.write_bytes(b"x" * (100 + rank))
-        files = {str(f.relative_to(d)): f.stat().st_size}
-        if rank == 0:
-            files[STATE_FILE] = (d / STATE_FILE).stat().st_size
-        (d / manifest_name(rank)).write_text(json.dumps({"step": step, "files": files}))
-    return d
+from tidal.storage import STATE_FILE, RunDir, check_compatible, manifest_name
 
 
 def test_newest_complete_wins(tmp_path):

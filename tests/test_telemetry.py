@@ -5,11 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -22,6 +17,7 @@ import tidal
 from tests.conftest import metric_history, tiny_spec
 from tidal.cli import main
 from tidal.spec.job import ModelSpec
+from tidal.testing.servers import MlflowServer
 from tidal.worker.metrics import ResourceSampler, flops_per_token, sampling_interval_s
 from tidal.worker.models import build_model
 
@@ -85,38 +81,13 @@ def test_run_leaves_metrics_artifacts_and_tables(tmp_path, capsys):
     assert "train.lr" in table and "0.005" in table and "final loss" in table and "model.d_model" not in table
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_mlflow_server(db: Path, port: int, log: Path) -> subprocess.Popen:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-         "--backend-store-uri", f"sqlite:///{db}", "--default-artifact-root", str(db.parent / "artifacts")],
-        stdout=log.open("a"), stderr=subprocess.STDOUT, start_new_session=True)  # noqa: SIM115 - lives with the server
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
-            return proc
-        if proc.poll() is not None:
-            raise RuntimeError(log.read_text()[-3000:])
-        time.sleep(0.3)
-    raise TimeoutError("mlflow server did not start")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
-
-
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_local")
 def test_tracking_server_outage_loses_nothing(tmp_path):
-    db, port, log = tmp_path / "server.db", free_port(), tmp_path / "server.log"
-    server = start_mlflow_server(db, port, log)
+    db = tmp_path / "server.db"
+    server = MlflowServer(tmp_path, str(tmp_path / "artifacts"), direct_artifacts=True, db=db)
+    port = server.port
+    server.start()
     spec = tiny_spec(tmp_path, name="outage", **{"train.steps": 400, "checkpoint.every_steps": 100})
     spec = spec.with_overrides({"tracking.uri": f"http://127.0.0.1:{port}"})
     direct = spec.with_overrides({"tracking.uri": f"sqlite:///{db}"})  # read the store even while the server is down
@@ -126,13 +97,13 @@ def test_tracking_server_outage_loses_nothing(tmp_path):
     job.start()
     try:
         _wait(lambda: _max_step(direct) >= 20, "the run to log step 20")
-        stop(server)
+        server.crash()
         _wait(lambda: buffer.exists() and len(list(buffer.glob("*.json"))) >= 30, "metrics to wait in the buffer")
-        server = start_mlflow_server(db, port, log)
+        server.start()
         job.join(timeout=400)
         assert "result" in out, "job did not finish"
     finally:
-        stop(server)
+        server.stop()
     run_id = out["result"].mlflow_run_id
     assert sorted(metric_history(direct, run_id, "loss")) == list(range(1, 401)), "every step exactly once"
     assert not list(buffer.glob("*.json")), "the buffer was drained"

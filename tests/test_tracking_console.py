@@ -11,7 +11,7 @@ import warnings
 import pytest
 
 from tests.conftest import ROOT
-from tests.test_cli import tidal_cli
+from tests.helpers import tidal_cli
 from tidal.ray_private import AUTH_TOKEN_SETUP_LOGGER
 from tidal.tracking.quiet import quiet_libraries, skip_known_ray_errors
 

@@ -1,5 +1,6 @@
-"""A Ray head on 127.0.0.1 with its dashboard (Jobs API) and token auth, in a session of its own:
-for tests and benchmarks that submit jobs the way users do. Stopped by killing its session
+"""A Ray head on this machine with its dashboard (Jobs API) and token auth, in a session of its own:
+for tests and benchmarks that submit jobs the way users do, or that need a head started with flags
+of their own (the fake multi-node autoscaler). Stopped by killing its session and what it started
 (never `ray stop`, which would stop every Ray on the machine)."""
 
 from __future__ import annotations
@@ -8,85 +9,107 @@ import contextlib
 import os
 import secrets
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from tidal.ray_private import reload_auth_token
-from tidal.testing.processes import free_port
+from tidal.testing.processes import (
+    free_port,
+    patched_env,
+    start_in_session,
+    stop_session,
+    wait_for,
+    wait_for_server,
+)
 
 # On SIGTERM a `ray start --block` head first drains itself through its GCS, which the teardown's
 # signal to the whole session has just stopped, and waits out the 30 s default.
 NO_DRAIN_ON_SIGTERM = {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+KEEP_LOGS_ENV = "TIDAL_KEEP_TEST_CLUSTER_LOGS"  # =1 keeps a test head's Ray temp dir for reading
 
 
 @dataclass(frozen=True)
 class Head:
     address: str  # the dashboard, for the Jobs API
     gcs: str  # for ray.init
-    tmp: Path
+    tmp: Path  # its log (head.log)
+    ray_tmp: Path  # Ray's temp dir: sessions, logs, the address `ray start` records
+    token: str
 
 
 @contextlib.contextmanager
-def ray_head(tmp: Path, num_cpus: int, env: Mapping[str, str]) -> Iterator[Head]:
-    """The head, its nodes' environment `env` on top of this process's; this process (and what it
-    starts) holds its token (RAY_AUTH_TOKEN, RAY_AUTH_MODE=token) while it runs."""
-    token, port, dash = secrets.token_hex(16), free_port(), free_port()
+def ray_head(tmp: Path, num_cpus: int, env: Mapping[str, str], *, args: Sequence[str] = (),
+             port: int | None = None, node_ip: str = "127.0.0.1", ray_tmp: Path | None = None,
+             auth_mode_in_client: bool = True, connect: bool = False) -> Iterator[Head]:
+    """The head, its nodes' environment `env` on top of this process's, `args` added to `ray start`.
+
+    While it runs this process (and what it starts) holds its token in RAY_AUTH_TOKEN, and
+    RAY_AUTH_MODE=token unless `auth_mode_in_client` is False (a test that the client sends the
+    token by itself). `connect`: this process is its Ray driver (`ray.init`) until the end."""
+    token, port, dash = secrets.token_hex(16), port or free_port(), free_port()
     full = {**os.environ, **NO_DRAIN_ON_SIGTERM, **env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
     full.pop("RAY_ADDRESS", None)
     log = tmp / "head.log"
     # Ray's own folder short: its socket paths must stay under 107 bytes (pytest's tmp paths do not)
-    ray_tmp = tempfile.mkdtemp(prefix="th-", dir="/tmp")
-    proc = subprocess.Popen(
+    own_tmp = ray_tmp is None
+    ray_tmp = Path(tempfile.mkdtemp(prefix="th-", dir="/tmp")) if ray_tmp is None else ray_tmp
+    proc = start_in_session(
         [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={port}",
-         "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
+         f"--node-ip-address={node_ip}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
          f"--num-cpus={num_cpus}", f"--temp-dir={ray_tmp}", "--disable-usage-stats",
-         # the agent's default port is taken by any other head on this machine
-         f"--dashboard-agent-listen-port={free_port()}"],
-        env=full, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)  # noqa: SIM115 - lives as long as the head
-    old = {k: os.environ.get(k) for k in ("RAY_AUTH_TOKEN", "RAY_AUTH_MODE", "RAY_ADDRESS")}
-    os.environ.update({"RAY_AUTH_TOKEN": token, "RAY_AUTH_MODE": "token"})
-    reload_auth_token()  # this process may have read another head's token before
-    head = Head(f"http://127.0.0.1:{dash}", f"127.0.0.1:{port}", tmp)
+         f"--ray-client-server-port={free_port()}",
+         # the agent's default port (52365) is taken by any other head on this machine: its agent then
+         # dies and every submission fails with "No available agent to submit job"
+         f"--dashboard-agent-listen-port={free_port()}", *args],
+        log, env=full)
+    client = {"RAY_AUTH_TOKEN": token} | ({"RAY_AUTH_MODE": "token"} if auth_mode_in_client else {})
+    head = Head(f"http://127.0.0.1:{dash}", f"{node_ip}:{port}", tmp, ray_tmp, token)
     try:
-        wait_for_jobs_api(head.address, proc, log)
-        yield head
+        with patched_env(client):
+            reload_auth_token()  # this process may have read another head's token before
+            try:
+                wait_for_jobs_api(head.address, proc, log)
+                if connect:
+                    _connect(head.gcs)
+                yield head
+            finally:
+                if connect:
+                    import ray
+
+                    ray.shutdown()
     finally:
-        for k, v in old.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
-        reload_auth_token()
-        _stop(proc)
-        if os.environ.get("TIDAL_KEEP_TEST_CLUSTER_LOGS") != "1":
+        reload_auth_token()  # the token this process held before
+        stop_session(proc)
+        if own_tmp and os.environ.get(KEEP_LOGS_ENV) != "1":
             shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
-def wait_for_jobs_api(address: str, proc: subprocess.Popen, log: Path, timeout: float = 300) -> None:
+def _connect(gcs: str) -> None:
+    import ray
+
+    def connected() -> bool:
+        try:
+            ray.init(address=gcs, logging_level="WARNING")
+            return True
+        except ConnectionError:
+            return False
+
+    wait_for(f"the head at {gcs} to accept a driver", connected, timeout=60, every=1.0)
+
+
+def wait_for_jobs_api(address: str, proc, log: Path, timeout: float = 300) -> None:
+    """Until the dashboard at `address` lists jobs (the Jobs API answers, with this process's token)."""
     from tidal.errors import TidalError
     from tidal.launch.jobs import connect
 
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"ray start exited: {log.read_text()[-3000:]}")
+    def answers() -> bool:
         try:
             connect(address).list_jobs()
-            return
+            return True
         except TidalError:
-            time.sleep(1)
-    raise TimeoutError(f"dashboard at {address} never answered: {log.read_text()[-3000:]}")
+            return False
 
-
-def _stop(proc: subprocess.Popen) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=30)
-    time.sleep(1)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)  # anything of that session still alive
-    proc.wait()
+    wait_for_server(answers, proc, log, f"the Jobs API at {address}", timeout)

@@ -1,0 +1,80 @@
+"""tidal.testing's process handling, which every real server of the suite stands on: a stopped
+server takes everything it started with it, even what left its process group; waits say what
+never came; an environment a fixture changed is put back."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tidal.testing.processes import (
+    descendants,
+    free_port,
+    kill_session,
+    patched_env,
+    start_in_session,
+    stop_session,
+    wait_for,
+)
+
+# A parent that starts a child in a session of its own (as Ray's and MLflow's servers do), prints
+# the child's pid, and ignores SIGTERM (as a server that drains first does).
+STUBBORN = """
+import signal, subprocess, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+print(child.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def _start_stubborn(tmp_path: Path) -> tuple[subprocess.Popen, int]:
+    log = tmp_path / "server.log"
+    proc = start_in_session([sys.executable, "-c", STUBBORN], log)
+    child = wait_for("the child's pid", lambda: log.read_text().strip(), timeout=30)
+    return proc, int(child)
+
+
+def test_stopping_a_server_ends_its_group_and_what_it_started_elsewhere(tmp_path):
+    proc, child = _start_stubborn(tmp_path)
+    assert child in [p.pid for p in descendants(proc.pid)]
+    stop_session(proc, grace_s=0.5)  # SIGTERM ignored: SIGKILL after the grace
+    assert proc.returncode is not None
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+
+
+def test_killing_a_session_is_immediate_and_waits_for_its_members(tmp_path):
+    log = tmp_path / "sleeper.log"
+    proc = start_in_session([sys.executable, "-c", "import subprocess, sys, time; "
+                             "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); time.sleep(600)"], log)
+    wait_for("the grandchild", lambda: descendants(proc.pid), timeout=30)
+    members = descendants(proc.pid)
+    kill_session(proc)
+    assert proc.returncode == -9 and not [p for p in members if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_a_free_port_is_free_and_on_loopback():
+    port = free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))  # nobody holds it
+
+
+def test_a_wait_that_never_ends_names_what_it_waited_for():
+    with pytest.raises(TimeoutError, match="the answer"):
+        wait_for("the answer", lambda: None, timeout=0.3, every=0.05)
+    assert wait_for("a value", lambda: 42, timeout=1) == 42
+
+
+def test_patched_env_puts_back_set_and_unset_variables(monkeypatch):
+    monkeypatch.setenv("TIDAL_TEST_A", "before")
+    monkeypatch.delenv("TIDAL_TEST_B", raising=False)
+    with pytest.raises(RuntimeError), patched_env({"TIDAL_TEST_A": None, "TIDAL_TEST_B": "during"}):
+        assert "TIDAL_TEST_A" not in os.environ and os.environ["TIDAL_TEST_B"] == "during"
+        raise RuntimeError("a fixture that fails half-way")
+    assert os.environ["TIDAL_TEST_A"] == "before" and "TIDAL_TEST_B" not in os.environ
