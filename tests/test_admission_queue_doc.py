@@ -4,10 +4,14 @@ empty queue (which would silently drop every queued job)."""
 
 from __future__ import annotations
 
+import json
+from dataclasses import asdict
+
 import pytest
 
 from tidal.admission.policy import decide
 from tidal.admission.queue_doc import (
+    DamagedQueue,
     Entry,
     Queue,
     apply,
@@ -76,7 +80,23 @@ def test_damaged_queue_document_is_an_error_not_an_empty_queue(tmp_path):
     where = queue_location(str(tmp_path))
     save_queue(where, submitted(Queue(), entry("a", "low", 1, 1, 1.0)))
     (tmp_path / ".tidal-queue" / "queue.json").write_text('{"version": 1, "jobs": [{"job": "a"')
-    with pytest.raises(TidalError, match="move it aside"):
+    with pytest.raises(DamagedQueue, match="not JSON"):
+        load_queue(where)
+
+
+def test_names_read_from_the_document_are_checked_and_a_bad_one_damages_it(tmp_path):
+    """The document is untrusted input (issue #47): a job key or team that could name another
+    folder, a size of the wrong type, a job listed twice, an unknown field: all damage it."""
+    where = queue_location(str(tmp_path))
+    good = asdict(entry("a", "low", 1, 1, 1.0))
+    for bad in ({"job": "../../etc"}, {"team": "a/b"}, {"min_workers": "1"}, {"max_workers": 0},
+                {"workers": True}, {"state": "DONE"}, {"submitted_at": "yesterday"}, {"extra": 1}):
+        save_queue(where, Queue())
+        (tmp_path / ".tidal-queue" / "queue.json").write_text(json.dumps({"version": 1, "jobs": [{**good, **bad}]}))
+        with pytest.raises(DamagedQueue):
+            load_queue(where)
+    (tmp_path / ".tidal-queue" / "queue.json").write_text(json.dumps({"version": 1, "jobs": [good, good]}))
+    with pytest.raises(DamagedQueue, match="twice"):
         load_queue(where)
 
 

@@ -146,6 +146,13 @@ def test_a_team_at_its_quota_waits_and_a_borrowing_team_gives_back_first(cluster
     assert listed["vision-2"]["state"] == "QUEUED" and listed["vision-2"]["team"] == "vision"
     assert (listed["borrower"]["state"], listed["borrower"]["workers"], listed["borrower"]["max_workers"]) == \
         ("SHRUNK", 2, 4)
+    # From a laptop with only the dashboard's address (no storage): the same rows, through the Jobs API.
+    monkeypatch.delenv("TIDAL_QUEUE")
+    monkeypatch.delenv("TIDAL_STORAGE", raising=False)
+    assert main(["queue", "--address", cluster["address"], "--output", "json"]) == 0
+    remote = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    keys = ("job", "team", "priority", "state", "min_workers", "max_workers", "position")
+    assert {n: [r[k] for k in keys] for n, r in remote.items()} == {n: [r[k] for k in keys] for n, r in listed.items()}
     ended(first_job)
     ended(second_job)
     ended(b_job)

@@ -155,10 +155,12 @@ def _parser() -> argparse.ArgumentParser:
     qu = sub.add_parser("queue", help="jobs waiting and running under the cluster's admission, with why they wait",
                         description="Every job the cluster's admission knows (docs/sharing.md): team, priority, state "
                         "(QUEUED, RUNNING, SHRUNK, SUSPENDED), workers now/min-max, position and reason. Read from the "
-                        "queue document on the cluster's storage, so no Ray connection is needed; ended jobs are in "
+                        "queue document on the cluster's storage (no Ray connection needed), or with --address / "
+                        "$RAY_ADDRESS through the cluster's Jobs API (no storage access needed); ended jobs are in "
                         "`tidal list`.")
     qu.add_argument("--storage", default=None, help="the cluster's storage root (default: $TIDAL_STORAGE), or the "
                     "queue document itself with $TIDAL_QUEUE")
+    _address(qu)
     add_output_flag(qu, "a list of objects with " + ", ".join(QUEUE_FIELDS) + " (workers: now)")
     qu.set_defaults(func=_queue)
 
@@ -353,14 +355,21 @@ def _queue(args: argparse.Namespace) -> int:
     env = {**os.environ, **({"TIDAL_STORAGE": args.storage} if args.storage else {})}
     if args.storage:
         env.pop(QUEUE_VAR, None)
-    if not queue_named(env):
-        raise UsageError("where is the queue? pass --storage with the cluster's storage root (its TIDAL_STORAGE), "
-                         "or set TIDAL_STORAGE or TIDAL_QUEUE")
-    records = rows(load_queue(queue_document(env)))
+    if args.address or (not queue_named(env) and env.get("RAY_ADDRESS")):
+        from tidal.admission.view import remote_queue
+        from tidal.launch.jobs import connect
+
+        queue = remote_queue(connect(args.address))
+    elif queue_named(env):
+        queue = load_queue(queue_document(env))
+    else:
+        raise UsageError("where is the queue? pass --address (the cluster's dashboard, as for `tidal list`) or "
+                         "--storage (its storage root), or set RAY_ADDRESS, TIDAL_STORAGE or TIDAL_QUEUE")
+    records = rows(queue)
     if args.output == "json":
         print_json([{k: r[k] for k in QUEUE_FIELDS} for r in records])
     else:
-        print(table(records))
+        print(table(records, queue.notice))
     return 0
 
 

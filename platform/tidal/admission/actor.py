@@ -17,9 +17,11 @@ driver stops checking in for `LEASE_S` (its driver died) gives its slots back.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Mapping
@@ -30,9 +32,12 @@ from tidal import fs
 from tidal.admission.cloud import BurstPlan, BurstRequest, CloudUse, aggregate_bursts
 from tidal.admission.policy import decide
 from tidal.admission.queue_doc import (
+    JOB_KEY,
+    DamagedQueue,
     Entry,
     Queue,
     apply,
+    document,
     finished,
     load_queue,
     queue_location,
@@ -41,9 +46,10 @@ from tidal.admission.queue_doc import (
     submitted,
     waiting,
 )
-from tidal.admission.quotas import QUOTAS_VAR, Quotas, load_quotas
+from tidal.admission.quotas import QUOTAS_VAR, Quotas, load_quotas, resolve_scheduling
 from tidal.cluster import SITE_LABEL, node_site
 from tidal.cluster.prices import PRICE_LABEL, worker_price
+from tidal.errors import TidalError
 
 log = logging.getLogger("tidal")
 ACTOR = "tidal-admission"
@@ -103,17 +109,29 @@ def onprem_capacity(quotas: Quotas, nodes: list[dict[str, Any]]) -> int:
 
 
 class Admitter:
-    """The actor's body; also usable in-process (tests drive `tick` with their own clock)."""
+    """The actor's body; also usable in-process (tests drive `tick` with their own clock).
+
+    Two paths, apart: decisions (`tick`, `submit`, `finished`) take `lock`; heartbeats (`status`)
+    take no lock at all. They read `published`, the last saved queue (a dict replaced whole after
+    each save), and write the time they were seen, so no heartbeat ever waits behind a decision or
+    a slow save, and no lease runs out while the actor is busy."""
 
     def __init__(self, quotas_path: str, location: str, tick_s: float = TICK_S, lease_s: float = LEASE_S,
                  background: bool = True) -> None:
         self.quotas = load_quotas(quotas_path)
         self.location, self.lease_s = location, lease_s
-        self.queue = load_queue(location)  # a damaged document raises: never an empty queue
-        now = time.time()
-        # Re-adoption: every job the document lists gets a whole lease to check in again.
-        self.seen = {e.job: now for e in self.queue.entries}
+        self.queue = self._load()  # registrations and finishes may be ahead of the document...
+        self.saved: Queue | None = None  # ...decisions never are: they land here only once saved
+        self.published: dict[str, dict[str, Any]] = {}
+        self.seen: dict[str, float] = {}
+        self.world: dict[str, int] = {}  # each job's size as its rank 0 last said (heartbeats)
+        # Re-adoption: every job the document lists gets a whole lease to check in again; so does
+        # every job after a tick that took long (the actor was busy, not the drivers silent).
+        self.resumed_at = time.time()
         self.lock = threading.Lock()
+        self.wake = threading.Event()
+        self._save(self.queue)
+        now = time.time()
         # Cloud bursts: every job's need, the one request made for all of them, each team's use today.
         self.bursts: dict[str, BurstRequest] = {}
         self.plan, self.asked_at, self.accrued_at, self.use_saved_at = BurstPlan(), 0.0, now, now
@@ -125,37 +143,64 @@ class Admitter:
 
     # -- what drivers and workers call ---------------------------------------------------------
 
-    def submit(self, entry: dict[str, Any]) -> dict[str, Any]:
-        """Register a job (QUEUED); a job already known (its driver restarted) keeps its place."""
+    def submit(self, registration: dict[str, Any]) -> dict[str, Any]:
+        """Register a job (QUEUED); a job already known (its driver restarted) keeps its place and
+        the new driver becomes its holder. The actor sets the submission time and the slots a
+        worker takes itself. A job unknown here that says it runs (`running_workers`: its driver
+        kept training while the queue was lost) is adopted RUNNING at that size."""
+        try:
+            reg = checked_registration(registration, self.quotas)
+        except TidalError as e:
+            return {"error": str(e)}
         with self.lock:
-            known = self.queue.get(entry["job"])
+            known = self.queue.get(reg["job"])
+            now = time.time()
             if known is None:
-                self.queue = submitted(self.queue, Entry(**entry))
-                self._save()
-            self.seen[entry["job"]] = time.time()
-        self.tick()
-        return self.status(entry["job"])
+                entry = Entry(reg["job"], reg["name"], reg["team"], reg["priority"], reg["min_workers"],
+                              reg["max_workers"], self._clock(now), slots_per_worker=reg["slots_per_worker"],
+                              holder=reg["holder"])
+                workers = min(reg["running_workers"], reg["max_workers"])
+                if workers > 0:
+                    entry = replace(entry, state="RUNNING", workers=workers, workers_now=workers, last_resize=now,
+                                    reason="re-adopted: it was running when the queue was rebuilt")
+                self.queue = submitted(self.queue, entry, adopted=workers > 0)
+            elif known.holder != reg["holder"]:
+                self.queue = _with(self.queue, reg["job"], holder=reg["holder"])
+            self.seen[reg["job"]] = now
+            self._save(self.queue)
+        self.wake.set()
+        return self.status(reg["job"])
 
     def status(self, job: str, world: int | None = None) -> dict[str, Any]:
-        """The job's entry (a heartbeat too); `world`: the size its group runs at now (rank 0)."""
+        """The job's entry as last saved (a heartbeat too); `world`: the size its group runs at now
+        (rank 0). No lock: a heartbeat never waits behind a decision or a save."""
+        entry = self.published.get(job)
+        if entry is None:
+            pending = self.queue.get(job)
+            if pending is None:
+                return {}
+            entry = {**_public(pending), "reason": "registered; waiting for the queue document to be saved"}
+        self.seen[job] = time.time()
+        if world is not None:
+            self.world[job] = world
+        return entry
+
+    def finished(self, job: str, token: str = "") -> bool:
+        """The job ended: its slots are given back. Only from its holder (the driver that
+        registered it last): a stale or mistaken caller cannot end another job's seat."""
         with self.lock:
             entry = self.queue.get(job)
             if entry is None:
-                return {}
-            self.seen[job] = time.time()
-            if world is not None and world != entry.workers_now:  # saved: `tidal queue` reads the document
-                self.queue = Queue(tuple(replace(e, workers_now=world) if e.job == job else e
-                                         for e in self.queue.entries))
-                self._save()
-            return asdict(self.queue.get(job) or entry)
-
-    def finished(self, job: str) -> None:
-        with self.lock:
-            if self.queue.get(job) is not None:
-                self.queue = finished(self.queue, job)
-                self.seen.pop(job, None)
-                self._save()
-        self.tick()
+                return True
+            if entry.holder != holder_digest(token):
+                log.warning("refused `finished` for job %s from a caller that does not hold its seat", job)
+                return False
+            self.queue = finished(self.queue, job)
+            self.seen.pop(job, None)
+            self.world.pop(job, None)
+            self._save(self.queue)
+        self.wake.set()
+        return True
 
     def burst(self, job: str, team: str, bundles: int, bundle: dict[str, float]) -> dict[str, Any]:
         """A job's cloud need in worker-shaped bundles (0: withdrawn). The autoscaler gets every
@@ -169,32 +214,78 @@ class Admitter:
         return {"granted": plan.granted.get(job, 0), "refused": refused, "requested": len(plan.bundles)}
 
     def entries(self) -> list[dict[str, Any]]:
-        with self.lock:
-            return [asdict(e) for e in self.queue.entries]
+        """Every job as last saved (what `tidal queue` shows)."""
+        return list(self.published.values())
+
+    def document(self) -> dict[str, Any]:
+        """The queue document as last saved, with each job's size now: `tidal queue --address`."""
+        saved = self.saved or Queue()
+        return {**document(_with_world(saved, self.world)), "source": "actor"}
 
     def tick(self, now: float | None = None) -> None:
-        """One decision, saved before anything acts on it."""
+        """One decision, saved before anything acts on it: drivers and workers see it (through
+        `published`) only once the document holds it; a failed save publishes nothing and the
+        next tick decides and saves again."""
+        started = time.monotonic()
         now = time.time() if now is None else now
         capacity = self._capacity()
         with self.lock:
-            gone = [e.job for e in self.queue.entries if now - self.seen.get(e.job, now) > self.lease_s]
+            gone = [e.job for e in self.queue.entries if now - max(self.seen.get(e.job, 0.0), self.resumed_at)
+                    > self.lease_s]
+            queue = self.queue
             for job in gone:
-                log.warning("job %s stopped checking in for %.0fs: its slots are given back", job, self.lease_s)
-                self.queue = finished(self.queue, job)
-                self.seen.pop(job, None)
-            decision = decide(capacity, running(self.queue), waiting(self.queue), self.quotas, now)
-            after = apply(self.queue, decision, now)
-            if after != self.queue or gone:
+                queue = finished(queue, job)
+            decision = decide(capacity, running(queue), waiting(queue), self.quotas, now)
+            after = _with_world(apply(queue, decision, now), self.world)
+            if after != self.saved and self._save(after):
+                for job in gone:
+                    log.warning("job %s stopped checking in for %.0fs: its slots are given back", job, self.lease_s)
+                    self.seen.pop(job, None)
+                    self.world.pop(job, None)
+                    self.bursts.pop(job, None)
                 self.queue = after
-                self._save()
-            for job in gone:
-                self.bursts.pop(job, None)
             if self.bursts:
                 self._accrue(now)
                 self._request_cloud(now, force=bool(gone))
             self._export(now)
+        if time.monotonic() - started > self.lease_s / 4:
+            self.resumed_at = time.time()  # busy, not silent drivers: every lease starts again
 
     # -- inside ---------------------------------------------------------------------------------
+
+    def _load(self) -> Queue:
+        """The saved queue; a damaged one is set aside with a cluster-level notice and the queue
+        starts empty, to be rebuilt by the live drivers as they check in (never a crash loop)."""
+        try:
+            return load_queue(self.location)
+        except DamagedQueue as e:
+            aside = f"{self.location}.damaged-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}"
+            try:
+                filesystem, path = fs.resolve(self.location)
+                filesystem.move(path, fs.resolve(aside)[1])
+            except OSError as moved:
+                aside = f"(could not be moved: {moved})"
+            notice = (f"{e}; it was set aside as {aside} and the queue is being rebuilt from the jobs' drivers as "
+                      "they check in: running jobs keep their size, waiting jobs take a new place in the queue")
+            log.error("%s", notice)
+            return Queue(notice=notice)
+
+    def _clock(self, now: float) -> float:
+        """A submission time of the actor's own, later than every other (so the order is the
+        order of registration, whatever a caller's clock says)."""
+        latest = max((e.submitted_at for e in self.queue.entries), default=0.0)
+        return max(now, latest + 1e-6)
+
+    def _save(self, queue: Queue) -> bool:
+        try:
+            save_queue(self.location, queue)
+        except Exception as e:  # noqa: BLE001 - storage down: nothing is published, the next tick retries
+            log.warning("the queue document %s could not be saved (%s: %s): no decision is acted on until it is; "
+                        "retrying", self.location, type(e).__name__, e)
+            return False
+        self.saved = queue
+        self.published = {e.job: _public(e) for e in queue.entries}
+        return True
 
     def _capacity(self) -> int:
         if self.quotas.capacity is not None:
@@ -202,9 +293,6 @@ class Admitter:
         import ray
 
         return onprem_capacity(self.quotas, ray.nodes())
-
-    def _save(self) -> None:
-        save_queue(self.location, self.queue)
 
     def _export(self, now: float) -> None:
         """The queue's gauges per team (every team the quota file names, and any with jobs)."""
@@ -260,11 +348,61 @@ class Admitter:
 
     def _loop(self, tick_s: float) -> None:
         while True:
-            time.sleep(tick_s)
+            self.wake.wait(tick_s)  # a registration or an end decides at once, else once a tick
+            self.wake.clear()
             try:
                 self.tick()
             except Exception as e:  # noqa: BLE001 - a storage hiccup must not end admission; the next tick retries
                 log.warning("admission tick failed: %s: %s", type(e).__name__, e)
+
+
+def holder_digest(token: str) -> str:
+    """What the document keeps of a driver's token: enough to check it, useless to reuse."""
+    return hashlib.sha256(token.encode()).hexdigest()[:32] if token else ""
+
+
+def checked_registration(reg: Any, quotas: Quotas) -> dict[str, Any]:
+    """A driver's registration, checked as untrusted input: names, sizes and resources; the
+    team and priority resolved against the quota file. The slots a worker takes are computed
+    here from its resources, never taken from the caller."""
+    if not isinstance(reg, Mapping):
+        raise TidalError("a registration is a mapping")
+    job, name = reg.get("job"), reg.get("name")
+    if not isinstance(job, str) or not re.match(JOB_KEY, job) or not isinstance(name, str):
+        raise TidalError(f"job key {job!r:.80} is not usable: letters, digits, '.', '_', ':' or '-'")
+    counts = {k: reg.get(k) for k in ("min_workers", "max_workers")}
+    if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in counts.values()) \
+            or counts["max_workers"] < counts["min_workers"]:
+        raise TidalError(f"job {job!r}: scaling.min_workers and max_workers must be whole numbers, 1 <= min <= max")
+    shape = {k: reg.get(k, 0) for k in ("cpus_per_worker", "gpus_per_worker")}
+    if any(isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 for v in shape.values()):
+        raise TidalError(f"job {job!r}: cpus_per_worker and gpus_per_worker must be numbers >= 0")
+    team, priority = resolve_scheduling(reg.get("team"), reg.get("priority"), quotas)
+    running_workers = reg.get("running_workers", 0)
+    token = reg.get("token", "")
+    return {"job": job, "name": name[:100], "team": team, "priority": priority, **counts,
+            "slots_per_worker": quotas.slots_per_worker(shape["cpus_per_worker"], shape["gpus_per_worker"]),
+            "running_workers": running_workers if isinstance(running_workers, int) and running_workers > 0 else 0,
+            "holder": holder_digest(token if isinstance(token, str) else "")}
+
+
+def _public(e: Entry) -> dict[str, Any]:
+    out = asdict(e)
+    out.pop("holder")
+    return out
+
+
+def _with(queue: Queue, job: str, **changes: Any) -> Queue:
+    return replace(queue, entries=tuple(replace(e, **changes) if e.job == job else e for e in queue.entries))
+
+
+def _with_world(queue: Queue, world: Mapping[str, int]) -> Queue:
+    """The queue with each job's size as its rank 0 last said."""
+    changed = {j: w for j, w in world.items() if (e := queue.get(j)) is not None and e.workers_now != w}
+    if not changed:
+        return queue
+    return replace(queue, entries=tuple(replace(e, workers_now=changed[e.job]) if e.job in changed else e
+                                        for e in queue.entries))
 
 
 def _gauges() -> dict[str, Any]:

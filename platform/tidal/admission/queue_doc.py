@@ -8,12 +8,19 @@ new one, never half.
 
 The loop an owner runs: `load_queue` -> `admission.decide(capacity, running(q), waiting(q), ...)`
 -> `apply(q, decision, now)` -> `save_queue`.
+
+What is read back is untrusted input (issue #47): anyone who can write the cluster's storage can
+write this file. Every entry is checked (types, job keys, team and priority names, sizes) and a
+document that fails is `DamagedQueue`, which the owner sets aside and rebuilds from the live
+drivers (admission/actor.py); it is never half-trusted.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Literal
 
 from tidal import fs
@@ -21,12 +28,21 @@ from tidal.admission.policy import AdmissionDecision, QueuedJob, RunningJob
 from tidal.admission.quotas import Quotas, resolve_scheduling
 from tidal.errors import TidalError
 from tidal.spec.job import JobSpec
+from tidal.spec.scheduling import SCHEDULING_NAME
+from tidal.spec.sections import NAME_PATTERN
 
 State = Literal["QUEUED", "RUNNING", "SUSPENDED"]
 STATES = ("QUEUED", "RUNNING", "SUSPENDED")
 VERSION = 1
 # Inside TIDAL_STORAGE beside the jobs' folders; a job name cannot start with a dot.
 QUEUE_FILE = ".tidal-queue/queue.json"
+# A job's key: its Ray Jobs submission id (raysubmit_..., or the `<name>-<hex>` Tidal gives), else its name.
+JOB_KEY = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$"
+
+
+class DamagedQueue(TidalError):
+    """The queue document exists but cannot be trusted: not JSON, another version, or an entry
+    that fails its checks. Never read as an empty queue (that would drop every job)."""
 
 
 @dataclass(frozen=True)
@@ -47,14 +63,23 @@ class Entry:
     last_resize: float = 0.0
     reason: str = ""
     position: int | None = None
+    holder: str = ""  # a digest of the token of the driver that holds the job's seat (never the token)
 
 
 @dataclass(frozen=True)
 class Queue:
     entries: tuple[Entry, ...] = field(default_factory=tuple)
+    notice: str = ""  # a cluster-level message for `tidal queue` (a damaged document set aside)
 
     def get(self, job: str) -> Entry | None:
-        return next((e for e in self.entries if e.job == job), None)
+        return self._index().get(job)
+
+    def _index(self) -> dict[str, Entry]:
+        index = self.__dict__.get("_by_job")
+        if index is None:  # built once per (immutable) queue: a thousand jobs are looked up often
+            index = {e.job: e for e in self.entries}
+            object.__setattr__(self, "_by_job", index)
+        return index
 
 
 def queue_location(storage: str) -> str:
@@ -64,24 +89,45 @@ def queue_location(storage: str) -> str:
 
 def load_queue(location: str) -> Queue:
     """The queue at `location` (a path or URI); empty if none was saved yet. A document that
-    exists but cannot be read is an error, never an empty queue: that would drop every job."""
+    exists but cannot be trusted raises `DamagedQueue`; storage that cannot be reached raises
+    OSError (not damage: the document may be fine, read it again later)."""
     filesystem, path = fs.resolve(location)
     if not fs.exists(filesystem, path):
         return Queue()
-    data = fs.read_json(filesystem, path)
-    if not isinstance(data, dict) or data.get("version") != VERSION or not isinstance(data.get("jobs"), list):
-        raise TidalError(f"the queue state {location} is unreadable or of another version (expected version "
-                         f"{VERSION}); move it aside to start an empty queue, after noting the jobs it lists")
+    with filesystem.open_input_stream(path) as f:
+        raw = f.read()
     try:
-        return Queue(tuple(_entry(d) for d in data["jobs"]))
+        data = json.loads(raw)
+    except ValueError as e:
+        raise DamagedQueue(f"the queue document {location} is not JSON ({e})") from None
+    return parse_queue(data, location)
+
+
+def parse_queue(data: Any, source: str) -> Queue:
+    """A queue document (as saved, or as the admission actor sends it) checked entry by entry."""
+    if not isinstance(data, dict) or data.get("version") != VERSION or not isinstance(data.get("jobs"), list):
+        raise DamagedQueue(f"the queue document {source} is of another version or shape (expected version {VERSION} "
+                           "with a list of jobs)")
+    try:
+        entries = tuple(_entry(d) for d in data["jobs"])
     except (TypeError, ValueError) as e:
-        raise TidalError(f"the queue state {location} holds a malformed job ({e}); move it aside to start an "
-                         "empty queue") from None
+        raise DamagedQueue(f"the queue document {source} holds a malformed job ({e})") from None
+    keys = [e.job for e in entries]
+    if len(set(keys)) != len(keys):
+        raise DamagedQueue(f"the queue document {source} lists a job twice")
+    notice = data.get("notice", "")
+    if not isinstance(notice, str):
+        raise DamagedQueue(f"the queue document {source} has a notice that is not text")
+    return Queue(entries, notice[:2000])
 
 
 def save_queue(location: str, queue: Queue) -> None:
     filesystem, path = fs.resolve(location)
-    fs.write_json(filesystem, path, {"version": VERSION, "jobs": [asdict(e) for e in queue.entries]})
+    fs.write_json(filesystem, path, document(queue))
+
+
+def document(queue: Queue) -> dict[str, Any]:
+    return {"version": VERSION, "jobs": [asdict(e) for e in queue.entries], "notice": queue.notice}
 
 
 def entry_for(spec: JobSpec, job: str, quotas: Quotas | None, now: float) -> Entry:
@@ -93,16 +139,17 @@ def entry_for(spec: JobSpec, job: str, quotas: Quotas | None, now: float) -> Ent
                  slots_per_worker=(quotas or Quotas()).slots_per_worker(s.cpus_per_worker, s.gpus_per_worker))
 
 
-def submitted(queue: Queue, entry: Entry) -> Queue:
-    """The queue with a new job, QUEUED; a job id already there is refused (a resubmission)."""
+def submitted(queue: Queue, entry: Entry, adopted: bool = False) -> Queue:
+    """The queue with a new job, QUEUED (or, `adopted`, as the entry says: a job found running
+    after the queue was lost); a job id already there is refused (a resubmission)."""
     if queue.get(entry.job):
         raise TidalError(f"job {entry.job!r} is already in the queue; submit it under a new id")
-    return Queue((*queue.entries, replace(entry, state="QUEUED", workers=0)))
+    return replace(queue, entries=(*queue.entries, entry if adopted else replace(entry, state="QUEUED", workers=0)))
 
 
 def finished(queue: Queue, job: str) -> Queue:
     """The queue without a job that ended (SUCCEEDED, FAILED or STOPPED: Ray keeps those)."""
-    return Queue(tuple(e for e in queue.entries if e.job != job))
+    return replace(queue, entries=tuple(e for e in queue.entries if e.job != job))
 
 
 def running(queue: Queue) -> list[RunningJob]:
@@ -129,15 +176,44 @@ def apply(queue: Queue, decision: AdmissionDecision, now: float) -> Queue:
                           "position": None}
     for w in decision.waiting:
         changes.setdefault(w.job, {}).update(reason=w.reason, position=w.position)
-    return Queue(tuple(replace(e, **changes.get(e.job, {})) for e in queue.entries))
+    return replace(queue, entries=tuple(replace(e, **changes[e.job]) if e.job in changes else e
+                                        for e in queue.entries))
 
 
-def _entry(d: Mapping[str, Any]) -> Entry:
+_TEXT = {"job": JOB_KEY, "name": NAME_PATTERN, "team": SCHEDULING_NAME, "priority": SCHEDULING_NAME}
+_COUNTS = ("min_workers", "max_workers", "workers", "workers_now", "slots_per_worker")
+
+
+def _entry(d: Any) -> Entry:
+    """One job read from the document, every field checked: it names files, runs and metrics."""
+    if not isinstance(d, Mapping):
+        raise TypeError("a job is not an object")
+    unknown = set(d) - {f.name for f in fields(Entry)}
+    if unknown:
+        raise ValueError(f"unknown field(s) {', '.join(sorted(map(str, unknown)))}")
     entry = Entry(**d)
+    for key, pattern in _TEXT.items():
+        value = getattr(entry, key)
+        if not isinstance(value, str) or not re.match(pattern, value):
+            raise ValueError(f"{key} {value!r:.80} is not a usable name")
+    for key in _COUNTS:
+        value = getattr(entry, key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{key} of job {entry.job!r} is {value!r:.40}, not a whole number >= 0")
+    if entry.min_workers < 1 or entry.max_workers < entry.min_workers or entry.slots_per_worker < 1:
+        raise ValueError(f"job {entry.job!r} has sizes that cannot be (min_workers {entry.min_workers}, "
+                         f"max_workers {entry.max_workers}, slots_per_worker {entry.slots_per_worker})")
+    for key in ("submitted_at", "last_resize"):
+        value = getattr(entry, key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+            raise ValueError(f"{key} of job {entry.job!r} is not a time")
     if entry.state not in STATES:
-        raise ValueError(f"state {entry.state!r} is not one of {', '.join(STATES)}")
+        raise ValueError(f"state {entry.state!r:.40} is not one of {', '.join(STATES)}")
+    if not isinstance(entry.reason, str) or not isinstance(entry.holder, str) or not (
+            entry.position is None or (isinstance(entry.position, int) and not isinstance(entry.position, bool))):
+        raise ValueError(f"job {entry.job!r} has a reason, holder or position of the wrong type")
     return entry
 
 
-__all__ = ["QUEUE_FILE", "STATES", "Entry", "Queue", "apply", "entry_for", "finished", "load_queue", "queue_location",
-           "running", "save_queue", "submitted", "waiting"]
+__all__ = ["JOB_KEY", "QUEUE_FILE", "STATES", "DamagedQueue", "Entry", "Queue", "apply", "document", "entry_for",
+           "finished", "load_queue", "parse_queue", "queue_location", "running", "save_queue", "submitted", "waiting"]

@@ -4,6 +4,10 @@ start, checked in while it runs, given back when it ends (admission/actor.py own
 Every face goes through here (`tidal run`, the SDK, `tidal submit`, plain `ray job submit --
 tidal run`): `launch/trainer.run` holds a seat around its training. Where the cluster names no
 quota file there is no admission and `seat` yields None: Ray's own first come, first served.
+
+The admission actor being unreachable is never a reason to fail: a waiting job keeps waiting,
+saying so (and for how long) in its log; a running one trains on at its size. Its driver holds
+a token only it knows: the actor lets only the token's holder give the seat back.
 """
 
 from __future__ import annotations
@@ -11,10 +15,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import asdict
 from typing import Any
 
 from tidal.admission.actor import ACTOR, NAMESPACE, admission_enabled, admitter, job_key
@@ -27,7 +31,7 @@ log = logging.getLogger("tidal")
 POLL_S = 1.0
 HEARTBEAT_S = 5.0
 CALL_TIMEOUT_S = 15.0
-SILENT_LIMIT_S = float(os.environ.get("TIDAL_ADMISSION_WAIT_S", "300"))  # no answer at all this long: an error
+SAY_SILENCE_S = 60.0  # while the actor does not answer, the wait is said again this often
 
 
 class Seat:
@@ -35,7 +39,14 @@ class Seat:
 
     def __init__(self, spec: JobSpec) -> None:
         self.job = job_key(spec.name)
-        self.entry = asdict(entry_for(spec, self.job, cluster_quotas(os.environ), time.time()))
+        entry = entry_for(spec, self.job, cluster_quotas(os.environ), time.time())
+        self.token = secrets.token_hex(16)
+        # What the actor is told: it computes the slots and the submission time itself.
+        self.registration = {"job": self.job, "name": spec.name, "team": entry.team, "priority": entry.priority,
+                             "min_workers": entry.min_workers, "max_workers": entry.max_workers,
+                             "cpus_per_worker": spec.scaling.cpus_per_worker,
+                             "gpus_per_worker": spec.scaling.gpus_per_worker, "token": self.token}
+        self.entry = {"team": entry.team, "priority": entry.priority, "name": spec.name}
         self.handle: Any = None
         self.workers = 0
         self.waited_s = 0.0  # QUEUED before the first start
@@ -44,21 +55,21 @@ class Seat:
 
     def wait(self, poll_s: float = POLL_S) -> int:
         """Until admission gives this job workers (printing its state, position and reason as
-        they change); the size to run at."""
+        they change, and how long the actor has been silent, if it is); the size to run at."""
         answered = time.time()
         while True:
             # world 0: no group runs while the driver waits (before its first, or after one ended)
-            status = self._call("status", self.job, 0) or self._call("submit", self.entry) or {}
-            if status.get("state") == "RUNNING" and status.get("workers", 0) > 0:
+            status = self._call("status", self.job, 0)
+            if status == {}:  # not known (yet, or any more: the queue was rebuilt): register
+                status = self._call("submit", self.registration)
+            if status and status.get("error"):
+                raise TidalError(f"the cluster's admission refused job {self.job!r}: {status['error']}")
+            if status and status.get("state") == "RUNNING" and status.get("workers", 0) > 0:
                 self.workers = int(status["workers"])
                 return self.workers
             if status:
                 answered = time.time()
-            elif time.time() - answered > SILENT_LIMIT_S:
-                raise TidalError(f"the cluster's admission (Ray actor {ACTOR!r} in namespace {NAMESPACE!r}) has "
-                                 f"not answered for {SILENT_LIMIT_S:.0f}s; see its log (`ray list actors`, the "
-                                 "dashboard's Actors tab), or unset TIDAL_QUOTAS on the head to run without admission")
-            self._say(status)
+            self._say(status, time.time() - answered)
             time.sleep(poll_s)
 
     def tags(self) -> dict[str, str]:
@@ -71,15 +82,18 @@ class Seat:
         return {"job": self.job, "launched_max": self.workers}
 
     def keep_alive(self) -> None:
-        """Check in every few seconds while the job runs: a driver silent for the lease is gone."""
+        """Check in every few seconds while the job runs: a driver silent for the lease is gone.
+        Unknown to the actor (its queue document was damaged and rebuilt): register again, as a
+        job running at its size."""
         def beat() -> None:
             while not self._stop.wait(HEARTBEAT_S):
-                self._call("status", self.job)
+                if self._call("status", self.job) == {}:
+                    self._call("submit", {**self.registration, "running_workers": self.workers})
         threading.Thread(target=beat, daemon=True, name="tidal-seat").start()
 
     def release(self) -> None:
         self._stop.set()
-        self._call("finished", self.job)
+        self._call("finished", self.job, self.token)
 
     def _call(self, method: str, *args: Any) -> Any:
         """A call to the admission actor; None while it cannot be reached (it restarts by itself;
@@ -94,9 +108,13 @@ class Seat:
             self.handle = None
             return None
 
-    def _say(self, status: dict[str, Any]) -> None:
+    def _say(self, status: dict[str, Any] | None, silent_s: float) -> None:
         if not status:
-            line = "waiting for the cluster's admission to answer"
+            # said again each SAY_SILENCE_S: a person reading the log sees it is still so
+            said = int(silent_s // SAY_SILENCE_S * SAY_SILENCE_S)
+            line = (f"WAITING: the cluster's admission (Ray actor {ACTOR!r} in namespace {NAMESPACE!r}) has not "
+                    f"answered{f' for {said}s' if said else ''}; the job keeps its place and waits (the actor "
+                    "restarts by itself; see `ray list actors` or the dashboard's Actors tab)")
         else:
             where = f"position {status['position']}: " if status.get("position") else ""
             line = f"{status['state']}: {where}{status.get('reason') or 'waiting for admission'}"

@@ -1,17 +1,27 @@
 """What `tidal queue` shows: every job the cluster's admission knows, from its queue document.
 
-Read from the document, not from the admission actor, so that a laptop reaching the cluster's
-storage (TIDAL_STORAGE, s3://...) sees the queue without a Ray connection, and the view still
-answers while the actor restarts. A job leaves the queue when it ends (`tidal list` shows Ray's
+Two ways to it, the same rows: the document itself, where this machine reaches the cluster's
+storage (TIDAL_STORAGE, s3://...: no Ray connection, and it answers while the actor restarts);
+or, from a laptop with only the dashboard's address (`--address`, RAY_ADDRESS), through the Jobs
+API: a small job on the head (`python -m tidal.admission.view`) asks the admission actor for the
+document as last saved (or reads it where the head names it) and prints it; no storage mount or
+credentials are needed here. A job leaves the queue when it ends (`tidal list` shows Ray's
 SUCCEEDED, FAILED or STOPPED).
 """
 
 from __future__ import annotations
 
+import json
+import secrets
+import time
 from collections.abc import Mapping
 from typing import Any
 
-from tidal.admission.queue_doc import Entry, Queue, load_queue
+from tidal.admission.queue_doc import Entry, Queue, load_queue, parse_queue
+from tidal.errors import ClusterError
+
+MARK = "TIDAL_QUEUE_DOCUMENT "  # the line of the head job's output that holds the document
+REMOTE_TIMEOUT_S = 120.0
 
 FIELDS = ("job", "name", "team", "priority", "state", "workers", "min_workers", "max_workers", "reason", "position")
 
@@ -52,10 +62,57 @@ def queue_record(job: str, environ: Mapping[str, str]) -> dict[str, Any] | None:
     return next((r for r in queue_rows(environ) if r["job"] == job), None)
 
 
-def table(records: list[dict[str, Any]]) -> str:
+def remote_queue(client: Any, timeout_s: float = REMOTE_TIMEOUT_S) -> Queue:
+    """The cluster's queue through the Jobs API (`client`: a JobSubmissionClient, auth set): a
+    job on the head prints the document; its output is read back and the job deleted. The
+    document is checked like one read from storage (it is the cluster's word, not this machine's)."""
+    sid = f"tidal-queue-{secrets.token_hex(4)}"
+    client.submit_job(entrypoint="python -m tidal.admission.view", submission_id=sid, entrypoint_num_cpus=0,
+                      metadata={"tidal.queue": "1"})
+    deadline = time.time() + timeout_s
+    try:
+        while str(client.get_job_status(sid).value) not in ("SUCCEEDED", "FAILED", "STOPPED"):
+            if time.time() > deadline:
+                raise ClusterError(f"the cluster did not answer `tidal queue` within {timeout_s:.0f}s (job {sid}); "
+                                   "is the head busy? try again, or pass --storage")
+            time.sleep(0.5)
+        logs = client.get_job_logs(sid)
+    finally:
+        try:
+            client.stop_job(sid)
+            client.delete_job(sid)
+        except Exception:  # noqa: BLE001 - a finished job's leftovers: the answer stands
+            pass
+    line = next((ln for ln in reversed(logs.splitlines()) if ln.startswith(MARK)), None)
+    if line is None:
+        raise ClusterError(f"the cluster's answer to `tidal queue` held no queue (job {sid}); its output ends: "
+                           f"{logs[-500:]!r}. Is Tidal installed on the head?")
+    return parse_queue(json.loads(line[len(MARK):]), f"the cluster (job {sid})")
+
+
+def head_document(environ: Mapping[str, str]) -> dict[str, Any]:
+    """On the head (the job `remote_queue` submits): the actor's document as last saved; where no
+    actor runs, the document where the head's environment names it; else an empty queue."""
+    import ray
+
+    from tidal.admission.actor import admitter, queue_document
+
+    ray.init(log_to_driver=False)
+    actor = admitter()
+    if actor is not None:
+        return dict(ray.get(actor.document.remote(), timeout=60))
+    if environ.get("TIDAL_QUOTAS"):
+        from tidal.admission.queue_doc import document
+
+        return document(load_queue(queue_document(environ)))
+    return {"version": 1, "jobs": [], "notice": "this cluster has no admission (its nodes name no TIDAL_QUOTAS)"}
+
+
+def table(records: list[dict[str, Any]], notice: str = "") -> str:
+    first = [f"NOTICE: {notice}", ""] if notice else []
     if not records:
-        return "the queue is empty: no job waits or runs under the cluster's admission"
-    lines = [f"{'JOB':<24} {'TEAM':<12} {'PRIORITY':<9} {'STATE':<10} {'WORKERS':>9} {'POS':>4}  REASON"]
+        return "\n".join([*first, "the queue is empty: no job waits or runs under the cluster's admission"])
+    lines = [*first, f"{'JOB':<24} {'TEAM':<12} {'PRIORITY':<9} {'STATE':<10} {'WORKERS':>9} {'POS':>4}  REASON"]
     for r in records:
         workers = f"{r['workers']}/{r['min_workers']}-{r['max_workers']}"
         lines.append(f"{r['job'][:24]:<24} {r['team'][:12]:<12} {r['priority']:<9} {r['state']:<10} {workers:>9} "
@@ -63,4 +120,10 @@ def table(records: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["FIELDS", "queue_record", "queue_rows", "rows", "state", "table"]
+if __name__ == "__main__":
+    import os
+
+    print(MARK + json.dumps(head_document(os.environ)), flush=True)
+
+
+__all__ = ["FIELDS", "MARK", "head_document", "queue_record", "queue_rows", "remote_queue", "rows", "state", "table"]
