@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tidal.spec.batch import bad_world_sizes
+from tidal.spec.batch import bad_world_sizes, micro_batch_bound
 from tidal.spec.compile import compile_problems
 from tidal.spec.evaluation import eval_problems
 from tidal.spec.passthrough import passthrough_problems
@@ -23,17 +23,21 @@ def consistency_problems(spec: JobSpec) -> list[tuple[str, str]]:
     s, t = spec.scaling, spec.train
     problems += _pipeline_problems(spec)
     stages = spec.parallelism.pipeline_stages
-    bad = bad_world_sizes(t.global_batch, t.micro_batch, s.min_workers // stages, s.max_workers // stages)
+    if t.micro_batch == "auto" and stages > 1:
+        problems.append(("train.micro_batch", "auto needs parallelism.pipeline_stages 1 (DeepSpeed's pipeline "
+                         "schedule fixes the micro-batch when the engine is built); give a number"))
+    micro = micro_batch_bound(spec)  # for auto, the largest it may choose (none fits: 1, and the error below)
+    bad = bad_world_sizes(t.global_batch, micro, s.min_workers // stages, s.max_workers // stages)
     if stages > 1 and bad:
-        problems.append(("train.global_batch", f"{t.global_batch} must be a multiple of train.micro_batch ({t.micro_batch}) "
+        problems.append(("train.global_batch", f"{t.global_batch} must be a multiple of train.micro_batch ({micro}) "
                          f"x data-parallel replicas ({s.max_workers // stages} = {s.max_workers} workers / {stages} stages)"))
     elif bad:
-        unit = t.micro_batch * math.lcm(*range(s.min_workers, s.max_workers + 1))
+        unit = micro * math.lcm(*range(s.min_workers, s.max_workers + 1))
         near = sorted({unit * max(1, t.global_batch // unit), unit * -(-t.global_batch // unit)})
         problems.append(
             ("train.global_batch",
              f"{t.global_batch} cannot stay fixed at world size(s) {bad}: it must be a multiple of "
-             f"train.micro_batch ({t.micro_batch}) x each world size in [{s.min_workers}, {s.max_workers}]; "
+             f"train.micro_batch ({micro}) x each world size in [{s.min_workers}, {s.max_workers}]; "
              f"try global_batch {' or '.join(map(str, near))}, or narrow the scaling range")
         )
     if spec.parallelism.precision == "fp16" and s.gpus_per_worker == 0:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tidal.spec.batch import grad_accum_steps
+from tidal.spec.batch import grad_accum_steps, micro_batch_bound
 from tidal.spec.job import JobSpec
 from tidal.spec.passthrough import merged
 from tidal.spec.schedule import DEEPSPEED_SCHEDULES
@@ -28,8 +28,11 @@ def ds_config(spec: JobSpec, world_size: int, on_gpu: bool, load_universal: bool
     cpu_torch_adam = not on_gpu
     derived = {
         "train_batch_size": t.global_batch,
-        "train_micro_batch_size_per_gpu": t.micro_batch,
-        "gradient_accumulation_steps": grad_accum_steps(t.global_batch, t.micro_batch, p.data_parallel_size(world_size)),
+        # auto: the workers build their engine with the size they chose; elsewhere (the run's
+        # deepspeed_config.json, tidal validate) the largest it may be.
+        "train_micro_batch_size_per_gpu": micro_batch_bound(spec),
+        "gradient_accumulation_steps": grad_accum_steps(t.global_batch, micro_batch_bound(spec),
+                                                        p.data_parallel_size(world_size)),
         "gradient_clipping": t.grad_clip,
         "zero_optimization": zero,
         "bf16": {"enabled": p.precision == "bf16"},

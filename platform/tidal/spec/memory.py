@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tidal.spec.batch import micro_batch_bound
 from tidal.spec.job import JobSpec, ModelSpec, ParallelismSpec
 
 BUFFER_FACTOR = 1.5  # DeepSpeed's additional_buffer_factor for host memory
@@ -173,7 +174,7 @@ def estimate(spec: JobSpec, world: int, per_node: int | None = None) -> MemoryEs
     nodes = -(-world // per_node)
     params, largest = gpt_params(spec.model)
     host, states = model_states(params, largest, par, per_node, nodes)
-    acts = activation_bytes(spec.model, spec.train.micro_batch, par.precision, par.activation_checkpointing,
+    acts = activation_bytes(spec.model, micro_batch_bound(spec), par.precision, par.activation_checkpointing,
                             fused_attention=spec.scaling.gpus_per_worker > 0)
     return MemoryEstimate(world, per_node, states, acts, host)
 
@@ -195,7 +196,7 @@ def memory_table(spec: JobSpec, worlds: list[int]) -> list[str]:
     where = "GPU" if spec.scaling.gpus_per_worker else "worker (CPU)"
     rows = [estimate(spec, w) for w in worlds]
     lines = [f"# Memory estimate per {where}: model states (DeepSpeed's ZeRO estimators, AdamW) + activations "
-             f"(Korthikanti et al. 2022) of one micro-batch of {spec.train.micro_batch}",
+             f"(Korthikanti et al. 2022) of one micro-batch of {micro_batch_bound(spec)}",
              f"# {'world':>5} {'states':>10} {'activations':>12} {'total':>10} {'host/node':>10}  workers/node"]
     for r in rows:
         lines.append(f"# {r.world:>5} {_size(r.states):>10} {_size(r.activations):>12} {_size(r.device_total):>10} "

@@ -4,7 +4,7 @@ tracking): each a pydantic model that refuses unknown keys. `tidal.spec.job.JobS
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -110,7 +110,12 @@ class OptimizerSpec(Part):
 
 class TrainSpec(Part):
     steps: int = Field(200, ge=1, description="optimizer steps in the whole job")
-    micro_batch: int = Field(8, ge=1, description="sequences per worker per forward pass")
+    micro_batch: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        8, description="sequences per worker per forward pass; auto: before the first step, the largest that fits "
+        "(a binary search with real steps of the job's own model, among the sizes that keep train.global_batch at "
+        "every world size), halved (and the step redone) after an out-of-memory error; the job keeps its choice "
+        "across restarts"
+    )
     global_batch: int = Field(32, ge=1, description="sequences per optimizer step, fixed at any world size")
     lr: float = Field(3e-4, gt=0.0, le=1.0)
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="cosine floor as a fraction of lr")

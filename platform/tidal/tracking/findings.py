@@ -12,6 +12,8 @@ from collections.abc import Mapping
 
 INPUT_BOUND_TAG = "tidal.input_bound"
 STRAGGLER_TAG = "tidal.straggler_excluded"
+MICRO_BATCH_TAG = "tidal.micro_batch"
+MICRO_BATCH_HALVED_TAG = "tidal.micro_batch_halved"
 PHASE_NAMES = {"data_wait": "data wait", "forward_backward": "forward/backward", "optimizer": "optimizer",
                "outside_steps": "checkpoints, eval and logging"}
 
@@ -39,6 +41,11 @@ def run_tags(values: Mapping[str, float]) -> dict[str, str]:
     tags = {}
     if values.get("input_bound_share") is not None:
         tags[INPUT_BOUND_TAG] = f"data wait {values['input_bound_share']:.0%} of the step time"
+    if values.get("micro_batch") is not None:  # only auto jobs log it
+        tags[MICRO_BATCH_TAG] = f"auto: {values['micro_batch']:.0f}"
+    if values.get("micro_batch_halved_at") is not None:
+        tags[MICRO_BATCH_HALVED_TAG] = (f"to {values['micro_batch']:.0f} after an out-of-memory error at step "
+                                        f"{values['micro_batch_halved_at']:.0f}")
     if values.get("straggler_excluded_rank") is not None:
         tags[STRAGGLER_TAG] = (f"rank {values['straggler_excluded_rank']:.0f} was {values.get('straggler_ratio', 0):.2f}x "
                                "slower than the median: its node is avoided for failure.straggler_avoid_s")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -35,7 +35,8 @@ def train_loop(config: dict[str, Any]) -> None:
     for step in s.steps():
         seed_step(s.device, spec.train.seed * 1_000_003 + step * 1_009 + s.rank)  # dropout depends on the step only
         s.clock.start_step(sync=step % spec.train.log_every == 0)
-        loss, n = _train_step(s.engine, s.batches.for_step(step), s.clock, s.step_fn)
+        train = partial(_train_step, s.engine, s.clock, s.step_fn, s.batches, step)
+        loss, n = s.auto.step(step, train) if s.auto else train()  # auto: halved and redone on out-of-memory
         s.loss_sum += loss
         s.loss_n += n
         s.clock.end_step()
@@ -136,6 +137,7 @@ def _metrics(s: Session, agreed: Agreed, times: dict[str, float], p: plan.StepPl
         "tokens_seen": s.tokens_seen, **times, "checkpoint_gate_s": s.gate_s,
         # The slowest rank's stall since the last log step (its saves and its optimizer's waits).
         "checkpoint_blocked_max_s": agreed.blocked_max_s, **s.host_stats(),
+        **(s.auto.metrics() if s.auto else {}),
     }
     return metrics | s.telemetry.at_log_step(metrics, agreed.busy_s, p.step == s.cadence.last or p.end == "data")
 
@@ -160,9 +162,10 @@ def _save(s: Session, p: plan.StepPlan, metrics: dict[str, Any]) -> None:
             s.backlog_said = True  # once per worker group: the cause does not change
 
 
-def _train_step(engine: Any, micro: Iterator[Any], clock: PhaseClock,
-                step_fn: Callable[[Any, Any], torch.Tensor]) -> tuple[torch.Tensor, int]:
+def _train_step(engine: Any, clock: PhaseClock, step_fn: Callable[[Any, Any], torch.Tensor], batches: Any,
+                step: int) -> tuple[torch.Tensor, int]:
     """One optimizer step over this worker's micro-batches: (sum of their losses, how many)."""
+    micro = batches.for_step(step)  # here: a step trained again reads its micro-batches afresh
     if is_pipeline(engine):  # DeepSpeed's schedule runs all micro-batches and the optimizer step
         with clock.phase("forward_backward_s"):
             return engine.train_batch(data_iter=micro).detach().float().cpu(), 1

@@ -26,7 +26,7 @@ from tidal.spec import secrets
 from tidal.spec.compile import compile_note, warmup_steps
 from tidal.spec.job import JobSpec
 from tidal.tracking.emitter import Emitter
-from tidal.worker import checkpoint, restore
+from tidal.worker import checkpoint, microbatch, restore
 from tidal.worker.data import Batches
 from tidal.worker.device import torch_device
 from tidal.worker.engine import build_engine, data_parallel_rank, param_count
@@ -68,6 +68,7 @@ class Session:
     directive: Directive | None = None  # rank 0's poll of the cluster's admission, under admission
     launched_max: int | None = None  # the size admission launched this group for (None: no admission)
     lease: LeaseCheck | None = None  # whether this attempt's driver still owns the job (tidal/lease.py)
+    auto: microbatch.AutoMicroBatch | None = None  # train.micro_batch auto: halves it on out-of-memory errors
 
     @property
     def samples_seen(self) -> int:
@@ -104,6 +105,9 @@ def open_session(config: dict[str, Any]) -> Session:
 
     found = restore.agree_on_resume_point(spec)  # rank 0 decides; every rank loads the same one
     reshard = bool(found) and restore.needs_reshard(found.state, world)
+    # train.micro_batch auto: the size this job chose, or searched now (a collective); a number from here on.
+    spec = microbatch.choose(spec, world, device, rank, events.say,
+                             lambda sp, eng: _batches(sp, config, eng, rank, world, device))
     telemetry = Telemetry(spec, events, device, found)  # Prometheus, stragglers, site, cost; from here on
     engine = build_engine(spec, world, device, load_universal=reshard)
     if rank == 0 and spec.parallelism.compile is not None:
@@ -114,6 +118,8 @@ def open_session(config: dict[str, Any]) -> Session:
         if rank == 0:
             events.resumed(found.name, state.step, int(found.state["world_size"]), world)
     batches = _batches(spec, config, engine, rank, world, device)
+    auto = (microbatch.AutoMicroBatch(spec, engine, batches, rank, events.say)
+            if config["spec"]["train"]["micro_batch"] == "auto" else None)
     t, s = spec.train, spec.scaling
     seat = config.get("admission") or {}  # admission/seat.py: the job's key and the size it was launched for
     return Session(
@@ -121,7 +127,7 @@ def open_session(config: dict[str, Any]) -> Session:
         checkpoint.Provenance(world, spec.parallelism.zero_stage, spec.resume_fingerprint()),
         batches, _evaluator(spec, rank, world, device, batches),
         StepWatchdog(spec.failure.step_timeout_s, rank, events, spec.failure.phase_timeout_s),
-        telemetry, step_function(spec),  # the user's train.step_fn, or model(*batch)
+        telemetry, auto.step_fn(step_function(spec)) if auto else step_function(spec),  # train.step_fn, or model(*batch)
         Cadence(t.log_every, spec.checkpoint.every_steps, spec.eval.every_steps if spec.eval else None,
                 min(t.steps, t.stop_at or t.steps)),
         flops_per_token(param_count(engine, spec), spec.model),
@@ -129,7 +135,7 @@ def open_session(config: dict[str, Any]) -> Session:
         ResourceSampler(device) if rank == 0 else dict,  # rank 0's host only
         PhaseClock(device, warmup_steps=warmup_steps(spec.parallelism.compile)),
         directive=Directive(seat["job"], world) if seat and rank == 0 else None,
-        launched_max=seat.get("launched_max"), lease=lease,
+        launched_max=seat.get("launched_max"), lease=lease, auto=auto,
     )
 
 
