@@ -1,14 +1,19 @@
 """Secrets by reference against a real Ray head with token auth (tests/conftest.py's `head`: its
 `mlflow server` with artifacts on moto S3, TIDAL_STORAGE on S3): a job with two secrets, one from
 the head's environment and one from a file on it, submitted with `tidal submit` and with plain
-`ray job submit`. Every worker reads both; neither value is in Ray's job list (`ray job list`; Ray
-2.60's has no --format json), the Jobs API, Ray Train's state API, the job's logs and record, MLflow
-(params, tags, artifacts), the bucket, or any file the test session wrote."""
+`ray job submit`. Every worker reads both, and the user's step function prints one; neither value is
+in Ray's job list (`ray job list`; Ray 2.60's has no --format json) or the Jobs API (the spec in
+`tidal submit`'s entrypoint decoded from its base64), Ray Train's state API, the job's logs and
+record, MLflow (params, tags, artifacts), the bucket, or any file the test session wrote. A laptop
+whose MLFLOW_TRACKING_URI holds a password, or a spec whose checkpoint.storage does, is refused
+at `tidal submit` and leaves nothing on the Jobs API."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
+import re
 import secrets
 import subprocess
 import sys
@@ -104,8 +109,10 @@ def check_secrets_kept(head: str, job_id: str, cluster_env: dict[str, str], node
     assert record.get("mlflow_run_id"), logs[-2000:]
     runs = train_runs(head)
     assert record["name"] in runs, "Ray Train's state API lists the run (and its train_loop_config)"
-    ray_views = {"ray job list": listed.stdout, "Ray Train state API": runs, "list_jobs": repr(client.list_jobs()),
-                 "get_job_info": repr(client.get_job_info(job_id)), "logs": logs, "record": json.dumps(record),
+    assert "the probe sees *** as its token" in logs, "the user's print of its secret reached the logs, masked"
+    infos = repr(client.list_jobs())
+    ray_views = {"ray job list": decoded(listed.stdout), "Ray Train state API": runs, "list_jobs": decoded(infos),
+                 "get_job_info": decoded(repr(client.get_job_info(job_id))), "logs": logs, "record": json.dumps(record),
                  "printed": printed}
 
     # MLflow: params, tags, and every artifact of the run.
@@ -139,6 +146,48 @@ def check_secrets_kept(head: str, job_id: str, cluster_env: dict[str, str], node
         if p.is_file() and not p.is_symlink() and str(p) != node_secrets["file"]:
             data = p.read_bytes()
             assert not [v for v in values if v.encode() in data], f"a secret value is in {p}"
+
+
+def decoded(text: str) -> str:
+    """`text` and, after it, every base64 payload in it decoded: `tidal submit`'s entrypoint carries
+    the spec base64-encoded, where a plain search would miss a secret."""
+    payloads = re.findall(r"[A-Za-z0-9_\-]{40,}={0,2}", text)
+    out = [text]
+    for p in payloads:
+        try:
+            out.append(base64.urlsafe_b64decode(p + "=" * (-len(p) % 4)).decode(errors="replace"))
+        except ValueError:
+            continue
+    return "\n".join(out)
+
+
+def test_decoded_finds_what_base64_hides():
+    secret = "pw-0123456789abcdef"
+    payload = base64.urlsafe_b64encode(json.dumps({"tracking": {"uri": f"http://a:{secret}@h"}}).encode()).decode()
+    text = f"JobDetails(entrypoint='python -m tidal.launch.entrypoint {payload}')"
+    assert secret not in text and secret in decoded(text)
+
+
+def test_tidal_submit_refuses_a_credential_and_sends_nothing(head, tmp_path, monkeypatch, capsys):  # noqa: F811
+    """Today's code sent both: the laptop's MLFLOW_TRACKING_URI verbatim in the runtime_env, the spec
+    in the entrypoint, shown to every token holder by `ray job list` and the dashboard."""
+    password = f"pw-{secrets.token_hex(12)}"
+    monkeypatch.chdir(ROOT)
+    path = tmp_path / "job.yaml"
+    for name, env, overrides in (
+        ("cred-env", {"MLFLOW_TRACKING_URI": f"http://alice:{password}@mlflow.example:5000"}, {}),
+        ("cred-storage", {}, {"checkpoint.storage": f"s3://AKIAEXAMPLE:{password}@bucket/runs"}),
+    ):
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        path.write_text(yaml.safe_dump(tiny_spec(tmp_path, name=name, **overrides).model_dump(mode="json")))
+        assert main(["submit", str(path), "--address", head]) != 0
+        captured = capsys.readouterr()
+        assert "holds a credential" in captured.err and password not in captured.out + captured.err
+        for k in env:
+            monkeypatch.delenv(k)
+    listed = decoded(repr(connect(head).list_jobs()))
+    assert password not in listed and "cred-env" not in listed and "cred-storage" not in listed
 
 
 def train_runs(address: str) -> str:

@@ -139,3 +139,23 @@ def test_a_workers_own_secret_values_are_masked_in_what_it_prints(monkeypatch):
     print("and another-secret-value")
     assert isinstance(sys.stdout, RedactingStream)
     assert out.getvalue() == "the model saw *** at step 3\nand ***\n"
+
+
+def test_ray_trains_config_holds_no_credential_and_the_workers_get_the_whole_spec(tmp_path):
+    """Ray Train's state API shows train_loop_config to every token holder: a credential the driver
+    resolved into the spec (the cluster's own MLFLOW_TRACKING_URI holding one) goes by reference."""
+    from tidal.spec.secrets import SPEC_REF, carried_spec, with_carried_spec
+
+    store: dict[str, object] = {}
+
+    def put(value: object) -> str:
+        store["ref"] = value
+        return "ref"
+
+    plain = spec_data(tmp_path)
+    assert carried_spec(plain, put) == {"spec": plain} and not store  # nothing to hide: as before
+    secret = spec_data(tmp_path, **{"tracking.uri": f"http://alice:{PASSWORD}@mlflow.example:5000"})
+    config = carried_spec(secret, put)
+    assert PASSWORD not in repr({k: v for k, v in config.items() if k != SPEC_REF}) and config[SPEC_REF] == "ref"
+    assert config["spec"]["tracking"]["uri"] == "http://alice:***@mlflow.example:5000"
+    assert with_carried_spec({**config, "lease": 1}, store.__getitem__) == {**config, "spec": secret, "lease": 1}

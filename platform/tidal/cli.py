@@ -296,11 +296,12 @@ def _job(args: argparse.Namespace) -> Job:
 
 def _status(args: argparse.Namespace) -> int:
     job = _job(args)
-    p = job.progress()
+    p, state = job.progress(), job.status()
     if args.output == "json":
-        print_json({"id": job.submission_id, "status": job.status(), **dict.fromkeys(PROGRESS_FIELDS), **p})
+        print_json({"id": job.submission_id, "status": str(state), "reason": state.reason,
+                    **dict.fromkeys(PROGRESS_FIELDS), **p})
         return 0
-    line = f"{job.submission_id}: {job.status()}"
+    line = f"{job.submission_id}: {state}" + (f" before its entrypoint ran: {state.reason}" if state.reason else "")
     if p:
         speed = f" | {p['tokens_per_s']:,.0f} tok/s" if p.get("tokens_per_s") is not None else ""  # none for a user dataset
         line += f" | step {p['step']}/{p['steps']} | loss {p['loss']:.4f}{speed} | world {p['world_size']}"

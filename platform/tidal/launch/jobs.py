@@ -45,6 +45,9 @@ TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 # `tidal list/status --output json` hold these always; progress fields are null before the first step is in MLflow.
 JOB_FIELDS = ("id", "name", "status", "team", "priority", "start_time")
 PROGRESS_FIELDS = ("step", "steps", "loss", "tokens_per_s", "world_size")
+# Ray's Jobs API before the head's node agent is up (Ray 2.60's message), and how long to wait for it.
+NO_AGENT = "No available agent to submit job"
+AGENT_WAIT_S = 120
 # In every package `submit` uploads: a value of its own per submission (see package_working_dir).
 SUBMISSION_MARKER = ".tidal-submission"
 # The Jobs API's error types for a job whose entrypoint ran (and failed on its own): its output says why.
@@ -354,15 +357,23 @@ def submit(spec: JobSpec, address: str | None = None, working_dir: str | os.Path
     env = {**forwarded, **({"PYTHONPATH": "platform"} if (root / "platform" / "tidal").is_dir() else {})}
     with tempfile.TemporaryDirectory(prefix="tidal-submit-") as tmp:
         package = package_working_dir(root, excludes, Path(tmp))  # a package of its own: see there
-        try:
-            sid = client.submit_job(
-                entrypoint=f"python -m tidal.launch.entrypoint {payload}",
-                runtime_env={"working_dir": str(package), "env_vars": env},
-                submission_id=submission_id,
-                metadata={"tidal.job": spec.name, "tidal.steps": str(spec.train.steps)},
-            )
-        except Exception as e:  # noqa: BLE001 - translate Ray's HTTP errors into a message that says what to do
-            raise _friendly(e, address or os.environ.get("RAY_ADDRESS", ""), auth_token()) from None
+        deadline = time.time() + AGENT_WAIT_S
+        while True:
+            try:
+                sid = client.submit_job(
+                    entrypoint=f"python -m tidal.launch.entrypoint {payload}",
+                    runtime_env={"working_dir": str(package), "env_vars": env},
+                    submission_id=submission_id,
+                    metadata={"tidal.job": spec.name, "tidal.steps": str(spec.train.steps)},
+                )
+                break
+            except Exception as e:  # noqa: BLE001 - translate Ray's HTTP errors into a message that says what to do
+                # A head whose dashboard answers before its node agent registered refuses jobs for a
+                # while and says to try again: nothing was accepted, so trying again is safe.
+                if NO_AGENT in str(e) and time.time() < deadline:
+                    time.sleep(2)
+                    continue
+                raise _friendly(e, address or os.environ.get("RAY_ADDRESS", ""), auth_token()) from None
     return Job(sid, client.get_address(), spec)
 
 

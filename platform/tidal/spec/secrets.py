@@ -203,3 +203,24 @@ def refuse_credentials(spec_data: Any, environ: Mapping[str, str], forwarded: tu
 
 class SubmissionCarriesSecret(TidalError):
     """A submission would carry a credential (refused before anything is sent)."""
+
+
+# --- what Ray Train records --------------------------------------------------------------------
+SPEC_REF = "spec_ref"  # in train_loop_config: the whole spec, in Ray's object store, when it holds a credential
+
+
+def carried_spec(spec_data: dict[str, Any], put: Callable[[Any], Any]) -> dict[str, Any]:
+    """train_loop_config's spec entries: Ray Train's state API (the dashboard) shows that config to
+    every token holder, so the spec goes there redacted; when redaction changed anything (the
+    cluster's own MLFLOW_TRACKING_URI or TIDAL_STORAGE holding a credential, resolved into the
+    spec on the driver) the workers read the whole spec from the object store (`put`: ray.put),
+    which the state API shows as a reference only."""
+    from tidal.redact import redact_data
+
+    shown = redact_data(spec_data, secrets=())
+    return {"spec": shown} if shown == spec_data else {"spec": shown, SPEC_REF: put(spec_data)}
+
+
+def with_carried_spec(config: dict[str, Any], get: Callable[[Any], Any]) -> dict[str, Any]:
+    """A worker's train_loop_config with the whole spec in place (`get`: ray.get)."""
+    return {**config, "spec": get(config[SPEC_REF])} if SPEC_REF in config else config

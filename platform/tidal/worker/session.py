@@ -22,6 +22,7 @@ from tidal import fs
 from tidal.admission.directive import Directive
 from tidal.eval_best import stopped_early
 from tidal.lease import LeaseCheck
+from tidal.redact import install as install_redaction
 from tidal.spec import secrets
 from tidal.spec.compile import compile_note, warmup_steps
 from tidal.spec.job import JobSpec
@@ -88,8 +89,11 @@ def open_session(config: dict[str, Any]) -> Session:
     spec = JobSpec.model_validate(config["spec"])
     os.environ.update(spec.worker_env)
     # The secrets' values exist only here, read from this node (spec/secrets.py): before any user code
-    # (builders, step functions, datasets) is imported.
-    os.environ.update(secrets.resolve(spec.env))
+    # (builders, step functions, datasets) is imported. Lines this worker prints mask them: Ray copies
+    # them to the driver and `ray job logs`, where no other process knows the values (tidal/redact.py).
+    values = secrets.resolve(spec.env)
+    os.environ.update(values)
+    install_redaction(values.values())
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     # Tracking goes to the job's durable event log, written off this thread: no tracking
