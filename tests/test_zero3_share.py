@@ -1,0 +1,153 @@
+"""A ZeRO-3 rank fetches only its share of a universal checkpoint: through the real restore (a
+process group of one, the rank and world of a larger group set per simulated rank), each rank
+reads about 1/world of the parameters' optimizer files by byte range (counted by a filesystem
+that counts the bytes it returns, as S3 bills ranged GETs), and what DeepSpeed's ZeRO-3 loader
+keeps of each file (the flattened tensor, padded, narrowed to the rank's partition: the lines of
+`stage3.load_hp_checkpoint_state` in 0.19.8) equals what it keeps from the whole file. No Ray."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.conftest import free_port
+from tests.test_restore_scale import Counting
+from tidal import fs
+from tidal.storage import Found
+from tidal.worker import fetch, restore, share, universal
+
+PARAMS = {"tok.weight": (256, 128), "blocks.0.w": (64, 96), "blocks.0.b": (7,), "ln_f.bias": (1,)}
+
+
+class CountingBytes(Counting):
+    """Counts the bytes each opened file returns too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.read_bytes = 0
+
+    def open_input_file(self, path: str) -> Any:
+        self.calls["read"] += 1
+        outer = self
+
+        class Reader:
+            def __init__(self) -> None:
+                self.f = open(path, "rb")  # noqa: SIM115 - closed by pyarrow's PythonFile
+                self.closed = False
+
+            def read(self, n: int = -1) -> bytes:
+                out = self.f.read(n)
+                outer.read_bytes += len(out)
+                return out
+
+            def seek(self, pos: int, whence: int = 0) -> int:
+                return self.f.seek(pos, whence)
+
+            def tell(self) -> int:
+                return self.f.tell()
+
+            def close(self) -> None:
+                self.closed = True
+                self.f.close()
+
+            def readable(self) -> bool:
+                return True
+
+            def seekable(self) -> bool:
+                return True
+
+        return pa.PythonFile(Reader(), mode="r")
+
+    def open_input_stream(self, path: str) -> Any:
+        return self.open_input_file(path)
+
+
+def universal_folder(tmp: Path) -> tuple[Found, dict[str, torch.Tensor]]:
+    path = tmp / "runs" / "job" / "checkpoint_000000008"
+    out = tmp / "made"
+    saved = {}
+    (out / "zero").mkdir(parents=True)
+    torch.save({"module": {}}, out / "mp_rank_00_model_states.pt")
+    torch.save({"optimizer_state_dict": {"state": {0: {"step": 8}}}}, out / "zero" / "optimizer_state.pt")
+    for name, shape in PARAMS.items():
+        (out / "zero" / name).mkdir()
+        for key in ("fp32", "exp_avg", "exp_avg_sq"):
+            saved[f"{name}/{key}"] = torch.randn(shape)
+            torch.save({"param": saved[f"{name}/{key}"], "cat_dim": 0}, out / "zero" / name / f"{key}.pt")
+        torch.save(torch.tensor(8.0), out / "zero" / name / "step.pt")
+    local = pafs.LocalFileSystem()
+    fs.publish_dir(str(out), local, f"{path}/global_step8_universal", f"{path}/{universal.marker('global_step8')}", id="c")
+    return Found(str(path), local, {"step": 8, "world_size": 3, "zero_stage": 3, "attempt": "a"}, files={}), saved
+
+
+class Zero3Loader:
+    """Keeps, of each parameter's optimizer file, what DeepSpeed's ZeRO-3 loader keeps."""
+
+    optimizer = None
+    checkpoint_engine = None
+
+    def __init__(self, world: int, rank: int) -> None:
+        self.world, self.rank, self.kept = world, rank, {}
+
+    def zero_optimization_stage(self) -> int:
+        return 3
+
+    def load_checkpoint(self, load_dir: str, tag: str, **_: Any) -> tuple[str, dict]:
+        for name in PARAMS:
+            for key in ("fp32", "exp_avg", "exp_avg_sq"):
+                loaded = torch.load(os.path.join(load_dir, tag, "zero", name, f"{key}.pt"), weights_only=False)
+                flat = loaded["param"].view(-1)
+                per = math.ceil(flat.numel() / self.world)
+                padded = torch.cat([flat, torch.zeros(self.world * per - flat.numel())])
+                self.kept[f"{name}/{key}"] = padded.narrow(0, self.rank * per, per)
+        return load_dir, {}
+
+
+@pytest.fixture
+def group() -> Iterator[None]:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_zero3_rank_reads_its_share_and_loads_what_the_whole_file_gives(tmp_path, group, monkeypatch, world):
+    found, saved = universal_folder(tmp_path)
+    handler = CountingBytes()
+    found = Found(found.path, pafs.PyFileSystem(handler), found.state)  # as an object store: ranged reads
+    optimizer_bytes = sum(size for rel, size in fs.files_under(pafs.LocalFileSystem(), f"{found.path}/global_step8_universal").items()
+                          if share.sliced(rel))
+    tensor_bytes = sum(t.numel() * 4 for t in saved.values())
+    reads = []
+    for rank in range(world):
+        monkeypatch.setattr(restore, "_zero3_share", lambda engine, r=rank: (world, r))
+        monkeypatch.setenv(fetch.CACHE_ENV, str(tmp_path / f"node-{rank}"))
+        engine = Zero3Loader(world, rank)
+        handler.read_bytes = 0
+        restore.restore(engine, found, reshard=True)
+        reads.append(handler.read_bytes)
+        for key, whole in saved.items():
+            per = math.ceil(whole.numel() / world)
+            expected = torch.cat([whole.view(-1), torch.zeros(world * per - whole.numel())]).narrow(0, rank * per, per)
+            assert torch.equal(engine.kept[key], expected), (rank, key)
+
+    listed = fs.files_under(pafs.LocalFileSystem(), f"{found.path}/global_step8_universal")
+    whole = sum(size for rel, size in listed.items() if not share.sliced(rel))  # read whole by every rank
+    headers = optimizer_bytes - tensor_bytes  # each archive's records other than its tensor
+    print(f"world {world}: bytes read per rank {reads}; the optimizer files hold {optimizer_bytes} "
+          f"({tensor_bytes} of tensors), the rest {whole}")
+    # A rank's tensor bytes: its partition of each (ceil(numel / world) elements); each archive's
+    # directory and pickle are read once more to find the tensor (about 1 KB an archive).
+    for got in reads:
+        assert got - whole - headers <= tensor_bytes / world + len(saved) * 1536, (got, tensor_bytes, world)
+    sparse = [p for p in (tmp_path / "node-1").rglob("fp32.pt") if not p.is_symlink()]
+    assert sparse, "the rank's slices are files of its own"
