@@ -10,14 +10,8 @@ import zipfile
 import pytest
 
 from tests.conftest import tiny_spec
-from tidal.launch.jobs import (
-    ALWAYS_EXCLUDE,
-    SUBMISSION_MARKER,
-    JobState,
-    package_working_dir,
-    start_failure,
-    submit,
-)
+from tidal.launch.jobs import ALWAYS_EXCLUDE, submit
+from tidal.launch.submission import SUBMISSION_MARKER, JobState, package_working_dir, start_failure
 from tidal.redact import RedactingStream, install
 from tidal.spec.secrets import SubmissionCarriesSecret, credential_problems
 
