@@ -143,7 +143,8 @@ def _parser() -> argparse.ArgumentParser:
         if name == "logs":
             c.add_argument("--follow", action="store_true", help="keep printing until the job ends")
         if name == "status":
-            add_output_flag(c, f"an object with id, status and {PROGRESS_DOC}")
+            add_output_flag(c, f"an object with id, status, reason (why it failed before its entrypoint ran, else "
+                            f"null) and {PROGRESS_DOC}")
         c.set_defaults(func=func)
     ls = sub.add_parser("list", help="list Tidal jobs on a cluster with progress", description="list Tidal jobs on a cluster")
     _address(ls)
