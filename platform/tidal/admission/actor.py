@@ -17,11 +17,9 @@ driver stops checking in for `LEASE_S` (its driver died) gives its slots back.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
-import re
 import threading
 import time
 from collections.abc import Mapping
@@ -29,10 +27,17 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from tidal import fs
-from tidal.admission.cloud import BurstPlan, BurstRequest, CloudUse, aggregate_bursts
+from tidal.admission.cloud import (
+    BurstPlan,
+    BurstRequest,
+    CloudUse,
+    aggregate_bursts,
+    day,
+    load_use,
+    save_use,
+)
 from tidal.admission.policy import decide
 from tidal.admission.queue_doc import (
-    JOB_KEY,
     DamagedQueue,
     Entry,
     Queue,
@@ -46,7 +51,8 @@ from tidal.admission.queue_doc import (
     submitted,
     waiting,
 )
-from tidal.admission.quotas import QUOTAS_VAR, Quotas, load_quotas, resolve_scheduling
+from tidal.admission.quotas import QUOTAS_VAR, Quotas, load_quotas
+from tidal.admission.registration import checked_registration, holder_digest
 from tidal.cluster import SITE_LABEL, node_site
 from tidal.cluster.prices import PRICE_LABEL, worker_price
 from tidal.errors import TidalError
@@ -136,7 +142,7 @@ class Admitter:
         self.bursts: dict[str, BurstRequest] = {}
         self.plan, self.asked_at, self.accrued_at, self.use_saved_at = BurstPlan(), 0.0, now, now
         self.use_location = location.rsplit("/", 1)[0] + "/cloud-use.json"
-        self.use = _load_use(self.use_location, now)
+        self.use = load_use(self.use_location, now)
         self.gauges = _gauges() if background else {}
         if background:
             threading.Thread(target=self._loop, args=(tick_s,), daemon=True, name="tidal-admission").start()
@@ -330,8 +336,8 @@ class Admitter:
         import ray
 
         hours, self.accrued_at = (now - self.accrued_at) / 3600, now
-        if _day(now) != self.use["day"]:
-            self.use = {"day": _day(now), "teams": {}}
+        if day(now) != self.use["day"]:
+            self.use = {"day": day(now), "teams": {}}
         cloud = [n for n in ray.nodes() if n.get("Alive") and PRICE_LABEL in (n.get("Labels") or {})
                  and node_site(n.get("Resources") or {}, n.get("Labels") or {}) == "cloud"]
         for job, n in self.plan.granted.items():
@@ -343,7 +349,7 @@ class Admitter:
             used = self.use["teams"].get(r.team, CloudUse())
             self.use["teams"][r.team] = used.plus(hours, n * gpus, None if price is None else n * price)
         if now - self.use_saved_at >= USE_SAVE_S:
-            _save_use(self.use_location, self.use)
+            save_use(self.use_location, self.use)
             self.use_saved_at = now
 
     def _loop(self, tick_s: float) -> None:
@@ -354,36 +360,6 @@ class Admitter:
                 self.tick()
             except Exception as e:  # noqa: BLE001 - a storage hiccup must not end admission; the next tick retries
                 log.warning("admission tick failed: %s: %s", type(e).__name__, e)
-
-
-def holder_digest(token: str) -> str:
-    """What the document keeps of a driver's token: enough to check it, useless to reuse."""
-    return hashlib.sha256(token.encode()).hexdigest()[:32] if token else ""
-
-
-def checked_registration(reg: Any, quotas: Quotas) -> dict[str, Any]:
-    """A driver's registration, checked as untrusted input: names, sizes and resources; the
-    team and priority resolved against the quota file. The slots a worker takes are computed
-    here from its resources, never taken from the caller."""
-    if not isinstance(reg, Mapping):
-        raise TidalError("a registration is a mapping")
-    job, name = reg.get("job"), reg.get("name")
-    if not isinstance(job, str) or not re.match(JOB_KEY, job) or not isinstance(name, str):
-        raise TidalError(f"job key {job!r:.80} is not usable: letters, digits, '.', '_', ':' or '-'")
-    counts = {k: reg.get(k) for k in ("min_workers", "max_workers")}
-    if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in counts.values()) \
-            or counts["max_workers"] < counts["min_workers"]:
-        raise TidalError(f"job {job!r}: scaling.min_workers and max_workers must be whole numbers, 1 <= min <= max")
-    shape = {k: reg.get(k, 0) for k in ("cpus_per_worker", "gpus_per_worker")}
-    if any(isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 for v in shape.values()):
-        raise TidalError(f"job {job!r}: cpus_per_worker and gpus_per_worker must be numbers >= 0")
-    team, priority = resolve_scheduling(reg.get("team"), reg.get("priority"), quotas)
-    running_workers = reg.get("running_workers", 0)
-    token = reg.get("token", "")
-    return {"job": job, "name": name[:100], "team": team, "priority": priority, **counts,
-            "slots_per_worker": quotas.slots_per_worker(shape["cpus_per_worker"], shape["gpus_per_worker"]),
-            "running_workers": running_workers if isinstance(running_workers, int) and running_workers > 0 else 0,
-            "holder": holder_digest(token if isinstance(token, str) else "")}
 
 
 def _public(e: Entry) -> dict[str, Any]:
@@ -409,24 +385,6 @@ def _gauges() -> dict[str, Any]:
     from ray.util.metrics import Gauge
 
     return {name: Gauge(f"tidal_{name}", text, tag_keys=("team",)) for name, text in QUEUE_GAUGES.items()}
-
-
-def _day(now: float) -> str:
-    return time.strftime("%Y-%m-%d", time.gmtime(now))
-
-
-def _load_use(location: str, now: float) -> dict[str, Any]:
-    """Today's cloud use per team (a new day starts empty); the budget outlives a restart."""
-    filesystem, path = fs.resolve(location)
-    data = fs.read_json(filesystem, path) if fs.exists(filesystem, path) else None
-    if not isinstance(data, dict) or data.get("day") != _day(now):
-        return {"day": _day(now), "teams": {}}
-    return {"day": data["day"], "teams": {t: CloudUse(**u) for t, u in data.get("teams", {}).items()}}
-
-
-def _save_use(location: str, use: dict[str, Any]) -> None:
-    filesystem, path = fs.resolve(location)
-    fs.write_json(filesystem, path, {"day": use["day"], "teams": {t: asdict(u) for t, u in use["teams"].items()}})
 
 
 def admitter(create: bool = False, environ: Mapping[str, str] | None = None) -> Any:

@@ -5,14 +5,18 @@ wiped another's when every job called it. The owner of cluster capacity calls it
 sum that `aggregate_bursts` returns. Like `request_resources` itself, each job's request is the
 cloud capacity it needs in total (held plus missing), so the sum sizes the cloud for all of them
 at once. Pure: the caller measures each team's use today (GPU-hours and cost, from the nodes'
-`tidal.io/price-per-hour` labels: cluster/prices.py) and carries the result out.
+`tidal.io/price-per-hour` labels: cluster/prices.py) and carries the result out. `load_use` and
+`save_use` keep each team's use today beside the queue document, so a budget outlives a restart.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
+from tidal import fs
 from tidal.admission.quotas import Quotas
 
 
@@ -111,4 +115,22 @@ def _within_quota(r: BurstRequest, held: int, quotas: Quotas) -> int:
     return min(r.bundles, room)
 
 
-__all__ = ["BurstPlan", "BurstRequest", "CloudUse", "Refusal", "aggregate_bursts"]
+def day(now: float) -> str:
+    return time.strftime("%Y-%m-%d", time.gmtime(now))
+
+
+def load_use(location: str, now: float) -> dict[str, Any]:
+    """Today's cloud use per team (a new day starts empty); the budget outlives a restart."""
+    filesystem, path = fs.resolve(location)
+    data = fs.read_json(filesystem, path) if fs.exists(filesystem, path) else None
+    if not isinstance(data, dict) or data.get("day") != day(now):
+        return {"day": day(now), "teams": {}}
+    return {"day": data["day"], "teams": {t: CloudUse(**u) for t, u in data.get("teams", {}).items()}}
+
+
+def save_use(location: str, use: dict[str, Any]) -> None:
+    filesystem, path = fs.resolve(location)
+    fs.write_json(filesystem, path, {"day": use["day"], "teams": {t: asdict(u) for t, u in use["teams"].items()}})
+
+
+__all__ = ["BurstPlan", "BurstRequest", "CloudUse", "Refusal", "aggregate_bursts", "day", "load_use", "save_use"]

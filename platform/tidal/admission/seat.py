@@ -111,9 +111,9 @@ class Seat:
     def _say(self, status: dict[str, Any] | None, silent_s: float) -> None:
         if not status:
             # said again each SAY_SILENCE_S: a person reading the log sees it is still so
-            said = int(silent_s // SAY_SILENCE_S * SAY_SILENCE_S)
+            said = round(silent_s // SAY_SILENCE_S * SAY_SILENCE_S, 3)
             line = (f"WAITING: the cluster's admission (Ray actor {ACTOR!r} in namespace {NAMESPACE!r}) has not "
-                    f"answered{f' for {said}s' if said else ''}; the job keeps its place and waits (the actor "
+                    f"answered{f' for {said:g}s' if said else ''}; the job keeps its place and waits (the actor "
                     "restarts by itself; see `ray list actors` or the dashboard's Actors tab)")
         else:
             where = f"position {status['position']}: " if status.get("position") else ""
