@@ -65,3 +65,42 @@ def test_benchmarks_page_opens_with_todays_figures_and_keeps_every_benchmarks_se
     named |= {f"Checkpoint stall: asynchronous checkpoints vs torch.save ({s})" for s in ("local", "s3")}
     named -= {"Worker kills"}  # benchmarks/chaos.py writes that one into docs/reliability.md
     assert named and not named - set(titles), sorted(named - set(titles))
+
+
+def test_the_architecture_map_is_generated_and_names_every_module(gen):
+    """docs/guide.md's architecture map is what the generator makes of today's modules (each one's
+    first docstring sentence): a module added, moved or removed without regenerating it fails here."""
+    guide = gen.GUIDE.read_text()
+    shown = {line.split("|")[1].strip() for line in guide.splitlines() if line.startswith("| `") or line.startswith("| **`")}
+    missing = []
+    for path in gen.modules():
+        rel = path.relative_to(gen.PACKAGE)
+        entry = f"**`{rel.parent}/`**" if path.name == "__init__.py" and rel.parent.parts else f"`{rel}`"
+        if entry not in shown:
+            missing.append(str(rel))
+    assert not missing, f"modules missing from the architecture map in docs/guide.md: {missing}; {REGENERATE}"
+    assert gen.architecture_map() in guide, f"the architecture map in docs/guide.md is out of date: {REGENERATE}"
+
+
+def test_a_module_without_a_docstring_is_named_not_left_out(gen, tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "said.py").write_text('"""Does one thing. And more."""\n')
+    (package / "silent.py").write_text("x = 1\n")
+    assert gen.summary(package / "said.py") == "Does one thing."
+    with pytest.raises(ValueError, match="silent.py has no docstring"):
+        gen.architecture_map(package)
+
+
+def test_the_benchmarks_table_says_at_a_glance_which_goal_is_met():
+    """Each row of the opening table answers in short cells: a figure with a goal says yes, no or not
+    proven (the reading is in the figure's section below), one without says so."""
+    page = (ROOT / "docs" / "benchmarks.md").read_text()
+    table = [line for line in page.split("\n## ")[1].splitlines() if line.startswith("|")]
+    header = [c.strip() for c in table[0].strip("|").split("|")]
+    assert header[:4] == ["figure", "goal", "today", "met?"], header
+    for line in table[2:]:
+        figure, goal, today, met = (c.strip() for c in line.strip("|").split(" | ")[:4])
+        assert met.split(":")[0].split(" (")[0] in ({"no goal"} if goal == "-" else {"yes", "no", "not proven"}), line
+        for cell in (goal, today, met):
+            assert len(cell) <= 60, f"{figure}: a cell of the table is a line, its reading goes below: {cell!r}"

@@ -29,7 +29,7 @@ def log_exported(result: Any, model: nn.Module, spec: JobSpec, run_id: str | Non
                  register: str | None) -> Any:
     """`result` (an `Exported`) with the MLflow run, model URI and registered version filled in."""
     if not run_id:
-        raise UsageError(f"job {spec.name!r} recorded no MLflow run id in its checkpoint or run folder, so there is "
+        raise UsageError(f"job {spec.name!r} recorded no MLflow run id in its run folder (tidal-job.json), so there is "
                          "no run to log the model on; export without --mlflow, then log the folder yourself")
     import mlflow
     from mlflow.tracking import MlflowClient

@@ -1,4 +1,4 @@
-"""The only training module that imports deepspeed: spec -> ds_config -> deepspeed.initialize()."""
+"""Builds a worker's DeepSpeed engine: spec -> ds_config -> deepspeed.initialize()."""
 
 from __future__ import annotations
 
