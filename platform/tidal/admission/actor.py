@@ -226,7 +226,7 @@ class Admitter:
     def document(self) -> dict[str, Any]:
         """The queue document as last saved, with each job's size now: `tidal queue --address`."""
         saved = self.saved or Queue()
-        return {**document(_with_world(saved, self.world)), "source": "actor"}
+        return {**document(_with_world(saved, dict(self.world))), "source": "actor"}
 
     def tick(self, now: float | None = None) -> None:
         """One decision, saved before anything acts on it: drivers and workers see it (through
@@ -242,7 +242,7 @@ class Admitter:
             for job in gone:
                 queue = finished(queue, job)
             decision = decide(capacity, running(queue), waiting(queue), self.quotas, now)
-            after = _with_world(apply(queue, decision, now), self.world)
+            after = _with_world(apply(queue, decision, now), dict(self.world))
             if after != self.saved and self._save(after):
                 for job in gone:
                     log.warning("job %s stopped checking in for %.0fs: its slots are given back", job, self.lease_s)
