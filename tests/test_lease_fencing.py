@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pyarrow.fs as pafs
+import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
@@ -118,3 +119,28 @@ def test_a_superseded_tracker_sends_nothing_and_ends_no_run(tmp_path: Path, mlfl
     got_id, _, left = new_tracker.close(True, 1.0)
     assert (got_id, left) == (run_id, 0)
     assert metric_history(spec, run_id, "loss") == {1: 4.0, 2: 3.0, 3: 2.0}
+
+
+def test_a_refused_start_touches_nothing_and_never_reaches_ray_or_the_queue(tmp_path: Path, monkeypatch):
+    """The lease comes first in `run`: a second driver of a live job never connects to Ray, never
+    takes a seat in the cluster's queue (so two live drivers never share one), and never
+    quarantines, clears or sets aside anything (--restart included)."""
+    from tidal.errors import JobAlreadyRunning
+    from tidal.launch import trainer
+
+    spec = tiny_spec(tmp_path, name="live")
+    live = Lease(spec.checkpoint.storage, spec.name)
+    live.acquire()
+    RunDir(spec.checkpoint.storage, spec.name).write_json("tidal-job.json", {"mlflow_run_id": "r"})
+
+    def never(*_a, **_k):
+        raise AssertionError("reached past the lease")
+
+    monkeypatch.setattr(trainer, "connect_ray", never)
+    monkeypatch.setattr(trainer.admission, "seat", never)
+    monkeypatch.setattr(trainer, "find_resume_point", never)
+    for restart in (False, True):
+        with pytest.raises(JobAlreadyRunning, match="already running"):
+            trainer.run(spec, restart=restart)
+    assert RunDir(spec.checkpoint.storage, spec.name).read_json("tidal-job.json") == {"mlflow_run_id": "r"}
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["live", "live.lease"], "nothing set aside"

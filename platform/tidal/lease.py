@@ -190,7 +190,7 @@ class Lease:
         me = _this_process()
         return {"generation": generation, "host": socket.gethostname(), "pid": os.getpid(),
                 "pid_started": me, "since": since, "renewed": time.time(), "ttl_s": self.ttl_s,
-                "face": self.face, "submission_id": os.environ.get("RAY_JOB_SUBMISSION_ID", "")}
+                "face": self.face, "submission_id": submission_id()}
 
     def _forget_old(self) -> None:
         for generation in generations(self.fs, self.path)[:-KEEP_GENERATIONS]:
@@ -235,6 +235,16 @@ class LeaseCheck:
         return (f"job {self.name!r} was started again while this attempt's driver did not renew its lease "
                 f"(generation {self.generation}; now {newer.generation if newer else '?'}: {by}); "
                 "this attempt stops without writing, and the newer one goes on from the latest checkpoint")
+
+
+def submission_id() -> str:
+    """This driver's Ray Jobs submission id, when it is a submitted job's entrypoint: Ray's job
+    supervisor hands it over in the job's config (metadata `job_submission_id`)."""
+    try:
+        config = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "") or "{}")
+        return str((config.get("metadata") or {}).get("job_submission_id") or "")
+    except (ValueError, AttributeError):
+        return ""
 
 
 def driver_command() -> str:

@@ -18,7 +18,7 @@ from tidal.launch.connect import connect_ray
 from tidal.launch.console_pump import ConsolePump
 from tidal.launch.recovery import recovery_settings
 from tidal.launch.result import RunResult
-from tidal.lease import Lease, driver_command
+from tidal.lease import Lease, driver_command, submission_id
 from tidal.output import print_record
 from tidal.ray_private import cancel_reservation, train_requester
 from tidal.redact import redact_uri
@@ -26,6 +26,7 @@ from tidal.spec.job import JobSpec
 from tidal.storage import JOB_FILE, Found, RunDir, find_resume_point
 from tidal.tracking.buffer import BUFFER_DIR, MetricsBuffer
 from tidal.version import __version__
+from tidal.worker import avoidance
 from tidal.worker.device import dist_backend
 
 # Ray, torch and MLflow take seconds to import: they load only once a job is really going to
@@ -55,6 +56,10 @@ def run(spec: JobSpec, restart: bool = False, mlflow_tags: dict[str, str] | None
     lease.keep()
     try:
         result = _run_holding(spec, restart, mlflow_tags, callbacks, lease, t0)
+    except Exception as e:
+        if lease.lost.is_set() or not lease.renew():  # whatever failed, the reason is the newer start
+            raise TidalError(lease.why_lost()) from e
+        raise
     finally:
         lease.release()
     if lease.lost.is_set():
@@ -132,18 +137,22 @@ def _fit(spec: JobSpec, trainer: TorchTrainer, callbacks: list[Any], seat: admis
          run_dir: RunDir, lease: Lease) -> None:
     """Train to the end. Under the cluster's admission a group ends early at a checkpoint when
     admission resizes the job (admission/directive.py): restart it at the size admission now gives
-    (waiting while the job is SUSPENDED), from that checkpoint, until the job is complete."""
+    (waiting while the job is SUSPENDED), from that checkpoint, until the job is complete. A group
+    also ends early to take a persistent straggler's node out, and to bring it back once this job
+    no longer avoids it (worker/avoidance.py): it restarts at once, the selector following the record."""
     while True:
         trainer.fit()
-        if lease.lost.is_set():
-            return  # a newer start owns the job: its workers stopped themselves (worker/loop.py)
-        found = find_resume_point(spec) if seat is not None else None
+        if not lease.renew():  # at once: the renewal thread may not have looked since fit() returned
+            return  # a newer start owns the job: this driver's workers stopped themselves (worker/loop.py)
+        avoided = avoidance.restart_for(spec)  # the group ended to take a straggler's node out, or back in
+        found = find_resume_point(spec) if seat is not None or avoided else None
         if found is None or _already_complete(spec, found.state):
             return
-        before = seat.workers
-        seat.wait()
-        print(f"[tidal] job {spec.name!r}: restarting at step {found.step} with up to {seat.workers} worker(s) "
-              f"(was {before}), as the cluster's admission decided", flush=True)
+        if seat is not None:  # else a straggler's node: _trainer's label selector follows avoidance's record
+            before = seat.workers
+            seat.wait()
+            print(f"[tidal] job {spec.name!r}: restarting at step {found.step} with up to {seat.workers} worker(s) "
+                  f"(was {before}), as the cluster's admission decided", flush=True)
         trainer = _trainer(spec, callbacks, seat, lease)
         job = run_dir.read_json(JOB_FILE) or {}
         run_dir.write_json(JOB_FILE, {**job, "ray_requester": train_requester(trainer)})
@@ -279,6 +288,7 @@ def _announce(spec: JobSpec, run_id: str | None) -> None:
 
 def _trainer(spec: JobSpec, callbacks: list[Any], seat: admission.Seat | None = None,
              lease: Lease | None = None) -> TorchTrainer:
+    import ray
     from ray.train import (
         FailureConfig,
         LoggingConfig,
@@ -288,6 +298,7 @@ def _trainer(spec: JobSpec, callbacks: list[Any], seat: admission.Seat | None = 
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from tidal.launch.callbacks import ClusterView, FailureNotifier, Retention
+    from tidal.spec.secrets import carried_spec
     from tidal.worker import train_loop
 
     s = spec.scaling
@@ -297,6 +308,8 @@ def _trainer(spec: JobSpec, callbacks: list[Any], seat: admission.Seat | None = 
         use_gpu=s.gpus_per_worker > 0,
         **burst.scaling_overrides(spec),  # resources per worker, with the site's resource when pinned
         **({"elastic_resize_monitor_interval_s": s.elastic_check_s} if spec.elastic else {}),
+        # a node this job avoids after taking a straggler out (worker/avoidance.py says why labels)
+        label_selector=avoidance.label_selector(avoidance.read(spec)),
     )
     run_config = RunConfig(
         name=spec.name,
@@ -318,8 +331,8 @@ def _trainer(spec: JobSpec, callbacks: list[Any], seat: admission.Seat | None = 
     return TorchTrainer(
         train_loop,
         # Ray Train's state API records this config: the spec's `env` holds references only, and the
-        # workers read the values (tidal.spec.secrets).
-        train_loop_config={"spec": spec.model_dump(mode="json"), **streaming,
+        # workers read the values (tidal.spec.secrets); a credential elsewhere goes by reference (carried_spec).
+        train_loop_config={**carried_spec(spec.model_dump(mode="json"), ray.put), **streaming,
                            **({"admission": seat.config()} if seat is not None else {}),
                            **({"lease": lease.config()} if lease is not None else {})},
         scaling_config=scaling,
@@ -344,7 +357,7 @@ def _ray_tags(spec: JobSpec, run_dir: RunDir) -> dict[str, str]:
     import ray
 
     tags = {"tidal.run_dir": run_dir.path, "ray.run_name": spec.name}
-    job_id = os.environ.get("RAY_JOB_SUBMISSION_ID") or (ray.get_runtime_context().get_job_id() if ray.is_initialized() else None)
+    job_id = submission_id() or (ray.get_runtime_context().get_job_id() if ray.is_initialized() else None)
     if job_id:
         tags["ray.job_id"] = job_id
     return tags

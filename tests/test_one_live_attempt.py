@@ -1,0 +1,116 @@
+"""One live attempt per job, end to end on a real token-auth head whose nodes name an `mlflow server`
+and S3 storage (moto's server): a second start of a running job through every face is refused
+naming the live one, and the live one finishes with every step logged once and no checkpoint
+lost; a driver stopped past its lease is taken over, and its attempt writes nothing more."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import ROOT, tiny_spec
+from tidal.errors import ClusterError
+from tidal.launch.jobs import Job, submit
+from tidal.storage import QUARANTINE_FILE, RunDir, check_complete
+from tidal.testing.runs import job_run_id, metric_history, wait_for_step
+
+pytestmark = pytest.mark.slow
+STEPS = 100
+
+
+def cluster_spec(tmp: Path, name: str, cluster_env: dict[str, str], step_s: float, storage: str | None = None):
+    """A job whose steps take `step_s` per micro-batch, tracked and stored where the cluster says."""
+    spec = tiny_spec(tmp, name=name, **{
+        "train.steps": STEPS, "checkpoint.every_steps": 10, "train.log_every": 1,
+        "train.step_fn": "tests.slow_step:step", "worker_env": {"TIDAL_TEST_STEP_S": str(step_s)},
+        "checkpoint.storage": storage or cluster_env["TIDAL_STORAGE"],
+        "tracking.uri": cluster_env["MLFLOW_TRACKING_URI"]})
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
+    return spec, path
+
+
+def on_the_head(head_tmp: Path, cluster_env: dict[str, str], *args: str, ttl: str = "30") -> subprocess.Popen:
+    """`tidal ARGS` in a terminal on the head node: it joins the head's cluster (no RAY_ADDRESS)."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | cluster_env | {
+        "RAY_TMPDIR": str(head_tmp / "ray"), "TIDAL_LEASE_TTL_S": ttl, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-m", "tidal", *args], env=env, cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def submit_when_the_agent_answers(spec, head: str, timeout: float = 120) -> Job:
+    """A head's Jobs API answers before its agent takes submissions on a loaded machine ("No available
+    agent to submit job, please try again later", or a dropped connection): ask again, as Ray says."""
+    deadline = time.time() + timeout
+    while True:
+        try:
+            return submit(spec, head, ROOT)
+        except ClusterError as e:
+            if not ("No available agent" in str(e) or "Connection aborted" in str(e)) or time.time() > deadline:
+                raise
+            time.sleep(2)
+
+
+def assert_every_step_once_and_no_checkpoint_lost(spec) -> None:
+    losses = metric_history(spec, job_run_id(spec), "loss")  # raises if a step was logged twice
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    run = RunDir(spec.checkpoint.storage, spec.name)
+    folders = run.checkpoints()
+    assert folders and folders[0].endswith(f"{STEPS:09d}")
+    for path in folders:
+        assert check_complete(run.fs, path)[0] is None, f"{path} was damaged by a second start"
+        assert not run.fs.get_file_info(f"{path}/{QUARANTINE_FILE}").is_file
+
+
+def test_a_second_start_through_every_face_is_refused_and_the_first_finishes(head, head_tmp, cluster_env, tmp_path):
+    spec, path = cluster_spec(tmp_path, "twice", cluster_env, step_s=0.3)
+    first = submit_when_the_agent_answers(spec, head)
+    wait_for_step(spec, 3, timeout=300)
+
+    tidal_submit = on_the_head(head_tmp, cluster_env, "submit", str(path), "--address", head)
+    ray_job_submit = subprocess.Popen(
+        [sys.executable, "-m", "ray.scripts.scripts", "job", "submit", "--address", head, "--working-dir", str(ROOT),
+         "--", "tidal", "run", str(path)], env={**os.environ, "RAY_AUTH_MODE": "token"}, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    tidal_run = on_the_head(head_tmp, cluster_env, "run", str(path))
+    outputs = {face: proc.communicate(timeout=400)[0] for face, proc in
+               (("tidal submit", tidal_submit), ("ray job submit", ray_job_submit), ("tidal run", tidal_run))}
+
+    for face, proc in (("tidal submit", tidal_submit), ("ray job submit", ray_job_submit), ("tidal run", tidal_run)):
+        out = outputs[face]
+        assert proc.returncode != 0, f"{face} started a second driver:\n{out[-3000:]}"
+        assert "job 'twice' is already running" in out, f"{face}:\n{out[-3000:]}"
+        assert f"Ray job {first.submission_id}" in out, f"{face} did not name the live driver:\n{out[-3000:]}"
+    assert first.wait(timeout=600) == "SUCCEEDED", Job(first.submission_id, head).logs()[-3000:]
+    assert_every_step_once_and_no_checkpoint_lost(spec)
+
+
+def test_a_driver_stopped_past_its_lease_is_taken_over_and_its_attempt_writes_nothing(head, head_tmp, cluster_env,
+                                                                                      tmp_path):
+    """SIGSTOP on the first driver (its workers and tracker keep running); past its lease a second
+    start takes the job over; the first's workers stop themselves, the second trains to the end;
+    continued, the first says it was superseded. On a local (shared-filesystem) folder."""
+    spec, path = cluster_spec(tmp_path, "stopped", cluster_env, step_s=0.2, storage=str(tmp_path / "runs"))
+    old = on_the_head(head_tmp, cluster_env, "run", str(path), ttl="3")
+    new = None
+    try:
+        wait_for_step(spec, 5, timeout=300)
+        old.send_signal(signal.SIGSTOP)
+        time.sleep(4.5)  # past its 3 s lease
+        new = on_the_head(head_tmp, cluster_env, "run", str(path), ttl="3")
+        new_out = new.communicate(timeout=600)[0]
+        assert new.returncode == 0, new_out[-3000:]
+    finally:
+        old.send_signal(signal.SIGCONT)
+    old_out = old.communicate(timeout=300)[0]
+    assert old.returncode == 1, old_out[-3000:]
+    assert "was started again while this driver could not renew its lease" in old_out, old_out[-3000:]
+    assert f"[tidal] step {STEPS}/{STEPS}" in new_out
+    assert_every_step_once_and_no_checkpoint_lost(spec)
