@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
+import torch
 from mlflow.tracking import MlflowClient
 
 import tidal
-from tests.conftest import metric_history, tiny_spec
+from tests.conftest import free_port, metric_history, tiny_spec
 from tidal.errors import SpecError
 from tidal.spec.batch import halved, largest_fitting, micro_batch_bound, micro_batch_candidates
 from tidal.spec.deepspeed import ds_config
 from tidal.spec.job import JobSpec
 from tidal.tracking.findings import MICRO_BATCH_HALVED_TAG, MICRO_BATCH_TAG
+from tidal.worker.microbatch import resolve
 
 
 def test_candidates_keep_the_global_batch_at_every_world_size():
@@ -49,6 +53,37 @@ def test_auto_is_a_spec_value_and_the_drivers_deepspeed_config_shows_its_bound()
     with pytest.raises(SpecError, match="train.micro_batch"):
         JobSpec(name="a", train={"micro_batch": "auto"}, parallelism={"pipeline_stages": 2, "zero_stage": 1},
                 scaling={"min_workers": 2, "max_workers": 2})
+
+
+@pytest.fixture
+def one_rank() -> Iterator[None]:
+    """A real one-process gloo group: the search's agreement is a collective."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_the_search_tries_real_steps_records_its_choice_and_a_resume_keeps_it(tmp_path):
+    spec = tiny_spec(tmp_path, **{"train.micro_batch": "auto", "train.global_batch": 64})
+    tried, said = [], []
+
+    def try_step(s: JobSpec) -> None:
+        tried.append(s.train.micro_batch)
+        if s.train.micro_batch > 5:
+            raise torch.OutOfMemoryError("injected")
+
+    chosen, searched = resolve(spec, 0, 2, try_step, said.append)
+    assert (chosen.train.micro_batch, searched) == (4, True) and tried == [32, 4, 8], tried
+    assert "train.micro_batch auto: 4 (the largest of [1, 2, 4, 8, 16, 32] that fits" in said[0]
+    assert "8 accumulation step(s) at 2 worker(s)" in said[0], said[0]
+    again, searched = resolve(spec, 0, 2, try_step, said.append)
+    assert (again.train.micro_batch, searched, len(tried)) == (4, False, 3), "the record, no new search"
+    assert said[-1] == "train.micro_batch auto: 4, as this job chose before"
+    fixed = spec.with_overrides({"train.micro_batch": 8})
+    assert resolve(fixed, 0, 2, try_step, said.append) == (fixed, False)
 
 
 def _auto_spec(tmp_path, name: str, **over):

@@ -35,7 +35,6 @@ from tidal.errors import TidalError
 from tidal.spec.batch import halved, largest_fitting, micro_batch_candidates
 from tidal.spec.job import JobSpec
 from tidal.storage import RunDir
-from tidal.worker.engine import build_engine
 from tidal.worker.user_code import step_function
 
 RECORD = "tidal-micro-batch.json"
@@ -65,7 +64,8 @@ def record(spec: JobSpec, micro: int, why: str, step: int) -> None:
     RunDir(spec.checkpoint.storage, spec.name).write_json(RECORD, {"micro_batch": micro, "why": why, "step": step})
 
 
-def resolve(spec: JobSpec, rank: int, try_step: Callable[[JobSpec], None], say: Callable[[str], None]) -> tuple[JobSpec, bool]:
+def resolve(spec: JobSpec, rank: int, world: int, try_step: Callable[[JobSpec], None],
+            say: Callable[[str], None]) -> tuple[JobSpec, bool]:
     """(the spec with a number for train.micro_batch, whether it was searched now). `try_step(spec)`
     trains one throwaway step at `spec`'s micro-batch and raises OutOfMemoryError if it does not fit."""
     if spec.train.micro_batch != "auto":
@@ -91,7 +91,7 @@ def resolve(spec: JobSpec, rank: int, try_step: Callable[[JobSpec], None], say: 
         record(spec, best, "searched", 0)
         said = ", ".join(f"{m} {'fits' if ok else 'out of memory'}" for m, ok in sorted(tried.items()))
         say(f"train.micro_batch auto: {best} (the largest of {sizes} that fits: {said}); "
-            f"{spec.train.global_batch // best // spec.scaling.max_workers}+ accumulation step(s) keep "
+            f"{spec.train.global_batch // best // world} accumulation step(s) at {world} worker(s) keep "
             f"train.global_batch {spec.train.global_batch}")
     return with_micro(spec, best), True
 
@@ -130,7 +130,7 @@ def choose(spec: JobSpec, world: int, device: torch.device, rank: int, say: Call
         return spec
     prober = Prober(spec, world, device, make_batches)
     try:
-        return resolve(spec, rank, prober, say)[0]
+        return resolve(spec, rank, world, prober, say)[0]
     finally:
         prober.close()
 
@@ -150,6 +150,8 @@ class Prober:
 
     def __call__(self, tried: JobSpec) -> None:
         if self.engine is None:
+            from tidal.worker.engine import build_engine  # DeepSpeed: only for a search
+
             self.engine = build_engine(self.spec, self.world, self.device)
         if self.batches is None:
             self.batches = self.make_batches(self.spec, self.engine)
