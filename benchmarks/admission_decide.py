@@ -1,6 +1,7 @@
 """How long the team queue's decision takes at the size of a real organisation.
 
     python -m benchmarks.admission_decide [--sizes 100,300,1000,3000] [--repeats 5] [--no-doc]
+    python -m benchmarks.admission_decide --driver-memory [--repeats 4]
 
 Pure CPU, no Ray: `tidal.admission.policy.decide` on a full cluster. Each size is N jobs, half
 running and half waiting, in 10 teams (each guaranteed a tenth of the cluster, and allowed to
@@ -9,14 +10,23 @@ resizable (the worst case: each waiting job may look for room among every runnin
 cluster's capacity is what the running half holds, so nothing fits without preemption. Each size
 is decided `--repeats` times on the same input (the first call included); every time is
 reported, with the median. Goal (issue #52): under 0.1 s at 1,000 jobs.
+
+`--driver-memory`: what a queued job costs the head today, where each queued job is its own
+driver process waiting for its seat: the memory (RSS and USS) of a fresh Python after the imports
+that driver holds (`tidal.launch.trainer`, Ray Train's driver side), against one that imports only
+Ray and the seat (what a light waiting process would hold). Imports only: a connected driver adds
+Ray's core worker on top of both.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import random
 import statistics
+import subprocess
+import sys
 import time
 from datetime import date
 
@@ -62,6 +72,34 @@ def time_decide(n: int, repeats: int) -> tuple[list[float], list[float], int, in
     return wall, cpu, len(d.admit), len(d.shrink) + len(d.suspend)
 
 
+PROBE = """
+import json, os, psutil
+{imports}
+m = psutil.Process().memory_full_info()
+print(json.dumps({{"rss": m.rss, "uss": m.uss}}))
+"""
+DRIVERS = {
+    "today's queued driver (`tidal run` waiting for its seat)": "import ray\nimport tidal.launch.trainer",
+    "a waiting process with only Ray and the seat": "import ray\nimport tidal.admission.seat",
+    "Python alone (the floor for any waiting process)": "import time",
+}
+
+
+def driver_memory(repeats: int) -> str:
+    """MB of RSS and USS per kind of waiting process, every repeat (each a fresh interpreter)."""
+    lines = [f"Command: `python -m benchmarks.admission_decide --driver-memory --repeats {repeats}` ({date.today()}, "
+             f"{platform.machine()})", "", "| waiting process | RSS, MB (every run) | USS, MB (every run) | "
+             "1,000 queued jobs, GB of RSS |", "|---|---|---|---|"]
+    for label, imports in DRIVERS.items():
+        got = [json.loads(subprocess.run([sys.executable, "-c", PROBE.format(imports=imports)], check=True,
+                                         capture_output=True, text=True).stdout.strip().splitlines()[-1])
+               for _ in range(repeats)]
+        rss, uss = [g["rss"] / 2**20 for g in got], [g["uss"] / 2**20 for g in got]
+        lines.append(f"| {label} | {', '.join(f'{x:.0f}' for x in rss)} | {', '.join(f'{x:.0f}' for x in uss)} | "
+                     f"{statistics.median(rss) * 1000 / 1024:.0f} |")
+    return "\n".join(lines)
+
+
 def report(results: dict[int, tuple[list[float], list[float], int, int]], repeats: int) -> str:
     lines = [f"Command: `python -m benchmarks.admission_decide --sizes {','.join(map(str, results))} "
              f"--repeats {repeats}` ({date.today()}, {platform.machine()}, one Python thread, no Ray)", "",
@@ -79,7 +117,11 @@ def main() -> None:
     p.add_argument("--sizes", default="100,300,1000,3000")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--no-doc", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    p.add_argument("--driver-memory", action="store_true", help="measure a waiting driver's memory instead")
     args = p.parse_args()
+    if args.driver_memory:
+        print(driver_memory(args.repeats))
+        return
     results = {}
     for n in (int(s) for s in args.sizes.split(",")):
         results[n] = time_decide(n, args.repeats)
