@@ -8,9 +8,9 @@ sized to the CPUs and memory), alternating, every pair reported.
 The checkpoint: a stack of `layers` square Linear layers (fp32, Adam: 16 bytes per parameter)
 trained one step by 2 real DeepSpeed ZeRO-2 engines on gloo and saved as Tidal saves it (the
 universal-checkpoint info in the client state, a manifest per rank and `tidal-state.json`).
-Peak disk is the most bytes the conversion's work folder held (sampled every 0.2 s): fragments
-and output (the input is read in place here, as it is from a local or shared filesystem; from an
-object store the conversion's input download adds the checkpoint's size once).
+Peak disk is the most bytes the conversion's work folder held (sampled every 0.2 s): its private
+copy of the input (made on every filesystem since issue #47: a file swapped in storage after the
+check must not reach `ds_to_universal`), fragments and output.
 """
 
 from __future__ import annotations

@@ -220,9 +220,15 @@ def _convert(found: Found, step_tag: str, out_tag: str) -> None:
           flush=True)
 
 
+def conversion_disk(total: int) -> int:
+    """Local disk a conversion of a `total`-byte checkpoint holds at its peak: its private copy of
+    the input, DeepSpeed's fragments and the output, at once."""
+    return 3 * total
+
+
 def _check_disk(folder: str, total: int, download: int) -> None:
-    """The conversion holds its input (when downloaded), DeepSpeed's fragments and the output at once."""
-    need, free = download + 2 * total, _free(folder)
+    """The conversion holds its input (a private copy), DeepSpeed's fragments and the output at once."""
+    need, free = conversion_disk(total) - total + download, _free(folder)
     if need > free:
         raise LocalDiskFull(f"converting needs about {need:,} bytes of local disk in {folder} and {free:,} are free. "
                             "Free space there or point TIDAL_RESTORE_CACHE at a larger node-local folder; the "

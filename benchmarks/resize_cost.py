@@ -1,0 +1,290 @@
+"""What a restart and a resize cost, measured here and computed at scale from Tidal's own planning.
+
+    python -m benchmarks.resize_cost paper                       # the scale table (docs/reliability.md)
+    python -m benchmarks.resize_cost measure --rounds 4          # quickstart size, 2 workers
+    python -m benchmarks.resize_cost measure --rounds 4 --d-model 1024 --layers 8   # ~1.5 GB state
+
+`paper`: 7B and 70B, ZeRO-2 and ZeRO-3, 8-GPU nodes, 8 -> 16 -> 8 nodes, from the same functions a
+restore runs: `tidal.worker.fetch.rank_files` picks each rank's files of a listing laid out as
+DeepSpeed writes it, `tidal.worker.share.partition` a ZeRO-3 rank's share of each universal file,
+`tidal.worker.universal.conversion_disk` the conversion's disk; requests are those of
+`tidal.worker.restore` (rank 0 lists and verifies once, each rank asks for its own files). Bandwidths
+are stated, not measured; the conversion's own compute is left out (it adds to the resize time).
+
+`measure`: rounds alternate a same-size resume (2 -> 2), a shrink (2 -> 1) and a grow (1 -> 2) of one
+job on a local path, each round reported: seconds from `tidal run` to the first step trained after
+the resume (its MLflow timestamp), bytes the restores copied from storage per rank (the node cache's
+copies) and the node cache's peak disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import math
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks.common import history, latest_run_id, tidal_run, write_spec
+from benchmarks.reshard import DiskPeak
+from tidal.spec.job import JobSpec
+from tidal.worker import fetch, share, universal
+
+GB = 1e9
+
+
+# --- paper ------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    params: int
+    layers: int
+    d: int
+    vocab: int
+
+    def tensors(self) -> dict[str, int]:
+        """Parameter name -> elements, a Llama-like decoder (attention 4 d^2, MLP 3 x d x 8d/3, 2 norms)."""
+        out = {"tok.weight": self.vocab * self.d}
+        ff = int(8 * self.d / 3)
+        for i in range(self.layers):
+            out |= {f"blocks.{i}.{k}.weight": self.d * self.d for k in ("q", "k", "v", "o")}
+            out |= {f"blocks.{i}.{k}.weight": self.d * ff for k in ("gate", "up", "down")}
+            out |= {f"blocks.{i}.ln{j}.weight": self.d for j in (1, 2)}
+        out["ln_f.weight"], out["head.weight"] = self.d, self.vocab * self.d
+        return out
+
+
+MODELS = [Model("7B", 7_000_000_000, 32, 4096, 32000), Model("70B", 70_000_000_000, 80, 8192, 32000)]
+
+
+def zero_listing(m: Model, stage: int, world: int) -> dict[str, int]:
+    """A ZeRO checkpoint's listed files as DeepSpeed 0.19 writes them (bf16 training, Adam): each
+    rank's optimizer partition (fp32 master, exp_avg, exp_avg_sq: 12 bytes a parameter); the bf16
+    module once (ZeRO-2, rank 0) or partitioned (ZeRO-3, one file per rank)."""
+    n = sum(m.tensors().values())
+    out = {f"global_step1/zero_pp_rank_{r}_mp_rank_00_optim_states.pt": 12 * n // world for r in range(world)}
+    if stage == 3:
+        out |= {f"global_step1/zero_pp_rank_{r}_mp_rank_00_model_states.pt": 2 * n // world for r in range(world)}
+        out["global_step1/mp_rank_00_model_states.pt"] = 2**20
+    else:
+        out["global_step1/mp_rank_00_model_states.pt"] = 2 * n
+    return out
+
+
+def universal_listing(m: Model, stage: int) -> dict[str, int]:
+    """What `ds_to_universal` writes: per parameter fp32, exp_avg, exp_avg_sq (4 bytes an element)
+    and step, the optimizer's global state, and the old rank 0's model states."""
+    out = {"zero/optimizer_state.pt": 2**20, "mp_rank_00_model_states.pt": 2**20 if stage == 3 else 2 * m.params}
+    for name, numel in m.tensors().items():
+        out |= {f"zero/{name}/{key}.pt": 4 * numel for key in ("fp32", "exp_avg", "exp_avg_sq")}
+        out[f"zero/{name}/step.pt"] = 1024
+    return out
+
+
+def held_params(m: Model, world: int, rank: int) -> set[str]:
+    """ZeRO-1/2: the parameters whose elements rank `rank`'s equal share of the flat fp32 buffer
+    (parameters in order) overlaps (what `restore._held_params` reads from the engine)."""
+    sizes = m.tensors()
+    total = sum(sizes.values())
+    per = math.ceil(total / world)
+    lo, hi, at, out = rank * per, min((rank + 1) * per, total), 0, set()
+    for name, numel in sizes.items():
+        if at < hi and at + numel > lo:
+            out.add(name)
+        at += numel
+    return out
+
+
+def requests_per_share() -> int:
+    """Storage requests one ZeRO-3 share of one universal file takes (`share.fetch_share` on a real
+    archive, each read counted as S3 counts a ranged GET), plus the file's size check."""
+    import pyarrow as pa
+    import pyarrow.fs as pafs
+    import torch
+
+    class Reads(io.RawIOBase):
+        def __init__(self, path: str) -> None:
+            self.f, self.n = open(path, "rb"), 0  # noqa: SIM115 - closed with the wrapper
+
+        def read(self, n: int = -1) -> bytes:
+            self.n += 1
+            return self.f.read(n)
+
+        def seek(self, pos: int, whence: int = 0) -> int:
+            return self.f.seek(pos, whence)
+
+        def tell(self) -> int:
+            return self.f.tell()
+
+        def readable(self) -> bool:
+            return True
+
+        def seekable(self) -> bool:
+            return True
+
+    opened: list[Reads] = []
+
+    class Handler(pafs.FileSystemHandler):
+        def open_input_file(self, path: str) -> pa.NativeFile:
+            opened.append(Reads(path))
+            return pa.PythonFile(opened[-1], mode="r")
+
+    for name in ("get_type_name", "normalize_path", "equals", "get_file_info", "get_file_info_selector", "create_dir",
+                 "delete_dir", "delete_dir_contents", "delete_root_dir_contents", "delete_file", "move", "copy_file",
+                 "open_input_stream", "open_output_stream", "open_append_stream"):
+        setattr(Handler, name, lambda *a, **k: None)
+    Handler.__abstractmethods__ = frozenset()
+    with tempfile.TemporaryDirectory() as tmp:
+        src = f"{tmp}/fp32.pt"
+        torch.save({"param": torch.zeros(2**20), "cat_dim": 0}, src)  # a tensor larger than both ends
+        share.fetch_share(pafs.PyFileSystem(Handler()), src, f"{tmp}/out.pt", os.path.getsize(src), 4, 1)
+    return opened[0].n + 1
+
+
+def node_bytes(files: list[dict[str, int]]) -> int:
+    """Bytes a node reads for its ranks' file lists: each file once (the node's shared cache)."""
+    merged: dict[str, int] = {}
+    for f in files:
+        merged |= f
+    return sum(merged.values())
+
+
+def zero3_share_bytes(listing: dict[str, int], world: int, rank: int) -> int:
+    """A ZeRO-3 rank's bytes of a universal folder: its partition of each sliced file, the rest whole."""
+    out = 0
+    for rel, size in listing.items():
+        if share.sliced(rel):
+            lo, hi = share.partition(size // 4, world, rank)
+            out += 4 * (hi - lo) + 2048  # the archive's directory and pickle (tidal.worker.share.layout)
+        else:
+            out += size
+    return out
+
+
+def paper_row(m: Model, stage: int, old_nodes: int, new_nodes: int, gpus: int, node_gbps: float,
+              store_gbps: float, shares: int) -> dict[str, object]:
+    old_world, new_world = old_nodes * gpus, new_nodes * gpus
+    ckpt = zero_listing(m, stage, old_world)
+    state = sum(ckpt.values())
+    tag = {rel.removeprefix("global_step1/"): size for rel, size in ckpt.items()}
+    # Same-size restart: each node reads its ranks' files (fetch.rank_files), once per node.
+    same = max(node_bytes([fetch.rank_files(tag, node * gpus + g) for g in range(gpus)]) for node in range(old_nodes))
+    # Resize: rank 0 converts the whole checkpoint (universal.conversion_disk on its node), then
+    # every node reads its ranks' share of the universal folder.
+    uni = universal_listing(m, stage)
+    if stage == 3:
+        per_node = [sum(zero3_share_bytes(uni, new_world, node * gpus + g) for g in range(gpus))
+                    - (gpus - 1) * sum(s for r, s in uni.items() if not share.sliced(r)) for node in range(new_nodes)]
+    else:
+        per_node = [node_bytes([fetch.rank_files(uni, 0, held_params(m, new_world, node * gpus + g))
+                                for g in range(gpus)]) for node in range(new_nodes)]
+    load = max(per_node)
+    convert_read, convert_disk = state, universal.conversion_disk(state)
+    upload = sum(uni.values())
+    # Requests (tidal.worker.restore): rank 0 lists the run, reads the state file and each rank's
+    # manifest, asks about each listed file; each rank then asks for and reads each of its files.
+    verify = 2 + old_world + len(ckpt)
+    same_requests = verify + 2 * sum(len(fetch.rank_files(tag, r)) for r in range(old_world))
+    if stage == 3:
+        sliced_files = sum(share.sliced(rel) for rel in uni)
+        per_rank = shares * sliced_files + 2 * (len(uni) - sliced_files)
+    else:
+        per_rank = 2 * max(len(fetch.rank_files(uni, 0, held_params(m, new_world, r))) for r in range(0, new_world, gpus))
+    resize_requests = verify + 2 * len(ckpt) + len(uni) + per_rank * new_world
+    node_bps, store_bps = node_gbps * GB / 8, store_gbps * GB / 8
+    aggregate = min(store_bps, node_bps * new_nodes)
+    resize_s = (convert_read + upload) / node_bps + max(load / node_bps, load * new_nodes / aggregate)
+    same_s = max(same / node_bps, same * old_nodes / min(store_bps, node_bps * old_nodes))
+    return {"model": m.name, "zero": stage, "state_gb": state / GB, "same_gb": same / GB, "same_s": same_s,
+            "same_requests": same_requests, "resize_gb_node0": (convert_read + load) / GB,
+            "resize_gb_node": load / GB, "disk_gb_node0": (convert_disk + load) / GB, "disk_gb_node": load / GB,
+            "resize_requests": resize_requests, "resize_s": resize_s}
+
+
+def paper(args: argparse.Namespace) -> None:
+    shares = requests_per_share()
+    rows = [paper_row(m, stage, old, new, args.gpus, args.node_gbps, args.store_gbps, shares)
+            for m in MODELS for stage in (2, 3) for old, new in ((8, 16), (16, 8))]
+    print(f"{args.gpus}-GPU nodes; node link {args.node_gbps:g} Gbit/s, storage {args.store_gbps:g} Gbit/s in all; "
+          f"a ZeRO-3 share of one universal file takes {shares} requests\n")
+    print("| model | ZeRO | nodes | state | restart: read per node | restart: requests | restart: s | "
+          "resize: read, node 0 / others | resize: peak disk, node 0 / others | resize: requests | resize: s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for row, (old, new) in zip(rows, [(8, 16), (16, 8)] * 4, strict=True):
+        print(f"| {row['model']} | {row['zero']} | {old} -> {new} | {row['state_gb']:.0f} GB | {row['same_gb']:.1f} GB "
+              f"| {row['same_requests']:,} | {row['same_s']:.0f} | {row['resize_gb_node0']:.0f} / {row['resize_gb_node']:.1f} GB "
+              f"| {row['disk_gb_node0']:.0f} / {row['disk_gb_node']:.1f} GB | {row['resize_requests']:,} "
+              f"| {row['resize_s']:.0f} |")
+
+
+# --- measure ----------------------------------------------------------------------------------------
+
+def job(base: Path, d_model: int, layers: int, steps: int, workers: int) -> JobSpec:
+    return JobSpec(
+        name="resize-cost", model={"n_layer": layers, "n_head": max(2, d_model // 64), "d_model": d_model,
+                                   "vocab_size": 256, "seq_len": 64},
+        train={"steps": steps, "micro_batch": 2, "global_batch": 4, "lr": 1e-4, "warmup_steps": 1, "log_every": 1},
+        parallelism={"zero_stage": 2}, scaling={"min_workers": workers, "max_workers": workers},
+        checkpoint={"every_steps": 1, "keep": 2, "storage": str(base / "runs")},
+        tracking={"uri": f"sqlite:///{base}/mlflow.db", "experiment": "resize-cost"},
+        worker_env={fetch.CACHE_ENV: str(base / "cache")})
+
+
+def one(base: Path, args: argparse.Namespace, step: int, before: int, after: int) -> dict[str, float]:
+    """Save at `before` workers to `step`, then resume at `after` to `step + 1`: the second launch timed."""
+    write_spec(job(base, args.d_model, args.layers, step + 1, before).with_overrides({"train.stop_at": step}),
+               base / "a.yaml")
+    tidal_run(base / "a.yaml")
+    spec = job(base, args.d_model, args.layers, step + 1, after)
+    write_spec(spec, base / "b.yaml")
+    with DiskPeak(str(base / "cache")) as disk:
+        t0 = time.time()
+        tidal_run(base / "b.yaml")
+    first = history(spec, latest_run_id(spec), "loss")[step + 1][1] / 1000
+    copied = sum(p.stat().st_size for p in (base / "cache").rglob("*") if p.is_file() and not p.is_symlink())
+    return {"s": first - t0, "copied_per_rank_mb": copied / after / 2**20, "peak_disk_mb": disk.peak / 2**20}
+
+
+def measure(args: argparse.Namespace) -> None:
+    base = Path(args.dir or tempfile.mkdtemp(prefix="tidal-resize-cost-"))
+    kinds = {"same 2->2": (2, 2), "shrink 2->1": (2, 1), "grow 1->2": (1, 2)}
+    rows: dict[str, list[dict[str, float]]] = {k: [] for k in kinds}
+    step = 0
+    for r in range(args.rounds):
+        order = list(kinds) if r % 2 == 0 else list(reversed(kinds))
+        for kind in order:
+            step += 2
+            rows[kind].append(one(base / f"r{r}-{kind.split()[0]}", args, step, *kinds[kind]))
+            print(f"round {r + 1} {kind}: {json.dumps(rows[kind][-1])}", flush=True)
+    for kind, got in rows.items():
+        each = ", ".join(f"{g['s']:.1f}" for g in got)
+        print(f"{kind}: median {statistics.median(g['s'] for g in got):.1f} s ({each}); copied per rank "
+              f"{statistics.median(g['copied_per_rank_mb'] for g in got):.0f} MiB; peak disk "
+              f"{statistics.median(g['peak_disk_mb'] for g in got):.0f} MiB")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="mode", required=True)
+    p = sub.add_parser("paper")
+    p.add_argument("--gpus", type=int, default=8)
+    p.add_argument("--node-gbps", type=float, default=100.0, help="each node's link to storage, Gbit/s")
+    p.add_argument("--store-gbps", type=float, default=800.0, help="the storage's total bandwidth, Gbit/s")
+    m = sub.add_parser("measure")
+    m.add_argument("--rounds", type=int, default=4)
+    m.add_argument("--d-model", type=int, default=64)
+    m.add_argument("--layers", type=int, default=2)
+    m.add_argument("--dir", default=None)
+    args = ap.parse_args()
+    paper(args) if args.mode == "paper" else measure(args)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    main()
