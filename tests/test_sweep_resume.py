@@ -37,7 +37,7 @@ def test_a_planted_tuner_pickle_never_runs_and_the_sweep_resumes(tmp_path, monke
     monkeypatch.chdir(tmp_path)  # MLflow puts a SQLite store's artifacts under ./mlruns
     spec = tiny_spec(tmp_path, name="rs", **{"train.steps": 4, "checkpoint.every_steps": 4, "train.log_every": 2})
     path = tmp_path / "rs.yaml"
-    path.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
+    path.write_text(yaml.safe_dump({k: v for k, v in spec.model_dump(mode="json").items() if k != "sweep"}))
     # An interrupted sweep: trial 0 completed, trial 1 was running when it stopped.
     loaded, section = load_sweep_section(path, ["sweep.max_concurrent=1"])
     cfg = merged(section, PARAMS)
