@@ -30,6 +30,7 @@ from tidal.launch.result import RunResult
 from tidal.launch.submission import JobState, package_working_dir, start_failure
 from tidal.output import parse_record
 from tidal.ray_private import walk_working_dir, working_dir_upload_cap
+from tidal.redact import redact_text
 from tidal.spec.job import JobSpec
 from tidal.spec.secrets import refuse_credentials
 
@@ -333,7 +334,7 @@ def forwarded_env(environ: dict[str, str] | os._Environ[str]) -> dict[str, str]:
         if key == "MLFLOW_EXPERIMENT_NAME" or not local:
             out[key] = value
         else:
-            skipped.append(f"{key}={value}")
+            skipped.append(f"{key}={redact_text(value)}")  # printed by the SDK too, where no stream redacts
     if skipped:
         print(f"note: not sent to the cluster, as they name places on this machine: {', '.join(skipped)}; "
               "the cluster's own settings apply", file=sys.stderr)
