@@ -35,7 +35,7 @@ from ray import tune
 from ray.tune.schedulers import ASHAScheduler
 from ray.tune.search.basic_variant import BasicVariantGenerator
 
-from tidal import fs
+from tidal import fs, job_end
 from tidal.errors import SpecError, TidalError
 from tidal.launch.connect import connect_ray
 from tidal.launch.sweep_mlflow import close_parent, end_parent, open_parent
@@ -65,8 +65,8 @@ class SweepResult:
 
     `trials` (a pandas DataFrame) has one row per trial: `trial` (N of the job `<name>-t<N>`), `name`,
     one column per swept field, `status` (completed, stopped_early, failed, or unfinished in an
-    interrupted sweep), `step` (the last checkpoint step Tune saw: where ASHA stopped it), `loss` (and the sweep's metric: the last value
-    logged to the trial's MLflow run) and `mlflow_run_id`. `best_spec` is the exact spec of the best
+    interrupted sweep), `step` (the last checkpoint step Tune saw: where ASHA stopped it), `loss`
+    (and the sweep's metric: the last value logged to the trial's MLflow run) and `mlflow_run_id`. `best_spec` is the exact spec of the best
     completed trial; `best_metrics` are its run's latest MLflow metrics.
     """
 
@@ -214,7 +214,7 @@ def _check_state_api() -> None:
 
 
 def _last_step(base: JobSpec) -> int:
-    return min(base.train.steps, base.train.stop_at or base.train.steps)
+    return job_end.last_step(base.train)
 
 
 def _new_tuner(trainable: Any, base: JobSpec, cfg: SweepSpec, exp_name: str, todo: list[int],
