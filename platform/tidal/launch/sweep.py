@@ -66,8 +66,9 @@ class SweepResult:
     `trials` (a pandas DataFrame) has one row per trial: `trial` (N of the job `<name>-t<N>`), `name`,
     one column per swept field, `status` (completed, stopped_early, failed, or unfinished in an
     interrupted sweep), `step` (the last checkpoint step Tune saw: where ASHA stopped it), `loss`
-    (and the sweep's metric: the last value logged to the trial's MLflow run) and `mlflow_run_id`. `best_spec` is the exact spec of the best
-    completed trial; `best_metrics` are its run's latest MLflow metrics.
+    (and the sweep's metric: the last value logged to the trial's MLflow run) and `mlflow_run_id`.
+    `best_spec` is the exact spec of the best completed trial; `best_metrics` are its run's latest
+    MLflow metrics.
     """
 
     name: str
