@@ -22,7 +22,8 @@ SAMPLE = re.compile(r"^(?P<name>ray_tidal_\w+)\{(?P<tags>[^}]*)\} (?P<value>\S+)
 
 def dashboard_exprs(path: Path) -> list[str]:
     board = json.loads(path.read_text())
-    return [t["expr"] for p in board["panels"] for t in p.get("targets", [])]
+    annotations = [a["expr"] for a in board.get("annotations", {}).get("list", []) if "expr" in a]
+    return [t["expr"] for p in board["panels"] for t in p.get("targets", [])] + annotations
 
 
 def test_every_metric_the_dashboard_uses_is_one_tidal_exports():
@@ -65,7 +66,7 @@ def test_a_running_job_shows_on_rays_metrics_endpoint_by_job_and_rank(ray_with_m
     job.start()
     seen: list[tuple[str, dict[str, str], float]] = []
     while not done.is_set():
-        seen = [s for s in scrape(port) if s[1].get("job") == "prom"]
+        seen = [s for s in scrape(port) if s[1].get("tidal_job") == "prom"]
         if {t["rank"] for n, t, _ in seen if n == "ray_tidal_step"} == {"0", "1"}:
             break
         time.sleep(0.5)
@@ -79,12 +80,12 @@ def test_a_running_job_shows_on_rays_metrics_endpoint_by_job_and_rank(ray_with_m
     for name, tags, _ in seen:
         if name.endswith("_total"):  # the group-start counter is tagged job and reason (below)
             continue
-        assert tags.keys() >= {"job", "rank", "node", "site"}, (name, tags)
+        assert tags.keys() >= {"tidal_job", "rank", "node", "site"}, (name, tags)
         assert tags["site"] == "unlabelled", "a laptop's node carries no tidal.io/site label"
     names = {n for n, _, _ in seen}
     # Everything a CPU job has: NVML needs a GPU, a cost needs priced nodes; a counter has its own tags.
     cpu_job = {f"ray_tidal_{k}" for k in GAUGES} - {"ray_tidal_cost_per_hour", "ray_tidal_stall_s"} - {
         n for n in exported_names() if "gpu_" in n}
     assert cpu_job <= names, f"missing from the endpoint: {sorted(cpu_job - names)}"
-    starts = [t for n, t, _ in scrape(port) if n == "ray_tidal_group_starts_total" and t.get("job") == "prom"]
+    starts = [t for n, t, _ in scrape(port) if n == "ray_tidal_group_starts_total" and t.get("tidal_job") == "prom"]
     assert starts and starts[0]["reason"] == "start", starts

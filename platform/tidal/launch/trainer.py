@@ -303,6 +303,7 @@ def _trainer(spec: JobSpec, callbacks: list[Any], seat: admission.Seat | None = 
 
     s = spec.scaling
     most = seat.workers if seat is not None else s.max_workers  # admission's size caps the job's
+    most = avoidance.most_workers(most, avoidance.read(spec))  # without a node it avoids (worker/avoidance.py)
     scaling = ScalingConfig(
         num_workers=(min(s.min_workers, most), most) if spec.elastic else most,
         use_gpu=s.gpus_per_worker > 0,

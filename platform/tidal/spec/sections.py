@@ -286,6 +286,24 @@ class FailureSpec(Part):
         "rank's (the others wait for it); 0 disables"
     )
     straggler_intervals: int = Field(3, ge=1, description="log intervals in a row above straggler_ratio before the warning")
+    straggler_exclude: bool | None = Field(
+        None, description="take a persistent straggler's node out of the job: checkpoint, restart without it (never "
+        "below scaling.min_workers; the global batch stays), avoid it for straggler_avoid_s, then grow back. "
+        "Default: on for elastic jobs (min_workers < max_workers), off for fixed-size ones"
+    )
+    straggler_exclude_ratio: float = Field(
+        1.5, gt=1.0, description="a rank's time outside collectives over the median rank's above which it counts "
+        "as slow for straggler_exclude"
+    )
+    straggler_exclude_after_s: float = Field(
+        600.0, gt=0.0, description="how long the same rank must stay above straggler_exclude_ratio, without a "
+        "break, before its node is taken out (minutes: a checkpoint hiccup or a noisy neighbour's burst is not a "
+        "straggler)"
+    )
+    straggler_avoid_s: float = Field(
+        3600.0, gt=0.0, description="how long a node taken out as a straggler is avoided by this job (a Ray label "
+        "selector on the node's id); the job then restarts at up to max_workers, that node included"
+    )
 
     @model_validator(mode="after")
     def _straggler_ratio(self) -> FailureSpec:

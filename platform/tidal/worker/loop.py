@@ -17,7 +17,7 @@ from typing import Any
 import ray.train
 import torch
 
-from tidal.admission.directive import NONE, resize_to
+from tidal.admission.directive import resize_to
 from tidal.ray_private import HEALTH_CHECK_INTERVAL
 from tidal.worker import checkpoint, plan
 from tidal.worker.device import seed_step
@@ -50,14 +50,15 @@ def train_loop(config: dict[str, Any]) -> None:
         warning = ray.train.get_preemption_info() if agreed.check_preemption else None
         if warning is not None:
             s.preemption_rearm_at = rearm_after_warning(warning.deadline_ms)
-        resize = resize_to(agreed.target, s.launched_max)
+        # admission's size, or rank 0's for a straggler's node (worker/telemetry.py), launched at s.world
+        resize = resize_to(agreed.target, s.launched_max if s.launched_max is not None else s.world)
         step_plan = plan.plan_step(due, s.cadence, warning is not None, spec.checkpoint.async_upload,
                                    resize is not None, agreed.superseded)
         if step_plan.end == "superseded":
             if s.rank == 0:
                 print(f"[tidal] {s.lease.why()}", flush=True)  # not an event: the job's log is the newer start's
             break
-        if step_plan.end == "resize" and s.rank == 0:
+        if step_plan.end == "resize" and s.rank == 0 and s.directive is not None:
             s.events.say(f"admission resizes this job to {resize} worker(s): checkpoint at step {step}, "
                          "then the group restarts at that size", step)
         if finish_step(s, step_plan, agreed, times, warning) is not None:
@@ -92,7 +93,7 @@ def _agree(s: Session, times: dict[str, float], may_check: bool, due_checkpoint:
     s.gate_s = checkpoint.gate_waited()
     agreed = s.sync.exchange(s.loss_sum.item(), s.loss_n, times.get("busy_s"),
                              may_check and time.time() >= s.preemption_rearm_at, s.blocked_s + s.gate_s,
-                             s.directive.target if s.directive is not None else NONE,
+                             s.directive.target if s.directive is not None else s.telemetry.target,
                              s.rank == 0 and s.lease is not None and not s.lease.current(fresh=due_checkpoint))
     s.loss_sum.zero_()
     s.loss_n, s.blocked_s = 0, 0.0

@@ -59,3 +59,41 @@ class StragglerWatch:
             self.warned = True
             return self.rank
         return None
+
+
+@dataclass
+class ExclusionWatch:
+    """Which rank to take out of the group: the same rank above `ratio` at every sampled log
+    interval for `after_s` seconds (rank 0's clock). Any interval under the ratio, or another rank
+    becoming the slowest, starts over: a checkpoint's hiccup or a neighbour's burst is not a
+    straggler. `update` returns the rank once; None otherwise."""
+
+    ratio: float
+    after_s: float
+    rank: int | None = None
+    since: float = 0.0
+    done: bool = False
+
+    def update(self, s: Spread, now: float) -> int | None:
+        if self.done:
+            return None
+        if s.ratio < self.ratio:
+            self.rank = None
+            return None
+        if s.slowest_rank != self.rank:
+            self.rank, self.since = s.slowest_rank, now
+        if now - self.since >= self.after_s:
+            self.done = True
+            return self.rank
+        return None
+
+
+def exclusion_on(setting: bool | None, elastic: bool) -> bool:
+    """failure.straggler_exclude: None follows the job's kind (on for elastic jobs only)."""
+    return elastic if setting is None else setting
+
+
+def size_without(world: int, on_node: int, min_workers: int) -> int | None:
+    """The group's size without a node holding `on_node` of its ranks; None below min_workers."""
+    left = world - on_node
+    return left if left >= min_workers else None

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import ray
@@ -33,11 +33,23 @@ from tidal.cluster.prices import worker_price
 from tidal.spec.job import JobSpec
 from tidal.storage import Found
 from tidal.tracking.findings import input_bound_advice, input_bound_line
+from tidal.worker import avoidance
 from tidal.worker.input_bound import InputWatch, Interval, PhaseTotals
 from tidal.worker.metrics import Every, gpu_stats
-from tidal.worker.stragglers import Spread, StragglerWatch, spread
+from tidal.worker.stragglers import (
+    ExclusionWatch,
+    Spread,
+    StragglerWatch,
+    exclusion_on,
+    size_without,
+    spread,
+)
 
-TAGS = ("job", "rank", "node", "site")
+# Not `job`: a Prometheus scrape config's job name is a target label of every series it scrapes
+# (Ray's generated prometheus.yml says job "ray"), and a scraped `job` label yields to it (renamed
+# exported_job), so every Tidal job would read as "ray", merged in the dashboard.
+JOB_LABEL = "tidal_job"
+TAGS = (JOB_LABEL, "rank", "node", "site")
 # Exported as ray_tidal_<key> (Ray adds the prefix). Keys of the loop's metrics dict, plus
 # what this module adds; cluster_configs/grafana/tidal-dashboard.json is built on these names.
 GAUGES: dict[str, str] = {
@@ -61,6 +73,7 @@ GAUGES: dict[str, str] = {
     "rank_slowness": "this rank's busy time over the median rank's",
     "straggler_ratio": "slowest rank's busy time over the median rank's (rank 0 reports it)",
     "straggler_rank": "rank with the most busy time (rank 0 reports it)",
+    "straggler_excluded": "1 at the log step that took a straggler's node out of the job (rank 0; a Grafana annotation)",
     "stall_s": "seconds outside training steps since the last log step (checkpoint saves mostly)",
     "workers_cloud": "workers on cloud nodes (rank 0 reports it)",
     "cost_per_hour": "what the group's workers cost per hour, from the nodes' price labels (rank 0)",
@@ -70,7 +83,7 @@ GAUGES: dict[str, str] = {
     "gpu_power_w": "GPU power draw in watts (NVML)",
 }
 COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "group_starts": ("worker-group starts by reason: start, restart (same size) or resize", ("job", "reason")),
+    "group_starts": ("worker-group starts by reason: start, restart (same size) or resize", (JOB_LABEL, "reason")),
 }
 _metrics: dict[str, Any] = {}  # one Ray metric object per name and process
 # Gauges are set at most once a second (and at the last step). Ray's metrics agent reports them
@@ -137,20 +150,26 @@ class Telemetry:
         self.input_last: tuple[int, float] | None = None  # (step, time) at the previous log step
         self.first_step = (found.step if found else 0) + 1  # this group's first step
         self.input_bound = 0.0
+        # The group size rank 0 asks for (a straggler's node out, or back in); the log step's
+        # collective carries it to every rank (worker/loop.py), NONE: train on.
+        self.target = avoidance.NONE
         self.enabled = enabled()
         if not self.enabled:
             return
         self.place = Place.here(spec)
-        self.tags = {"job": spec.name, "rank": str(self.rank), "node": self.place.node, "site": self.place.site}
+        self.tags = {JOB_LABEL: spec.name, "rank": str(self.rank), "node": self.place.node, "site": self.place.site}
         f = spec.failure
         self.watch = StragglerWatch(f.straggler_ratio, f.straggler_intervals)
+        on = exclusion_on(f.straggler_exclude, spec.elastic) and self.rank == 0
+        self.exclusion = ExclusionWatch(f.straggler_exclude_ratio, f.straggler_exclude_after_s) if on else None
+        self.avoided = avoidance.read(spec) if on else None  # a node this job avoids now (record's state)
         self.places: list[Place] | None = None
         self.last: tuple[int, float] | None = None  # (step, time) at the previous log step
         self.gauges_due = Every(EXPORT_EVERY_S)
         self.started = time.time()  # before the engine build: start-up holds the devices too
         if self.rank == 0:
             reason = "start" if not found else "restart" if int(found.state["world_size"]) == self.world else "resize"
-            _metric("group_starts").inc(1.0, tags={"job": spec.name, "reason": reason})
+            _metric("group_starts").inc(1.0, tags={JOB_LABEL: spec.name, "reason": reason})
 
     def at_log_step(self, metrics: dict[str, Any], busy_s: list[float] | None, final: bool = False) -> dict[str, float]:
         """Gauges for this rank; for rank 0's metrics, the straggler and placement keys.
@@ -170,13 +189,16 @@ class Telemetry:
             local["rank_slowness"] = busy_s[self.rank] / median if median > 0 else 1.0
             if self.rank == 0:
                 self._warn(s, busy_s, median, int(metrics["step"]))
+                extra |= self._exclude(s, int(metrics["step"]))
+        if self.rank == 0:
+            self._bring_back(int(metrics["step"]))
         now, step = time.time(), int(metrics["step"])
         if self.last is not None:
             trained = (step - self.last[0]) * float(metrics.get("step_time_s", 0.0))
             local["stall_s"] = max(0.0, now - self.last[1] - trained)
         self.last = (step, now)
         extra |= inputs
-        if self.gauges_due.due(force=final):
+        if self.gauges_due.due(force=final or "straggler_excluded" in extra):
             self._export({**metrics, **local, **gpu_stats(self.device), **(extra if self.rank == 0 else {})})
         return extra if self.rank == 0 else {}
 
@@ -221,6 +243,43 @@ class Telemetry:
             f"{s.ratio:.2f}x slower than the median rank for {f.straggler_intervals} log intervals "
             f"({every[rank]:.3f}s busy per step against {median:.3f}s); the other ranks wait for it "
             f"(failure.straggler_ratio: {f.straggler_ratio:g})", step)
+
+    def _exclude(self, s: Spread, step: int) -> dict[str, float]:
+        """Rank 0: take a persistent straggler's node out of the group (failure.straggler_exclude)."""
+        if self.exclusion is None or self.target != avoidance.NONE:
+            return {}
+        rank = self.exclusion.update(s, time.time())
+        if rank is None:
+            return {}
+        places, sc, f = self.places or [self.place], self.spec.scaling, self.spec.failure
+        p = places[rank]
+        size = size_without(self.world, sum(q.node_id == p.node_id for q in places), sc.min_workers)
+        if size is None:
+            self.events.say(f"straggler: rank {rank} on node {p.node} stays {s.ratio:.2f}x slower than the median, "
+                            f"but without its node the group would fall below scaling.min_workers ({sc.min_workers}); "
+                            f"training on at {self.world} worker(s)", step)
+            return {}
+        a = avoidance.Avoided(p.node_id, p.node, time.time() + f.straggler_avoid_s, rank, s.ratio, step, size)
+        avoidance.write(self.spec, a)
+        self.events.say(avoidance.describe(a, self.world, size, f.straggler_exclude_after_s, f.straggler_avoid_s), step)
+        self.target = float(size)
+        return {"straggler_excluded_rank": float(rank), "straggler_excluded": 1.0}
+
+    def _bring_back(self, step: int) -> None:
+        """Rank 0, in a group that avoids a node: once the avoidance is over, end the group so that
+        the driver restarts it at up to max_workers, that node included."""
+        a = self.avoided
+        if a is None or a.state != "avoiding" or time.time() < a.until or self.target != avoidance.NONE:
+            return
+        most = self.spec.scaling.max_workers
+        if self.world >= most:  # nothing to grow into: forget the node
+            avoidance.write(self.spec, replace(a, state="done"))
+            self.avoided = None
+            return
+        avoidance.write(self.spec, replace(a, state="return"))
+        self.events.say(f"node {a.node} is no longer avoided (failure.straggler_avoid_s passed): checkpointing and "
+                        f"restarting at up to {most} worker(s)", step)
+        self.target = float(most)
 
     def _export(self, values: dict[str, Any]) -> None:
         for key in GAUGES:
