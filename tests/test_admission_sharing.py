@@ -6,6 +6,7 @@ carries on when it is killed. Every job's MLflow history must hold every step ex
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import time
 from collections.abc import Iterator
@@ -58,7 +59,9 @@ def queue(cluster) -> dict[str, dict]:
 
 
 def wait_until(check, timeout: float, what: str, *jobs: Job, poll: float = 0.5):
-    """`check()`'s first truthy value; on a timeout, what the queue and `jobs` said."""
+    """`check()`'s first truthy value; on a timeout, what the queue and `jobs` said. The timeouts
+    are for an unloaded machine; TIDAL_TEST_TIMEOUT_SCALE stretches them on a shared one."""
+    timeout *= float(os.environ.get("TIDAL_TEST_TIMEOUT_SCALE", "1"))
     deadline = time.time() + timeout
     while time.time() < deadline:
         if (got := check()):
