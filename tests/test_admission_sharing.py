@@ -88,7 +88,7 @@ def world_sizes(spec) -> list[int]:
 
 
 def ended(job: Job, timeout: float = 400) -> str:
-    state = job.wait(timeout=timeout)
+    state = job.wait(timeout=timeout * float(os.environ.get("TIDAL_TEST_TIMEOUT_SCALE", "1")))
     assert state == "SUCCEEDED", job.logs()[-4000:]
     return state
 
