@@ -20,7 +20,7 @@ PACKAGE = ROOT / "platform" / "tidal"
 LAYERS: list[tuple[str, ...]] = [
     ("tidal", "tidal.__main__", "tidal.cli", "tidal.testing"),
     ("tidal.launch", "tidal.exporter"),
-    ("tidal.worker", "tidal.eval_best"),
+    ("tidal.worker", "tidal.eval_best", "tidal.job_end"),
     ("tidal.tracking",),
     ("tidal.storage", "tidal.lease", "tidal.cluster", "tidal.admission"),
     ("tidal.fs", "tidal.errors", "tidal.output", "tidal.version", "tidal.ray_private", "tidal.redact"),

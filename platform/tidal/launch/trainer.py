@@ -10,7 +10,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
-from tidal import eval_best
+from tidal import eval_best, job_end
 from tidal.admission import seat as admission
 from tidal.cluster import burst
 from tidal.errors import SpecError, TidalError
@@ -177,9 +177,7 @@ def release_reservation(requester: str | None, timeout_s: float = 10.0) -> bool:
 
 
 def _already_complete(spec: JobSpec, state: dict[str, Any]) -> bool:
-    t = spec.train
-    return (bool(state.get("data_ended")) or eval_best.stopped_early(spec, state)
-            or int(state["step"]) >= min(t.steps, t.stop_at or t.steps))
+    return job_end.is_done(spec, state)
 
 
 def _say_if_stopped_early(spec: JobSpec, run_dir: RunDir) -> None:
@@ -193,12 +191,12 @@ def _complete(spec: JobSpec, found: Found, job: dict[str, Any], run_dir: RunDir,
               lease: Lease) -> RunResult:
     """Running a finished job again: say so at once, without starting Ray or any worker, after
     sending whatever an earlier driver left in the metrics buffer."""
-    t = spec.train
-    if found.state.get("data_ended"):
+    t, reason = spec.train, job_end.end_reason(spec, found.state)
+    if reason == "data":
         why, more = "its data stream ended", "--set data.epochs=N with more passes"
-    elif eval_best.stopped_early(spec, found.state):
+    elif reason == "early_stop":
         why, more = eval_best.stop_reason(spec, found.state), "--set eval.patience=null (or a larger patience)"
-    elif t.stop_at and found.step >= t.stop_at and found.step < t.steps:
+    elif reason == "stop_at":
         why, more = f"train.stop_at is {t.stop_at}", "--set train.stop_at=null (or a later step)"
     else:
         why, more = f"train.steps is {t.steps}", f"--set train.steps=N with N above {found.step}"

@@ -18,9 +18,8 @@ from typing import Any
 import ray.train
 import torch
 
-from tidal import fs
+from tidal import fs, job_end
 from tidal.admission.directive import Directive
-from tidal.eval_best import stopped_early
 from tidal.lease import LeaseCheck
 from tidal.redact import install as install_redaction
 from tidal.spec import secrets
@@ -81,7 +80,7 @@ class Session:
 
     def steps(self) -> range:
         """The steps this attempt trains: none when the job already ended (data, early stop)."""
-        done = self.state.data_ended or stopped_early(self.spec, asdict(self.state))
+        done = job_end.is_done(self.spec, asdict(self.state))
         return range(self.state.step + 1, (self.state.step if done else self.cadence.last) + 1)
 
 
@@ -133,7 +132,7 @@ def open_session(config: dict[str, Any]) -> Session:
         StepWatchdog(spec.failure.step_timeout_s, rank, events, spec.failure.phase_timeout_s),
         telemetry, auto.step_fn(step_function(spec)) if auto else step_function(spec),  # train.step_fn, or model(*batch)
         Cadence(t.log_every, spec.checkpoint.every_steps, spec.eval.every_steps if spec.eval else None,
-                min(t.steps, t.stop_at or t.steps)),
+                job_end.last_step(t)),
         flops_per_token(param_count(engine, spec), spec.model),
         world * worker_peak_flops(device, spec.parallelism.precision, s.cpus_per_worker, s.peak_tflops_per_worker),
         ResourceSampler(device) if rank == 0 else dict,  # rank 0's host only
