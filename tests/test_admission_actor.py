@@ -184,6 +184,19 @@ def test_a_damaged_document_is_set_aside_and_the_queue_rebuilt_from_live_drivers
     assert load_queue(str(where)).notice == notice
 
 
+def test_tidal_queue_shows_the_clusters_notice_first(tmp_path, monkeypatch, capsys):
+    from tidal.cli import main
+
+    where = tmp_path / "q.json"
+    where.write_text("[]")  # another shape: damaged
+    Admitter(quota_file(tmp_path), str(where), background=False)
+    monkeypatch.setenv("TIDAL_QUEUE", str(where))
+    capsys.readouterr()
+    assert main(["queue"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("NOTICE: the queue document") and "set aside" in out and "the queue is empty" in out
+
+
 def test_capacity_counts_live_onprem_nodes_in_the_files_unit():
     nodes = [{"Alive": True, "Resources": {"CPU": 8.0, "GPU": 4.0, "site_onprem": 1000.0}, "Labels": {}},
              {"Alive": True, "Resources": {"CPU": 8.0, "GPU": 8.0}, "Labels": {"tidal.io/site": "cloud"}},
