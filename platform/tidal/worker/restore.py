@@ -5,8 +5,12 @@ size rank 0 converts once to DeepSpeed's universal format, which keeps the optim
 publishes it in storage beside the original as `global_stepN_universal` (a marker written last
 makes it count), while the other ranks wait for it outside any collective (tidal.worker.universal).
 
-Each rank reads only the files it loads, and only files the checkpoint's manifests list: from
-an object store into a cache its node shares (tidal.worker.fetch), from a filesystem in place.
+Rank 0 lists and verifies the checkpoint once and hands every rank the list of its files, so a
+rank's storage requests grow with its own files, not with the world. Each rank reads only the
+files it loads (a ZeRO-3 rank only its slice of each universal parameter file, tidal.worker.share),
+and only files the manifests list, into a private cache its node shares and keeps for the next
+restart (tidal.worker.fetch), on every filesystem: DeepSpeed reads those checked copies, never
+storage.
 
 A checkpoint that fails to load is quarantined only when it is proven corrupt (a size that
 differs from its manifest, a file that does not unpickle, or one whose pickle names a type outside
