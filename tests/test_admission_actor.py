@@ -138,14 +138,14 @@ def test_a_failed_save_blocks_acting_and_is_retried(tmp_path):
 def test_heartbeats_are_answered_during_a_tick_longer_than_a_lease_and_no_live_job_is_dropped(tmp_path, monkeypatch):
     """A save that takes longer than a driver's lease (slow storage): the drivers keep calling,
     each call is answered while the save runs, and no live job loses its slots."""
-    a = Admitter(quota_file(tmp_path), str(tmp_path / "q.json"), lease_s=1.0, background=False)
+    a = Admitter(quota_file(tmp_path), str(tmp_path / "q.json"), lease_s=0.5, background=False)
     a.submit(reg("live", "normal", 2, 2))
     a.tick()
     saving, real = threading.Event(), actor_module.save_queue
 
     def slow_save(location, queue):  # the one stand-in: storage this slow cannot be had here
         saving.set()
-        time.sleep(2.5)
+        time.sleep(1.0)
         saving.clear()
         real(location, queue)
 
