@@ -7,6 +7,7 @@ from __future__ import annotations
 from tests.conftest import metric_history
 from tests.ledger_fakes import Clock, Server, emit, ledger, setup
 from tidal.tracking.emitter import Emitter
+from tidal.tracking.events import TrackingBack, TrackingDown
 from tidal.tracking.ledger import SENT_FILE, retry_delay
 from tidal.tracking.writer import RunWriter
 
@@ -102,7 +103,7 @@ def test_an_mlflow_that_cannot_say_what_it_holds_is_waited_for(mlflow_uri, tmp_p
     server.blind = True
     again = ledger(spec, run, server, run_id, clock=clock, printed=seen)
     assert again.poll() == 3 and again.untaken == 3, "nothing taken (all 3 wait) while MLflow cannot say what it holds"
-    assert [e["kind"] for e in seen] == ["sink_down"]
+    assert [type(e) for e in seen] == [TrackingDown]
     server.blind = False
     assert again.poll() == 3 and again.untaken == 3, "not asked again before the backoff"
     clock.now += 5.1
@@ -110,7 +111,7 @@ def test_an_mlflow_that_cannot_say_what_it_holds_is_waited_for(mlflow_uri, tmp_p
     assert again.flush() == 0
     loss = metric_history(spec, run_id, "loss")  # fails on a step logged twice
     assert sorted(loss) == list(range(1, 7)) and loss[4] != -1.0 and loss[6] == -1.0
-    assert [e["kind"] for e in seen][-1] == "sink_back"
+    assert isinstance(seen[-1], TrackingBack)
     assert buffer.load() == []
 
 

@@ -11,6 +11,7 @@ from tests.conftest import metric_history
 from tests.ledger_fakes import STEP, Clock, Server, emit, ledger, setup
 from tidal.storage import RunDir
 from tidal.tracking.emitter import Emitter
+from tidal.tracking.events import Resumed, StepMetrics, TrackingDown
 from tidal.tracking.ledger import SENT_FILE
 from tidal.tracking.writer import RunWriter
 
@@ -39,8 +40,8 @@ def test_a_replayed_step_is_logged_once_across_restarts_of_training_and_tracker(
     assert sorted(metric_history(spec, run_id, "checkpoint_bytes")) == [4, 8]
     assert metric_history(spec, run_id, "steps_lost") == {**dict.fromkeys(range(1, 7), 0.0), 7: 2.0, 8: 2.0}
     assert buffer.load() == [], "everything handled is forgotten"
-    assert [e["step"] for e in seen if e["kind"] == "metrics" and e["replay"]] == [5, 6]
-    assert any(e["kind"] == "resumed" and e["lost"] == 2 for e in seen)
+    assert [e.step for e in seen if isinstance(e, StepMetrics) and e.replay] == [5, 6]
+    assert any(isinstance(e, Resumed) and e.lost == 2 for e in seen)
 
 
 @pytest.mark.parametrize("where", ["local", "s3"])
@@ -93,7 +94,7 @@ def test_a_server_down_longer_than_the_job_gets_everything_at_the_next_launch(ml
     emit(spec, range(1, 6), checkpoints=(5,))
     core.poll()
     assert core.flush() == 6 and server.attempts == 1
-    assert [e["kind"] for e in seen].count("sink_down") == 1
+    assert [type(e) for e in seen].count(TrackingDown) == 1
     clock.now += 4.9
     assert core.flush() == 6 and server.attempts == 1, "no retry before retry_s"
     clock.now += 0.2

@@ -35,9 +35,10 @@ class Console:
         self.total, self.clock = total_steps, clock
         self.t0, self.first_step = clock(), None
 
-    def __call__(self, notice: Mapping[str, Any]) -> None:
-        """One ledger notice (an event log entry, with what the ledger adds) -> at most one line."""
-        line = self.line(parse(notice))
+    def __call__(self, notice: Event | Mapping[str, Any]) -> None:
+        """One ledger notice (a typed event, with what the ledger adds; or an event log entry) -> at
+        most one line."""
+        line = self.line(notice if isinstance(notice, Event) else parse(notice))
         if line:
             print(redact_text(f"[tidal] {line}"), flush=True)
 

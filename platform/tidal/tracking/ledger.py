@@ -3,7 +3,7 @@
 Events come from the job's durable log (tracking/buffer.py; rank 0 and the controller write
 it, tracking/emitter.py). `poll` reads the new ones, drops a step already logged (a step
 replayed after a restart), counts restarts, resizes and lost steps, and tells subscribers
-(the console, the status record). `flush` sends what is pending to a `Sink` (MLflow) in
+(the console) as typed events (tracking/events.py). `flush` sends what is pending to a `Sink` (MLflow) in
 batches, retries an unreachable sink after `retry_s` (doubling, up to a minute), and forgets
 events only after a saved mark records how far the sink holds the run and the counters (the
 mark, `tidal-mlflow-sent.json`), so a ledger that dies at any point is replaced by one that
@@ -12,6 +12,7 @@ sends the rest once and nothing twice.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -19,11 +20,23 @@ from typing import Any, Protocol
 
 from tidal.redact import redact_text
 from tidal.tracking.buffer import MetricsBuffer
+from tidal.tracking.events import (
+    CheckpointSaved,
+    Event,
+    Note,
+    Resized,
+    Resumed,
+    StepMetrics,
+    TrackingBack,
+    TrackingDown,
+    WorkersFailed,
+    parse,
+)
 
 SENT_FILE = "tidal-mlflow-sent.json"  # beside the buffer: how far MLflow holds the run, and the counters
 SENT_KINDS = {"metrics": "step", "checkpoint": "checkpoint_step"}  # kind -> its key in the mark
 COUNTERS = ("restarts", "resizes", "steps_lost", "max_steps_lost")
-Subscriber = Callable[[dict[str, Any]], None]
+Subscriber = Callable[[Event], None]
 
 
 class Sink(Protocol):
@@ -96,39 +109,47 @@ class Ledger:
             return len(self.pending)
 
     def _take(self, e: dict[str, Any]) -> bool:
-        """Handle one event; True if it waits to be sent."""
-        kind = kind_of(e)
-        if kind == "metrics":
-            self._note_world_size(int(e["step"]), int(e["values"].get("world_size", 0)))
-            self.reported = max(self.reported, int(e["step"]))
-        if kind in ("metrics", "checkpoint"):
-            self.latest.update(e["values"])
-            fresh = int(e["step"]) > self._high(kind)
-            self.notify({**e, "kind": kind, "replay": not fresh})
-            if fresh:
-                self.high[kind] = int(e["step"])
-                values = {**e["values"], **self.counters} if kind == "metrics" else e["values"]
-                self.pending.append({**e, "values": values})
-            return fresh
-        if kind == "resumed":
-            lost = max(0, self.reported - int(e["step"]))
-            self.counters["steps_lost"] += lost
-            self.counters["max_steps_lost"] = max(self.counters["max_steps_lost"], lost)
-            self.notify({**e, "lost": lost})
-        elif kind == "failure":
-            self.counters["restarts"] += 1
-            self.failed_since_resume = True
-            self.notify({**e, "restarts": self.counters["restarts"], "reported": self.reported})
-        else:
-            self.notify(e)
+        """Handle one log entry; True if it waits to be sent (the entry as stored: the sink's input)."""
+        event = parse({**e, "kind": kind_of(e)})
+        match event:
+            case StepMetrics() | CheckpointSaved():
+                return self._take_point(e, event)
+            case Resumed():
+                lost = max(0, self.reported - event.step)
+                self.counters["steps_lost"] += lost
+                self.counters["max_steps_lost"] = max(self.counters["max_steps_lost"], lost)
+                self.notify(dataclasses.replace(event, lost=lost))
+            case WorkersFailed():
+                self.counters["restarts"] += 1
+                self.failed_since_resume = True
+                self.notify(dataclasses.replace(event, restarts=self.counters["restarts"], reported=self.reported))
+            case None:
+                pass  # a kind this Tidal does not know (a newer writer's): nothing to count or say
+            case _:
+                self.notify(event)
         return False
+
+    def _take_point(self, e: dict[str, Any], event: StepMetrics | CheckpointSaved) -> bool:
+        """A step's metrics or a checkpoint's figures: sent unless the sink holds that step already
+        (a step replayed after a restart is said, as a replay, but never sent twice)."""
+        kind = event.KIND
+        if isinstance(event, StepMetrics):
+            self._note_world_size(event.step, int(event.values.get("world_size", 0)))
+            self.reported = max(self.reported, event.step)
+        self.latest.update(event.values)
+        fresh = event.step > self._high(kind)
+        self.notify(dataclasses.replace(event, replay=not fresh))
+        if fresh:
+            self.high[kind] = event.step
+            values = {**event.values, **self.counters} if isinstance(event, StepMetrics) else event.values
+            self.pending.append({**e, "values": values})
+        return fresh
 
     def _note_world_size(self, step: int, world: int) -> None:
         """Count every change of world size, whether or not a checkpoint was there to resume from."""
         if world and self.world_size and world != self.world_size:
             self.counters["resizes"] += 1
-            self.notify({"kind": "resized", "step": step, "old_world": self.world_size, "world": world,
-                         "after_failure": self.failed_since_resume})
+            self.notify(Resized(step, self.world_size, world, self.failed_since_resume))
         if world and world != self.world_size:
             self.failed_since_resume = False
         self.world_size = world or self.world_size
@@ -188,7 +209,7 @@ class Ledger:
             if sent == len(todo):
                 self.failures = 0
             if self.down_since is not None and sent == len(todo):
-                self.notify({"kind": "sink_back", "down_s": self.clock() - self.down_since, "sent": sent})
+                self.notify(TrackingBack(self.clock() - self.down_since, sent))
                 self.down_since = None
             return len(self.pending)
 
@@ -199,7 +220,7 @@ class Ledger:
         self.failures += 1
         if self.down_since is None:
             self.down_since = self.clock()
-            self.notify({"kind": "sink_down", "error": type(e).__name__, "where": self.buffer.path})
+            self.notify(TrackingDown(type(e).__name__, self.buffer.path))
 
     def _skip_recovered(self, todo: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Entries an earlier ledger sent but died before forgetting: the sink has their step already.
@@ -236,7 +257,7 @@ class Ledger:
             self.store.write_json(SENT_FILE, self.mark)
             return True
         except OSError as e:
-            self.notify({"kind": "note", "step": 0, "text": f"WARNING: could not record sent metrics: {e}"})
+            self.notify(Note(0, f"WARNING: could not record sent metrics: {e}"))
             return False
 
     def _forget(self, entries: list[dict[str, Any]]) -> None:
@@ -246,7 +267,7 @@ class Ledger:
             return
         self.known -= {e["id"] for e in entries}
 
-    def notify(self, event: dict[str, Any]) -> None:
+    def notify(self, event: Event) -> None:
         for subscriber in self.subscribers:
             try:
                 subscriber(event)
