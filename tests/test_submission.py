@@ -16,6 +16,20 @@ from tidal.redact import RedactingStream, install
 from tidal.spec.secrets import SubmissionCarriesSecret, credential_problems
 
 PASSWORD = "s3cr3t-pa55word"
+
+
+@pytest.fixture(autouse=True)
+def _no_filters_left():
+    """install() puts filters on the root logger and its handlers: take them off after each test."""
+    import logging
+
+    from tidal.redact import RedactingFilter
+
+    yield
+    root = logging.getLogger()
+    for owner in (root, *root.handlers):
+        for f in [f for f in owner.filters if isinstance(f, RedactingFilter)]:
+            owner.removeFilter(f)
 # port 1 answers nothing: reaching the cluster would fail with a ClusterError, not a refusal
 NOWHERE = "http://127.0.0.1:1"
 
@@ -133,6 +147,21 @@ def test_a_workers_own_secret_values_are_masked_in_what_it_prints(monkeypatch):
     print("and another-secret-value")
     assert isinstance(sys.stdout, RedactingStream)
     assert out.getvalue() == "the model saw *** at step 3\nand ***\n"
+
+
+def test_a_workers_own_secret_values_are_masked_in_its_log_records():
+    """Ray Train's workers send every print to the root logger too (its worker log files)."""
+    import logging
+
+    root, seen = logging.getLogger(), io.StringIO()
+    handler = logging.StreamHandler(seen)
+    root.addHandler(handler)
+    try:
+        install(["value-of-a-secret-4567"])
+        root.warning("printed: %s", "value-of-a-secret-4567")
+        assert seen.getvalue() == "printed: ***\n"
+    finally:
+        root.removeHandler(handler)
 
 
 def test_ray_trains_config_holds_no_credential_and_the_workers_get_the_whole_spec(tmp_path):

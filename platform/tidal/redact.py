@@ -155,15 +155,41 @@ class RedactingStream:
         return getattr(self.inner, name)
 
 
+class RedactingFilter:
+    """A logging filter that redacts each record's message as RedactingStream redacts text: Ray
+    Train's workers send every `print` to the root logger too (its worker log file, beside the
+    stream), so a worker's secret must be masked there as well."""
+
+    def __init__(self, secrets: Iterable[str] = ()) -> None:
+        self.secrets = [s for s in secrets if len(s) >= MIN_VALUE_LEN]
+
+    def filter(self, record: Any) -> bool:
+        message = record.getMessage()
+        extra = sorted({*secret_values(), *self.secrets}, key=len, reverse=True) if self.secrets else None
+        masked = redact_text(message, extra)
+        if masked != message:
+            record.msg, record.args = masked, None
+        return True
+
+
 def install(secrets: Iterable[str] = ()) -> None:
-    """Put a RedactingStream in front of this process's stdout and stderr (once), masking `secrets`
-    too: a submitted driver's output and a worker's lines, which Ray copies to the job's log."""
+    """Put a RedactingStream in front of this process's stdout and stderr, and a RedactingFilter on
+    the root logger and its handlers (once), masking `secrets` too: a submitted driver's output
+    and a worker's lines, which Ray copies to the job's log and Ray Train to its worker log files."""
+    import logging
     import sys
 
-    values = list(secrets)
+    values = [v for v in secrets if len(v) >= MIN_VALUE_LEN]
     for name in ("stdout", "stderr"):
         stream = getattr(sys, name)
         if isinstance(stream, RedactingStream):
-            stream.secrets = sorted({*stream.secrets, *(v for v in values if len(v) >= MIN_VALUE_LEN)})
+            stream.secrets = sorted({*stream.secrets, *values})
         elif stream is not None:
             setattr(sys, name, RedactingStream(stream, values))
+    root = logging.getLogger()
+    for owner in (root, *root.handlers):
+        found = next((f for f in owner.filters if isinstance(f, RedactingFilter)), None)
+        if found is None:
+            owner.addFilter(RedactingFilter(values))
+        else:
+            found.secrets = sorted({*found.secrets, *values})
