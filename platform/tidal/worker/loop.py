@@ -19,6 +19,7 @@ import torch
 
 from tidal.admission.directive import resize_to
 from tidal.ray_private import HEALTH_CHECK_INTERVAL
+from tidal.spec.secrets import with_carried_spec
 from tidal.worker import checkpoint, plan
 from tidal.worker.device import seed_step
 from tidal.worker.engine import is_pipeline
@@ -28,6 +29,7 @@ from tidal.worker.session import Session, open_session
 
 
 def train_loop(config: dict[str, Any]) -> None:
+    config = with_carried_spec(config, ray.get)  # the spec unredacted, where the driver had to redact it
     if not still_owner(config):
         return  # a newer start owns the job: this group ends before it touches anything
     s = open_session(config)
