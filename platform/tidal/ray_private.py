@@ -30,6 +30,7 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("ray._private.runtime_env.packaging", "_get_excludes"),
     ("ray._private.ray_logging", "stdout_deduplicator"),
     ("ray._private.ray_logging", "stderr_deduplicator"),
+    ("ray._private.worker", "print_worker_logs"),
     ("ray.train.v2._internal.constants", "HEALTH_CHECK_INTERVAL_S_ENV_VAR"),
     ("ray.train.v2._internal.constants", "WORKER_GROUP_START_TIMEOUT_S_ENV_VAR"),
     ("ray.train.v2._internal.execution.context", "TrainContext"),
@@ -54,6 +55,8 @@ TRAIN_CONTEXT_MODULE = "ray.train.v2._internal.execution.context"
 PLACEMENT_GROUP_CLEANER_LOGGER = "ray.train.v2._internal.execution.controller.placement_group_cleaner"
 RAY_LOGGING_MODULE = "ray._private.ray_logging"
 AUTH_TOKEN_SETUP_LOGGER = "ray._private.authentication.authentication_token_setup"
+TRAIN_BACKEND_SETUP_LOGGER = "ray.train.v2._internal.callbacks.backend_setup"
+TRAIN_AUTOSCALING_CLIENT_LOGGER = "ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_client"
 # Ray's autoscaling coordinator: a detached actor shared by Ray Data and Train V2's elastic policy
 # (ray/data/_internal/cluster_autoscaler/default_autoscaling_coordinator.py); its name and namespace.
 AUTOSCALING_COORDINATOR = "AutoscalingCoordinator"
@@ -119,6 +122,26 @@ def log_deduplicators() -> list[Any]:
         return []
     found = (getattr(ray_logging, n, None) for n in ("stdout_deduplicator", "stderr_deduplicator"))
     return [d for d in found if d is not None and hasattr(d, "skip_re")]
+
+
+def wrap_worker_log_printer(wrap: Callable[[Callable[..., None]], Callable[..., None]]) -> bool:
+    """Put `wrap(printer)` in place of the function a driver prints every line Ray forwards from a
+    worker, an actor or a raylet with (`print_worker_logs(data, print_file, ignore_prefix)`), once per
+    process; False if Ray is not imported or has no such function. Ray 2.60 (ray._private.worker):
+    no public API filters or reformats those lines one by one (RAY_DEDUP_LOGS_SKIP_REGEX drops lines
+    only while deduplication is on; RAY_DISABLE_WORKER_LOG_PREFIX drops every line's origin, a real
+    error's included)."""
+    import sys
+
+    worker = sys.modules.get("ray._private.worker")
+    current = getattr(worker, "print_worker_logs", None)
+    if current is None:
+        return False
+    if not getattr(current, "_tidal_wrapped", False):
+        wrapped = wrap(current)
+        wrapped._tidal_wrapped = True  # type: ignore[attr-defined]
+        worker.print_worker_logs = wrapped  # type: ignore[union-attr]
+    return True
 
 
 def recompute_reserved_resources(requester: str, timeout_s: float) -> None:

@@ -88,10 +88,12 @@ def connect_ray(dashboard: bool = False) -> None:
     second, and on a 2-core machine that costs training about 3% (docs/benchmarks.md, "Ray's dashboard
     on a local instance"). Without it the cleaner cannot ask; its warning about that is lowered
     (tidal.tracking.quiet.quiet_placement_group_cleaner). A cluster keeps whatever it was started with."""
-    from tidal.tracking.quiet import skip_known_ray_errors
+    from tidal.tracking.quiet import skip_known_ray_errors, tidy_driver_console
 
     skip_known_ray_errors()  # the CLI did it before `import ray`; an API caller may not have
     import ray
+
+    tidy_driver_console()  # what this driver prints of the lines Ray forwards to it
 
     if ray.is_initialized():
         return

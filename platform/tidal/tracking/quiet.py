@@ -11,12 +11,17 @@ import logging
 import os
 import sys
 import warnings
+from collections.abc import Callable, Mapping
+from typing import Any, TextIO
 
 from tidal.ray_private import (
     AUTH_TOKEN_SETUP_LOGGER,
     PLACEMENT_GROUP_CLEANER_LOGGER,
+    TRAIN_AUTOSCALING_CLIENT_LOGGER,
+    TRAIN_BACKEND_SETUP_LOGGER,
     TRAIN_CONTEXT_MODULE,
     log_deduplicators,
+    wrap_worker_log_printer,
 )
 
 DEBUG_ENV = "TIDAL_DEBUG"
@@ -51,7 +56,10 @@ def quiet_libraries() -> None:
     # workers that is Tidal's own choice (worker/device.py), and GPU workers never see it.
     # DeepSpeed's warmup schedules warn when the lr is read before their first step; the loop reads
     # it at the first log step of every launch, and the value it gets is the schedule's start.
-    _drop("DeepSpeed", "Setting accelerator to CPU", "Attempting to get learning rate from scheduler before it has started")
+    # Its checkpoint loader warns, on every rank of every resize, that it loads without model parallelism
+    # ("MPU is not provided, setting tp size to 1"): Tidal's checkpoints never have any.
+    _drop("DeepSpeed", "Setting accelerator to CPU", "Attempting to get learning rate from scheduler before it has started",
+          "MPU is not provided, setting tp size to 1")
     # DeepSpeed wraps the optimizer, so torch's check of the scheduler/optimizer call order
     # misfires; the engine steps the scheduler after its optimizer step.
     for message in (r"Seems like `optimizer\.step\(\)` has been overridden",
@@ -60,6 +68,11 @@ def quiet_libraries() -> None:
     # DeepSpeed's ZeRO calls torch's old all-gather name; the new one does the same collective.
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
                             category=FutureWarning)
+    # Tidal's own progress notes (a checkpoint's files fetched, a conversion's stage) are INFO: in a
+    # Ray worker every line reaches the driver's console, so they show only under TIDAL_DEBUG=1.
+    tidal_log = logging.getLogger("tidal")
+    if tidal_log.level == logging.NOTSET:
+        tidal_log.setLevel(logging.WARNING)
     # MLflow logs at INFO when it creates a SQLite store's tables, the first time a job uses it.
     for name in ("mlflow.store.db.utils", "alembic.runtime.migration"):
         logging.getLogger(name).setLevel(logging.WARNING)
@@ -79,15 +92,45 @@ def _quiet_ray_train_reports() -> None:
 
 
 def quiet_placement_group_cleaner() -> None:
-    """Ray's worker_process_setup_hook on a local instance Tidal starts without its dashboard
-    (tidal.launch.trainer): Ray Train's PlacementGroupCleaner asks the State API, which the
-    dashboard serves, whether the controller is alive, and warns "Failed to query Ray Train
-    Controller actor state" every second it cannot. The controller's driver is this instance's
-    only job, and its placement groups end with it."""
+    """Ray's worker_process_setup_hook (tidal.launch.connect), in every process of the job: Ray Train's
+    controller lowered where Tidal's own lines say the same (`_quiet_train_controller`), and its
+    PlacementGroupCleaner's warning. On a local instance Tidal starts without its dashboard, the
+    cleaner asks the State API, which the dashboard serves, whether the controller is alive, and warns
+    "Failed to query Ray Train Controller actor state" every second it cannot. The controller's
+    driver is this instance's only job, and its placement groups end with it."""
     if debug():
         return
     logging.getLogger(PLACEMENT_GROUP_CLEANER_LOGGER).setLevel(logging.ERROR)
     _ask_this_cluster()
+    _quiet_train_controller()
+
+
+class _OneLine(logging.Filter):
+    """A record once per process, without its traceback."""
+
+    def __init__(self, fragment: str) -> None:
+        super().__init__()
+        self.fragment, self.seen = fragment, False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.fragment not in record.getMessage():
+            return True
+        record.exc_info, record.exc_text = None, None
+        first, self.seen = not self.seen, True
+        return first
+
+
+def _quiet_train_controller() -> None:
+    """Ray Train's controller (an actor of this job, so this hook runs in it) on a worker's death
+    and under load. Tidal's own lines say which rank failed, why, and that the group restarts."""
+    # "Graceful shutdown of backend failed. This is expected if one of the workers has crashed.",
+    # with the dead worker's traceback: on every restart after a worker died.
+    _drop(TRAIN_BACKEND_SETUP_LOGGER, "Graceful shutdown of backend failed")
+    # "Failed to send resource request ... safe to ignore" when its coordinator answers late (a busy
+    # machine): Ray says it is harmless unless it persists, so one line, without its traceback.
+    target = logging.getLogger(TRAIN_AUTOSCALING_CLIENT_LOGGER)
+    if not any(isinstance(f, _OneLine) for f in target.filters):
+        target.addFilter(_OneLine("Failed to send resource request"))
 
 
 def _ask_this_cluster() -> None:
@@ -147,3 +190,75 @@ def skip_known_ray_errors() -> None:
     for dedup in log_deduplicators():
         current = dedup.skip_re.pattern if dedup.skip_re else None
         dedup.skip_re = re.compile(ray_skip_regex(current))
+
+
+# --- what the driver prints of the lines Ray forwards to it ---------------------------------------
+
+TIDAL_LINE = "[tidal] "
+# Lines Ray forwards from a worker, an actor or a raylet that only restate what Tidal's own lines say;
+# each says why. Everything else keeps Ray's forwarding, its origin prefix included (a real error).
+FORWARDED_CHATTER = (
+    # The raylet's notice of a worker process that died, with its ids and a pointer to its logs:
+    # Tidal's own line names the rank that failed, why, and the restart (tracking/console.py).
+    "A worker died or was killed while executing a task by an unexpected system error",
+    # A resize's conversion progress, should a Tidal older or newer than worker/universal.py print it
+    # (that module keeps it in the log unless TIDAL_DEBUG=1); `[tidal] resize: converted ...` says it.
+    "Resharding: ",
+)
+COLOR_ENV = "RAY_COLOR_PREFIX"  # Ray's driver colours each forwarded line's origin unless it is "0"
+
+
+def forwarded(line: str) -> str:
+    """What the driver does with one line Ray forwards to it: "tidal" (a Tidal line: printed as it is,
+    without Ray's `(RayTrainWorker pid=...)` prefix), "drop" (known chatter), or "ray" (Ray prints it)."""
+    if line.startswith(TIDAL_LINE):
+        return "tidal"
+    if any(c in line for c in FORWARDED_CHATTER):
+        return "drop"
+    return "ray"
+
+
+def print_forwarded(ray_print: Callable[..., None]) -> Callable[..., None]:
+    """Ray's printer of forwarded lines, with `forwarded`'s decisions applied and the order kept."""
+    def printer(data: dict[str, Any], print_file: TextIO, ignore_prefix: bool = False) -> None:
+        # the autoscaler's lines are raw monitor output that Ray itself sorts out
+        if debug() or data.get("pid") == "autoscaler":
+            ray_print(data, print_file, ignore_prefix)
+            return
+        pending: list[str] = []
+        for line in data.get("lines", []):
+            kind = forwarded(line)
+            if kind == "ray":
+                pending.append(line)
+                continue
+            if pending:
+                ray_print({**data, "lines": pending}, print_file, ignore_prefix)
+                pending = []
+            if kind == "tidal":
+                print(line, file=print_file, flush=True)
+        if pending:
+            ray_print({**data, "lines": pending}, print_file, ignore_prefix)
+
+    return printer
+
+
+def colour_for(env: Mapping[str, str], terminal: bool) -> str | None:
+    """The value for RAY_COLOR_PREFIX: "0" (no colour codes) when the console is not a terminal (a
+    log file, a pipe, a Ray job's log), unless the user chose; None leaves it as it is."""
+    return None if terminal or env.get(COLOR_ENV) else "0"
+
+
+def _is_terminal() -> bool:
+    return all(getattr(stream, "isatty", lambda: False)() for stream in (sys.stdout, sys.stderr))
+
+
+def tidy_driver_console() -> None:
+    """In the driver, once Ray is imported: Tidal's lines from workers print plainly, known chatter
+    is dropped, and no colour codes go into a console that is not a terminal. TIDAL_DEBUG=1 leaves
+    Ray's printing as it is."""
+    if debug():
+        return
+    colour = colour_for(os.environ, _is_terminal())
+    if colour is not None:
+        os.environ[COLOR_ENV] = colour  # Ray reads it at every line it prints
+    wrap_worker_log_printer(print_forwarded)

@@ -1,0 +1,152 @@
+"""What `tidal run` prints of the lines Ray forwards to its driver (tidal/tracking/quiet.py): Tidal's
+own lines from a worker plainly, without Ray's `(RayTrainWorker pid=...)` prefix; the raylet's notice
+of a dead worker dropped (Tidal's line says which rank failed and that it restarts); everything else
+as Ray prints it, its origin kept; no colour codes when the console is not a terminal. Checked through
+Ray's own driver-side printer, without starting Ray."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from tidal.tracking.quiet import (
+    COLOR_ENV,
+    colour_for,
+    forwarded,
+    print_forwarded,
+    tidy_driver_console,
+)
+
+DIED = ("A worker died or was killed while executing a task by an unexpected system error. To troubleshoot the "
+        "problem, check the logs for the dead worker. RayTask ID: ffff Worker ID: 01ab Node ID: 02cd")
+
+
+@pytest.mark.parametrize("line, kind", [
+    ("[tidal] resize: converted checkpoint_000000004 (1 MiB) for the new world size in 3.1 s", "tidal"),
+    (DIED, "drop"),
+    ("Resharding: converting global_step4 of checkpoint_000000004 (4 files, 1 MiB) to universal form", "drop"),
+    ("Traceback (most recent call last):", "ray"),
+    ("RuntimeError: Connection closed by peer [127.0.0.1]:1234", "ray"),
+    ("a user's print: [tidal] is not at the start", "ray"),
+])
+def test_each_forwarded_line_is_tidals_known_chatter_or_rays(line, kind):
+    assert forwarded(line) == kind
+
+
+def test_the_printer_keeps_the_order_and_passes_ray_only_its_own_lines():
+    calls: list[tuple[str, list[str]]] = []
+    printed: list[str] = []
+
+    class File:
+        def write(self, text: str) -> None:
+            printed.append(text)
+
+        def flush(self) -> None:
+            pass
+
+    def ray_print(data, print_file, ignore_prefix=False):
+        calls.append((data["pid"], list(data["lines"])))
+        printed.append(f"<ray {data['lines']}>")
+
+    lines = ["Traceback (most recent call last):", "[tidal] resize: converted", DIED, "ValueError: real"]
+    print_forwarded(ray_print)({"pid": 7, "lines": lines, "is_err": True}, File())
+    assert calls == [(7, ["Traceback (most recent call last):"]), (7, ["ValueError: real"])]
+    assert "".join(printed) == "<ray ['Traceback (most recent call last):']>[tidal] resize: converted\n<ray ['ValueError: real']>"
+
+
+@pytest.mark.parametrize("env, terminal, expected", [
+    ({}, False, "0"), ({}, True, None), ({COLOR_ENV: "1"}, False, None), ({COLOR_ENV: "0"}, True, None),
+])
+def test_colour_codes_only_on_a_terminal_unless_the_user_chose(env, terminal, expected):
+    assert colour_for(env, terminal) == expected
+
+
+def test_rays_own_printer_shows_tidal_lines_plainly_drops_the_chatter_and_keeps_real_errors(monkeypatch, capsys):
+    from ray._private import worker
+
+    monkeypatch.delenv("TIDAL_DEBUG", raising=False)
+    monkeypatch.delenv(COLOR_ENV, raising=False)
+    tidy_driver_console()  # pytest's captured stdout is not a terminal
+
+    def forward(lines: list[str], pid: object = 4242, is_err: bool = False) -> str:
+        worker.print_to_stdstream({"lines": lines, "pid": pid, "actor_name": "RayTrainWorker", "is_err": is_err,
+                                   "ip": "127.0.0.1", "localhost": "127.0.0.1"}, ignore_prefix=False)
+        out = capsys.readouterr()
+        return out.out + out.err
+
+    out = forward(["[tidal] resize: converted checkpoint_000000004 (1 MiB) for the new world size in 3.1 s"])
+    assert out == "[tidal] resize: converted checkpoint_000000004 (1 MiB) for the new world size in 3.1 s\n"
+    assert forward([DIED], pid="raylet") == ""
+    real = forward(["RuntimeError: a real error, with its origin"], is_err=True)
+    assert real.startswith("(RayTrainWorker pid=4242) RuntimeError: a real error") and "\x1b[" not in real
+
+    monkeypatch.setenv("TIDAL_DEBUG", "1")  # everything as Ray prints it
+    assert forward([DIED], pid="raylet").startswith("(raylet) A worker died")
+    assert forward(["[tidal] a line"]).startswith("(RayTrainWorker pid=4242) [tidal] a line")
+
+
+def _records(logger_name: str, emit) -> list[logging.LogRecord]:
+    seen: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record)
+
+    logger = logging.getLogger(logger_name)
+    handler = Keep()
+    logger.addHandler(handler)
+    try:
+        emit(logger)
+    finally:
+        logger.removeHandler(handler)
+    return seen
+
+
+def test_ray_trains_controller_says_a_dead_workers_restart_once_and_tidal_says_why(monkeypatch):
+    """What the controller logs on every restart after a worker died (Tidal's line names the rank and
+    the restart), and its coordinator's late answer under load, one line without a traceback."""
+    from tidal.ray_private import TRAIN_AUTOSCALING_CLIENT_LOGGER, TRAIN_BACKEND_SETUP_LOGGER
+    from tidal.tracking.quiet import quiet_placement_group_cleaner
+
+    monkeypatch.delenv("TIDAL_DEBUG", raising=False)
+    names = (TRAIN_BACKEND_SETUP_LOGGER, TRAIN_AUTOSCALING_CLIENT_LOGGER)
+    saved = {n: list(logging.getLogger(n).filters) for n in names}
+    try:
+        quiet_placement_group_cleaner()
+        shutdown = _records(TRAIN_BACKEND_SETUP_LOGGER, lambda log: (
+            log.warning("Graceful shutdown of backend failed. This is expected if one of the workers has crashed."),
+            log.warning("a real problem")))
+        assert [r.getMessage() for r in shutdown] == ["a real problem"]
+
+        def late(log: logging.Logger) -> None:
+            for _ in range(3):
+                try:
+                    raise TimeoutError("Get timed out: some object(s) not ready.")
+                except TimeoutError:
+                    log.warning("Failed to send resource request for train-1. ... safe to ignore", exc_info=True)
+
+        requests = _records(TRAIN_AUTOSCALING_CLIENT_LOGGER, late)
+        assert len(requests) == 1 and requests[0].exc_info is None
+    finally:
+        for n, filters in saved.items():
+            logging.getLogger(n).filters[:] = filters
+
+
+def test_tidals_own_info_notes_show_only_under_tidal_debug(monkeypatch):
+    """In a Ray worker every line reaches the driver's console: Tidal's INFO notes (a checkpoint's
+    files fetched, a conversion's stage) are for TIDAL_DEBUG=1."""
+    from tidal.tracking.quiet import quiet_libraries
+
+    tidal_log = logging.getLogger("tidal")
+    before = tidal_log.level
+    try:
+        tidal_log.setLevel(logging.NOTSET)
+        monkeypatch.setenv("TIDAL_DEBUG", "1")
+        quiet_libraries()
+        assert tidal_log.level == logging.NOTSET, "TIDAL_DEBUG=1: Tidal's notes as they are logged"
+        monkeypatch.delenv("TIDAL_DEBUG")
+        quiet_libraries()
+        assert not tidal_log.isEnabledFor(logging.INFO) and tidal_log.isEnabledFor(logging.WARNING)
+    finally:
+        tidal_log.setLevel(before)
