@@ -141,7 +141,7 @@ def test_list_and_status_json_hold_every_field(monkeypatch, capsys):
     monkeypatch.setattr(jobs.Job, "status", lambda self: "PENDING")
     monkeypatch.setattr(jobs.Job, "logs", lambda self: "")
     assert main(["status", "raysubmit_2", "--output", "json"]) == 0
-    assert json.loads(capsys.readouterr().out) == {"id": "raysubmit_2", "status": "PENDING", "step": None, "steps": None,
+    assert json.loads(capsys.readouterr().out) == {"id": "raysubmit_2", "status": "PENDING", "reason": None, "step": None, "steps": None,
                                                   "loss": None, "tokens_per_s": None, "world_size": None}
 
 

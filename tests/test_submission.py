@@ -182,3 +182,15 @@ def test_ray_trains_config_holds_no_credential_and_the_workers_get_the_whole_spe
     assert PASSWORD not in repr({k: v for k, v in config.items() if k != SPEC_REF}) and config[SPEC_REF] == "ref"
     assert config["spec"]["tracking"]["uri"] == "http://alice:***@mlflow.example:5000"
     assert with_carried_spec({**config, "lease": 1}, store.__getitem__) == {**config, "spec": secret, "lease": 1}
+
+
+@pytest.mark.parametrize("error, again", [
+    ("Request failed with status code 500: No available agent to submit job, please try again later..", True),
+    ("('Connection aborted.', RemoteDisconnected('Remote end closed connection without response'))", True),
+    ("Request failed with status code 400: Job with submission_id x already exists", False),
+    ("Request failed with status code 401: Unauthorized", False),
+])
+def test_submit_tries_again_only_where_nothing_or_the_same_job_was_accepted(error, again):
+    from tidal.launch.jobs import retry_submission
+
+    assert retry_submission(error) is again

@@ -298,11 +298,12 @@ def _job(args: argparse.Namespace) -> Job:
 def _status(args: argparse.Namespace) -> int:
     job = _job(args)
     p, state = job.progress(), job.status()
+    reason = getattr(state, "reason", None)  # a JobState; a plain state where status() is stood in for
     if args.output == "json":
-        print_json({"id": job.submission_id, "status": str(state), "reason": state.reason,
+        print_json({"id": job.submission_id, "status": str(state), "reason": reason,
                     **dict.fromkeys(PROGRESS_FIELDS), **p})
         return 0
-    line = f"{job.submission_id}: {state}" + (f" before its entrypoint ran: {state.reason}" if state.reason else "")
+    line = f"{job.submission_id}: {state}" + (f" before its entrypoint ran: {reason}" if reason else "")
     if p:
         speed = f" | {p['tokens_per_s']:,.0f} tok/s" if p.get("tokens_per_s") is not None else ""  # none for a user dataset
         line += f" | step {p['step']}/{p['steps']} | loss {p['loss']:.4f}{speed} | world {p['world_size']}"

@@ -13,6 +13,7 @@ import base64
 import contextlib
 import json
 import os
+import secrets
 import sys
 import tempfile
 import time
@@ -44,7 +45,8 @@ TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 # `tidal list/status --output json` hold these always; progress fields are null before the first step is in MLflow.
 JOB_FIELDS = ("id", "name", "status", "team", "priority", "start_time")
 PROGRESS_FIELDS = ("step", "steps", "loss", "tokens_per_s", "world_size")
-# Ray's Jobs API before the head's node agent is up (Ray 2.60's message), and how long to wait for it.
+# Ray's Jobs API before the head's node agent is up (Ray 2.60's message), and how long `submit`
+# tries again through that or dropped connections.
 NO_AGENT = "No available agent to submit job"
 AGENT_WAIT_S = 120
 
@@ -125,10 +127,13 @@ class Job:
         driver's job is QUEUED, RUNNING, SHRUNK or SUSPENDED, where this machine reads the cluster's
         queue (TIDAL_STORAGE or TIDAL_QUEUE set here: docs/sharing.md). A job that failed before
         its entrypoint ran has the Jobs API's reason in `.reason` (redacted)."""
-        info = self._client().get_job_info(self.submission_id)
-        state = str(info.status.value)
+        client = self._client()
+        state = str(client.get_job_status(self.submission_id).value)
         if state == "RUNNING" and (row := queue_record(self.submission_id, os.environ)):
             return JobState(str(row["state"]))
+        if state != "FAILED":
+            return JobState(state)
+        info = client.get_job_info(self.submission_id)  # why it failed: only a failed job's is read
         return JobState(state, start_failure(state, info.error_type, info.message))
 
     def logs(self) -> str:
@@ -300,24 +305,35 @@ def submit(spec: JobSpec, address: str | None = None, working_dir: str | os.Path
     env = {**forwarded, **({"PYTHONPATH": "platform"} if (root / "platform" / "tidal").is_dir() else {})}
     with tempfile.TemporaryDirectory(prefix="tidal-submit-") as tmp:
         package = package_working_dir(root, excludes, Path(tmp))  # a package of its own: see there
-        deadline = time.time() + AGENT_WAIT_S
+        # An id chosen here (Ray's own form), so that a submission retried after a dropped connection
+        # is recognised if the first attempt was accepted.
+        sid = submission_id or f"raysubmit_{secrets.token_hex(8)}"
+        deadline, tried = time.time() + AGENT_WAIT_S, False
         while True:
             try:
-                sid = client.submit_job(
+                client.submit_job(
                     entrypoint=f"python -m tidal.launch.entrypoint {payload}",
                     runtime_env={"working_dir": str(package), "env_vars": env},
-                    submission_id=submission_id,
+                    submission_id=sid,
                     metadata={"tidal.job": spec.name, "tidal.steps": str(spec.train.steps)},
                 )
                 break
             except Exception as e:  # noqa: BLE001 - translate Ray's HTTP errors into a message that says what to do
-                # A head whose dashboard answers before its node agent registered refuses jobs for a
-                # while and says to try again: nothing was accepted, so trying again is safe.
-                if NO_AGENT in str(e) and time.time() < deadline:
+                if tried and "already exists" in str(e):
+                    break  # the attempt whose answer was lost was accepted
+                if retry_submission(str(e)) and time.time() < deadline:
+                    tried = True
                     time.sleep(2)
                     continue
                 raise _friendly(e, address or os.environ.get("RAY_ADDRESS", ""), auth_token()) from None
     return Job(sid, client.get_address(), spec)
+
+
+def retry_submission(error: str) -> bool:
+    """Whether a failed submit_job may be tried again: a head whose node agent has not registered
+    yet (Ray says to try again; nothing was accepted), or a connection a busy dashboard dropped
+    (the same submission id then tells whether it was accepted)."""
+    return any(s in error for s in (NO_AGENT, "Connection aborted", "RemoteDisconnected", "Connection reset"))
 
 
 def forwarded_env(environ: dict[str, str] | os._Environ[str]) -> dict[str, str]:
