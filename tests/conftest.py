@@ -128,3 +128,13 @@ def head(head_tmp, cluster_env) -> Iterator[str]:
     clients must send it by themselves, as they do on a laptop."""
     with ray_head(head_tmp, 2, cluster_env, ray_tmp=head_tmp / "ray", auth_mode_in_client=False) as h:
         yield h.address
+
+
+@pytest.fixture
+def group() -> Iterator[None]:
+    """A torch.distributed process group of one (gloo on 127.0.0.1), as a single Ray Train worker has."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

@@ -9,15 +9,11 @@ from __future__ import annotations
 
 import os
 import pickle
-from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow.fs as pafs
-import pytest
 import torch
-import torch.distributed as dist
 
-from tests.conftest import free_port
 from tidal import fs
 from tidal.storage import Found
 from tidal.worker import fetch, restore, safe_load, universal
@@ -52,13 +48,6 @@ class UnsafeLoader:
                 path = os.path.join(folder, name)
                 self.read[os.path.relpath(path, os.path.join(load_dir, tag))] = torch.load(path, weights_only=False)
         return load_dir, {}
-
-
-@pytest.fixture
-def group() -> Iterator[None]:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def published_universal(tmp_path: Path) -> Found:

@@ -8,16 +8,12 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pyarrow.fs as pafs
-import pytest
 import torch
-import torch.distributed as dist
 
-from tests.conftest import free_port
 from tidal.storage import STATE_FILE, RunDir, manifest_name
 from tidal.worker import fetch, restore
 
@@ -105,13 +101,6 @@ class Engine:
 
     def load_checkpoint(self, load_dir: str, tag: str, **_: Any) -> tuple[str, dict]:
         return load_dir, {}
-
-
-@pytest.fixture
-def group() -> Iterator[None]:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def requests(world: int, ranks: list[int], tmp: Path, monkeypatch) -> tuple[Counter, dict[int, Counter]]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +16,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pytest
 import torch
-import torch.distributed as dist
 
-from tests.conftest import free_port
 from tests.test_restore_scale import Counting
 from tidal import fs
 from tidal.storage import Found
@@ -110,13 +107,6 @@ class Zero3Loader:
                 padded = torch.cat([flat, torch.zeros(self.world * per - flat.numel())])
                 self.kept[f"{name}/{key}"] = padded.narrow(0, self.rank * per, per)
         return load_dir, {}
-
-
-@pytest.fixture
-def group() -> Iterator[None]:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("world", [2, 4])
