@@ -80,6 +80,9 @@ def test_rays_own_printer_shows_tidal_lines_plainly_drops_the_chatter_and_keeps_
     assert forward([DIED], pid="raylet") == ""
     real = forward(["RuntimeError: a real error, with its origin"], is_err=True)
     assert real.startswith("(RayTrainWorker pid=4242) RuntimeError: a real error") and "\x1b[" not in real
+    # Ray's deduplication colours its " [repeated 2x across cluster]" whatever RAY_COLOR_PREFIX says
+    repeated = forward(["RuntimeError: twice\x1b[32m [repeated 2x across cluster]\x1b[0m"], is_err=True)
+    assert repeated == "(RayTrainWorker pid=4242) RuntimeError: twice [repeated 2x across cluster]\n"
 
     monkeypatch.setenv("TIDAL_DEBUG", "1")  # everything as Ray prints it
     assert forward([DIED], pid="raylet").startswith("(raylet) A worker died")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import re
 import sys
 import warnings
 from collections.abc import Callable, Mapping
@@ -185,8 +186,6 @@ def skip_known_ray_errors() -> None:
     # that a cluster runs *without* auth is a real one and stays.
     _drop(AUTH_TOKEN_SETUP_LOGGER, "Token authentication is enabled for this Ray cluster")
     os.environ[SKIP_ENV] = ray_skip_regex(os.environ.get(SKIP_ENV))
-    import re
-
     for dedup in log_deduplicators():
         current = dedup.skip_re.pattern if dedup.skip_re else None
         dedup.skip_re = re.compile(ray_skip_regex(current))
@@ -206,6 +205,9 @@ FORWARDED_CHATTER = (
     "Resharding: ",
 )
 COLOR_ENV = "RAY_COLOR_PREFIX"  # Ray's driver colours each forwarded line's origin unless it is "0"
+# Colour codes inside a line: Ray's deduplication adds a green " [repeated 2x across cluster]" whatever
+# RAY_COLOR_PREFIX says, and a library may colour its own messages.
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def forwarded(line: str) -> str:
@@ -218,8 +220,9 @@ def forwarded(line: str) -> str:
     return "ray"
 
 
-def print_forwarded(ray_print: Callable[..., None]) -> Callable[..., None]:
-    """Ray's printer of forwarded lines, with `forwarded`'s decisions applied and the order kept."""
+def print_forwarded(ray_print: Callable[..., None], plain: bool = False) -> Callable[..., None]:
+    """Ray's printer of forwarded lines, with `forwarded`'s decisions applied and the order kept;
+    `plain`: without colour codes (a console that is not a terminal)."""
     def printer(data: dict[str, Any], print_file: TextIO, ignore_prefix: bool = False) -> None:
         # the autoscaler's lines are raw monitor output that Ray itself sorts out
         if debug() or data.get("pid") == "autoscaler":
@@ -227,6 +230,7 @@ def print_forwarded(ray_print: Callable[..., None]) -> Callable[..., None]:
             return
         pending: list[str] = []
         for line in data.get("lines", []):
+            line = ANSI.sub("", line) if plain else line
             kind = forwarded(line)
             if kind == "ray":
                 pending.append(line)
@@ -258,7 +262,8 @@ def tidy_driver_console() -> None:
     Ray's printing as it is."""
     if debug():
         return
-    colour = colour_for(os.environ, _is_terminal())
+    terminal = _is_terminal()
+    colour = colour_for(os.environ, terminal)
     if colour is not None:
         os.environ[COLOR_ENV] = colour  # Ray reads it at every line it prints
-    wrap_worker_log_printer(print_forwarded)
+    wrap_worker_log_printer(lambda ray_print: print_forwarded(ray_print, plain=not terminal))
