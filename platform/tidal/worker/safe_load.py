@@ -128,12 +128,12 @@ def check_saveable(rel: str, state: Any) -> None:
         return
     refused = unsafe_globals(state)
     if refused:
+        # The names last: Ray keeps the tail of a worker's error where a message is long.
         listed = ", ".join(f'"{g}"' for g in refused)
         raise UnsafeState(
-            f"the checkpoint file {name} would hold {', '.join(refused)}, which Tidal's weights-only loading refuses "
-            f"(a pickle naming them could run code when loaded), so no checkpoint of this job could be restored. "
-            f"If these are safe to load, allow them in the spec: {FIELD}: [{listed}]; or keep only tensors and "
-            "plain Python values (numbers, strings, lists, dicts) in the model's state (get_extra_state).")
+            f"{name} would hold types a weights-only load refuses (loading them could run code), so no checkpoint "
+            "of this job could be restored: keep only tensors and plain Python values in the model's state "
+            f"(get_extra_state), or if these are safe to load, allow them in the spec: {FIELD}: [{listed}]")
     _checked.add(name)
 
 
