@@ -5,6 +5,7 @@ carries on when it is killed. Every job's MLflow history must hold every step ex
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -50,8 +51,22 @@ def job_spec(tmp: Path, name: str, lo: int, hi: int, steps: int, priority: str, 
         "worker_env": {"TIDAL_TEST_STEP_S": str(step_s)}, "failure.max_restarts": 0})
 
 
+SENT: list[Job] = []
+
+
 def send(spec, cluster) -> Job:
-    return submit(spec, cluster["address"], working_dir=ROOT, submission_id=f"{spec.name}-{secrets.token_hex(3)}")
+    job = submit(spec, cluster["address"], working_dir=ROOT, submission_id=f"{spec.name}-{secrets.token_hex(3)}")
+    SENT.append(job)
+    return job
+
+
+@pytest.fixture(autouse=True)
+def stop_what_was_sent() -> Iterator[None]:
+    """A test that fails leaves no job running into the next one's cluster."""
+    yield
+    while SENT:
+        with contextlib.suppress(Exception):  # already ended
+            SENT.pop().stop()
 
 
 def queue(cluster) -> dict[str, dict]:
@@ -101,8 +116,11 @@ def test_a_high_priority_job_shrinks_the_low_one_which_grows_back_and_loses_noth
     high = job_spec(tmp_path, "high", 2, 2, 40, "high")
     t0 = time.time()
     high_job = send(high, cluster)
-    wait_until(lambda: (q := queue(cluster)).get("low", {}).get("workers") == 2 and q.get("high", {}).get("workers") == 2,
-               60, "the low job shrunk to 2 and the high one running at 2", low_job, high_job)
+    # The decision (the high job admitted at 2, the low one told 2); the sizes they ran at are
+    # checked at the end: a loaded machine can finish the high job before the low one's group is back.
+    wait_until(lambda: (q := queue(cluster)).get("low", {}).get("target_workers") == 2
+               and q.get("high", {}).get("state") == "RUNNING", 60, "the low job told 2, the high one admitted",
+               low_job, high_job)
     shrunk_after = time.time() - t0
     assert queue(cluster)["low"]["state"] == "SHRUNK" and "make room for" in queue(cluster)["low"]["reason"]
     assert low_job.status() == "SHRUNK" and high_job.status() == "RUNNING"
@@ -121,7 +139,7 @@ def test_a_high_priority_job_shrinks_the_low_one_which_grows_back_and_loses_noth
     alone = every_step_once(ref)
     worst = max(abs(loss[s] - alone[s]) for s in loss)
     assert worst < 1e-4, f"losses departed from the undisturbed run by {worst:.2e}"
-    print(f"shrunk within {shrunk_after:.1f}s of the high job's submission; worst loss difference {worst:.1e}")
+    print(f"decided within {shrunk_after:.1f}s of the high job's submission; worst loss difference {worst:.1e}")
 
 
 def test_a_team_at_its_quota_waits_and_a_borrowing_team_gives_back_first(cluster, tmp_path, monkeypatch, capsys):
