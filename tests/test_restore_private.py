@@ -8,28 +8,15 @@ writer on a shared filesystem could) is never what the loader reads. No Ray."""
 from __future__ import annotations
 
 import os
-import pickle
 from pathlib import Path
 
 import pyarrow.fs as pafs
 import torch
 
+from tests.fakes import evil
 from tidal import fs
 from tidal.storage import Found
 from tidal.worker import fetch, restore, safe_load, universal
-
-
-class RunsCode:
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return os.system, (f"touch {self.marker}",)
-
-
-def evil(marker: Path, size: int = 0) -> bytes:
-    data = pickle.dumps({"param": RunsCode(marker)})
-    return data + b"\0" * max(0, size - len(data))
 
 
 class UnsafeLoader:

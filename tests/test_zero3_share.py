@@ -17,7 +17,7 @@ import pyarrow.fs as pafs
 import pytest
 import torch
 
-from tests.test_restore_scale import Counting
+from tests.fakes import Counting
 from tidal import fs
 from tidal.storage import Found
 from tidal.worker import fetch, restore, share, universal
