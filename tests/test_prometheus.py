@@ -84,7 +84,9 @@ def test_a_running_job_shows_on_rays_metrics_endpoint_by_job_and_rank(ray_with_m
         assert tags["site"] == "unlabelled", "a laptop's node carries no tidal.io/site label"
     names = {n for n, _, _ in seen}
     # Everything a CPU job has: NVML needs a GPU, a cost needs priced nodes; a counter has its own tags.
-    cpu_job = {f"ray_tidal_{k}" for k in GAUGES} - {"ray_tidal_cost_per_hour", "ray_tidal_stall_s"} - {
+    # (A straggler's exclusion is an event of its own: tests/test_straggler_exclusion.py.)
+    cpu_job = {f"ray_tidal_{k}" for k in GAUGES} - {"ray_tidal_cost_per_hour", "ray_tidal_stall_s",
+                                                    "ray_tidal_straggler_excluded"} - {
         n for n in exported_names() if "gpu_" in n}
     assert cpu_job <= names, f"missing from the endpoint: {sorted(cpu_job - names)}"
     starts = [t for n, t, _ in scrape(port) if n == "ray_tidal_group_starts_total" and t.get("tidal_job") == "prom"]
