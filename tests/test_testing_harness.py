@@ -78,3 +78,20 @@ def test_patched_env_puts_back_set_and_unset_variables(monkeypatch):
         assert "TIDAL_TEST_A" not in os.environ and os.environ["TIDAL_TEST_B"] == "during"
         raise RuntimeError("a fixture that fails half-way")
     assert os.environ["TIDAL_TEST_A"] == "before" and "TIDAL_TEST_B" not in os.environ
+
+
+def test_no_test_file_imports_another():
+    """A helper two test files need lives in tests/helpers.py (or tidal.testing, for servers): a test
+    file imported by another runs its module-level code twice and ties two suites' fixtures together."""
+    import ast
+
+    tests = Path(__file__).resolve().parent
+    found = []
+    for path in sorted(tests.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [f"{path.name}:{node.lineno} imports {n}" for n in names
+                      if n.startswith("tests.test_") or (isinstance(node, ast.ImportFrom) and n == "tests"
+                                                         and any(a.name.startswith("test_") for a in node.names))]
+    assert not found, found
