@@ -206,7 +206,9 @@ def _check_state_api() -> None:
     from ray.util.state.exception import RayStateApiException
 
     try:
-        list_actors(limit=1, timeout=10, raise_on_missing_output=False)
+        # this driver's own cluster: with no address the State API looks for one on the machine, and
+        # refuses when it finds several (other Ray instances, other users)
+        list_actors(address=ray.get_runtime_context().gcs_address, limit=1, timeout=10, raise_on_missing_output=False)
     except (RayStateApiException, ConnectionError) as e:
         raise TidalError("sweep.scheduler asha needs Ray's State API (the dashboard) to free the workers of stopped "
                          "trials, and this Ray cluster has none (started with include_dashboard=False or without "
