@@ -114,6 +114,16 @@ def stop_session(proc: subprocess.Popen, grace_s: float = 30, also: list[psutil.
         with contextlib.suppress(psutil.Error):
             p.kill()
     proc.wait()
+    with contextlib.suppress(TimeoutError):  # a SIGKILL takes effect a moment later on a busy machine
+        wait_for("the server's processes to exit", lambda: all(_gone(p) for p in also), 10.0, every=0.05)
+
+
+def _gone(p: psutil.Process) -> bool:
+    """Exited (a zombie counts: it runs nothing, and only its parent can reap it)."""
+    try:
+        return p.status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:  # gone (or no longer ours to look at)
+        return True
 
 
 def _group_alive(pgid: int) -> bool:
