@@ -307,10 +307,29 @@ def _die_with(parent: int) -> None:
     os.killpg(0, signal.SIGKILL)
 
 
+def _tensors_of_module(load: Any) -> Any:
+    """`torch.load` for the converter, whose module states keep only their tensors.
+
+    DeepSpeed 0.19.8's `ds_to_universal` writes an fp32 file for every module-state entry it has
+    none for, calling `.float()` on each: a module's non-tensor extra state (`get_extra_state()`,
+    allowed by checkpoint.safe_globals) crashed every resize. It copies the model states file
+    whole into the output, so that state still loads from there."""
+    import torch
+
+    def loaded(*args: Any, **kwargs: Any) -> Any:
+        out = load(*args, **kwargs)
+        if isinstance(out, dict) and isinstance(out.get("module"), dict):
+            out["module"] = {k: v for k, v in out["module"].items() if isinstance(v, torch.Tensor)}
+        return out
+
+    return loaded
+
+
 def _child(argv: list[str]) -> None:
     threading.Thread(target=_die_with, args=(int(argv[0]),), daemon=True).start()
     from deepspeed.checkpoint import ds_to_universal
 
+    ds_to_universal.torch.load = _tensors_of_module(ds_to_universal.torch.load)  # this process only
     sys.argv = ["ds_to_universal", *argv[1:]]
     ds_to_universal.main(ds_to_universal.parse_arguments())
 
