@@ -23,7 +23,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("tidal.worker", "tidal.eval_best", "tidal.job_end"),
     ("tidal.tracking",),
     ("tidal.storage", "tidal.lease", "tidal.cluster", "tidal.admission"),
-    ("tidal.fs", "tidal.errors", "tidal.output", "tidal.version", "tidal.ray_private", "tidal.redact"),
+    ("tidal.fs", "tidal.exclusive", "tidal.errors", "tidal.output", "tidal.version", "tidal.ray_private", "tidal.redact"),
 ]
 SPEC = "tidal.spec"
 ADAPTER = "tidal.ray_private"

@@ -13,7 +13,8 @@ layer and any below it:
     tidal.storage, tidal.lease,           checkpoints in storage and the job's one live attempt;
       tidal.cluster, tidal.admission      clusters, sites and bursts; the team queue (quotas,
                                           decisions, its actor and seats)
-    tidal.fs, tidal.errors, tidal.output, tidal.version, tidal.ray_private, tidal.redact
+    tidal.fs, tidal.exclusive, tidal.errors, tidal.output, tidal.version, tidal.ray_private,
+      tidal.redact
     tidal.spec (beside all)               the job spec: imported by every layer, imports only the lowest
 
 `eval_best` (which checkpoints the best evaluation keeps) sits with the worker, which decides
