@@ -17,7 +17,9 @@ from tests.helpers import tidal_cli
 from tidal.testing.processes import kill, our_processes
 from tidal.testing.runs import wait_for_step
 
-pytestmark = pytest.mark.slow
+# extended: two runs and a worker kill, minutes beyond CI's budget; the quickstart's console
+# (tests/test_tracking_console.py) stays in CI
+pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
 # As a user's terminal would get them: Ray's log deduplication on (its default; conftest turns it
 # off for the other tests), the run's own local Ray instance.

@@ -63,6 +63,7 @@ def job_spec(tmp: Path, name: str) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # two jobs and a Prometheus server: minutes beyond CI's budget
 def test_the_dashboards_job_variable_and_every_panel_keep_two_jobs_apart(tmp_path):
     prometheus = shutil.which("prometheus")
     if prometheus is None:

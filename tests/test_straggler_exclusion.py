@@ -55,6 +55,7 @@ def test_the_record_steers_the_selector_and_the_drivers_restarts(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # a multi-raylet cluster for three lives of the job: minutes beyond CI's budget
 def test_an_elastic_job_drops_a_slow_node_trains_on_and_grows_back_after_the_avoidance(tmp_path, capfd):
     from tidal.testing.clusters import raylet_cluster
 
