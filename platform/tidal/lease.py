@@ -30,7 +30,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -238,11 +238,12 @@ class LeaseCheck:
                 "this attempt stops without writing, and the newer one goes on from the latest checkpoint")
 
 
-def submission_id() -> str:
+def submission_id(environ: Mapping[str, str] | None = None) -> str:
     """This driver's Ray Jobs submission id, when it is a submitted job's entrypoint: Ray's job
     supervisor hands it over in the job's config (metadata `job_submission_id`)."""
+    env = os.environ if environ is None else environ
     try:
-        config = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "") or "{}")
+        config = json.loads(env.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "") or "{}")
         return str((config.get("metadata") or {}).get("job_submission_id") or "")
     except (ValueError, AttributeError):
         return ""

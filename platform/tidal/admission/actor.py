@@ -17,7 +17,6 @@ driver stops checking in for `LEASE_S` (its driver died) gives its slots back.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -36,6 +35,15 @@ from tidal.admission.cloud import (
     load_use,
     save_use,
 )
+from tidal.admission.naming import (  # noqa: F401 - re-exported: seats, the CLI and bursts find the actor here
+    ACTOR,
+    NAMESPACE,
+    QUEUE_VAR,
+    admission_enabled,
+    job_key,
+    queue_document,
+    queue_named,
+)
 from tidal.admission.policy import decide
 from tidal.admission.queue_doc import (
     DamagedQueue,
@@ -45,7 +53,6 @@ from tidal.admission.queue_doc import (
     document,
     finished,
     load_queue,
-    queue_location,
     running,
     save_queue,
     submitted,
@@ -58,12 +65,8 @@ from tidal.cluster.prices import PRICE_LABEL, worker_price
 from tidal.errors import TidalError
 
 log = logging.getLogger("tidal")
-ACTOR = "tidal-admission"
-NAMESPACE = "tidal"
 TICK_S = 1.0
 LEASE_S = float(os.environ.get("TIDAL_ADMISSION_LEASE_S", "60"))  # a driver silent this long is gone
-QUEUE_VAR = "TIDAL_QUEUE"  # where the queue document lives, if not under TIDAL_STORAGE
-RAY_JOB_CONFIG = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by Ray's job supervisor for a submitted job's driver
 REASSERT_S = 10.0  # Ray Train's autoscaling coordinator also calls request_resources (every 20 s)
 USE_SAVE_S = 30.0  # how often each team's cloud use today is written down while bursts run
 # Prometheus, per team, through Ray's metrics (exported as ray_tidal_<name>): the Grafana dashboard's queue panel.
@@ -72,36 +75,6 @@ QUEUE_GAUGES = {
     "queue_wait_seconds": "how long the team's longest-waiting job has waited",
     "queue_running_workers": "workers admission gives the team's running jobs",
 }
-
-
-def job_key(name: str, environ: Mapping[str, str] | None = None) -> str:
-    """A job's id in the queue: its Ray Jobs submission id when submitted (Ray's job supervisor
-    passes it to the driver in the job config's metadata), else its name."""
-    env = os.environ if environ is None else environ
-    try:
-        meta = json.loads(env.get(RAY_JOB_CONFIG, "") or "{}").get("metadata") or {}
-    except ValueError:
-        meta = {}
-    return str(meta.get("job_submission_id") or name)
-
-
-def admission_enabled(environ: Mapping[str, str]) -> bool:
-    """Admission runs where the cluster names a quota file (the cluster's environment contract)."""
-    return bool(environ.get(QUOTAS_VAR))
-
-
-def queue_named(environ: Mapping[str, str]) -> bool:
-    """Whether `environ` names the cluster's queue document (a machine off the head reads it only then)."""
-    return bool(environ.get(QUEUE_VAR) or environ.get("TIDAL_STORAGE"))
-
-
-def queue_document(environ: Mapping[str, str]) -> str:
-    """TIDAL_QUEUE, else under the cluster's storage root, else on the head's disk."""
-    if environ.get(QUEUE_VAR):
-        return environ[QUEUE_VAR]
-    if environ.get("TIDAL_STORAGE"):
-        return queue_location(environ["TIDAL_STORAGE"])
-    return os.path.expanduser("~/.tidal/queue.json")
 
 
 def onprem_capacity(quotas: Quotas, nodes: list[dict[str, Any]]) -> int:

@@ -1,0 +1,40 @@
+"""How a job and its tools name the cluster's admission: the actor, the job's key in the queue,
+whether the cluster runs admission, and where its queue document lives (no Ray needed)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from tidal.admission.queue_doc import queue_location
+from tidal.admission.quotas import QUOTAS_VAR
+from tidal.lease import submission_id
+
+ACTOR = "tidal-admission"
+NAMESPACE = "tidal"
+QUEUE_VAR = "TIDAL_QUEUE"  # where the queue document lives, if not under TIDAL_STORAGE
+
+
+def job_key(name: str, environ: Mapping[str, str] | None = None) -> str:
+    """A job's id in the queue: its Ray Jobs submission id when submitted (Ray's job supervisor
+    passes it to the driver in the job config's metadata), else its name."""
+    return submission_id(os.environ if environ is None else environ) or name
+
+
+def admission_enabled(environ: Mapping[str, str]) -> bool:
+    """Admission runs where the cluster names a quota file (the cluster's environment contract)."""
+    return bool(environ.get(QUOTAS_VAR))
+
+
+def queue_named(environ: Mapping[str, str]) -> bool:
+    """Whether `environ` names the cluster's queue document (a machine off the head reads it only then)."""
+    return bool(environ.get(QUEUE_VAR) or environ.get("TIDAL_STORAGE"))
+
+
+def queue_document(environ: Mapping[str, str]) -> str:
+    """TIDAL_QUEUE, else under the cluster's storage root, else on the head's disk."""
+    if environ.get(QUEUE_VAR):
+        return environ[QUEUE_VAR]
+    if environ.get("TIDAL_STORAGE"):
+        return queue_location(environ["TIDAL_STORAGE"])
+    return os.path.expanduser("~/.tidal/queue.json")
