@@ -34,6 +34,7 @@ from tidal.spec.job import JobSpec, notes
 from tidal.spec.load import load_spec
 from tidal.tracking.quiet import skip_known_ray_errors
 from tidal.tracking.runs import RECORD_FIELDS
+from tidal.version import VersionAction
 
 EPILOG = """examples:
   tidal validate jobs/quickstart.yaml
@@ -68,7 +69,6 @@ exit codes:
        message names
   130  interrupted (Ctrl-C)"""
 
-VERSIONS_OF = ("ray", "deepspeed", "mlflow", "torch")
 PROGRESS_DOC = f"the latest progress: {', '.join(PROGRESS_FIELDS)} (null before the first)"
 
 
@@ -103,7 +103,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--version", action=_Version, help="print the versions of tidal, Ray, DeepSpeed, MLflow and torch")
+    p.add_argument("--version", action=VersionAction, help="print the versions of tidal, Ray, DeepSpeed, MLflow and torch")
     sub = p.add_subparsers(title="commands", metavar="COMMAND")
 
     v = _command(sub, "validate", _validate, "check a job spec and print it fully resolved")
@@ -178,27 +178,6 @@ def _parser() -> argparse.ArgumentParser:
     rn.set_defaults(func=_runs)
     register_cluster(sub)
     return p
-
-
-class _Version(argparse.Action):
-    """`--version`: read from package metadata, so torch, ray and the rest are not imported."""
-
-    def __init__(self, option_strings: list[str], dest: str, help: str | None = None) -> None:
-        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
-
-    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
-        from importlib.metadata import PackageNotFoundError, version
-
-        from tidal.version import __version__
-
-        lines = [f"tidal {__version__}"]
-        for name in VERSIONS_OF:
-            try:
-                lines.append(f"{name} {version(name)}")
-            except PackageNotFoundError:
-                lines.append(f"{name} not installed")
-        print("\n".join(lines))
-        parser.exit()
 
 
 def _address(p: argparse.ArgumentParser) -> None:
