@@ -43,7 +43,6 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
 
 from tidal.admission.decision import (
     AdmissionDecision,
@@ -54,85 +53,14 @@ from tidal.admission.decision import (
     Suspend,
     Waiting,
 )
+from tidal.admission.plan import Plan
 from tidal.admission.quotas import Quotas
-
-
-class _Plan:
-    """The decision being built: each job's workers after it, with the slots per team and per
-    (team, priority) of the running jobs kept as totals that each change updates, and a journal
-    so that one job's provisional changes can be undone (nothing is touched unless all is met)."""
-
-    def __init__(self, quotas: Quotas, now: float, capacity: int, running: dict[str, RunningJob]) -> None:
-        self.quotas, self.now, self.capacity, self.running = quotas, now, capacity, running
-        self.ranks = {p: i for i, p in enumerate(quotas.priorities)}
-        self.jobs: dict[str, RunningJob | QueuedJob] = dict(running)
-        self.target = {j: 0 for j in running}
-        self.admitted: dict[str, QueuedJob] = {}
-        self.shrunk: dict[str, str] = {}
-        self.suspended: dict[str, str] = {}
-        self.used = 0
-        self.team_used: dict[str, int] = {}
-        # team -> rank -> running jobs' [slots, slots above min_workers], of those that may be resized
-        # now, then of those that may not yet: what could yield to a job, without looking at each
-        self.held: dict[str, dict[int, list[int]]] = {}
-        self.journal: list[tuple[str, int]] = []
-        self.memo: dict[tuple[Any, ...], Any] = {}  # what cannot change until the plan does
-        self.ends: dict[str | None, tuple[list[float], list[int]]] = {}
-        # victims are looked for in this order: lowest priority first, then the newest
-        self.order = sorted(running.values(), key=lambda r: (self.rank(r), -r.submitted_at))
-        self.elastic = [r for r in self.order if r.max_workers > r.min_workers]
-        for r in running.values():
-            self._set(r.job, r.workers)
-
-    def rank(self, job: RunningJob | QueuedJob) -> int:
-        return self.ranks.get(job.priority, -1)  # as Quotas.rank: an unknown name ranks below all
-
-    def slots(self, job: str) -> int:
-        return self.target[job] * self.jobs[job].slots_per_worker
-
-    def free(self) -> int:
-        return self.capacity - self.used
-
-    def team_slots(self, team: str) -> int:
-        return self.team_used.get(team, 0)
-
-    def borrowing(self, team: str) -> bool:
-        quota = self.quotas.team(team)
-        return quota is not None and self.team_slots(team) > quota.onprem.guaranteed
-
-    def may_resize(self, job: RunningJob) -> bool:
-        return self.now - job.last_resize >= self.quotas.min_resize_interval_s
-
-    def set(self, job: str, workers: int) -> None:
-        self.journal.append((job, self.target[job]))
-        self._set(job, workers)
-
-    def rollback(self, mark: int) -> None:
-        while len(self.journal) > mark:
-            self._set(*self.journal.pop())
-
-    def admit(self, q: QueuedJob) -> None:
-        self.jobs[q.job], self.admitted[q.job], self.target[q.job] = q, q, 0
-        self._set(q.job, q.min_workers)
-
-    def _set(self, job: str, workers: int) -> None:
-        j, old = self.jobs[job], self.target[job]
-        delta = (workers - old) * j.slots_per_worker
-        self.target[job] = workers
-        self.used += delta
-        self.team_used[j.team] = self.team_used.get(j.team, 0) + delta
-        if isinstance(j, RunningJob):
-            held = self.held.setdefault(j.team, {}).setdefault(self.rank(j), [0, 0, 0, 0])
-            at = 0 if self.may_resize(j) else 2
-            held[at] += delta
-            held[at + 1] += (max(0, workers - j.min_workers) - max(0, old - j.min_workers)) * j.slots_per_worker
-        self.memo.clear()
 
 
 def decide(capacity: int, running: Iterable[RunningJob], queue: Iterable[QueuedJob], quotas: Quotas,
            now: float) -> AdmissionDecision:
     """The admission decision for on-prem `capacity` slots (in the quota file's unit)."""
-    plan = _Plan(quotas, now, capacity, {j.job: j for j in running})
+    plan = Plan(quotas, now, capacity, {j.job: j for j in running})
     ordered = sorted(queue, key=lambda q: (-quotas.rank(q.priority), q.submitted_at, q.job))
     waiting: list[Waiting] = []
     head: QueuedJob | None = None  # the most urgent job waiting for capacity
@@ -157,7 +85,7 @@ def decide(capacity: int, running: Iterable[RunningJob], queue: Iterable[QueuedJ
     )
 
 
-def _held_back(plan: _Plan, q: QueuedJob, head: QueuedJob, reserved: bool) -> bool:
+def _held_back(plan: Plan, q: QueuedJob, head: QueuedJob, reserved: bool) -> bool:
     """Behind a job waiting for capacity: every lower-priority job; once it holds a reservation,
     its own priority too, except a job that stays within its team's guarantee."""
     rank, head_rank = plan.rank(q), plan.rank(head)
@@ -173,7 +101,7 @@ def _need(q: QueuedJob) -> int:
     return q.min_workers * q.slots_per_worker
 
 
-def _admit(plan: _Plan, q: QueuedJob) -> Waiting | None:
+def _admit(plan: Plan, q: QueuedJob) -> Waiting | None:
     """Admit `q` at min_workers if its team's quota and the cluster's capacity can both be met,
     taking room from jobs that yield to it; else change nothing and say why it waits."""
     need, quota, mark = _need(q), plan.quotas.team(q.team), len(plan.journal)
@@ -200,13 +128,13 @@ def _admit(plan: _Plan, q: QueuedJob) -> Waiting | None:
     return None
 
 
-def _apply(plan: _Plan, taken: dict[str, int]) -> dict[str, int]:
+def _apply(plan: Plan, taken: dict[str, int]) -> dict[str, int]:
     for job, workers in taken.items():
         plan.set(job, workers)
     return taken
 
 
-def _search(plan: _Plan, q: QueuedJob, missing: int, own_only: bool = False,
+def _search(plan: Plan, q: QueuedJob, missing: int, own_only: bool = False,
             held_back: bool = False) -> dict[str, int] | None:
     """Workers left to each job that yields to `q` so that `missing` slots free up; None if
     they cannot. `held_back`: count jobs resized too recently to yield now as if they could.
@@ -225,7 +153,7 @@ def _search(plan: _Plan, q: QueuedJob, missing: int, own_only: bool = False,
     return taken
 
 
-def _room(plan: _Plan, q: QueuedJob, rank: int, reclaiming: bool, own_only: bool,
+def _room(plan: Plan, q: QueuedJob, rank: int, reclaiming: bool, own_only: bool,
           held_back: bool) -> dict[str, list[int | None]]:
     """Per team whose jobs yield to `q`: [their slots, their slots above min_workers, what `q` may
     take from the team at most (its loan; None: no cap)], from the plan's totals."""
@@ -253,7 +181,7 @@ def _most(room: dict[str, list[int | None]], at: int) -> int:
     return sum(min(r[at] or 0, r[2]) if r[2] is not None else (r[at] or 0) for r in room.values())
 
 
-def _victims(plan: _Plan, q: QueuedJob, reclaiming: bool, own_only: bool, held_back: bool,
+def _victims(plan: Plan, q: QueuedJob, reclaiming: bool, own_only: bool, held_back: bool,
              shrinkable: bool = False) -> Iterator[RunningJob]:
     """Running jobs that yield to `q`, in the order they give (lazily: a search that is met
     early looks at no more of them); `shrinkable`: only those above their min_workers.
@@ -278,12 +206,12 @@ def _victims(plan: _Plan, q: QueuedJob, reclaiming: bool, own_only: bool, held_b
             yield r
 
 
-def _reclaiming(plan: _Plan, q: QueuedJob) -> bool:
+def _reclaiming(plan: Plan, q: QueuedJob) -> bool:
     quota = plan.quotas.team(q.team)
     return quota is not None and plan.team_slots(q.team) + _need(q) <= quota.onprem.guaranteed
 
 
-def _take(plan: _Plan, victims: Callable[[bool], Iterator[RunningJob]], room: dict[str, list[int | None]],
+def _take(plan: Plan, victims: Callable[[bool], Iterator[RunningJob]], room: dict[str, list[int | None]],
           missing: int) -> dict[str, int] | None:
     """Workers left to each victim so that `missing` slots free up; None (and nothing taken) if
     they cannot. Elastic jobs shrink toward min_workers first; only where shrinking every one of
@@ -326,7 +254,7 @@ def _too_big(q: QueuedJob, limit: int, guaranteed: int, borrow: int) -> Waiting:
                    "lower scaling.min_workers or ask for a larger quota")
 
 
-def _quota_wait(plan: _Plan, q: QueuedJob, need: int) -> Waiting:
+def _quota_wait(plan: Plan, q: QueuedJob, need: int) -> Waiting:
     quota = plan.quotas.teams[q.team].onprem
     holds = plan.team_slots(q.team)
     over = holds + need - quota.limit
@@ -335,7 +263,7 @@ def _quota_wait(plan: _Plan, q: QueuedJob, need: int) -> Waiting:
                    f"needs {need}; it starts when the team's jobs free {over} slot(s)", _estimate(plan, q.team, over))
 
 
-def _capacity_wait(plan: _Plan, q: QueuedJob, need: int) -> Waiting:
+def _capacity_wait(plan: Plan, q: QueuedJob, need: int) -> Waiting:
     """Why `q` cannot start yet: jobs resized too recently to yield now, or no job that yields."""
     missing = need - plan.free()
     if _search(plan, q, missing, held_back=True) is not None:
@@ -354,7 +282,7 @@ def _capacity_wait(plan: _Plan, q: QueuedJob, need: int) -> Waiting:
                    _estimate(plan, None, missing))
 
 
-def _behind(plan: _Plan, q: QueuedJob, head: QueuedJob, reserved: bool) -> Waiting:
+def _behind(plan: Plan, q: QueuedJob, head: QueuedJob, reserved: bool) -> Waiting:
     if plan.rank(q) < plan.rank(head):
         return Waiting(q.job, 0, "priority", f"a higher-priority job is ahead: {head.job!r} ({head.priority}) "
                        "waits for capacity and goes first", None)
@@ -364,7 +292,7 @@ def _behind(plan: _Plan, q: QueuedJob, head: QueuedJob, reserved: bool) -> Waiti
                    "after it", None)
 
 
-def _estimate(plan: _Plan, team: str | None, missing: int) -> float | None:
+def _estimate(plan: Plan, team: str | None, missing: int) -> float | None:
     """When enough running jobs (of `team`, or all) will have ended to free `missing` slots;
     None if some end is unknown. Sorted once per team and decision; then a binary search."""
     if team not in plan.ends:
@@ -376,7 +304,7 @@ def _estimate(plan: _Plan, team: str | None, missing: int) -> float | None:
     return ends[i] if i < len(ends) else None
 
 
-def _grow(plan: _Plan, blocked_at: int | None) -> tuple[Resize, ...]:
+def _grow(plan: Plan, blocked_at: int | None) -> tuple[Resize, ...]:
     """Give free slots to elastic jobs below max_workers, most urgent first, within team quotas,
     never to a job of a priority at or below one still waiting for capacity."""
     grown: dict[str, int] = {}
