@@ -19,6 +19,7 @@ from tidal.testing.processes import restore_env as restore_env
 from tidal.testing.processes import stop_session as stop_session
 from tidal.testing.processes import venv_tools_first
 from tidal.testing.runs import metric_history as metric_history
+from tidal.testing.runs import prepared_store
 from tidal.testing.servers import mlflow_server as mlflow_server
 from tidal.testing.servers import moto_s3 as moto_s3
 
@@ -54,7 +55,7 @@ def tiny_spec(tmp: Path, name: str = "tiny", **overrides: Any) -> JobSpec:
         scaling={"min_workers": 2, "max_workers": 2},
         checkpoint={"every_steps": 8, "keep": 10, "storage": str(tmp / "runs")},
         failure={"max_restarts": 2},
-        tracking={"uri": f"sqlite:///{tmp}/mlflow.db", "experiment": "tests"},
+        tracking={"uri": prepared_store(tmp / "mlflow.db"), "experiment": "tests"},
     )
     return base.with_overrides(overrides) if overrides else base
 

@@ -13,6 +13,7 @@ import tidal
 from tests.conftest import ROOT
 from tests.helpers import tidal_cli
 from tidal.cli import main
+from tidal.testing.runs import prepared_store
 
 
 def test_version_names_tidal_and_the_stack_it_runs_on():
@@ -81,7 +82,7 @@ def mlflow_store(tmp_path_factory) -> tuple[str, dict[str, str]]:
     from mlflow.tracking import MlflowClient
 
     tmp = tmp_path_factory.mktemp("mlflow")
-    uri = f"sqlite:///{tmp}/mlflow.db"
+    uri = prepared_store(tmp / "mlflow.db")
     client = MlflowClient(uri)
     exp = client.create_experiment("tidal", artifact_location=str(tmp / "artifacts"))
     ids = {}

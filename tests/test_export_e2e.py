@@ -21,6 +21,7 @@ from tests.helpers import batch_of_step
 from tidal.cli import main
 from tidal.exporter.model import EXPORT_FILE
 from tidal.spec.load import load_spec
+from tidal.testing.runs import prepared_store
 
 # The S3 server's address must be in the environment before this module's Ray instance starts.
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("s3_server", "ray_local")]
@@ -32,7 +33,7 @@ def hf_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
 
 def job_overrides(tmp_path, storage: str, steps: int, every: int) -> list[str]:
     return [f"train.steps={steps}", f"checkpoint.every_steps={every}", "train.log_every=1",
-            f"checkpoint.storage={storage}", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
+            f"checkpoint.storage={storage}", f"tracking.uri={prepared_store(tmp_path / 'mlflow.db')}",
             "tracking.experiment=tests"]
 
 

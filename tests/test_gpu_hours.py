@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from mlflow.tracking import MlflowClient
 
+from tidal.testing.runs import prepared_store
 from tidal.tracking.usage import Point, charged_seconds, scaling, usage
 
 
@@ -47,7 +48,7 @@ def test_tidal_runs_shows_gpu_hours_cloud_share_and_cost(tmp_path):
 
     from tidal.tracking.runs import list_runs, run_records
 
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = prepared_store(tmp_path / "mlflow.db")
     c = MlflowClient(uri)
     exp = c.create_experiment("tidal", artifact_location=str(tmp_path / "artifacts"))
     run = c.create_run(exp, run_name="burst", tags={"tidal.job": "burst"})

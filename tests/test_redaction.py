@@ -17,6 +17,7 @@ from tidal.errors import TidalError
 from tidal.launch.result import RunResult
 from tidal.output import parse_record, print_record
 from tidal.redact import MASK, RedactingStream, redact_data, redact_text, redact_uri
+from tidal.testing.runs import prepared_store
 
 SECRET = "Sup3rSecretValue42"
 
@@ -131,7 +132,7 @@ def test_runs_json_is_redacted(tmp_path, capsys) -> None:
     """`tidal runs --output json` of a run whose params hold credentials as an older Tidal logged them."""
     import mlflow
 
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = prepared_store(tmp_path / "mlflow.db")
     client = mlflow.tracking.MlflowClient(uri)
     exp = client.create_experiment("tests", str(tmp_path / "art"))
     run = client.create_run(exp, run_name="old", tags={"tidal.job": "old", "tidal.run_dir": f"s3://K:{SECRET}@b/old"})

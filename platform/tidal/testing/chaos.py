@@ -16,7 +16,7 @@ from typing import Any
 import tidal
 from tidal.spec.job import JobSpec
 from tidal.testing.processes import kill, our_processes
-from tidal.testing.runs import job_run_id, metric_history, wait_for_step
+from tidal.testing.runs import job_run_id, metric_history, prepared_store, wait_for_step
 from tidal.worker.metrics import LOSS_TRACE_ENV
 
 
@@ -30,7 +30,7 @@ def chaos_spec(tmp: Path, name: str, steps: int, every: int) -> JobSpec:
         scaling={"min_workers": 2, "max_workers": 2},
         checkpoint={"every_steps": every, "keep": 3, "storage": str(tmp / "runs")},
         failure={"max_restarts": 50},
-        tracking={"uri": f"sqlite:///{tmp}/mlflow.db", "experiment": "chaos"},
+        tracking={"uri": prepared_store(tmp / "mlflow.db"), "experiment": "chaos"},
         worker_env={LOSS_TRACE_ENV: str(tmp / f"{name}.trace")},
     )
 
