@@ -8,10 +8,15 @@ A file records the fields of the spec its losses depend on (model, data, train, 
 worker count): a test whose reference spec differs in one of them fails and says which command
 rewrites the file; a field added to the spec later (at its default) is not compared. The comparisons that use them allow for
 floating-point drift between machines (a relative 1e-4); bit-for-bit checks retrain in the test.
+
+A reference trained on a file the test writes in its own folder (a parquet source) names the file by
+its place in that folder and records a digest of its content: the builder below writes the same file
+(with the test's own function), and a test whose file's content differs is told to regenerate.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 import tempfile
@@ -19,8 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import tiny_spec
-from tidal.spec.job import JobSpec
+from tests.conftest import ROOT, tiny_spec
+from tidal.spec import JobSpec, load_spec
 
 ASSETS = Path(__file__).resolve().parent / "assets" / "losses"
 COMMAND = "python -m tests.golden"
@@ -35,17 +40,77 @@ def _reshard(stage: int) -> Callable[[Path], JobSpec]:
         "scaling.min_workers": 2, "scaling.max_workers": 2})
 
 
-REFERENCES: dict[str, Callable[[Path], JobSpec]] = {"reshard-zero2": _reshard(2)}
+def _tiny(name: str, **overrides: Any) -> Callable[[Path], JobSpec]:
+    return lambda tmp: tiny_spec(tmp, name=name, **overrides)
 
 
-def what_matters(spec: JobSpec) -> dict[str, Any]:
-    return json.loads(json.dumps({k: v for k, v in sorted(spec.flat().items()) if k.startswith(LOSS_FIELDS)}))
+def _attempts(stage: int) -> Callable[[Path], JobSpec]:
+    """tests/test_attempts.py's undisturbed run: 2 workers, 8 steps, on a local path."""
+    return _tiny(f"steady{stage}", **{"parallelism.zero_stage": stage, "train.steps": 8, "checkpoint.every_steps": 4})
 
 
-def reference_losses(name: str, spec: JobSpec) -> dict[int, float]:
-    """step -> loss of the stored reference `name`, which must have been trained with `spec`. With
-    no file yet, the reference is trained here (as before files existed), and the command that
-    stores it is printed."""
+def _pipeline_whole(tmp: Path) -> JobSpec:
+    """tests/test_models_data.py's pipeline job as one whole model on one worker."""
+    pipe = load_spec(ROOT / "jobs" / "tiny-pipeline.yaml").with_overrides(
+        {"checkpoint.storage": str(tmp / "runs"), "tracking.uri": f"sqlite:///{tmp}/mlflow.db", "train.log_every": 1})
+    return pipe.with_overrides({"name": "whole", "parallelism.pipeline_stages": 1, "scaling.min_workers": 1,
+                                "scaling.max_workers": 1})
+
+
+def _parquet_steady(tmp: Path) -> JobSpec:
+    """tests/test_models_data.py's undisturbed parquet job, on the parquet file that test writes."""
+    from tests.helpers import write_sources  # the test's own data (fixed texts, seeded)
+
+    src = write_sources(tmp)["parquet"]
+    return tiny_spec(tmp, name="pq-steady", **{"data.source": src, "model.vocab_size": 256, "train.steps": 16,
+                                               "checkpoint.every_steps": 4})
+
+
+REFERENCES: dict[str, Callable[[Path], JobSpec]] = {
+    "reshard-zero2": _reshard(2),
+    "async-checkpoint-undisturbed": _tiny("undisturbed", **{
+        "train.steps": 40, "train.global_batch": 64, "checkpoint.every_steps": 10}),
+    "attempts-steady2": _attempts(2),
+    "attempts-steady3": _attempts(3),
+    "eval-plain": _tiny("plain", **{"train.steps": 60, "train.global_batch": 64, "checkpoint.every_steps": 10}),
+    "models-data-whole": _pipeline_whole,
+    "models-data-pq-steady": _parquet_steady,
+    "restore-e2e-steady": _tiny("steady", **{"train.steps": 12, "checkpoint.every_steps": 6}),
+    "s3-checkpoints-steady3": _reshard(3),  # the same undisturbed run as test_reshard's, at ZeRO-3
+    "microbatch-fixed-4": _tiny("fixed-4", **{
+        "model.builder": "tests.oom_model:build", "train.micro_batch": 4, "train.steps": 8, "train.log_every": 1,
+        "checkpoint.every_steps": 4}),
+}
+
+
+def content_digest(path: Path) -> str:
+    """A data file's content: a parquet file's rows, not its bytes (which name the pyarrow that wrote them)."""
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return hashlib.sha256(json.dumps(pq.read_table(path).to_pylist()).encode()).hexdigest()
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def what_matters(spec: JobSpec, tmp: Path | None = None) -> dict[str, Any]:
+    """The loss fields of `spec`; a file under `tmp` (the folder it was made in) as `$TMP/...`
+    with its content's digest beside it, so that another folder with the same file matches."""
+    fields = json.loads(json.dumps({k: v for k, v in sorted(spec.flat().items()) if k.startswith(LOSS_FIELDS)}))
+    if tmp is None:
+        return fields
+    out: dict[str, Any] = {}
+    for key, value in fields.items():
+        if isinstance(value, str) and value.startswith(f"{tmp}/"):
+            out[f"{key}.sha256"] = content_digest(Path(value)) if Path(value).is_file() else None
+            value = "$TMP/" + value[len(str(tmp)) + 1:]
+        out[key] = value
+    return dict(sorted(out.items()))
+
+
+def reference_losses(name: str, spec: JobSpec, tmp: Path | None = None) -> dict[int, float]:
+    """step -> loss of the stored reference `name`, which must have been trained with `spec`
+    (`tmp`: the test's folder, where `spec` finds files the test wrote). With no file yet, the
+    reference is trained here (as before files existed), and the command that stores it is printed."""
     path = ASSETS / f"{name}.json"
     if not path.exists():
         import tidal
@@ -53,7 +118,7 @@ def reference_losses(name: str, spec: JobSpec) -> dict[int, float]:
 
         print(f"no stored reference losses {path}: training the reference; `{COMMAND} {name}` stores them")
         return metric_history(spec, tidal.run(spec).mlflow_run_id, "loss")
-    data, now = json.loads(path.read_text()), what_matters(spec)
+    data, now = json.loads(path.read_text()), what_matters(spec, tmp)
     changed = sorted(k for k, v in data["spec"].items() if k in now and now[k] != v)
     if changed:
         raise AssertionError(f"{path.name} was trained with another spec ({', '.join(changed)}): run `{COMMAND} {name}`")
@@ -67,9 +132,10 @@ def regenerate(name: str) -> Path:
     with tempfile.TemporaryDirectory(prefix="tidal-golden-") as d:
         spec = REFERENCES[name](Path(d))
         losses = metric_history(spec, tidal.run(spec).mlflow_run_id, "loss")
+        fields = what_matters(spec, Path(d))
     path = ASSETS / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"command": f"{COMMAND} {name}", "spec": what_matters(spec),
+    path.write_text(json.dumps({"command": f"{COMMAND} {name}", "spec": fields,
                                 "losses": {str(s): losses[s] for s in sorted(losses)}}, indent=1) + "\n")
     return path
 

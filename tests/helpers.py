@@ -1,6 +1,7 @@
 """Test helpers shared by several test files (a test file never imports another): run the CLI and
 a driver as a user does, kill a worker mid-run, fake a checkpoint folder, register checkpoints with
-Ray Train's own checkpoint manager, the batch a job trained on at a step. The real servers and
+Ray Train's own checkpoint manager, the batch a job trained on at a step, the text sources of
+tests/test_models_data.py (and of its stored reference, tests/golden.py). The real servers and
 processes are tidal.testing's (re-exported here where tests already import them from here)."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import subprocess
 import sys
 import threading
@@ -113,3 +115,20 @@ def ray_registers(run: RunDir, keep: int) -> Callable[[int], None]:
         asyncio.run(in_controller())
 
     return register
+
+
+_rng = random.Random(0)
+TEXT = ["".join(_rng.choice("abcdefghij klmnop") for _ in range(240)) for _ in range(60)]  # windows all differ
+
+
+def write_sources(tmp: Path) -> dict[str, str]:
+    """TEXT as a jsonl and a parquet source in `tmp` (tests/golden.py trains a stored reference on the
+    parquet one: the same rows, wherever it is written)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    jsonl = tmp / "docs.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(TEXT)))
+    parquet = tmp / "docs.parquet"
+    pq.write_table(pa.table({"text": TEXT}), parquet)
+    return {"jsonl": str(jsonl), "parquet": str(parquet)}

@@ -15,7 +15,8 @@ import torch
 
 import tidal
 from tests.conftest import ROOT, metric_history, tiny_spec
-from tests.helpers import run_killing_a_worker
+from tests.golden import reference_losses
+from tests.helpers import TEXT, run_killing_a_worker, write_sources
 from tidal.cli import main
 from tidal.errors import SpecError
 from tidal.launch.stream_prep import encode_batch
@@ -28,18 +29,10 @@ from tidal.worker.tokens import encode
 
 HF_LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
             "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 16}
+# TEXT and write_sources (its jsonl and parquet sources) are in tests/helpers.py: tests/golden.py writes them too.
 _rng = random.Random(0)
-TEXT = ["".join(_rng.choice("abcdefghij klmnop") for _ in range(240)) for _ in range(60)]  # windows all differ
-
-
-def write_sources(tmp) -> dict[str, str]:
-    jsonl = tmp / "docs.jsonl"
-    jsonl.write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(TEXT)))
-    parquet = tmp / "docs.parquet"
-    pq.write_table(pa.table({"text": TEXT}), parquet)
-    return {"jsonl": str(jsonl), "parquet": str(parquet)}
-
-
+for _ in range(60 * 240):  # past TEXT's draws from the same seed: DOCS as they were when made beside it
+    _rng.choice("abcdefghij klmnop")
 DOCS = ["".join(_rng.choice("abcdefghij klmnop") for _ in range(16)) for _ in range(2048)]  # +newline: one window each
 
 
@@ -174,9 +167,10 @@ class TestTrains:
         loss = metric_history(pipe, tidal.run(pipe).mlflow_run_id, "loss")
         whole = pipe.with_overrides({"name": "whole", "parallelism.pipeline_stages": 1, "scaling.min_workers": 1,
                                      "scaling.max_workers": 1})
-        reference = metric_history(whole, tidal.run(whole).mlflow_run_id, "loss")
-        # Same weights, same batch: splitting the model into stages changes where it runs, not the math.
-        assert loss[1] == pytest.approx(reference[1], rel=1e-6)
+        reference = reference_losses("models-data-whole", whole)  # stored (tests/golden.py regenerates it)
+        # Same weights, same batch: splitting the model into stages changes where it runs, not the math
+        # (to a stored curve's drift between machines: tests/golden.py).
+        assert loss[1] == pytest.approx(reference[1], rel=1e-4)
         assert loss == pytest.approx(reference, rel=1e-4)
         assert loss[24] < 0.7 * loss[1], (loss[1], loss[24])
 
@@ -184,7 +178,7 @@ class TestTrains:
         wide = pipe.with_overrides({"name": "pipe-2x2", "train.steps": 8, "scaling.min_workers": 4,
                                     "scaling.max_workers": 4, "scaling.cpus_per_worker": 0.5})
         wide_loss = metric_history(wide, tidal.run(wide).mlflow_run_id, "loss")
-        assert wide_loss[1] == pytest.approx(reference[1], rel=1e-6)
+        assert wide_loss[1] == pytest.approx(reference[1], rel=1e-4)
 
         # Stopped at step 10 (a checkpoint), then run again: it continues exactly where it stopped.
         tidal.run(pipe.with_overrides({"name": "pipe-resumed", "train.stop_at": 10}))
@@ -227,14 +221,14 @@ class TestTrains:
     def test_parquet_job_resumes_with_the_same_samples(self, tmp_path):
         src = write_sources(tmp_path)["parquet"]
         common = {"data.source": src, "model.vocab_size": 256, "train.steps": 16, "checkpoint.every_steps": 4}
-        reference = tiny_spec(tmp_path, name="pq-steady", **common)
-        expected = metric_history(reference, tidal.run(reference).mlflow_run_id, "loss")
+        # the undisturbed run's losses, stored: tests/golden.py writes the same parquet file to train it
+        expected = reference_losses("models-data-pq-steady", tiny_spec(tmp_path, name="pq-steady", **common), tmp_path)
         tidal.run(tiny_spec(tmp_path, name="pq-restarted", **common, **{"train.stop_at": 6}))
         spec = tiny_spec(tmp_path, name="pq-restarted", **common)
         got = metric_history(spec, tidal.run(spec).mlflow_run_id, "loss")
         assert sorted(got) == list(range(1, 17))
         for step in range(1, 17):  # resumed from step 4: steps 5-6 replayed on the same samples
-            assert got[step] == pytest.approx(expected[step], rel=1e-6), step
+            assert got[step] == pytest.approx(expected[step], rel=1e-4), step  # stored: float tolerance
 
     def test_jsonl_job_trains(self, tmp_path):
         src = write_sources(tmp_path)["jsonl"]
