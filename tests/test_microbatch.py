@@ -10,6 +10,7 @@ from mlflow.tracking import MlflowClient
 
 import tidal
 from tests.conftest import free_port, metric_history, tiny_spec
+from tests.golden import reference_losses
 from tidal.errors import SpecError
 from tidal.spec.batch import halved, largest_fitting, micro_batch_bound, micro_batch_candidates
 from tidal.spec.deepspeed import ds_config
@@ -135,8 +136,9 @@ def test_an_out_of_memory_error_mid_run_halves_the_micro_batch_and_the_losses_st
     fixed = tiny_spec(tmp_path, name="fixed-4", **{
         "model.builder": "tests.oom_model:build", "train.micro_batch": 4, "train.steps": 8, "train.log_every": 1,
         "checkpoint.every_steps": 4})
-    reference = _losses(fixed, tidal.run(fixed).mlflow_run_id)
+    reference = reference_losses("microbatch-fixed-4", fixed)  # stored (tests/golden.py regenerates it)
     got = _losses(auto, result.mlflow_run_id)
     assert sorted(got) == list(range(1, 9)), "every step logged once"
-    # The same global batches: equal up to the order the micro-batches' gradients were summed in.
-    assert got == pytest.approx(reference, rel=1e-5, abs=1e-6)
+    # The same global batches: equal up to the order the micro-batches' gradients were summed in
+    # (and to a stored curve's drift between machines: tests/golden.py).
+    assert got == pytest.approx(reference, rel=1e-4, abs=1e-6)
