@@ -33,6 +33,21 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "0.5")  # default 5 s
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`extended` tests (pyproject.toml: variants and soak runs beyond the suite's budget) run only
+    when `-m` names them (`-m extended`, `-m "slow or extended"`): the README's `python -m pytest -q`
+    and `.ci/run` run the same suite. They are slow tests too, so `-m "not slow"` never takes one."""
+    for item in items:
+        if item.get_closest_marker("extended") and not item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.slow)
+    if "extended" in (config.getoption("markexpr") or ""):
+        return
+    extended = [item for item in items if item.get_closest_marker("extended")]
+    if extended:
+        config.hook.pytest_deselected(items=extended)
+        items[:] = [item for item in items if not item.get_closest_marker("extended")]
+
+
 @pytest.fixture(autouse=True)
 def _mlflow_tracking_uri_put_back() -> Iterator[None]:
     """A test that points MLflow's fluent API at its store (which also sets MLFLOW_TRACKING_URI)
