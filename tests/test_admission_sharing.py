@@ -143,6 +143,7 @@ def test_a_high_priority_job_shrinks_the_low_one_which_grows_back_and_loses_noth
     print(f"decided within {shrunk_after:.1f}s of the high job's submission; worst loss difference {worst:.1e}")
 
 
+@pytest.mark.extended  # outside the suite's budget (pyproject.toml): quota and borrowing rules are unit-tested (test_admission_policy)
 def test_a_team_at_its_quota_waits_and_a_borrowing_team_gives_back_first(cluster, tmp_path, monkeypatch, capsys):
     """research borrows vision's idle share; vision's first job takes it back by shrinking
     research's job; vision's second job waits for vision's quota (not capacity) until the first ends."""
@@ -184,6 +185,7 @@ def test_a_team_at_its_quota_waits_and_a_borrowing_team_gives_back_first(cluster
     assert world_sizes(borrower)[:2] == [2, 1]
 
 
+@pytest.mark.extended  # outside the suite's budget (pyproject.toml): suspension is unit-tested (test_admission_policy, test_admission_actor)
 def test_a_job_that_cannot_shrink_is_suspended_and_resumes_even_across_admissions_death(cluster, tmp_path):
     """A fixed-size low job gives up all its workers (a checkpoint, then SUSPENDED) for a high one;
     the admission actor is killed while the high job runs and the low one waits: the high job

@@ -57,7 +57,7 @@ def kill_all_workers_once_rank1_wrote(run: RunDir, step: int, seen: dict[str, ob
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [2, pytest.param(3, marks=pytest.mark.extended)])  # 3: the same attempts code
 def test_a_save_that_died_never_mixes_with_the_same_step_saved_again(tmp_path, bucket, stage):
     common = {"parallelism.zero_stage": stage, "train.steps": 8, "checkpoint.every_steps": 4}
     # the undisturbed run's losses (2 workers, local path), stored (tests/golden.py regenerates them)

@@ -132,6 +132,7 @@ def requested_gpu_bundles() -> int:
     return sum(d["count"] for d in record.get("request_demand", []) if d["shape"].get("GPU"))
 
 
+@pytest.mark.extended  # outside the suite's budget (pyproject.toml): two jobs bursting; summing and the budget rule are unit-tested (test_admission_policy)
 def test_two_jobs_bursts_are_summed_and_a_team_past_its_budget_is_refused(burst_cluster: str, tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch):
     """request_resources is global: when each job called it, the second job's burst replaced the

@@ -25,6 +25,7 @@ STEPS = 10
 COMPILED = {"parallelism.compile": {"backend": "aot_eager"}, "train.steps": STEPS, "checkpoint.every_steps": 5}
 
 
+@pytest.mark.extended  # outside the suite's budget (pyproject.toml): compile is opt-in; four runs
 def test_compiled_job_resumes_exactly_and_its_checkpoint_loads_uncompiled(tmp_path, capsys):
     straight = tiny_spec(tmp_path, name="compiled-straight", **COMPILED)
     run_id = tidal.run(straight).mlflow_run_id

@@ -150,6 +150,7 @@ def wait_for_world_size(spec, size: int, timeout: float = 180) -> None:
     raise TimeoutError(f"world size never became {size}")
 
 
+@pytest.mark.extended  # outside the suite's budget (pyproject.toml): sizing after a node loss also in the shrink/grow test
 def test_after_a_failure_the_next_group_is_sized_without_the_lost_node(cluster):
     """Train V2's elastic policy sizes a new group from Ray's autoscaling coordinator, which looks at
     the nodes every 20 s; Tidal's ClusterView has it look again at a failure (tidal/launch/callbacks.py).

@@ -33,6 +33,7 @@ def test_a_bucket_size_the_user_set_wins():
     assert cfg["zero_optimization"]["reduce_bucket_size"] == 5000
 
 
+@pytest.mark.extended  # outside the suite's budget (pyproject.toml): a DeepSpeed bucket setting
 @pytest.mark.slow  # a real DeepSpeed engine (its first one on a fresh machine JIT-builds a CPU comm op)
 def test_the_engine_trains_the_same_with_a_bucket_the_size_of_the_model(tmp_path, monkeypatch):
     """Tidal's engine (build_engine) against the same job with DeepSpeed's own 5e8-element bucket:

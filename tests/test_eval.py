@@ -74,6 +74,7 @@ def test_best_checkpoint_survives_retention_and_early_stopping_ends_the_job(tmp_
     assert again.mlflow_run_id == first.mlflow_run_id
 
 
+@pytest.mark.extended  # outside the suite's budget (pyproject.toml): sweeps run in test_sweep and test_sweep_resume
 def test_a_sweep_ranks_trials_by_eval_loss(tmp_path, monkeypatch):
     from mlflow.tracking import MlflowClient
 

@@ -97,6 +97,7 @@ def test_quickstart_zero2_on_s3_exports_to_torch_mlflow_and_gpt2(tmp_path, bucke
         assert hf_loss(gpt2, x, y) == pytest.approx(tidal.load_exported(latest.output)(x, y).item(), abs=1e-5)
 
 
+@pytest.mark.extended  # outside the suite's budget (pyproject.toml): the pipeline layout; the other exports run in the suite
 def test_pipeline_checkpoint_exports_to_the_built_in_gpt_with_the_training_loss(tmp_path):
     spec = load_spec(ROOT / "jobs" / "tiny-pipeline.yaml", job_overrides(tmp_path, str(tmp_path / "runs"), steps=4, every=3))
     logged = metric_history(spec, tidal.run(spec).mlflow_run_id, "loss")

@@ -93,6 +93,7 @@ def test_stop_a_running_job(head, tmp_path):
     assert job.wait(timeout=120) == "STOPPED"
 
 
+@pytest.mark.extended  # outside the suite's budget (pyproject.toml): plain `ray job submit` also runs in test_secrets_e2e
 def test_plain_ray_job_submit_runs_tidal(head, tmp_path):
     """The guide's (docs/guide.md) `ray job submit ... -- tidal run jobs/quickstart.yaml`, made small with --set."""
     env = {**os.environ, "RAY_AUTH_MODE": "token"}
@@ -108,6 +109,7 @@ def test_plain_ray_job_submit_runs_tidal(head, tmp_path):
     assert not [line for line in proc.stdout.splitlines() if "[tidal]" in line and "pid=" in line]
 
 
+@pytest.mark.extended  # outside the suite's budget (pyproject.toml): a run on the head node
 def test_a_run_on_the_head_node_uses_its_cluster(head, head_tmp):
     """Logged in to a head node, no RAY_ADDRESS: a driver joins the cluster `ray start` recorded there
     (token auth included), as ray.init() does, rather than starting an instance of its own."""

@@ -97,6 +97,7 @@ def _losses(spec, run_id: str) -> dict[int, float]:
     return metric_history(spec, run_id, "loss")
 
 
+@pytest.mark.extended  # outside the suite's budget (pyproject.toml): the search's steps are unit-tested; the OOM test below runs auto end to end
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_local")
 def test_auto_picks_the_largest_micro_batch_under_the_memory_limit_and_keeps_it(tmp_path, capfd):

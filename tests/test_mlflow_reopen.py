@@ -120,6 +120,7 @@ def test_a_503_while_the_run_is_reopened_keeps_the_job_in_one_run(proxy, tmp_pat
     assert c.get_run(run_id).info.status == "FINISHED"
 
 
+@pytest.mark.extended  # outside the suite's budget (pyproject.toml): the 503 test above covers reopening
 def test_only_a_missing_run_counts_as_gone(proxy, tmp_path, mlflow_uri):
     """How MLflow 3.17 reports a missing run, from a server and from a SQLite store, and a 503."""
     for tracking in (f"http://127.0.0.1:{proxy.server_address[1]}", mlflow_uri):

@@ -31,7 +31,7 @@ def files_named(folder: Path, name: str) -> list[Path]:
     return [p for p in folder.rglob(name)] if folder.exists() else []
 
 
-@pytest.mark.parametrize("where", ["s3", "local"])
+@pytest.mark.parametrize("where", ["s3", pytest.param("local", marks=pytest.mark.extended)])  # local names: unit-tested
 def test_a_manifest_name_outside_its_checkpoint_is_never_used_and_the_job_ends_well(tmp_path, where, request):
     storage = f"{request.getfixturevalue('bucket')}/runs" if where == "s3" else str(tmp_path / "runs")
     cache = tmp_path / "cache"

@@ -29,6 +29,7 @@ def names(run: RunDir, pattern: str = "") -> list[str]:
 # ZeRO-3 only: tests/test_reshard.py runs stage 2 on a local path (and test_user_code_e2e stage 3),
 # and the storage code is the same for both stages; the stage-3 layout (partitioned parameters) is
 # the harder one.
+@pytest.mark.extended  # outside the suite's budget (pyproject.toml): ZeRO-3 resizes run in test_user_code_e2e, S3 restores in test_restore_e2e
 @pytest.mark.parametrize("stage", [3])
 def test_resize_on_s3_resumes_the_newest_checkpoint_with_nothing_quarantined(tmp_path, bucket, stage):
     common = {"parallelism.zero_stage": stage, "train.steps": 18, "checkpoint.every_steps": 6}
@@ -120,6 +121,7 @@ def test_a_corrupt_checkpoint_is_quarantined_and_the_one_before_is_used(tmp_path
     assert sorted(metric_history(spec, result.mlflow_run_id, "loss")) == list(range(1, 17))
 
 
+@pytest.mark.extended  # outside the suite's budget (pyproject.toml): background writes run in test_async_checkpoint
 def test_background_writes_land_complete_checkpoints_on_s3(tmp_path, bucket):
     """Asynchronous checkpoints every 2 steps into S3, each write slowed to 1 s so every save waits
     for the one before (back-pressure): every checkpoint lands whole and Ray registers the last."""

@@ -82,6 +82,7 @@ def test_a_streamed_job_resized_2_1_2_trains_the_windows_of_an_undisturbed_run(t
         assert got[step] == pytest.approx(expected[step], rel=1e-4), step
 
 
+@pytest.mark.extended  # outside the suite's budget (pyproject.toml): one CPU per worker
 def test_the_quickstart_streamed_with_one_cpu_per_worker_runs_on_two_cpus(tmp_path, capfd, monkeypatch):
     """Its two workers take both CPUs of this machine; Ray Data reads before they start, and its
     progress bars and log lines stay out of output that is not a terminal."""
