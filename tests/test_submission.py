@@ -19,17 +19,15 @@ PASSWORD = "s3cr3t-pa55word"
 
 
 @pytest.fixture(autouse=True)
-def _no_filters_left():
-    """install() puts filters on the root logger and its handlers: take them off after each test."""
+def _no_redaction_left():
+    """install() redacts every log record this process makes from then on: put logging back after each test."""
     import logging
 
-    from tidal.redact import RedactingFilter
-
+    factory = logging.getLogRecordFactory()
     yield
-    root = logging.getLogger()
-    for owner in (root, *root.handlers):
-        for f in [f for f in owner.filters if isinstance(f, RedactingFilter)]:
-            owner.removeFilter(f)
+    logging.setLogRecordFactory(factory)
+
+
 # port 1 answers nothing: reaching the cluster would fail with a ClusterError, not a refusal
 NOWHERE = "http://127.0.0.1:1"
 
@@ -162,6 +160,24 @@ def test_a_workers_own_secret_values_are_masked_in_its_log_records():
         assert seen.getvalue() == "printed: ***\n"
     finally:
         root.removeHandler(handler)
+
+
+def test_a_secret_is_masked_in_records_of_any_logger_reaching_a_handler_added_later():
+    """Libraries add their handlers when they start (Ray Train's worker log file, a user's own
+    logging setup), after a worker resolved its secrets, and log through loggers of their own."""
+    import logging
+
+    install(["value-of-a-secret-8901"])
+    seen = io.StringIO()
+    handler = logging.StreamHandler(seen)
+    library = logging.getLogger("some.library")
+    library.addHandler(handler)
+    try:
+        library.warning("connected with %s", "value-of-a-secret-8901")
+        logging.getLogger("some.library.child").error("token=value-of-a-secret-8901")
+        assert seen.getvalue() == "connected with ***\ntoken=***\n"
+    finally:
+        library.removeHandler(handler)
 
 
 def test_ray_trains_config_holds_no_credential_and_the_workers_get_the_whole_spec(tmp_path):

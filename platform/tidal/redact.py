@@ -155,27 +155,33 @@ class RedactingStream:
         return getattr(self.inner, name)
 
 
-class RedactingFilter:
-    """A logging filter that redacts each record's message as RedactingStream redacts text: Ray
-    Train's workers send every `print` to the root logger too (its worker log file, beside the
-    stream), so a worker's secret must be masked there as well."""
+class RedactingRecords:
+    """The process's log record factory, redacting each record's message as RedactingStream
+    redacts text. A factory, not a filter: filters sit on one logger or one handler, and libraries
+    add their own handlers (Ray Train's worker log files) and loggers after a worker resolved its
+    secrets; every record of every logger is made here."""
 
-    def __init__(self, secrets: Iterable[str] = ()) -> None:
+    def __init__(self, inner: Any, secrets: Iterable[str] = ()) -> None:
+        self.inner = inner
         self.secrets = [s for s in secrets if len(s) >= MIN_VALUE_LEN]
 
-    def filter(self, record: Any) -> bool:
-        message = record.getMessage()
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        record = self.inner(*args, **kwargs)
+        try:
+            message = record.getMessage()
+        except Exception:  # noqa: BLE001 - arguments that do not format: logging reports it where it emits
+            return record
         extra = sorted({*secret_values(), *self.secrets}, key=len, reverse=True) if self.secrets else None
         masked = redact_text(message, extra)
         if masked != message:
             record.msg, record.args = masked, None
-        return True
+        return record
 
 
 def install(secrets: Iterable[str] = ()) -> None:
-    """Put a RedactingStream in front of this process's stdout and stderr, and a RedactingFilter on
-    the root logger and its handlers (once), masking `secrets` too: a submitted driver's output
-    and a worker's lines, which Ray copies to the job's log and Ray Train to its worker log files."""
+    """Put a RedactingStream in front of this process's stdout and stderr and make every log record
+    through RedactingRecords, masking `secrets` too: a submitted driver's output and a worker's
+    lines, which Ray copies to the job's log and Ray Train to its worker log files."""
     import logging
     import sys
 
@@ -186,10 +192,8 @@ def install(secrets: Iterable[str] = ()) -> None:
             stream.secrets = sorted({*stream.secrets, *values})
         elif stream is not None:
             setattr(sys, name, RedactingStream(stream, values))
-    root = logging.getLogger()
-    for owner in (root, *root.handlers):
-        found = next((f for f in owner.filters if isinstance(f, RedactingFilter)), None)
-        if found is None:
-            owner.addFilter(RedactingFilter(values))
-        else:
-            found.secrets = sorted({*found.secrets, *values})
+    factory = logging.getLogRecordFactory()
+    if isinstance(factory, RedactingRecords):
+        factory.secrets = sorted({*factory.secrets, *values})
+    else:
+        logging.setLogRecordFactory(RedactingRecords(factory, values))
