@@ -66,6 +66,15 @@ def _parquet_steady(tmp: Path) -> JobSpec:
                                                "checkpoint.every_steps": 4})
 
 
+def _admission_alone(tmp: Path) -> JobSpec:
+    """tests/test_admission_sharing.py's low job alone on the cluster (elastic 1-2, at 2 workers):
+    the losses its shrunk and grown run must keep."""
+    return tiny_spec(tmp, name="low-alone", **{
+        "scaling.min_workers": 1, "scaling.max_workers": 2, "scaling.cpus_per_worker": 1, "train.steps": 320,
+        "train.micro_batch": 2, "train.global_batch": 24, "checkpoint.every_steps": 25,
+        "train.step_fn": "tests.slow_step:step", "failure.max_restarts": 0})
+
+
 REFERENCES: dict[str, Callable[[Path], JobSpec]] = {
     "reshard-zero2": _reshard(2),
     "async-checkpoint-undisturbed": _tiny("undisturbed", **{
@@ -80,6 +89,7 @@ REFERENCES: dict[str, Callable[[Path], JobSpec]] = {
     "microbatch-fixed-4": _tiny("fixed-4", **{
         "model.builder": "tests.oom_model:build", "train.micro_batch": 4, "train.steps": 8, "train.log_every": 1,
         "checkpoint.every_steps": 4}),
+    "admission-sharing-low-alone": _admission_alone,
 }
 
 

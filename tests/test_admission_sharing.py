@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from tests.conftest import ROOT, metric_history, tiny_spec
+from tests.golden import reference_losses
 from tidal.admission.queue_doc import load_queue
 from tidal.admission.view import rows
 from tidal.cli import main
@@ -134,10 +135,8 @@ def test_a_high_priority_job_shrinks_the_low_one_which_grows_back_and_loses_noth
 
     tags = MlflowClient(low.tracking.uri).get_run(job_run_id(low)).data.tags
     assert (tags["tidal.team"], tags["tidal.priority"]) == ("research", "low") and "tidal.queue_wait_s" in tags
-    # The same job alone on the cluster: never resized.
-    ref = job_spec(tmp_path, "low-alone", 1, 2, 320, "low", step_s=0.0)
-    ended(send(ref, cluster))
-    alone = every_step_once(ref)
+    # The same job alone on the cluster, never resized: its stored losses (tests/golden.py).
+    alone = reference_losses("admission-sharing-low-alone", job_spec(tmp_path, "low-alone", 1, 2, 320, "low"))
     worst = max(abs(loss[s] - alone[s]) for s in loss)
     assert worst < 1e-4, f"losses departed from the undisturbed run by {worst:.2e}"
     print(f"decided within {shrunk_after:.1f}s of the high job's submission; worst loss difference {worst:.1e}")
