@@ -87,6 +87,7 @@ def test_a_pickle_planted_in_a_published_universal_folder_never_runs_at_a_resize
     assert metric_history(tiny_spec(tmp_path, name="planted"), result.mlflow_run_id, "world_size")[7] == 1
 
 
+@pytest.mark.extended  # outside the suite's budget (pyproject.toml): the first-save check and safe_globals are unit-tested (test_safe_globals); resizes run in test_reshard
 def test_a_state_that_will_not_load_fails_at_the_first_save_until_its_types_are_allowed(tmp_path):
     common = {"train.steps": 18, "checkpoint.every_steps": 6, "model.builder": "tests.extra_state_model:build",
               "failure.max_restarts": 0}

@@ -56,6 +56,7 @@ def test_resize_on_s3_resumes_the_newest_checkpoint_with_nothing_quarantined(tmp
     assert len(names(run, "tidal-universal-")) == 2
 
 
+@pytest.mark.extended  # outside the suite's budget (pyproject.toml): retention runs in test_eval, --restart is unit-tested on S3 (test_object_storage)
 def test_finished_job_restart_and_retention_on_s3(tmp_path, bucket, capsys):
     spec = tiny_spec(tmp_path, name="again", **{"train.steps": 12, "checkpoint.every_steps": 2, "checkpoint.keep": 2,
                                                 "checkpoint.storage": f"{bucket}/runs"})
