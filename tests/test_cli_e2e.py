@@ -25,6 +25,7 @@ def test_quickstart_with_10_steps_trains_them(tmp_path):
     assert max(m.step for m in MlflowClient(f"sqlite:///{db}").get_metric_history(run_id, "loss")) == 10
 
 
+@pytest.mark.extended  # outside the suite's budget (pyproject.toml): exit codes by outcome run in test_jobs
 def test_a_job_that_fails_for_good_exits_1_with_a_message(tmp_path):
     spec = tmp_path / "broken.yaml"
     spec.write_text(f"""\

@@ -21,6 +21,7 @@ LONG = {"train.steps": 60, "train.global_batch": 64, "checkpoint.every_steps": 1
 EVAL = {"eval": {"every_steps": 5, "batches": 2}}
 
 
+@pytest.mark.extended  # outside the suite's budget (pyproject.toml): eval runs in the retention test below; logging once across restarts in test_driver_resume
 def test_eval_loss_is_logged_once_per_eval_step_across_a_restart(tmp_path):
     """Also the exact-resume test: a worker killed mid-run, and the job with eval trains exactly
     like an undisturbed one without it."""

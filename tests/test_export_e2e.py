@@ -37,6 +37,7 @@ def job_overrides(tmp_path, storage: str, steps: int, every: int) -> list[str]:
             "tracking.experiment=tests"]
 
 
+@pytest.mark.extended  # outside the suite's budget (pyproject.toml): the exporter runs end to end in the ZeRO-2 test below
 def test_hf_llama_zero3_exports_to_from_pretrained_with_the_training_loss(tmp_path, capsys):
     transformers = pytest.importorskip("transformers")
     job = str(ROOT / "jobs" / "tiny-hf-llama.yaml")

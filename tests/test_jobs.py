@@ -158,6 +158,7 @@ def test_notebook_runs_against_the_head(head, tmp_path):
     assert images, "no plot"
 
 
+@pytest.mark.extended  # outside the suite's budget (pyproject.toml): cluster-decided storage and tracking also in test_secrets_e2e
 def test_the_cluster_decides_where_a_submitted_job_keeps_things(head, cluster_env, tmp_path_factory, monkeypatch,
                                                                capsys):
     """`tidal submit` of the quickstart from a folder, twice, to a cluster whose nodes name an MLflow

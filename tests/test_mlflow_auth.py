@@ -121,6 +121,7 @@ def test_a_client_without_credentials_is_refused(server, tracked_job):
         restore_env(old)
 
 
+@pytest.mark.extended  # outside the suite's budget (pyproject.toml): MLflow's own permissions
 def test_another_team_cannot_read_the_experiment_until_granted(server, tracked_job):
     from mlflow.server import get_app_client
 

@@ -186,6 +186,7 @@ class TestTrains:
         resumed = pipe.with_overrides({"name": "pipe-resumed"})
         assert metric_history(resumed, tidal.run(resumed).mlflow_run_id, "loss") == pytest.approx(loss, rel=1e-6)
 
+    @pytest.mark.extended  # outside the suite's budget (pyproject.toml): streams across restarts and resizes run in test_stream_resume
     def test_streamed_sources_survive_a_restart_without_repeats_or_gaps(self, tmp_path):
         """One epoch of jsonl and parquet, tokenized by Ray Data, on 2 workers, one of them killed
         mid-run: the job trains every window of the source once, as many steps as an undisturbed run
@@ -220,6 +221,7 @@ class TestTrains:
         loss = metric_history(spec, tidal.run(spec).mlflow_run_id, "loss")
         assert loss[24] < 0.85 * loss[1], (loss[1], loss[24])
 
+    @pytest.mark.extended  # outside the suite's budget (pyproject.toml): resumed samples also in test_stream_resume; parquet reading is unit-tested
     def test_parquet_job_resumes_with_the_same_samples(self, tmp_path):
         src = write_sources(tmp_path)["parquet"]
         common = {"data.source": src, "model.vocab_size": 256, "train.steps": 16, "checkpoint.every_steps": 4}

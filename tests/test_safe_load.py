@@ -75,6 +75,7 @@ def _plant(run, rel: str, data: bytes) -> None:
         f.write(data)
 
 
+@pytest.mark.extended  # outside the suite's budget (pyproject.toml): refused pickles are unit-tested here; test_restore_trust_e2e plants one end to end
 @pytest.mark.slow
 @pytest.mark.usefixtures("s3_server", "ray_local")
 def test_planted_pickles_never_run(tmp_path, bucket, capfd) -> None:

@@ -200,6 +200,7 @@ def ray_with_dashboard() -> Iterator[None]:
     ray.shutdown()
 
 
+@pytest.mark.extended  # outside the suite's budget (pyproject.toml): a sweep runs end to end in test_sweep_resume
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_with_dashboard")
 def test_asha_sweep_tracks_trials_and_picks_the_best(tmp_path, monkeypatch):
