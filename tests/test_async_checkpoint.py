@@ -62,7 +62,7 @@ def test_worker_killed_during_a_background_write_resumes_from_the_previous_check
         assert check_complete(run.fs, f"{run.path}/{checkpoint_dir_name(step)}")[0] is None, step
 
 
-@pytest.mark.extended  # outside the suite's budget (pyproject.toml): synchronous saves also run in test_watchdog_phases
+@pytest.mark.extended  # outside the suite's budget (pyproject.toml): synchronous saves are unit-tested (test_watchdog_phases, test_plan)
 def test_synchronous_mode_still_writes_complete_checkpoints(tmp_path):
     """`checkpoint.async_upload: false`: the same write, with training waiting for it."""
     spec = tiny_spec(tmp_path, name="sync", **{"train.steps": 8, "checkpoint.every_steps": 4,

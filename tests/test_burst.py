@@ -81,6 +81,7 @@ def nodes_by_site() -> dict[str, int]:
     return counts
 
 
+@pytest.mark.extended  # outside the suite's budget (pyproject.toml): burst decisions and configs are unit-tested (test_admission_policy, test_cluster_configs)
 def test_job_bursts_to_cloud_and_the_cloud_node_is_released(burst_cluster: str, tmp_path: Path,
                                                             capsys: pytest.CaptureFixture[str],
                                                             monkeypatch: pytest.MonkeyPatch):

@@ -93,7 +93,7 @@ def test_stop_a_running_job(head, tmp_path):
     assert job.wait(timeout=120) == "STOPPED"
 
 
-@pytest.mark.extended  # outside the suite's budget (pyproject.toml): plain `ray job submit` also runs in test_secrets_e2e
+@pytest.mark.extended  # outside the suite's budget (pyproject.toml): plain `ray job submit` runs in test_one_live_attempt
 def test_plain_ray_job_submit_runs_tidal(head, tmp_path):
     """The guide's (docs/guide.md) `ray job submit ... -- tidal run jobs/quickstart.yaml`, made small with --set."""
     env = {**os.environ, "RAY_AUTH_MODE": "token"}

@@ -87,6 +87,7 @@ def test_the_address_file_is_where_ray_start_writes_it(tmp_path):
             assert address_file(env) == Path(get_ray_address_file(None))
 
 
+@pytest.mark.extended  # outside the suite's budget (pyproject.toml): one fault of a local instance's record
 @pytest.mark.slow
 def test_a_dead_recorded_cluster_does_not_stop_a_run(tmp_path):
     """A `ray start` (or a test Cluster) killed without `ray stop` leaves its address recorded; a bare

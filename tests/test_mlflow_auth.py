@@ -91,6 +91,7 @@ def tracked_job(server, tmp_path_factory) -> dict[str, str]:
     return {"run_id": run_id, "output": proc.stdout + proc.stderr}
 
 
+@pytest.mark.extended  # outside the suite's budget (pyproject.toml): credentials by reference are unit-tested (test_secrets, test_submission)
 def test_a_job_tracks_with_its_users_credentials(server, tracked_job):
     status = status_of(server, "/api/2.0/mlflow/runs/get", "team-a", run_id=tracked_job["run_id"])
     assert status == 200, tracked_job["output"][-4000:]

@@ -92,6 +92,7 @@ def proxy(server_uri, monkeypatch) -> Iterator[FaultyProxy]:
     server.server_close()
 
 
+@pytest.mark.extended  # outside the suite's budget (pyproject.toml): tracker faults run in test_tracking_restart; reopening is unit-tested
 def test_a_503_while_the_run_is_reopened_keeps_the_job_in_one_run(proxy, tmp_path):
     uri = f"http://127.0.0.1:{proxy.server_address[1]}"
     spec = tiny_spec(tmp_path, name="reopen", **{"tracking.uri": uri, "tracking.experiment": "reopen"})

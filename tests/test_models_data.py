@@ -207,6 +207,7 @@ class TestTrains:
             windows = np.concatenate([np.load(p) for p in shards])
             assert sorted(window_hash(w) for w in windows) == sorted(window_id(d) for d in DOCS), fmt
 
+    @pytest.mark.extended  # outside the suite's budget (pyproject.toml): the tokenizer's data paths are unit-tested above
     def test_streamed_jsonl_with_a_hugging_face_tokenizer_trains(self, tmp_path, tokenizer):
         source = tmp_path / "counting.jsonl"
         source.write_text("".join(json.dumps({"text": d}) + "\n" for d in COUNTING))
@@ -215,7 +216,6 @@ class TestTrains:
         loss = metric_history(spec, tidal.run(spec).mlflow_run_id, "loss")
         assert sorted(loss) == list(range(1, 25)) and loss[24] < 0.5 * loss[1], (loss[1], loss[24])
 
-    @pytest.mark.extended  # outside the suite's budget (pyproject.toml): an HF model also in test_export_e2e's Llama
     def test_hugging_face_model_from_config(self, tmp_path):
         spec = tiny_spec(tmp_path, name="hf", **{"model.hf_config": HF_LLAMA, "model.vocab_size": 256})
         loss = metric_history(spec, tidal.run(spec).mlflow_run_id, "loss")

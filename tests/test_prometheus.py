@@ -57,6 +57,7 @@ def scrape(port: int) -> list[tuple[str, dict[str, str], float]]:
     return out
 
 
+@pytest.mark.extended  # outside the suite's budget (pyproject.toml): metric names and labels are unit-tested
 @pytest.mark.slow
 def test_a_running_job_shows_on_rays_metrics_endpoint_by_job_and_rank(ray_with_metrics, tmp_path):
     port = ray_with_metrics

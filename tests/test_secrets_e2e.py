@@ -74,6 +74,7 @@ def test_tidal_submit_keeps_secrets_on_the_workers(head, cluster_env, node_secre
     check_secrets_kept(head, job_id, cluster_env, node_secrets, probe, tmp_path_factory)
 
 
+@pytest.mark.extended  # outside the suite's budget (pyproject.toml): plain `ray job submit` runs in test_one_live_attempt; the secrets path in the tidal submit test
 def test_plain_ray_job_submit_keeps_secrets_on_the_workers(head, cluster_env, node_secrets, tmp_path,
                                                            tmp_path_factory):
     spec, probe = secret_spec(tmp_path, "secret-plain", node_secrets)

@@ -32,6 +32,7 @@ def test_watch_warns_once_per_streak_of_the_same_rank():
     assert off.update(Spread(9.0, 1)) is None
 
 
+@pytest.mark.extended  # outside the suite's budget (pyproject.toml): straggler ratios are unit-tested
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_local")
 def test_a_slowed_rank_is_named_and_the_others_wait_in_collectives(tmp_path, capfd):

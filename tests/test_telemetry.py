@@ -81,7 +81,7 @@ def test_run_leaves_metrics_artifacts_and_tables(tmp_path, capsys):
     assert "train.lr" in table and "0.005" in table and "final loss" in table and "model.d_model" not in table
 
 
-@pytest.mark.extended  # outside the suite's budget (pyproject.toml): tracking faults also in test_tracking_restart and test_mlflow_reopen
+@pytest.mark.extended  # outside the suite's budget (pyproject.toml): tracking faults run in test_tracking_restart
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_local")
 def test_tracking_server_outage_loses_nothing(tmp_path):

@@ -16,6 +16,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local")]
 
 # ZeRO-1 and ZeRO-2 share DeepSpeed's stage_1_and_2.py: stage 2 covers both here (the pipeline test in
 # tests/test_models_data.py trains ZeRO-1 end to end).
+@pytest.mark.extended  # outside the suite's budget (pyproject.toml): a job trains and tracks end to end in test_cli_e2e and test_telemetry
 @pytest.mark.parametrize("stage", [2, pytest.param(3, marks=pytest.mark.extended)])  # 3 trains in test_user_code_e2e
 def test_zero_stage_trains_and_tracks(tmp_path, stage):
     spec = tiny_spec(tmp_path, name=f"zero{stage}", **{"parallelism.zero_stage": stage})

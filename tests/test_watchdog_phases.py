@@ -71,6 +71,7 @@ def test_a_step_after_a_phase_still_has_the_step_timeout(tmp_path):
     assert rc == EXIT_CODE and "finished no step for 1s after step 7" in notes[0], notes
 
 
+@pytest.mark.extended  # outside the suite's budget (pyproject.toml): the watchdog's phase deadlines are unit-tested here
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_local")
 def test_a_slow_synchronous_save_is_not_taken_for_a_hung_step(tmp_path):
