@@ -110,6 +110,7 @@ def ended(job: Job, timeout: float = 400) -> str:
     return state
 
 
+@pytest.mark.extended  # outside the suite's budget (pyproject.toml): the rules are unit-tested (test_admission_policy), the actor and seat in test_admission_actor and test_admission_seat
 def test_a_high_priority_job_shrinks_the_low_one_which_grows_back_and_loses_nothing(cluster, tmp_path, monkeypatch):
     monkeypatch.setenv("TIDAL_QUEUE", cluster["queue"])  # the SDK's status reads the cluster's queue
     low = job_spec(tmp_path, "low", 1, 2, 320, "low")

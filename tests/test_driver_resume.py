@@ -91,7 +91,6 @@ def test_truncated_newest_checkpoint_is_quarantined_and_skipped(job):
     assert sorted(metric_history(spec, job_run_id(spec), "loss")) == list(range(1, STEPS + 11))
 
 
-@pytest.mark.extended  # outside the suite's budget (pyproject.toml): the fingerprint check is unit-tested
 def test_changed_model_is_refused_before_training(job):
     _, path = job
     proc = subprocess.run([sys.executable, "-m", "tidal", "run", str(path), "--set", "model.d_model=128"],

@@ -59,6 +59,7 @@ def finished(t: threading.Thread, out: dict, timeout: float = 400):
     return out["result"]
 
 
+@pytest.mark.extended  # outside the suite's budget (pyproject.toml): the preemption plan (a synchronous save, then the drain) is unit-tested (test_plan)
 def test_preemption_warning_saves_at_the_step_reached_and_loses_nothing(cluster, tmp_path):
     a, b = add_worker_node(cluster), add_worker_node(cluster)
     spec = tiny_spec(tmp_path, name="preempted", **{"train.steps": 400, "train.global_batch": 64, "checkpoint.every_steps": 100})

@@ -160,6 +160,7 @@ class TestTrains:
         assert metric_history(plain, tidal.run(plain).mlflow_run_id, "loss") == pytest.approx(loss, rel=1e-5)
         assert loss[24] < 0.7 * loss[4]
 
+    @pytest.mark.extended  # outside the suite's budget (pyproject.toml): pipeline configs and checkpoints are unit-tested
     def test_pipeline_matches_the_whole_model_and_resumes_exactly(self, tmp_path, monkeypatch):
         monkeypatch.chdir(tmp_path)
         pipe = load_spec(ROOT / "jobs" / "tiny-pipeline.yaml").with_overrides(

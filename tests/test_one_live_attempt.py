@@ -92,6 +92,7 @@ def test_a_second_start_through_every_face_is_refused_and_the_first_finishes(hea
     assert_every_step_once_and_no_checkpoint_lost(spec)
 
 
+@pytest.mark.extended  # outside the suite's budget (pyproject.toml): takeover and fencing are unit-tested (test_lease, test_lease_fencing); the refusal runs above
 def test_a_driver_stopped_past_its_lease_is_taken_over_and_its_attempt_writes_nothing(head, head_tmp, cluster_env,
                                                                                       tmp_path):
     """SIGSTOP on the first driver (its workers and tracker keep running); past its lease a second

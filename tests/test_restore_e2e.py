@@ -74,6 +74,7 @@ def bytes_read(recording: str, folder: str, sizes: dict[str, int]) -> dict[str, 
     return got
 
 
+@pytest.mark.extended  # outside the suite's budget (pyproject.toml): requests per rank are counted in test_restore_scale and test_restore_fetch
 def test_a_two_worker_restore_from_s3_reads_each_file_once(tmp_path, recorded_s3, ray_here):
     """Each rank reads its own ZeRO partition, and the model states are read once for the node:
     the checkpoint's bytes cross the network once, where every rank used to read all of them.

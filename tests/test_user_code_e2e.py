@@ -56,6 +56,7 @@ def test_passthrough_keys_reach_the_engine(undisturbed):
         assert engine["lr_scheduler"] == "LambdaLR"  # train.schedule: wsd, which DeepSpeed lacks
 
 
+@pytest.mark.extended  # outside the suite's budget (pyproject.toml): killed workers resume exactly in test_chaos and test_async_checkpoint
 def test_a_killed_worker_resumes_exactly(undisturbed, tmp_path):
     _, expected = undisturbed
     (tmp_path / "killed").mkdir()
