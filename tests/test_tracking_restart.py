@@ -45,6 +45,7 @@ def tracker_pid(state_api: str, other_than: int | None = None, timeout: float = 
     raise TimeoutError("no live TrackerActor")
 
 
+@pytest.mark.extended  # outside the suite's budget (pyproject.toml): recovery from the event log is unit-tested (test_tracking_ledger)
 def test_killing_the_tracker_mid_run_loses_and_duplicates_nothing(tmp_path, ray_with_state_api):
     spec = tiny_spec(tmp_path, name="tracker-killed", **{"train.steps": 300, "checkpoint.every_steps": 100},
                      worker_env={LOSS_TRACE_ENV: str(tmp_path / "losses.trace")})
