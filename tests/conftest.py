@@ -37,13 +37,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """`extended` tests (pyproject.toml: variants and soak runs beyond the suite's budget) run only
     when `-m` names them (`-m extended`, `-m "slow or extended"`): the README's `python -m pytest -q`
     and `.ci/run` run the same suite. They are slow tests too, so `-m "not slow"` never takes one."""
-    for item in items:
-        if item.get_closest_marker("extended") and not item.get_closest_marker("slow"):
-            item.add_marker(pytest.mark.slow)
-    if "extended" in (config.getoption("markexpr") or ""):
-        return
     extended = [item for item in items if item.get_closest_marker("extended")]
-    if extended:
+    for item in extended:
+        if not item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.slow)
+    if extended and "extended" not in (config.getoption("markexpr") or ""):
         config.hook.pytest_deselected(items=extended)
         items[:] = [item for item in items if not item.get_closest_marker("extended")]
 

@@ -26,6 +26,7 @@ from typing import Any
 
 from tests.conftest import ROOT, tiny_spec
 from tidal.spec import JobSpec, load_spec
+from tidal.testing.runs import prepared_store
 
 ASSETS = Path(__file__).resolve().parent / "assets" / "losses"
 COMMAND = "python -m tests.golden"
@@ -52,7 +53,7 @@ def _attempts(stage: int) -> Callable[[Path], JobSpec]:
 def _pipeline_whole(tmp: Path) -> JobSpec:
     """tests/test_models_data.py's pipeline job as one whole model on one worker."""
     pipe = load_spec(ROOT / "jobs" / "tiny-pipeline.yaml").with_overrides(
-        {"checkpoint.storage": str(tmp / "runs"), "tracking.uri": f"sqlite:///{tmp}/mlflow.db", "train.log_every": 1})
+        {"checkpoint.storage": str(tmp / "runs"), "tracking.uri": prepared_store(tmp / "mlflow.db"), "train.log_every": 1})
     return pipe.with_overrides({"name": "whole", "parallelism.pipeline_stages": 1, "scaling.min_workers": 1,
                                 "scaling.max_workers": 1})
 

@@ -23,6 +23,7 @@ from tidal.launch.stream_prep import encode_batch
 from tidal.spec import JobSpec, load_spec
 from tidal.spec.load import validate
 from tidal.storage import RunDir
+from tidal.testing.runs import prepared_store
 from tidal.worker.data import Batches
 from tidal.worker.models import build_model
 from tidal.worker.tokens import encode
@@ -152,7 +153,7 @@ class TestTrains:
     def test_zero3_with_cpu_offload(self, tmp_path, monkeypatch):
         monkeypatch.chdir(tmp_path)
         spec = load_spec(ROOT / "jobs" / "tiny-zero3-offload.yaml").with_overrides(
-            {"checkpoint.storage": str(tmp_path / "runs"), "tracking.uri": f"sqlite:///{tmp_path}/mlflow.db"})
+            {"checkpoint.storage": str(tmp_path / "runs"), "tracking.uri": prepared_store(tmp_path / "mlflow.db")})
         loss = metric_history(spec, tidal.run(spec).mlflow_run_id, "loss")
         plain = spec.with_overrides({"name": "no-offload", "parallelism.offload_optimizer": "none",
                                      "parallelism.activation_checkpointing": False})
@@ -164,7 +165,7 @@ class TestTrains:
     def test_pipeline_matches_the_whole_model_and_resumes_exactly(self, tmp_path, monkeypatch):
         monkeypatch.chdir(tmp_path)
         pipe = load_spec(ROOT / "jobs" / "tiny-pipeline.yaml").with_overrides(
-            {"checkpoint.storage": str(tmp_path / "runs"), "tracking.uri": f"sqlite:///{tmp_path}/mlflow.db",
+            {"checkpoint.storage": str(tmp_path / "runs"), "tracking.uri": prepared_store(tmp_path / "mlflow.db"),
              "train.log_every": 1})
         loss = metric_history(pipe, tidal.run(pipe).mlflow_run_id, "loss")
         whole = pipe.with_overrides({"name": "whole", "parallelism.pipeline_stages": 1, "scaling.min_workers": 1,

@@ -13,6 +13,7 @@ import pytest
 import tidal
 from tests.conftest import ROOT, metric_history, tiny_spec
 from tidal.spec import load_spec
+from tidal.testing.runs import prepared_store
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local")]
 
@@ -91,7 +92,7 @@ def test_the_quickstart_streamed_with_one_cpu_per_worker_runs_on_two_cpus(tmp_pa
     source.write_text("".join(d + "\n" for d in DOCS * 4))
     spec = load_spec(ROOT / "jobs" / "quickstart.yaml").with_overrides({
         "data.source": str(source), "data.streaming": True, "train.steps": 4, "train.log_every": 1,
-        "checkpoint.storage": str(tmp_path / "runs"), "tracking.uri": f"sqlite:///{tmp_path}/mlflow.db"})
+        "checkpoint.storage": str(tmp_path / "runs"), "tracking.uri": prepared_store(tmp_path / "mlflow.db")})
     assert spec.scaling.cpus_per_worker == 1 and spec.scaling.max_workers == 2
     loss = metric_history(spec, tidal.run(spec).mlflow_run_id, "loss")
     assert sorted(loss) == [1, 2, 3, 4]

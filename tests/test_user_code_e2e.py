@@ -14,6 +14,7 @@ import tidal
 from tests.conftest import metric_history
 from tidal.spec.job import JobSpec
 from tidal.spec.load import load_spec
+from tidal.testing.runs import prepared_store
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local")]
 
@@ -24,7 +25,7 @@ STEPS = 60  # checkpoints every 20 steps (the example's)
 def example(tmp: Path, name: str, **overrides: Any) -> JobSpec:
     return load_spec(EXAMPLE).with_overrides({
         "name": name, "checkpoint.storage": str(tmp / "runs"), "checkpoint.keep": 10,
-        "tracking.uri": f"sqlite:///{tmp}/mlflow.db", "tracking.experiment": "tests", "train.log_every": 1,
+        "tracking.uri": prepared_store(tmp / "mlflow.db"), "tracking.experiment": "tests", "train.log_every": 1,
         "failure.max_restarts": 2, "train.step_fn": "tests.user_step_probe:step",
         "worker_env.TIDAL_TEST_PROBE": str(tmp / name / "probe"), **overrides})
 

@@ -135,6 +135,13 @@ def _redact(data: Any, values: list[str]) -> Any:
     return data
 
 
+def _masked(text: str, own: list[str]) -> str:
+    """`text` redacted, masking `own` values (a worker's resolved secrets) besides this process's
+    secret variables'; longest first, so a value that contains another is masked whole."""
+    extra = sorted({*secret_values(), *own}, key=len, reverse=True) if own else None
+    return redact_text(text, extra)
+
+
 class RedactingStream:
     """A text stream that redacts what is written to it before passing it on: the CLI and the
     submitted job's entrypoint put it in front of stdout and stderr, so that the driver's prints,
@@ -147,8 +154,7 @@ class RedactingStream:
         self.secrets = [s for s in secrets if len(s) >= MIN_VALUE_LEN]
 
     def write(self, text: str) -> int:
-        extra = sorted({*secret_values(), *self.secrets}, key=len, reverse=True) if self.secrets else None
-        self.inner.write(redact_text(text, extra))
+        self.inner.write(_masked(text, self.secrets))
         return len(text)  # what the caller gave: print() and logging check nothing else
 
     def __getattr__(self, name: str) -> Any:
@@ -171,8 +177,7 @@ class RedactingRecords:
             message = record.getMessage()
         except Exception:  # noqa: BLE001 - arguments that do not format: logging reports it where it emits
             return record
-        extra = sorted({*secret_values(), *self.secrets}, key=len, reverse=True) if self.secrets else None
-        masked = redact_text(message, extra)
+        masked = _masked(message, self.secrets)
         if masked != message:
             record.msg, record.args = masked, None
         return record

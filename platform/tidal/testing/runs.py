@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import shutil
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -16,8 +16,6 @@ from tidal.spec.job import JobSpec
 from tidal.storage import RunDir
 
 log = logging.getLogger(__name__)
-_TEMPLATE: list[Path] = []
-_TEMPLATE_LOCK = threading.Lock()
 
 
 def prepared_store(db: Path) -> str:
@@ -33,15 +31,13 @@ def prepared_store(db: Path) -> str:
     return f"sqlite:///{db}"
 
 
+@functools.cache
 def _template() -> Path:
-    with _TEMPLATE_LOCK:
-        if not _TEMPLATE:
-            folder = Path(tempfile.mkdtemp(prefix="tidal-mlflow-template-"))
-            atexit.register(shutil.rmtree, folder, True)
-            db = folder / "mlflow.db"
-            MlflowClient(f"sqlite:///{db}").search_experiments()  # creates and migrates the store
-            _TEMPLATE.append(db)
-        return _TEMPLATE[0]
+    folder = Path(tempfile.mkdtemp(prefix="tidal-mlflow-template-"))
+    atexit.register(shutil.rmtree, folder, True)
+    db = folder / "mlflow.db"
+    MlflowClient(f"sqlite:///{db}").search_experiments()  # creates and migrates the store
+    return db
 
 
 def job_run_id(spec: JobSpec, timeout: float = 120) -> str:
