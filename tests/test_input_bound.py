@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -60,15 +61,22 @@ def test_a_job_with_a_slow_data_source_is_reported_input_bound(tmp_path, capfd):
 
     lines = [ln for ln in out.splitlines() if "input-bound:" in ln]
     assert len(lines) == 1, out[-3000:]
-    assert lines[0].startswith("[tidal] WARNING: input-bound:") and "waited for data over steps 1-6" in lines[0]
+    assert lines[0].startswith("[tidal] WARNING: input-bound:"), lines[0]
+    # The window is 3 log intervals of 2 steps. Which 3 depends on the machine: an interval
+    # that compiled has no times, and a loaded machine's first steps can be compute-heavy.
+    window = re.search(r"waited for data over steps (\d+)-(\d+)", lines[0])
+    assert window, lines[0]
+    first, last = int(window[1]), int(window[2])
+    assert last - first + 1 == 6 and last < 12, lines[0]
     assert "data.dataset __getitem__" in lines[0] and "faster storage" in lines[0], lines[0]
     share = metric_history(spec, result.mlflow_run_id, "input_bound_share")
-    assert list(share) == [6] and share[6] > 0.2, share
-    assert metric_history(spec, result.mlflow_run_id, "input_bound") == {2: 0, 4: 0, 6: 1, 8: 1, 10: 1, 12: 1}
+    assert list(share) == [last] and share[last] > 0.2, share
+    flag = metric_history(spec, result.mlflow_run_id, "input_bound")
+    assert flag == {s: int(s >= last) for s in range(2, 13, 2)}, flag
     tags = MlflowClient(spec.tracking.uri).get_run(result.mlflow_run_id).data.tags
-    assert tags[INPUT_BOUND_TAG] == f"data wait {share[6]:.0%} of the step time"
+    assert tags[INPUT_BOUND_TAG] == f"data wait {share[last]:.0%} of the step time"
     summary = result.summary()
-    assert f"input-bound     {share[6]:.0%} of each step waited for data" in summary, summary
+    assert f"input-bound     {share[last]:.0%} of each step waited for data" in summary, summary
     time_line = next(ln for ln in summary.splitlines() if ln.startswith("  time "))
     assert "data wait" in time_line and "forward/backward" in time_line and "optimizer" in time_line, time_line
     data_share = int(time_line.split("data wait ")[1].split("%")[0])
