@@ -7,7 +7,8 @@
 `paper`: 7B and 70B, ZeRO-2 and ZeRO-3, 8-GPU nodes, 8 -> 16 -> 8 nodes, from the same functions a
 restore runs: `tidal.worker.fetch.rank_files` picks each rank's files of a listing laid out as
 DeepSpeed writes it, `tidal.worker.share.partition` a ZeRO-3 rank's share of each universal file,
-`tidal.worker.universal.conversion_disk` the conversion's disk; requests are those of
+`tidal.worker.universal_spread.share` and `.owners` each rank's part of the conversion (its old
+partitions, the parameters it merges); requests are those of
 `tidal.worker.restore` (rank 0 lists and verifies once, each rank asks for its own files). Bandwidths
 are stated, not measured; the conversion's own compute is left out (it adds to the resize time).
 
@@ -33,7 +34,7 @@ from pathlib import Path
 from benchmarks.common import history, latest_run_id, tidal_run, write_spec
 from benchmarks.reshard import DiskPeak
 from tidal.spec.job import JobSpec
-from tidal.worker import fetch, share, universal
+from tidal.worker import fetch, share, universal_spread
 
 GB = 1e9
 
@@ -175,8 +176,8 @@ def paper_row(m: Model, stage: int, old_nodes: int, new_nodes: int, gpus: int, n
     tag = {rel.removeprefix("global_step1/"): size for rel, size in ckpt.items()}
     # Same-size restart: each node reads its ranks' files (fetch.rank_files), once per node.
     same = max(node_bytes([fetch.rank_files(tag, node * gpus + g) for g in range(gpus)]) for node in range(old_nodes))
-    # Resize: rank 0 converts the whole checkpoint (universal.conversion_disk on its node), then
-    # every node reads its ranks' share of the universal folder.
+    # Resize: the ranks convert together (below), then every node reads its ranks' share of the
+    # universal folder.
     uni = universal_listing(m, stage)
     if stage == 3:
         per_node = [sum(zero3_share_bytes(uni, new_world, node * gpus + g) for g in range(gpus))
@@ -185,8 +186,35 @@ def paper_row(m: Model, stage: int, old_nodes: int, new_nodes: int, gpus: int, n
         per_node = [node_bytes([fetch.rank_files(uni, 0, held_params(m, new_world, node * gpus + g))
                                 for g in range(gpus)]) for node in range(new_nodes)]
     load = max(per_node)
-    convert_read, convert_disk = state, universal.conversion_disk(state)
-    upload = sum(uni.values())
+    # The conversion, spread (universal_spread): each rank fetches its share (old partitions d with
+    # d * new_world // partitions == rank, and the model states once per node), sends the fragments of parameters
+    # others own (about its partitions' bytes times their share), receives its own parameters'
+    # fragments and uploads their universal files. Per node, the busiest node.
+    sizes = m.tensors()
+    own = universal_spread.owners(sizes, new_world)
+    total = sum(sizes.values())
+    optim = sum(size for rel, size in ckpt.items() if "optim_states" in rel)
+    nodes = []
+    for node in range(new_nodes):
+        ranks = range(node * gpus, (node + 1) * gpus)
+        mine = [universal_spread.share(ckpt, "global_step1", r, new_world) for r in ranks]
+        read = node_bytes([s.fetch for s in mine])
+        extracted = sum(size for s in mine for rel, size in s.fetch.items() if "optim_states" in rel)
+        owned = sum(n for name, n in sizes.items() if own[name] in ranks) / total
+        received = (optim - extracted) * owned
+        written = sum(size for rel, size in uni.items() if rel.startswith("zero/") and rel.count("/") == 2
+                      and own.get(rel.split("/")[1], 0) in ranks)
+        traffic = read + extracted * (1 - owned) + received + written
+        nodes.append({"read": read + received, "disk": read + extracted + received + written, "traffic": traffic})
+    busiest = max(nodes, key=lambda n: n["traffic"])
+    node0 = nodes[0]
+    # Requests: rank 0's verify, each rank's share, a bundle per (sender, owner) pair put and got,
+    # two reports a rank, the output files once, and the load's own.
+    senders = sum(1 for r in range(new_world) if any("optim" in rel
+                                                    for rel in universal_spread.share(ckpt, "global_step1", r, new_world).fetch))
+    bundles = senders * len(set(own.values()))
+    convert_requests = 2 * sum(len(universal_spread.share(ckpt, "global_step1", r, new_world).fetch)
+                               for r in range(new_world)) + 2 * bundles + 2 * new_world + len(uni)
     # Requests (tidal.worker.restore): rank 0 lists the run, reads the state file and each rank's
     # manifest, asks about each listed file; each rank then asks for and reads each of its files.
     verify = 2 + old_world + len(ckpt)
@@ -196,14 +224,17 @@ def paper_row(m: Model, stage: int, old_nodes: int, new_nodes: int, gpus: int, n
         per_rank = shares * sliced_files + 2 * (len(uni) - sliced_files)
     else:
         per_rank = 2 * max(len(fetch.rank_files(uni, 0, held_params(m, new_world, r))) for r in range(0, new_world, gpus))
-    resize_requests = verify + 2 * len(ckpt) + len(uni) + per_rank * new_world
+    resize_requests = verify + convert_requests + per_rank * new_world
     node_bps, store_bps = node_gbps * GB / 8, store_gbps * GB / 8
     aggregate = min(store_bps, node_bps * new_nodes)
-    resize_s = (convert_read + upload) / node_bps + max(load / node_bps, load * new_nodes / aggregate)
+    all_traffic = sum(n["traffic"] for n in nodes)
+    resize_s = (max(busiest["traffic"] / node_bps, all_traffic / aggregate)
+                + max(load / node_bps, load * new_nodes / aggregate))
     same_s = max(same / node_bps, same * old_nodes / min(store_bps, node_bps * old_nodes))
     return {"model": m.name, "zero": stage, "state_gb": state / GB, "same_gb": same / GB, "same_s": same_s,
-            "same_requests": same_requests, "resize_gb_node0": (convert_read + load) / GB,
-            "resize_gb_node": load / GB, "disk_gb_node0": (convert_disk + load) / GB, "disk_gb_node": load / GB,
+            "same_requests": same_requests, "resize_gb_node0": (node0["read"] + load) / GB,
+            "resize_gb_node": (busiest["read"] + load) / GB, "disk_gb_node0": (node0["disk"] + load) / GB,
+            "disk_gb_node": (busiest["disk"] + load) / GB,
             "resize_requests": resize_requests, "resize_s": resize_s}
 
 
@@ -214,7 +245,7 @@ def paper(args: argparse.Namespace) -> None:
     print(f"{args.gpus}-GPU nodes; node link {args.node_gbps:g} Gbit/s, storage {args.store_gbps:g} Gbit/s in all; "
           f"a ZeRO-3 share of one universal file takes {shares} requests\n")
     print("| model | ZeRO | nodes | state | restart: read per node | restart: requests | restart: s | "
-          "resize: read, node 0 / others | resize: peak disk, node 0 / others | resize: requests | resize: s |")
+          "resize: read, node 0 / busiest | resize: peak disk, node 0 / busiest | resize: requests | resize: s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for row, (old, new) in zip(rows, [(8, 16), (16, 8)] * 4, strict=True):
         print(f"| {row['model']} | {row['zero']} | {old} -> {new} | {row['state_gb']:.0f} GB | {row['same_gb']:.1f} GB "

@@ -289,6 +289,12 @@ def local_files(fs: pafs.FileSystem, root: str, rels: list[str]) -> Iterator[str
 def upload_dir(local: str, fs: pafs.FileSystem, path: str) -> dict[str, int]:
     """Copy the local folder `local` to `path` in `fs` (replacing what was there); returns its files' sizes."""
     delete_dir(fs, path)
+    return upload_into(local, fs, path)
+
+
+def upload_into(local: str, fs: pafs.FileSystem, path: str) -> dict[str, int]:
+    """Copy the local folder `local` into `path` in `fs`, leaving what else is there (several
+    writers fill one folder); returns the copied files' sizes."""
     fs.create_dir(path, recursive=True)
     pafs.copy_files(local, path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs,
                     use_threads=True)

@@ -43,7 +43,7 @@ from tidal.storage import (
     listed_files,
     quarantine,
 )
-from tidal.worker import fetch, safe_load, universal
+from tidal.worker import fetch, safe_load, universal, universal_spread
 from tidal.worker.checkpoint import TrainState, tag
 
 log = logging.getLogger("tidal")
@@ -122,7 +122,7 @@ def _converted(found: Found, step_tag: str) -> tuple[str, dict[str, int], str]:
     verifies the published conversion once and hands its list to every rank. A conversion that
     fails on checkpoint files proven corrupt quarantines the checkpoint (rank 0, which read them)."""
     try:
-        out_tag = universal.ensure(found, step_tag, dist.get_rank())
+        out_tag = universal_spread.ensure(found, step_tag, dist.get_rank(), dist.get_world_size())
     except fetch.LocalDiskFull:
         raise
     except CheckpointError as e:

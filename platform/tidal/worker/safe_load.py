@@ -21,6 +21,7 @@ import io
 import os
 import pickle
 import re
+import threading
 import zipfile
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -45,6 +46,7 @@ def allowed_globals() -> list[Any]:
 _extra: list[Any] = []  # this job's checkpoint.safe_globals, resolved (`allow`)
 _checked: set[str] = set()  # files whose state `check_saveable` found loadable in this process
 FIELD = "checkpoint.safe_globals"
+_loading = threading.Lock()
 
 
 def allow(names: Iterable[str]) -> None:
@@ -144,7 +146,10 @@ class UnsafeCheckpointFile(CheckpointError):
 def safe_load(f: Any, map_location: Any = "cpu", mmap: bool = False) -> Any:
     """`torch.load` that refuses (UnsafeCheckpointFile) any pickle naming a type outside the
     allow-list, instead of calling it."""
-    with torch.serialization.safe_globals(allowed_globals()):
+    # torch keeps the safe-globals list per process and the context restores it on exit: two
+    # threads loading at once (a background fetch, ranks simulated as threads) would clear each
+    # other's list mid-load and refuse sound files.
+    with _loading, torch.serialization.safe_globals(allowed_globals()):
         try:
             return torch.load(f, map_location=map_location, weights_only=True, mmap=mmap)
         except pickle.UnpicklingError as e:

@@ -41,6 +41,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -96,7 +97,11 @@ def prepare(found: Found, step_tag: str) -> None:
     of this attempt replaces any earlier attempt's, so no waiter reads a failure that is not this
     attempt's."""
     fs.delete_file(found.fs, f"{found.path}/{marker(step_tag)}")
-    fs.write_json(found.fs, f"{found.path}/{status_name(step_tag)}", {"state": "pending", "beats": 0})
+    fs.delete_dir(found.fs, f"{found.path}/{step_tag}_universal")  # an earlier attempt's half, its work folder too
+    # `work` names this attempt's conversion: a spread one (tidal.worker.universal_spread) keeps
+    # its ranks' exchanges under it, apart from a killed attempt's.
+    fs.write_json(found.fs, f"{found.path}/{status_name(step_tag)}",
+                  {"state": "pending", "beats": 0, "work": uuid.uuid4().hex})
 
 
 def ready(found: Found, step_tag: str) -> bool:
@@ -159,8 +164,9 @@ def _wait(found: Found, step_tag: str, out_tag: str) -> None:
 class _Status:
     """Rank 0's heartbeat: rewrites the status file every HEARTBEAT_S with the current stage."""
 
-    def __init__(self, storage: pafs.FileSystem, path: str) -> None:
+    def __init__(self, storage: pafs.FileSystem, path: str, **extra: Any) -> None:
         self.storage, self.path, self.stage, self.beats = storage, path, "starting", 0
+        self.extra = extra  # kept in every write (a spread conversion's work id)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True, name="tidal-reshard-status")
 
@@ -172,7 +178,8 @@ class _Status:
         self.beats += 1
         with contextlib.suppress(OSError):  # a missed beat is retried; a waiter allows STALE_S
             fs.write_json(self.storage, self.path, {"state": state, "beats": self.beats, "stage": self.stage,
-                                                    "host": os.uname().nodename, "pid": os.getpid(), **extra})
+                                                    "host": os.uname().nodename, "pid": os.getpid(),
+                                                    **self.extra, **extra})
 
     def __enter__(self) -> _Status:
         self.thread.start()
@@ -228,7 +235,12 @@ def conversion_disk(total: int) -> int:
 
 def _check_disk(folder: str, total: int, download: int) -> None:
     """The conversion holds its input (a private copy), DeepSpeed's fragments and the output at once."""
-    need, free = conversion_disk(total) - total + download, _free(folder)
+    check_disk(folder, conversion_disk(total) - total + download)
+
+
+def check_disk(folder: str, need: int) -> None:
+    """LocalDiskFull, saying what to do, unless `need` bytes are free under `folder`."""
+    free = _free(folder)
     if need > free:
         raise LocalDiskFull(f"converting needs about {need:,} bytes of local disk in {folder} and {free:,} are free. "
                             "Free space there or point TIDAL_RESTORE_CACHE at a larger node-local folder; the "
@@ -253,17 +265,20 @@ def _input(found: Found, cache: NodeCache, files: dict[str, int], step_tag: str)
     return cache.path(step_tag)
 
 
-def _run(src: str, dst: str, files: dict[str, int], status: _Status) -> None:
-    """Run `ds_to_universal` with parallel workers in its own process group; log its stages."""
+def _run(src: str, dst: str, files: dict[str, int], status: Any, module: str = __name__, child: Any = (),
+         on_poll: Callable[[], None] | None = None, ranks_here: int = 1) -> None:
+    """Run `ds_to_universal` with parallel workers in its own process group; log its stages.
+    `module` runs it (with `child` arguments first), `on_poll` is called every second meanwhile,
+    and `ranks_here` converting ranks share the node's CPUs."""
     import psutil
 
     partitions = [size for rel, size in files.items() if "optim_states" in rel]
-    n = workers(len(os.sched_getaffinity(0)), max(1, len(partitions)), max(partitions, default=1),
-                psutil.virtual_memory().available)
+    n = workers(max(1, len(os.sched_getaffinity(0)) // ranks_here), max(1, len(partitions)),
+                max(partitions, default=1), psutil.virtual_memory().available // ranks_here)
     here = str(Path(__file__).resolve().parents[2])  # the folder holding the tidal package
     env = {**os.environ, "PYTHONWARNINGS": "ignore",
            "PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)}
-    cmd = [sys.executable, "-m", "tidal.worker.universal", str(os.getpid()), "--input_folder", src,
+    cmd = [sys.executable, "-m", module, str(os.getpid()), *child, "--input_folder", src,
            "--output_folder", dst, "--num_extract_workers", str(n), "--num_merge_workers", str(n)]
     out_log = os.path.join(os.path.dirname(dst), "convert.log")
     os.makedirs(os.path.dirname(dst), exist_ok=True)
@@ -277,6 +292,8 @@ def _run(src: str, dst: str, files: dict[str, int], status: _Status) -> None:
             if time.monotonic() > deadline:
                 raise CheckpointError(f"the conversion ran past {TIMEOUT_ENV}={timeout_s():.0f} s and was stopped")
             seen = _stages(out_log, seen, status, t0)
+            if on_poll is not None:
+                on_poll()
             time.sleep(1.0)
         _stages(out_log, seen, status, t0)
     finally:

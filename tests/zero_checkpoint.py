@@ -1,0 +1,51 @@
+"""Save a real DeepSpeed ZeRO checkpoint from a small data-parallel group, one process per rank:
+`python -m tests.zero_checkpoint OUT STAGE RANK WORLD PORT`. The model's parameters are sized so
+the flat partitions cut through them (a parameter's fragments come from several ranks), and one
+parameter never gets a gradient (ZeRO keeps no optimizer state for it)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+from torch import nn
+
+
+class Small(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(7, 13)
+        self.b = nn.Linear(13, 5)
+        self.idle = nn.Parameter(torch.ones(3))  # unused in forward: no gradient, ever
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+def main(out: str, stage: int, rank: int, world: int, port: int) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    import deepspeed
+
+    from tidal.worker.device import skip_cpu_shm_allreduce
+
+    skip_cpu_shm_allreduce()  # as Tidal's engine does: no op compiled on a CPU
+    torch.manual_seed(0)
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+              "zero_optimization": {"stage": stage}, "steps_per_print": 10**9}
+    deepspeed.init_distributed("gloo", auto_mpi_discovery=False)
+    engine, *_ = deepspeed.initialize(model=Small(), config=config)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(2):
+        loss = engine(torch.randn(2, 7, generator=g)).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+    # what Tidal saves beside the state (tidal.worker.checkpoint): DeepSpeed converts nothing without it
+    engine.save_checkpoint(out, tag="global_step2",
+                           client_state={"universal_checkpoint_info": {"universal_checkpoint_version": 0.4}})
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
