@@ -14,7 +14,7 @@ import pytest
 
 import tidal
 from tests.conftest import ROOT, free_port, tiny_spec
-from tidal.worker.telemetry import GAUGES, exported_names
+from tidal.worker.telemetry import GAUGES, exported_names, tag_keys
 
 DASHBOARD = ROOT / "cluster_configs" / "grafana" / "tidal-dashboard.json"
 SAMPLE = re.compile(r"^(?P<name>ray_tidal_\w+)\{(?P<tags>[^}]*)\} (?P<value>\S+)$")
@@ -32,6 +32,21 @@ def test_every_metric_the_dashboard_uses_is_one_tidal_exports():
     assert used <= exported_names(), f"not exported by Tidal: {sorted(used - exported_names())}"
     assert {"ray_tidal_tokens_per_s", "ray_tidal_straggler_ratio", "ray_tidal_comm_frac", "ray_tidal_world_size",
             "ray_tidal_mfu", "ray_tidal_gpu_util_frac", "ray_tidal_cost_per_hour"} <= used
+
+
+def test_every_label_an_annotation_prints_is_kept_by_its_query_and_carried_by_its_gauge():
+    """Grafana prints an empty `{{label}}` when the query drops it or the gauge never had it: the
+    straggler annotation must name the node that left, not only the job."""
+    board = json.loads(DASHBOARD.read_text())
+    notes = [a for a in board["annotations"]["list"] if "expr" in a]
+    assert notes
+    for note in notes:
+        printed = set(re.findall(r"{{(\w+)}}", note.get("textFormat", "") + note.get("titleFormat", "")))
+        kept = set(re.findall(r"by \(([^)]*)\)", note["expr"])[0].replace(" ", "").split(","))
+        gauge = re.search(r"ray_tidal_(\w+)", note["expr"])[1]
+        assert printed <= kept <= set(tag_keys(gauge)), (note["name"], printed, kept, tag_keys(gauge))
+    straggler = next(n for n in notes if "straggler" in n["expr"])
+    assert "{{excluded_node}}" in straggler["textFormat"], straggler["textFormat"]
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +102,8 @@ def test_a_running_job_shows_on_rays_metrics_endpoint_by_job_and_rank(ray_with_m
     # Everything a CPU job has: NVML needs a GPU, a cost needs priced nodes; a counter has its own tags.
     # (A straggler's exclusion is an event of its own: tests/test_straggler_exclusion.py.)
     cpu_job = {f"ray_tidal_{k}" for k in GAUGES} - {"ray_tidal_cost_per_hour", "ray_tidal_stall_s",
-                                                    "ray_tidal_straggler_excluded"} - {
+                                                    "ray_tidal_straggler_excluded",
+                                                    "ray_tidal_straggler_excluded_node"} - {
         n for n in exported_names() if "gpu_" in n}
     assert cpu_job <= names, f"missing from the endpoint: {sorted(cpu_job - names)}"
     starts = [t for n, t, _ in scrape(port) if n == "ray_tidal_group_starts_total" and t.get("tidal_job") == "prom"]

@@ -50,6 +50,12 @@ from tidal.worker.stragglers import (
 # exported_job), so every Tidal job would read as "ray", merged in the dashboard.
 JOB_LABEL = "tidal_job"
 TAGS = (JOB_LABEL, "rank", "node", "site")
+EXTRA_TAGS = {"straggler_excluded_node": ("excluded_node",)}  # set where they are known, not by _export
+
+
+def tag_keys(name: str) -> tuple[str, ...]:
+    """The labels gauge `name` carries."""
+    return TAGS + EXTRA_TAGS.get(name, ())
 # Exported as ray_tidal_<key> (Ray adds the prefix). Keys of the loop's metrics dict, plus
 # what this module adds; cluster_configs/grafana/tidal-dashboard.json is built on these names.
 GAUGES: dict[str, str] = {
@@ -74,6 +80,8 @@ GAUGES: dict[str, str] = {
     "straggler_ratio": "slowest rank's busy time over the median rank's (rank 0 reports it)",
     "straggler_rank": "rank with the most busy time (rank 0 reports it)",
     "straggler_excluded": "1 at the log step that took a straggler's node out of the job (rank 0; a Grafana annotation)",
+    "straggler_excluded_node": "1 at the log step that took a straggler's node out, labelled with that node's "
+                               "address (excluded_node; rank 0): the Grafana annotation names the node",
     "stall_s": "seconds outside training steps since the last log step (checkpoint saves mostly)",
     "workers_cloud": "workers on cloud nodes (rank 0 reports it)",
     "cost_per_hour": "what the group's workers cost per hour, from the nodes' price labels (rank 0)",
@@ -112,7 +120,7 @@ def _metric(name: str) -> Any:
             description, tags = COUNTERS[name]
             _metrics[name] = Counter(f"tidal_{name}", description, tag_keys=tags)
         else:
-            _metrics[name] = Gauge(f"tidal_{name}", GAUGES[name], tag_keys=TAGS)
+            _metrics[name] = Gauge(f"tidal_{name}", GAUGES[name], tag_keys=tag_keys(name))
     return _metrics[name]
 
 
@@ -263,6 +271,8 @@ class Telemetry:
         avoidance.write(self.spec, a)
         self.events.say(avoidance.describe(a, self.world, size, f.straggler_exclude_after_s, f.straggler_avoid_s), step)
         self.target = float(size)
+        if self.enabled:
+            _metric("straggler_excluded_node").set(1.0, tags={**self.tags, "excluded_node": p.node})
         return {"straggler_excluded_rank": float(rank), "straggler_excluded": 1.0}
 
     def _bring_back(self, step: int) -> None:
@@ -282,7 +292,7 @@ class Telemetry:
         self.target = float(most)
 
     def _export(self, values: dict[str, Any]) -> None:
-        for key in GAUGES:
+        for key in GAUGES.keys() - EXTRA_TAGS.keys():
             v = values.get(key)
             if isinstance(v, (int, float)) and v == v:  # NaN (e.g. MFU of an unknown GPU) is left out
                 _metric(key).set(float(v), tags=self.tags)
