@@ -41,6 +41,7 @@ import sys
 import threading
 import time
 import uuid
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -334,6 +335,11 @@ def _tensors_of_module(load: Any) -> Any:
     import torch
 
     def loaded(*args: Any, **kwargs: Any) -> Any:
+        f = args[0] if args else kwargs.get("f")
+        if "mmap" not in kwargs and isinstance(f, str | os.PathLike) and zipfile.is_zipfile(f):
+            # Memory-mapped: the ranks of a node converting together read the same copy of the
+            # model states (the node cache), so the page cache holds it once, not once a rank.
+            kwargs["mmap"] = True
         out = load(*args, **kwargs)
         if isinstance(out, dict) and isinstance(out.get("module"), dict):
             out["module"] = {k: v for k, v in out["module"].items() if isinstance(v, torch.Tensor)}
