@@ -293,6 +293,11 @@ def measure(args: argparse.Namespace) -> None:
             step += 2
             rows[kind].append(one(base / f"r{r}-{kind.split()[0]}", args, step, *kinds[kind]))
             print(f"round {r + 1} {kind}: {json.dumps(rows[kind][-1])}", flush=True)
+    same = [g["s"] for g in rows["same 2->2"]]
+    for kind in ("shrink 2->1", "grow 1->2"):  # each round's resize over the same round's restart
+        ratios = [g["s"] / s for g, s in zip(rows[kind], same, strict=True)]
+        print(f"{kind} / same 2->2, each round: {', '.join(f'{r:.2f}' for r in ratios)}; median "
+              f"{statistics.median(ratios):.2f}")
     for kind, got in rows.items():
         each = ", ".join(f"{g['s']:.1f}" for g in got)
         print(f"{kind}: median {statistics.median(g['s'] for g in got):.1f} s ({each}); copied per rank "
