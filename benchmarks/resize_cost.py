@@ -234,7 +234,7 @@ def paper_row(m: Model, stage: int, old_nodes: int, new_nodes: int, gpus: int, n
     return {"model": m.name, "zero": stage, "state_gb": state / GB, "same_gb": same / GB, "same_s": same_s,
             "same_requests": same_requests, "resize_gb_node0": (node0["read"] + load) / GB,
             "resize_gb_node": (busiest["read"] + load) / GB, "disk_gb_node0": (node0["disk"] + load) / GB,
-            "disk_gb_node": (busiest["disk"] + load) / GB,
+            "disk_gb_node": (busiest["disk"] + load) / GB, "disk_over_held": (busiest["disk"] + load) / load,
             "resize_requests": resize_requests, "resize_s": resize_s}
 
 
@@ -245,12 +245,14 @@ def paper(args: argparse.Namespace) -> None:
     print(f"{args.gpus}-GPU nodes; node link {args.node_gbps:g} Gbit/s, storage {args.store_gbps:g} Gbit/s in all; "
           f"a ZeRO-3 share of one universal file takes {shares} requests\n")
     print("| model | ZeRO | nodes | state | restart: read per node | restart: requests | restart: s | "
-          "resize: read, node 0 / busiest | resize: peak disk, node 0 / busiest | resize: requests | resize: s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "resize: read, node 0 / busiest | resize: peak disk, node 0 / busiest | peak disk / held after | "
+          "resize: requests | resize: s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row, (old, new) in zip(rows, [(8, 16), (16, 8)] * 4, strict=True):
         print(f"| {row['model']} | {row['zero']} | {old} -> {new} | {row['state_gb']:.0f} GB | {row['same_gb']:.1f} GB "
               f"| {row['same_requests']:,} | {row['same_s']:.0f} | {row['resize_gb_node0']:.0f} / {row['resize_gb_node']:.1f} GB "
-              f"| {row['disk_gb_node0']:.0f} / {row['disk_gb_node']:.1f} GB | {row['resize_requests']:,} "
+              f"| {row['disk_gb_node0']:.0f} / {row['disk_gb_node']:.1f} GB | {row['disk_over_held']:.1f}x "
+              f"| {row['resize_requests']:,} "
               f"| {row['resize_s']:.0f} |")
 
 
@@ -269,6 +271,7 @@ def job(base: Path, d_model: int, layers: int, steps: int, workers: int) -> JobS
 
 def one(base: Path, args: argparse.Namespace, step: int, before: int, after: int) -> dict[str, float]:
     """Save at `before` workers to `step`, then resume at `after` to `step + 1`: the second launch timed."""
+    base.mkdir(parents=True, exist_ok=True)
     write_spec(job(base, args.d_model, args.layers, step + 1, before).with_overrides({"train.stop_at": step}),
                base / "a.yaml")
     tidal_run(base / "a.yaml")
