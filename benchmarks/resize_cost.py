@@ -289,11 +289,10 @@ def measure(args: argparse.Namespace) -> None:
     base = Path(args.dir or tempfile.mkdtemp(prefix="tidal-resize-cost-"))
     kinds = {"same 2->2": (2, 2), "shrink 2->1": (2, 1), "grow 1->2": (1, 2)}
     rows: dict[str, list[dict[str, float]]] = {k: [] for k in kinds}
-    step = 0
+    step = 2  # each launch pair has a folder of its own: the same short save in every round
     for r in range(args.rounds):
         order = list(kinds) if r % 2 == 0 else list(reversed(kinds))
         for kind in order:
-            step += 2
             rows[kind].append(one(base / f"r{r}-{kind.split()[0]}", args, step, *kinds[kind]))
             print(f"round {r + 1} {kind}: {json.dumps(rows[kind][-1])}", flush=True)
     same = [g["s"] for g in rows["same 2->2"]]
