@@ -119,7 +119,7 @@ def ensure(found: Found, step_tag: str, rank: int) -> str:
         if not ready(found, step_tag):
             _convert(found, step_tag, out_tag)
     else:
-        _wait(found, step_tag, out_tag)
+        wait_for(found, step_tag, out_tag)
     return out_tag
 
 
@@ -136,7 +136,7 @@ def published(found: Found, step_tag: str) -> dict[str, Any]:
     return doc
 
 
-def _wait(found: Found, step_tag: str, out_tag: str) -> None:
+def wait_for(found: Found, step_tag: str, out_tag: str) -> None:
     status_path = f"{found.path}/{status_name(step_tag)}"
     done = f"{found.path}/{marker(step_tag)}"
     t0 = said = last_change = time.monotonic()
@@ -162,7 +162,7 @@ def _wait(found: Found, step_tag: str, out_tag: str) -> None:
         time.sleep(POLL_S)
 
 
-class _Status:
+class Status:
     """Rank 0's heartbeat: rewrites the status file every HEARTBEAT_S with the current stage."""
 
     def __init__(self, storage: pafs.FileSystem, path: str, **extra: Any) -> None:
@@ -182,7 +182,7 @@ class _Status:
                                                     "host": os.uname().nodename, "pid": os.getpid(),
                                                     **self.extra, **extra})
 
-    def __enter__(self) -> _Status:
+    def __enter__(self) -> Status:
         self.thread.start()
         return self
 
@@ -204,7 +204,7 @@ def _convert(found: Found, step_tag: str, out_tag: str) -> None:
     if not files:
         raise CheckpointError(f"{found.name} lists no files under {step_tag}: nothing to convert")
     total = sum(files.values())
-    with _Status(found.fs, f"{found.path}/{status_name(step_tag)}") as status, \
+    with Status(found.fs, f"{found.path}/{status_name(step_tag)}") as status, \
             NodeCache(f"convert:{found.path}/{step_tag}", name=f"convert-{found.name}", keep=False) as cache:
         _check_disk(cache.dir, total, total)
         status.stage = f"fetching {len(files)} files, {total / 2**20:.0f} MiB"
@@ -218,7 +218,7 @@ def _convert(found: Found, step_tag: str, out_tag: str) -> None:
         safe_load.check_files(cache.dir, files)
         dst = os.path.join(cache.dir, "out", out_tag)
         t1 = time.monotonic()
-        _run(cache.path(step_tag), dst, files, status)
+        run_converter(cache.path(step_tag), dst, files, status)
         status.stage = "publishing"
         t2 = time.monotonic()
         fs.publish_dir(dst, found.fs, out, done, id=uuid.uuid4().hex)
@@ -266,8 +266,8 @@ def _input(found: Found, cache: NodeCache, files: dict[str, int], step_tag: str)
     return cache.path(step_tag)
 
 
-def _run(src: str, dst: str, files: dict[str, int], status: Any, module: str = __name__, child: Any = (),
-         on_poll: Callable[[], None] | None = None, ranks_here: int = 1) -> None:
+def run_converter(src: str, dst: str, files: dict[str, int], status: Any, module: str = __name__,
+                  child: Any = (), on_poll: Callable[[], None] | None = None, ranks_here: int = 1) -> None:
     """Run `ds_to_universal` with parallel workers in its own process group; log its stages.
     `module` runs it (with `child` arguments first), `on_poll` is called every second meanwhile,
     and `ranks_here` converting ranks share the node's CPUs."""
@@ -306,7 +306,7 @@ def _run(src: str, dst: str, files: dict[str, int], status: Any, module: str = _
         raise CheckpointError(f"converting to a universal checkpoint failed (exit {proc.returncode}):\n{tail}")
 
 
-def _stages(out_log: str, seen: int, status: _Status, t0: float) -> int:
+def _stages(out_log: str, seen: int, status: Any, t0: float) -> int:
     """Log the stage lines (`*** ...`) the converter printed since line `seen`; returns the lines read."""
     with contextlib.suppress(OSError), open(out_log, errors="replace") as f:
         lines = f.read().splitlines()
@@ -318,14 +318,14 @@ def _stages(out_log: str, seen: int, status: _Status, t0: float) -> int:
     return seen
 
 
-def _die_with(parent: int) -> None:
+def die_with(parent: int) -> None:
     """In the converter: end the whole process group (its pool workers too) once rank 0 is gone."""
     while os.getppid() == parent:
         time.sleep(1.0)
     os.killpg(0, signal.SIGKILL)
 
 
-def _tensors_of_module(load: Any) -> Any:
+def tensors_of_module(load: Any) -> Any:
     """`torch.load` for the converter, whose module states keep only their tensors.
 
     DeepSpeed 0.19.8's `ds_to_universal` writes an fp32 file for every module-state entry it has
@@ -349,10 +349,10 @@ def _tensors_of_module(load: Any) -> Any:
 
 
 def _child(argv: list[str]) -> None:
-    threading.Thread(target=_die_with, args=(int(argv[0]),), daemon=True).start()
+    threading.Thread(target=die_with, args=(int(argv[0]),), daemon=True).start()
     from deepspeed.checkpoint import ds_to_universal
 
-    ds_to_universal.torch.load = _tensors_of_module(ds_to_universal.torch.load)  # this process only
+    ds_to_universal.torch.load = tensors_of_module(ds_to_universal.torch.load)  # this process only
     sys.argv = ["ds_to_universal", *argv[1:]]
     ds_to_universal.main(ds_to_universal.parse_arguments())
 

@@ -157,11 +157,11 @@ def ensure(found: Found, step_tag: str, rank: int, world: int) -> str:
     if not isinstance(work, str) or not re.fullmatch(r"[0-9a-f]{32}", work):
         raise CheckpointError(f"the conversion of {found.name} has no work id from rank 0 (status {status})")
     if rank == 0:
-        with universal._Status(found.fs, f"{found.path}/{universal.status_name(step_tag)}", work=work) as beat:
+        with universal.Status(found.fs, f"{found.path}/{universal.status_name(step_tag)}", work=work) as beat:
             _Convert(found, step_tag, mine, rank, world, work, files).run(beat)
     else:
         _Convert(found, step_tag, mine, rank, world, work, files).run(types.SimpleNamespace(stage=""))
-        universal._wait(found, step_tag, out_tag)
+        universal.wait_for(found, step_tag, out_tag)
     return out_tag
 
 
@@ -188,7 +188,8 @@ class _Convert:
             self._run(status)
         except Exception as e:
             with contextlib.suppress(OSError):  # the others stop waiting for this rank's share (_all)
-                fs.write_json(self.found.fs, f"{self.root}/failed-{self.rank}.json", {"error": f"{type(e).__name__}: {e}"[:2000]})
+                fs.write_json(self.found.fs, f"{self.root}/failed-{self.rank}.json",
+                              {"error": f"{type(e).__name__}: {e}"[:2000]})
             raise
 
     def _run(self, status: Any) -> None:
@@ -218,8 +219,9 @@ class _Convert:
                 "rank": self.rank, "world": self.world, "zero_stage": int(self.found.state["zero_stage"]),
                 "owners": self.own, "out": str(dst)}))
             t1 = time.monotonic()
-            universal._run(str(src), str(dst), self.mine.fetch, status, module=__name__, child=[str(self.ctl)],
-                           on_poll=self.poll, ranks_here=int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
+            universal.run_converter(str(src), str(dst), self.mine.fetch, status, module=__name__,
+                                    child=[str(self.ctl)], on_poll=self.poll,
+                                    ranks_here=int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
             t2 = time.monotonic()
             status.stage = "uploading its share"
             sizes = self.upload(str(dst), here / "up")
@@ -270,7 +272,8 @@ class _Convert:
             if peer == self.rank or not (doc.get("to") or {}).get(str(self.rank)):
                 continue
             local = self.ctl / f"from-{peer}.pt"
-            with self.found.fs.open_input_stream(f"{self.root}/frag-{peer}-to-{self.rank}.pt") as f, open(local, "wb") as out:
+            remote = f"{self.root}/frag-{peer}-to-{self.rank}.pt"
+            with self.found.fs.open_input_stream(remote) as f, open(local, "wb") as out:
                 shutil.copyfileobj(f, out, 8 * 2**20)
             bundle = safe_load.safe_load(str(local), mmap=True)
             if not isinstance(bundle, dict):
@@ -381,11 +384,11 @@ def _handoff(ctl: Path) -> None:
 
 
 def _child(argv: list[str]) -> None:
-    threading.Thread(target=universal._die_with, args=(int(argv[0]),), daemon=True).start()
+    threading.Thread(target=universal.die_with, args=(int(argv[0]),), daemon=True).start()
     from deepspeed.checkpoint import ds_to_universal
 
     ctl = Path(argv[1])
-    ds_to_universal.torch.load = universal._tensors_of_module(ds_to_universal.torch.load)  # this process only
+    ds_to_universal.torch.load = universal.tensors_of_module(ds_to_universal.torch.load)  # this process only
     _patch(ds_to_universal, json.loads((ctl / "plan.json").read_text()), ctl)
     sys.argv = ["ds_to_universal", *argv[2:]]
     ds_to_universal.main(ds_to_universal.parse_arguments())
