@@ -1,9 +1,10 @@
 """Restore a checkpoint at any world size: agree on the resume point, convert, load, condemn only proven damage.
 
 Resizing: DeepSpeed ZeRO checkpoints only load at the world size that wrote them. For another
-size rank 0 converts once to DeepSpeed's universal format, which keeps the optimizer state, and
-publishes it in storage beside the original as `global_stepN_universal` (a marker written last
-makes it count), while the other ranks wait for it outside any collective (tidal.worker.universal).
+size the new group converts once to DeepSpeed's universal format, which keeps the optimizer
+state, each rank its share (tidal.worker.universal_spread; tensor- or pipeline-parallel
+checkpoints on rank 0 alone, tidal.worker.universal), and publishes it in storage beside the
+original as `global_stepN_universal` (a marker written last makes it count), outside any collective.
 
 Rank 0 lists and verifies the checkpoint once and hands every rank the list of its files, so a
 rank's storage requests grow with its own files, not with the world. Each rank reads only the

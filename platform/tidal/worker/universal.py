@@ -1,5 +1,9 @@
 """Convert a checkpoint to DeepSpeed's universal form for a resize, outside any collective.
 
+This module holds the converter's process, its heartbeat and its waits, and converts on rank 0
+alone: what tidal.worker.universal_spread (which spreads a plain data-parallel checkpoint's
+conversion over every rank) falls back to for tensor- or pipeline-parallel checkpoints.
+
 Rank 0 converts while the other ranks wait by polling storage, not inside a collective: a
 conversion longer than the process group's timeout (Ray's 1800 s) would time the group out
 while every rank sat in a broadcast, and each next attempt would start it over. Polling ranks
