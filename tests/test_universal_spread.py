@@ -120,7 +120,7 @@ def spread(found: Found, world: int) -> list[BaseException]:
         except BaseException as e:  # noqa: BLE001 - reported by the test
             errors.append(e)
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    threads = [threading.Thread(target=rank, args=(r,), name=f"rank-{r}") for r in range(world)]
     for t in threads:
         t.start()
     for t in threads:
@@ -157,7 +157,18 @@ def test_ranks_converting_together_make_what_deepspeed_makes_alone(checkpoints, 
     universal.ensure(found, "global_step2", rank=0)  # DeepSpeed's converter, alone on rank 0
     alone = contents(store, base)
 
+    fetched: dict[str, set[str]] = {}
+    real_fetch = fetch.NodeCache.fetch
+
+    def recording(self, storage, src, files):  # what each simulated rank copies from storage
+        fetched.setdefault(threading.current_thread().name, set()).update(files)
+        return real_fetch(self, storage, src, files)
+
+    monkeypatch.setattr(fetch.NodeCache, "fetch", recording)
     assert spread(found, world) == []
+    partitions = {rel for rel in found.files if "optim_states" in rel}
+    took = {r: {rel for rel in fetched[f"rank-{r}"] if "optim_states" in rel} for r in range(world)}
+    assert set().union(*took.values()) == partitions and sum(map(len, took.values())) == len(partitions), took
     together = contents(store, base)
     assert sorted(together) == sorted(alone)
     assert [rel for rel in alone if not same(alone[rel], together[rel])] == []
