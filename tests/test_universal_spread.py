@@ -192,7 +192,7 @@ def test_a_bundle_naming_another_ranks_parameter_is_refused(checkpoints, tmp_pat
         if self.rank == 1:
             theirs = next(n for n, r in self.own.items() if r == 1)
             torch.save({f"{theirs}/0/fp32.00": torch.zeros(1)}, self.ctl / "bad.pt")
-            self._put(self.ctl / "bad.pt", f"{self.root}/frag-1-to-0.pt")
+            self._copy(str(self.ctl / "bad.pt"), pafs.LocalFileSystem(), f"{self.root}/frag-1-to-0.pt", self.found.fs)
             fs.write_json(self.found.fs, f"{self.root}/extracted-1.json", {"to": {"0": 1}})
 
     monkeypatch.setattr(universal_spread._Convert, "_send", planted)

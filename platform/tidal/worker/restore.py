@@ -41,7 +41,6 @@ from tidal.storage import (
     RunDir,
     check_complete,
     find_resume_point,
-    listed_files,
     quarantine,
 )
 from tidal.worker import fetch, safe_load, universal, universal_spread
@@ -142,10 +141,9 @@ def _converted(found: Found, step_tag: str) -> tuple[str, dict[str, int], str]:
 
 def tag_files(found: Found, step_tag: str) -> dict[str, int]:
     """The files of the folder `step_tag` of `found` (relative to it -> size) that its manifests
-    list: from the list rank 0 handed out (`Found.files`), read from storage only without one."""
-    listed = found.files if found.files is not None else listed_files(found.fs, found.path)
+    list (`universal.step_files`, relative to the tag folder here)."""
     prefix = f"{step_tag}/"
-    return {rel[len(prefix):]: size for rel, size in listed.items() if rel.startswith(prefix)}
+    return {rel[len(prefix):]: size for rel, size in universal.step_files(found, step_tag).items()}
 
 
 def rank_files(engine: Any, listed: dict[str, int], step_tag: str) -> dict[str, int]:

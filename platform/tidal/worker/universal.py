@@ -199,12 +199,18 @@ class Status:
             self.write("failed", error=f"{type(error).__name__}: {error}"[:2000])
 
 
+def step_files(found: Found, step_tag: str) -> dict[str, int]:
+    """The files of the folder `step_tag` of `found` that its manifests list (relative to the run
+    folder -> size): from the list rank 0 handed out (`Found.files`), read from storage only without one."""
+    listed = found.files if found.files is not None else listed_files(found.fs, found.path)
+    return {rel: size for rel, size in listed.items() if rel.startswith(f"{step_tag}/")}
+
+
 def _convert(found: Found, step_tag: str, out_tag: str) -> None:
     t0 = time.monotonic()
     out, done = f"{found.path}/{out_tag}", f"{found.path}/{marker(step_tag)}"
     fs.delete_file(found.fs, done)  # a stale marker must not bless a half-made upload
-    listed = found.files if found.files is not None else listed_files(found.fs, found.path)
-    files = {rel: size for rel, size in listed.items() if rel.startswith(f"{step_tag}/")}
+    files = step_files(found, step_tag)
     if not files:
         raise CheckpointError(f"{found.name} lists no files under {step_tag}: nothing to convert")
     total = sum(files.values())

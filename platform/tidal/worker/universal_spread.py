@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import shutil
@@ -56,6 +57,7 @@ from tidal.worker.fetch import NodeCache
 OPTIM_RE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 MODEL_RE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
 FRAGMENT_RE = re.compile(r"^([^/]+)/(\d+)/(fp32|exp_avg|exp_avg_sq|step)\.(\d+)$")
+_LOCAL = pafs.LocalFileSystem()
 WORK = "tidal-work"  # under the output folder: removed with it, never listed by its marker
 
 
@@ -109,14 +111,8 @@ def param_sizes(model_states: str) -> dict[str, int]:
     groups = shapes if isinstance(shapes, list) else [shapes]
     if not groups or not all(isinstance(g, dict) for g in groups):
         raise CheckpointError(f"{os.path.basename(model_states)} has no parameter shapes to split the conversion by")
-    sizes = {}
-    for group in groups:
-        for name, shape in group.items():
-            count = 1
-            for dim in shape:
-                count *= int(dim)
-            sizes[fs.check_name(name)] = count
-    return sizes
+    return {fs.check_name(name): math.prod(int(dim) for dim in shape)
+            for group in groups for name, shape in group.items()}
 
 
 def owners(sizes: dict[str, int], world: int) -> dict[str, int]:
@@ -147,8 +143,7 @@ def ensure(found: Found, step_tag: str, rank: int, world: int) -> str:
     out_tag = f"{step_tag}_universal"
     if fs.exists(found.fs, f"{found.path}/{universal.marker(step_tag)}"):
         return out_tag  # rank 0 verified it before any rank read it (restore.agree_on_resume_point)
-    listed = found.files if found.files is not None else universal.listed_files(found.fs, found.path)
-    files = {rel: size for rel, size in listed.items() if rel.startswith(f"{step_tag}/")}
+    files = universal.step_files(found, step_tag)
     mine = share(files, step_tag, rank, world)
     if mine is None:
         return universal.ensure(found, step_tag, rank)
@@ -182,6 +177,7 @@ class _Convert:
         self.ctl = Path()
         self.tmp = Path()
         self.own: dict[str, int] = {}
+        self.listed: set[str] = set()  # the work folder's names at the last look (`_all`)
 
     def run(self, status: Any) -> None:
         try:
@@ -194,13 +190,13 @@ class _Convert:
 
     def _run(self, status: Any) -> None:
         t0 = time.monotonic()
-        total = sum(self.mine.fetch.values())
+        fetching = sum(self.mine.fetch.values())
         with NodeCache(f"convert:{self.out}:{self.work}", name=f"convert-{self.found.name}", keep=False) as cache:
             # its copy, the fragments of its partitions, those it receives and its output (about
             # 1/world of the optimizer state each), at once
             partitions = sum(size for rel, size in self.mine.fetch.items() if _is_partition(rel))
-            universal.check_disk(cache.dir, total + partitions + 2 * self.optim // self.world)
-            status.stage = f"fetching {len(self.mine.fetch)} files, {total / 2**20:.0f} MiB"
+            universal.check_disk(cache.dir, fetching + partitions + 2 * self.optim // self.world)
+            status.stage = f"fetching {len(self.mine.fetch)} files, {fetching / 2**20:.0f} MiB"
             cache.fetch(self.found.fs, self.found.path, self.mine.fetch)
             status.stage = "checking the files' pickles"
             safe_load.check_files(cache.dir, self.mine.fetch)
@@ -258,7 +254,7 @@ class _Convert:
             local = self.ctl / f"to-{owner}.pt"
             torch.save(bundle, local)
             sent[str(owner)] = local.stat().st_size
-            self._put(local, f"{self.root}/frag-{self.rank}-to-{owner}.pt")
+            self._copy(str(local), _LOCAL, f"{self.root}/frag-{self.rank}-to-{owner}.pt", self.found.fs)
             local.unlink()
             for rel in bundle:
                 (self.tmp / rel).unlink()
@@ -268,13 +264,12 @@ class _Convert:
         import torch
 
         for peer in range(self.world):
-            doc = fs.read_json(self.found.fs, f"{self.root}/extracted-{peer}.json") or {}
-            if peer == self.rank or not (doc.get("to") or {}).get(str(self.rank)):
+            # a sender's bundles are in storage before its report, so the listing that found
+            # every report (`_all`) holds every bundle for this rank
+            if peer == self.rank or f"frag-{peer}-to-{self.rank}.pt" not in self.listed:
                 continue
             local = self.ctl / f"from-{peer}.pt"
-            remote = f"{self.root}/frag-{peer}-to-{self.rank}.pt"
-            with self.found.fs.open_input_stream(remote) as f, open(local, "wb") as out:
-                shutil.copyfileobj(f, out, 8 * 2**20)
+            self._copy(f"{self.root}/frag-{peer}-to-{self.rank}.pt", self.found.fs, str(local), _LOCAL)
             bundle = safe_load.safe_load(str(local), mmap=True)
             if not isinstance(bundle, dict):
                 raise CheckpointError(f"rank {peer}'s fragments for rank {self.rank} are not a name -> tensor map")
@@ -293,14 +288,14 @@ class _Convert:
             raise CheckpointError(f"the conversion made a fragment {rel!r} of no parameter the model states name")
         return self.own[m[1]]
 
-    def _put(self, local: Path, path: str) -> None:
-        with open(local, "rb") as f, self.found.fs.open_output_stream(path) as out:
-            shutil.copyfileobj(f, out, 8 * 2**20)
+    @staticmethod
+    def _copy(src: str, src_fs: pafs.FileSystem, dst: str, dst_fs: pafs.FileSystem) -> None:
+        pafs.copy_files(src, dst, source_filesystem=src_fs, destination_filesystem=dst_fs)
 
     def _all(self, what: str) -> bool:
         """Whether every rank wrote `what`; CheckpointError once any rank reports a failure."""
         self.next_look = time.monotonic() + universal.POLL_S
-        names = {i.base_name for i in fs.list_dir(self.found.fs, self.root)}
+        names = self.listed = {i.base_name for i in fs.list_dir(self.found.fs, self.root)}
         failed = sorted(n for n in names if n.startswith("failed-"))
         if failed:
             doc = fs.read_json(self.found.fs, f"{self.root}/{failed[0]}") or {}
