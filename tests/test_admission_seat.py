@@ -51,3 +51,27 @@ def test_the_registration_carries_resources_and_a_token_not_slots_or_a_time(tmp_
     assert (r["cpus_per_worker"], r["gpus_per_worker"]) == (4, 0) and len(r["token"]) == 32
     assert "slots_per_worker" not in r and "submitted_at" not in r
     assert Seat(spec).token != seat.token
+
+
+def test_a_driver_started_again_for_a_running_job_holds_its_seat_and_gives_it_back(tmp_path, monkeypatch):
+    """A job's driver started again while the queue still lists the job RUNNING under the lost
+    driver (admission relaunched it after a head restart, or a person ran it again): it starts at
+    the job's size, and its `finished` gives the slots back. It used to ask only the job's status,
+    never registering, so its `finished` was refused as not the holder's and the slots stayed
+    taken until the lease ran out (60 s, seen in tests/test_head_restart.py)."""
+    import yaml
+
+    from tidal.admission.actor import Admitter
+
+    quotas = tmp_path / "quotas.yaml"
+    quotas.write_text(yaml.safe_dump({"capacity": 2, "min_resize_interval_s": 0}))
+    monkeypatch.setenv("TIDAL_QUOTAS", str(quotas))
+    actor = Admitter(str(quotas), str(tmp_path / "q.json"), background=False)
+    lost, again = Seat(tiny_spec(tmp_path)), Seat(tiny_spec(tmp_path))
+    for s in (lost, again):
+        monkeypatch.setattr(s, "_call", lambda method, *args: getattr(actor, method)(*args))
+    actor.submit(lost.registration)
+    actor.tick()
+    assert again.wait(poll_s=0.01) == 2
+    again.release()
+    assert actor.status(again.job) == {}, "the new driver's `finished` gave the seat back"

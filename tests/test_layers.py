@@ -23,7 +23,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("tidal.worker", "tidal.eval_best", "tidal.job_end"),
     ("tidal.tracking",),
     ("tidal.storage", "tidal.lease", "tidal.cluster", "tidal.admission"),
-    ("tidal.fs", "tidal.exclusive", "tidal.errors", "tidal.output", "tidal.version", "tidal.ray_private", "tidal.redact"),
+    ("tidal.fs", "tidal.exclusive", "tidal.errors", "tidal.output", "tidal.version", "tidal.ray_private", "tidal.redact",
+     "tidal.ray_auth"),
 ]
 SPEC = "tidal.spec"
 ADAPTER = "tidal.ray_private"

@@ -112,7 +112,8 @@ def _parser() -> argparse.ArgumentParser:
     r = _command(sub, "run", _run, "run a job to the end (resumes from its latest checkpoint)")
     r.add_argument("--restart", action="store_true", help="start over: set the job's old checkpoints aside and open a new MLflow run")
     r.add_argument("--wait", action="store_true", help="if the job is already running (another terminal, a submitted "
-                   "driver), wait for it to end and then run, instead of refusing to start a second driver of it")
+                   "driver), wait for it to end and then run, instead of refusing to start a second driver of it "
+                   "(TIDAL_RUN_WAIT=1 does the same)")
 
     register_sweep(sub)
     register_export(sub)

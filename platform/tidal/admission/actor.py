@@ -50,6 +50,7 @@ from tidal.admission.queue_doc import (
     Entry,
     Queue,
     apply,
+    changed,
     document,
     finished,
     load_queue,
@@ -57,9 +58,17 @@ from tidal.admission.queue_doc import (
     save_queue,
     submitted,
     waiting,
+    with_world,
 )
 from tidal.admission.quotas import QUOTAS_VAR, Quotas, load_quotas
 from tidal.admission.registration import checked_registration, holder_digest
+from tidal.admission.relaunch import (
+    Relauncher,
+    Relaunches,
+    cluster_relauncher,
+    current_head,
+    head_node,
+)
 from tidal.cluster import SITE_LABEL, node_site
 from tidal.cluster.prices import PRICE_LABEL, worker_price
 from tidal.errors import TidalError
@@ -96,10 +105,15 @@ class Admitter:
     a slow save, and no lease runs out while the actor is busy."""
 
     def __init__(self, quotas_path: str, location: str, tick_s: float = TICK_S, lease_s: float = LEASE_S,
-                 background: bool = True) -> None:
+                 background: bool = True, head: str | None = None, relauncher: Relauncher | None = None) -> None:
+        """`head`: the Ray node id of the head it runs on (asked of Ray when None); `relauncher`
+        submits a lost head's jobs again (the cluster's Jobs API when None)."""
         self.quotas = load_quotas(quotas_path)
         self.location, self.lease_s = location, lease_s
         self.queue = self._load()  # registrations and finishes may be ahead of the document...
+        head = (current_head() if background else "") if head is None else head
+        self.relaunches = Relaunches(self.queue, head, (lambda: relauncher) if relauncher else cluster_relauncher, time.time())
+        self.queue = replace(self.queue, head=head)
         self.saved: Queue | None = None  # ...decisions never are: they land here only once saved
         self.published: dict[str, dict[str, Any]] = {}
         self.seen: dict[str, float] = {}
@@ -137,14 +151,15 @@ class Admitter:
             if known is None:
                 entry = Entry(reg["job"], reg["name"], reg["team"], reg["priority"], reg["min_workers"],
                               reg["max_workers"], self._clock(now), slots_per_worker=reg["slots_per_worker"],
-                              holder=reg["holder"])
+                              holder=reg["holder"], submission=reg["submission"])
                 workers = min(reg["running_workers"], reg["max_workers"])
                 if workers > 0:
                     entry = replace(entry, state="RUNNING", workers=workers, workers_now=workers, last_resize=now,
                                     reason="re-adopted: it was running when the queue was rebuilt")
                 self.queue = submitted(self.queue, entry, adopted=workers > 0)
-            elif known.holder != reg["holder"]:
-                self.queue = _with(self.queue, reg["job"], holder=reg["holder"])
+            elif known.holder != reg["holder"] or known.submission != (reg["submission"] or known.submission):
+                self.queue = changed(self.queue, reg["job"], holder=reg["holder"],
+                                     submission=reg["submission"] or known.submission)
             self.seen[reg["job"]] = now
             self._save(self.queue)
         self.wake.set()
@@ -199,7 +214,7 @@ class Admitter:
     def document(self) -> dict[str, Any]:
         """The queue document as last saved, with each job's size now: `tidal queue --address`."""
         saved = self.saved or Queue()
-        return {**document(_with_world(saved, dict(self.world))), "source": "actor"}
+        return {**document(with_world(saved, dict(self.world))), "source": "actor"}
 
     def tick(self, now: float | None = None) -> None:
         """One decision, saved before anything acts on it: drivers and workers see it (through
@@ -215,7 +230,7 @@ class Admitter:
             for job in gone:
                 queue = finished(queue, job)
             decision = decide(capacity, running(queue), waiting(queue), self.quotas, now)
-            after = _with_world(apply(queue, decision, now), dict(self.world))
+            after = with_world(apply(queue, decision, now), dict(self.world))
             if after != self.saved and self._save(after):
                 for job in gone:
                     log.warning("job %s stopped checking in for %.0fs: its slots are given back", job, self.lease_s)
@@ -227,6 +242,7 @@ class Admitter:
                 self._accrue(now)
                 self._request_cloud(now, force=bool(gone))
             self._export(now)
+        self._relaunch(now)
         if time.monotonic() - started > self.lease_s / 4:
             self.resumed_at = time.time()  # busy, not silent drivers: every lease starts again
 
@@ -248,6 +264,20 @@ class Admitter:
                       "they check in: running jobs keep their size, waiting jobs take a new place in the queue")
             log.error("%s", notice)
             return Queue(notice=notice)
+
+    def _relaunch(self, now: float) -> None:
+        """After a head restart: submit again the drivers the lost head took with it (outside the
+        lock: Jobs API calls); each relaunched job gets a whole lease for its new driver to start."""
+        if not self.relaunches.pending:
+            return
+        started = self.relaunches.run(self.queue, self.seen, now)
+        if started:
+            with self.lock:
+                for job, submission in started.items():
+                    self.seen[job] = time.time()
+                    self.queue = changed(self.queue, job, submission=submission,
+                                         reason=f"started again after the head restarted, as Ray job {submission}")
+                self._save(self.queue)
 
     def _clock(self, now: float) -> float:
         """A submission time of the actor's own, later than every other (so the order is the
@@ -341,19 +371,6 @@ def _public(e: Entry) -> dict[str, Any]:
     return out
 
 
-def _with(queue: Queue, job: str, **changes: Any) -> Queue:
-    return replace(queue, entries=tuple(replace(e, **changes) if e.job == job else e for e in queue.entries))
-
-
-def _with_world(queue: Queue, world: Mapping[str, int]) -> Queue:
-    """The queue with each job's size as its rank 0 last said."""
-    changed = {j: w for j, w in world.items() if (e := queue.get(j)) is not None and e.workers_now != w}
-    if not changed:
-        return queue
-    return replace(queue, entries=tuple(replace(e, workers_now=changed[e.job]) if e.job in changed else e
-                                        for e in queue.entries))
-
-
 def _gauges() -> dict[str, Any]:
     from ray.util.metrics import Gauge
 
@@ -386,8 +403,7 @@ def _on_head() -> Any:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    head = next((n["NodeID"] for n in ray.nodes() if n.get("Alive") and "node:__internal_head__" in
-                 (n.get("Resources") or {})), None)
+    head = head_node(ray.nodes())
     return NodeAffinitySchedulingStrategy(head, soft=True) if head else "DEFAULT"
 
 

@@ -13,12 +13,17 @@ from tidal.lease import submission_id
 ACTOR = "tidal-admission"
 NAMESPACE = "tidal"
 QUEUE_VAR = "TIDAL_QUEUE"  # where the queue document lives, if not under TIDAL_STORAGE
+# Set by admission's relaunch after a head restart: the relaunched driver takes its job's place
+# (its key, state and size) under a new Ray submission id.
+QUEUE_JOB_VAR = "TIDAL_QUEUE_JOB"
 
 
 def job_key(name: str, environ: Mapping[str, str] | None = None) -> str:
-    """A job's id in the queue: its Ray Jobs submission id when submitted (Ray's job supervisor
-    passes it to the driver in the job config's metadata), else its name."""
-    return submission_id(os.environ if environ is None else environ) or name
+    """A job's id in the queue: the id its relaunch after a head restart names (QUEUE_JOB_VAR),
+    else its Ray Jobs submission id when submitted (Ray's job supervisor passes it to the driver
+    in the job config's metadata), else its name."""
+    env = os.environ if environ is None else environ
+    return env.get(QUEUE_JOB_VAR) or submission_id(env) or name
 
 
 def admission_enabled(environ: Mapping[str, str]) -> bool:

@@ -38,6 +38,7 @@ VERSION = 1
 QUEUE_FILE = ".tidal-queue/queue.json"
 # A job's key: its Ray Jobs submission id (raysubmit_..., or the `<name>-<hex>` Tidal gives), else its name.
 JOB_KEY = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$"
+HEAD_ID = r"^[0-9a-f]{0,64}$"  # a Ray node id in hex ("": none recorded yet)
 
 
 class DamagedQueue(TidalError):
@@ -64,12 +65,14 @@ class Entry:
     reason: str = ""
     position: int | None = None
     holder: str = ""  # a digest of the token of the driver that holds the job's seat (never the token)
+    submission: str = ""  # the Ray Jobs submission id of that driver (relaunched by it after a head restart)
 
 
 @dataclass(frozen=True)
 class Queue:
     entries: tuple[Entry, ...] = field(default_factory=tuple)
     notice: str = ""  # a cluster-level message for `tidal queue` (a damaged document set aside)
+    head: str = ""  # the Ray node id of the head whose admission saved it: another one means the head was lost
 
     def get(self, job: str) -> Entry | None:
         return self._index().get(job)
@@ -115,10 +118,12 @@ def parse_queue(data: Any, source: str) -> Queue:
     keys = [e.job for e in entries]
     if len(set(keys)) != len(keys):
         raise DamagedQueue(f"the queue document {source} lists a job twice")
-    notice = data.get("notice", "")
+    notice, head = data.get("notice", ""), data.get("head", "")
     if not isinstance(notice, str):
         raise DamagedQueue(f"the queue document {source} has a notice that is not text")
-    return Queue(entries, notice[:2000])
+    if not isinstance(head, str) or not re.fullmatch(HEAD_ID, head):
+        raise DamagedQueue(f"the queue document {source} names a head {head!r:.80} that is not a Ray node id")
+    return Queue(entries, notice[:2000], head)
 
 
 def save_queue(location: str, queue: Queue) -> None:
@@ -127,7 +132,7 @@ def save_queue(location: str, queue: Queue) -> None:
 
 
 def document(queue: Queue) -> dict[str, Any]:
-    return {"version": VERSION, "jobs": [asdict(e) for e in queue.entries], "notice": queue.notice}
+    return {"version": VERSION, "jobs": [asdict(e) for e in queue.entries], "notice": queue.notice, "head": queue.head}
 
 
 def entry_for(spec: JobSpec, job: str, quotas: Quotas | None, now: float) -> Entry:
@@ -180,6 +185,20 @@ def apply(queue: Queue, decision: AdmissionDecision, now: float) -> Queue:
                                         for e in queue.entries))
 
 
+def changed(queue: Queue, job: str, **changes: Any) -> Queue:
+    """The queue with `job`'s entry changed."""
+    return replace(queue, entries=tuple(replace(e, **changes) if e.job == job else e for e in queue.entries))
+
+
+def with_world(queue: Queue, world: Mapping[str, int]) -> Queue:
+    """The queue with each job's size as its rank 0 last said."""
+    now = {j: w for j, w in world.items() if (e := queue.get(j)) is not None and e.workers_now != w}
+    if not now:
+        return queue
+    return replace(queue, entries=tuple(replace(e, workers_now=now[e.job]) if e.job in now else e
+                                        for e in queue.entries))
+
+
 _TEXT = {"job": JOB_KEY, "name": NAME_PATTERN, "team": SCHEDULING_NAME, "priority": SCHEDULING_NAME}
 _COUNTS = ("min_workers", "max_workers", "workers", "workers_now", "slots_per_worker")
 
@@ -207,6 +226,8 @@ def _entry(d: Any) -> Entry:
         value = getattr(entry, key)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
             raise ValueError(f"{key} of job {entry.job!r} is not a time")
+    if entry.submission and (not isinstance(entry.submission, str) or not re.fullmatch(JOB_KEY, entry.submission)):
+        raise ValueError(f"submission {entry.submission!r:.80} of job {entry.job!r} is not a Ray submission id")
     if entry.state not in STATES:
         raise ValueError(f"state {entry.state!r:.40} is not one of {', '.join(STATES)}")
     if not isinstance(entry.reason, str) or not isinstance(entry.holder, str) or not (
@@ -215,5 +236,5 @@ def _entry(d: Any) -> Entry:
     return entry
 
 
-__all__ = ["JOB_KEY", "QUEUE_FILE", "STATES", "DamagedQueue", "Entry", "Queue", "apply", "document", "entry_for",
-           "finished", "load_queue", "parse_queue", "queue_location", "running", "save_queue", "submitted", "waiting"]
+__all__ = ["JOB_KEY", "QUEUE_FILE", "STATES", "DamagedQueue", "Entry", "Queue", "apply", "changed", "document", "entry_for",
+           "finished", "load_queue", "parse_queue", "queue_location", "running", "save_queue", "submitted", "waiting", "with_world"]

@@ -1,7 +1,7 @@
 """A driver's registration with the cluster's admission, checked as untrusted input.
 
 The actor takes from a caller only what it cannot know itself (the job's key, name, team,
-priority, sizes and each worker's resources) and checks each; it computes the slots a worker
+priority, sizes, each worker's resources and the driver's Ray Jobs submission id) and checks each; it computes the slots a worker
 takes and the submission time itself. A driver proves it holds a job's seat with a random token
 of its own; the queue document keeps only the token's digest.
 """
@@ -41,11 +41,13 @@ def checked_registration(reg: Any, quotas: Quotas) -> dict[str, Any]:
         raise TidalError(f"job {job!r}: cpus_per_worker and gpus_per_worker must be numbers >= 0")
     team, priority = resolve_scheduling(reg.get("team"), reg.get("priority"), quotas)
     running_workers = reg.get("running_workers", 0)
-    token = reg.get("token", "")
+    token, submission = reg.get("token", ""), reg.get("submission", "")
+    if submission and (not isinstance(submission, str) or not re.fullmatch(JOB_KEY, submission)):
+        raise TidalError(f"job {job!r}: submission {submission!r:.80} is not a Ray Jobs submission id")
     return {"job": job, "name": name[:100], "team": team, "priority": priority, **counts,
             "slots_per_worker": quotas.slots_per_worker(shape["cpus_per_worker"], shape["gpus_per_worker"]),
             "running_workers": running_workers if isinstance(running_workers, int) and running_workers > 0 else 0,
-            "holder": holder_digest(token if isinstance(token, str) else "")}
+            "holder": holder_digest(token if isinstance(token, str) else ""), "submission": submission or ""}
 
 
 __all__ = ["checked_registration", "holder_digest"]

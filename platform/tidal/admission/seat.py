@@ -25,6 +25,7 @@ from tidal.admission.actor import ACTOR, NAMESPACE, admission_enabled, admitter,
 from tidal.admission.queue_doc import entry_for
 from tidal.admission.quotas import cluster_quotas
 from tidal.errors import TidalError
+from tidal.lease import submission_id
 from tidal.spec.job import JobSpec
 
 log = logging.getLogger("tidal")
@@ -45,7 +46,8 @@ class Seat:
         self.registration = {"job": self.job, "name": spec.name, "team": entry.team, "priority": entry.priority,
                              "min_workers": entry.min_workers, "max_workers": entry.max_workers,
                              "cpus_per_worker": spec.scaling.cpus_per_worker,
-                             "gpus_per_worker": spec.scaling.gpus_per_worker, "token": self.token}
+                             "gpus_per_worker": spec.scaling.gpus_per_worker, "token": self.token,
+                             "submission": submission_id()}
         self.entry = {"team": entry.team, "priority": entry.priority, "name": spec.name}
         self.handle: Any = None
         self.workers = 0
@@ -56,12 +58,16 @@ class Seat:
     def wait(self, poll_s: float = POLL_S) -> int:
         """Until admission gives this job workers (printing its state, position and reason as
         they change, and how long the actor has been silent, if it is); the size to run at."""
-        answered = time.time()
+        answered, registered = time.time(), False
         while True:
             # world 0: no group runs while the driver waits (before its first, or after one ended)
-            status = self._call("status", self.job, 0)
-            if status == {}:  # not known (yet, or any more: the queue was rebuilt): register
+            status = self._call("status", self.job, 0) if registered else {}
+            if status == {}:
+                # Register first, also for a job the queue knows (a driver started again, by hand or by
+                # admission after a head restart): this driver becomes its holder, so its `finished`
+                # counts. Again when not known any more (the queue was rebuilt).
                 status = self._call("submit", self.registration)
+                registered = bool(status)
             if status and status.get("error"):
                 raise TidalError(f"the cluster's admission refused job {self.job!r}: {status['error']}")
             if status and status.get("state") == "RUNNING" and status.get("workers", 0) > 0:

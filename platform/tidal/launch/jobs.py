@@ -30,6 +30,7 @@ from tidal.launch.connect import warn_plain_token
 from tidal.launch.result import RunResult
 from tidal.launch.submission import JobState, package_working_dir, start_failure
 from tidal.output import parse_record
+from tidal.ray_auth import auth_headers, auth_token
 from tidal.ray_private import walk_working_dir, working_dir_upload_cap
 from tidal.redact import redact_text
 from tidal.spec.job import JobSpec
@@ -51,17 +52,6 @@ NO_AGENT = "No available agent to submit job"
 AGENT_WAIT_S = 120
 
 
-def auth_token() -> str | None:
-    """The cluster token, found the way Ray finds it."""
-    if os.environ.get("RAY_AUTH_TOKEN"):
-        return os.environ["RAY_AUTH_TOKEN"].strip()
-    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or str(Path.home() / ".ray" / "auth_token")
-    try:
-        return Path(path).read_text().strip() or None
-    except OSError:
-        return None
-
-
 def connect(address: str | None = None) -> Any:
     """A JobSubmissionClient for `address` (default: RAY_ADDRESS), with the auth header set."""
     from ray.job_submission import JobSubmissionClient
@@ -71,7 +61,7 @@ def connect(address: str | None = None) -> Any:
         raise ClusterError("no cluster address: pass --address http://HEAD:8265 or set RAY_ADDRESS")
     token = auth_token()
     warn_plain_token(address, token is not None)
-    headers = {"Authorization": f"Bearer {token}"} if token else None
+    headers = auth_headers(token)
     try:
         return JobSubmissionClient(address, headers=headers)
     except Exception as e:  # noqa: BLE001 - Ray raises bare ConnectionError/RuntimeError; translate them

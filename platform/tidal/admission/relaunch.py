@@ -1,0 +1,151 @@
+"""After a head restart, the queue's jobs start again by themselves.
+
+Ray's GCS fault tolerance (an external Redis: `RAY_REDIS_ADDRESS` on the head, KubeRay's
+`gcsFaultToleranceOptions`) keeps the cluster's tables across a head restart: detached actors
+come back (the admission actor among them, restarted on the new head) and the Jobs API keeps
+every job's record, its entrypoint and runtime environment with its uploaded package. It keeps no
+driver process: Tidal's drivers run on the head as Ray Jobs, so they all end with it, and their
+records still say RUNNING.
+
+Why by hand: Ray resubmits nothing after a head restart, and Kueue, which requeues workloads,
+needs Kubernetes. The admission actor writes the head node it runs on into the queue document; a
+restarted actor that finds another head there knows the head was lost. Each job the document
+lists whose driver has not checked in within `RELAUNCH_GRACE_S` (a driver off the head survives
+and checks in) is submitted again through the Jobs API, with its own record's entrypoint and
+runtime environment, under a new submission id:
+- `TIDAL_QUEUE_JOB` gives the new driver the job's key, so it takes the job's place: a running job
+  restarts at its size from its latest checkpoint, in its MLflow run; a waiting one keeps its turn;
+- `TIDAL_RUN_WAIT=1` makes it wait for the old driver's lease (issue #46) instead of refusing, so
+  a driver that did survive somewhere is never run beside.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from tidal.admission.naming import QUEUE_JOB_VAR
+from tidal.admission.queue_doc import Entry, Queue
+from tidal.ray_auth import auth_headers, auth_token
+
+log = logging.getLogger("tidal")
+RELAUNCH_GRACE_S = float(os.environ.get("TIDAL_RELAUNCH_GRACE_S", "15"))  # three heartbeats
+WAIT_VAR = "TIDAL_RUN_WAIT"  # read by launch/trainer.run: the env form of `tidal run --wait`
+ATTEMPTS = 3  # a job whose record cannot be read or submitted is tried this often, then left to its lease
+
+Relauncher = Callable[[Entry], str]  # submits an entry's driver again; its new submission id
+
+
+def head_node(nodes: Iterable[Mapping[str, Any]]) -> str:
+    """The live head's node id among Ray's `nodes()` ("" if none is alive)."""
+    return next((str(n["NodeID"]) for n in nodes if n.get("Alive")
+                 and "node:__internal_head__" in (n.get("Resources") or {})), "")
+
+
+def head_lost(saved: Queue, head: str) -> bool:
+    """Whether the queue was saved by admission on another head than `head`: that head is gone."""
+    return bool(saved.head and head and saved.head != head)
+
+
+def due(queue: Queue, pending: set[str], seen: Mapping[str, float], since: float, now: float,
+        grace_s: float = RELAUNCH_GRACE_S) -> list[Entry]:
+    """The pending jobs to submit again, oldest submission first: none before the grace is over
+    (a driver that survived the head checks in by then), and none whose driver checked in since
+    `since` (the restarted actor's start)."""
+    if now - since < grace_s:
+        return []
+    return sorted((e for e in queue.entries if e.job in pending and seen.get(e.job, 0.0) < since),
+                  key=lambda e: e.submitted_at)
+
+
+def new_submission_id(entry: Entry, now: float) -> str:
+    """The relaunched driver's id: the job's key with the time, within the queue's key length."""
+    suffix = f"-h{int(now)}"
+    return entry.job[:128 - len(suffix)] + suffix
+
+
+def resubmission(info: Any, entry: Entry, submission_id: str) -> dict[str, Any]:
+    """`JobSubmissionClient.submit_job`'s arguments for the job whose record is `info` (the Jobs
+    API's JobDetails: it holds no entrypoint resources, and Tidal's submissions set none)."""
+    runtime_env = dict(info.runtime_env or {})
+    runtime_env["env_vars"] = {**(runtime_env.get("env_vars") or {}), QUEUE_JOB_VAR: entry.job, WAIT_VAR: "1"}
+    return {"entrypoint": info.entrypoint, "runtime_env": runtime_env, "metadata": dict(info.metadata or {}),
+            "submission_id": submission_id}
+
+
+def jobs_api_relauncher(address: str) -> Relauncher:
+    """Submit a job's driver again through the Jobs API of the cluster whose GCS is at `address`
+    (from inside the cluster: the admission actor), with the cluster's token."""
+    from ray.job_submission import JobSubmissionClient
+
+    client = JobSubmissionClient(address, headers=auth_headers(auth_token()))
+
+    def relaunch(entry: Entry) -> str:
+        old = entry.submission or entry.job
+        info = client.get_job_info(old)
+        new = client.submit_job(**resubmission(info, entry, new_submission_id(entry, time.time())))
+        try:
+            client.stop_job(old)  # its record said RUNNING for a driver the head took with it
+        except Exception as e:  # noqa: BLE001 - the record is only a view; the job is relaunched
+            log.debug("could not mark %s stopped: %s", old, e)
+        return new
+
+    return relaunch
+
+
+
+
+def current_head() -> str:
+    """The head's node id, asked of the Ray this process is connected to ("" if none)."""
+    import ray
+
+    return head_node(ray.nodes()) if ray.is_initialized() else ""
+
+
+def cluster_relauncher() -> Relauncher:
+    """The relauncher for the cluster this process runs in (the admission actor's)."""
+    import ray
+
+    return jobs_api_relauncher(ray.get_runtime_context().gcs_address)
+
+
+class Relaunches:
+    """What a restarted admission actor owes the jobs of a lost head: each listed job's driver,
+    submitted again once the grace is over, unless it checked in (it survived)."""
+
+    def __init__(self, saved: Queue, head: str, make: Callable[[], Relauncher], now: float) -> None:
+        self.pending = {e.job for e in saved.entries} if head_lost(saved, head) else set()
+        self.since, self.tries = now, dict.fromkeys(self.pending, 0)
+        self._make, self._relauncher = make, None
+        if self.pending:
+            log.warning("the queue was saved by admission on head %s and this is head %s: the head was lost with its "
+                        "drivers; the %d job(s) it lists start again unless their drivers check in within %.0fs",
+                        saved.head[:12], head[:12], len(self.pending), RELAUNCH_GRACE_S)
+
+    def run(self, queue: Queue, seen: Mapping[str, float], now: float) -> dict[str, str]:
+        """Submit every due job again; each job started and its new submission id. A job that
+        cannot be (its record gone) is tried ATTEMPTS times, then left to its lease: it leaves the
+        queue and must be submitted by hand, which the log says."""
+        self.pending = {j for j in self.pending if seen.get(j, 0.0) < self.since and queue.get(j) is not None}
+        started: dict[str, str] = {}
+        for entry in due(queue, self.pending, seen, self.since, now):
+            try:
+                self._relauncher = self._relauncher or self._make()
+                started[entry.job] = self._relauncher(entry)
+            except Exception as e:  # noqa: BLE001 - the Jobs API or the job's record: try again next tick
+                self.tries[entry.job] += 1
+                if self.tries[entry.job] < ATTEMPTS:
+                    continue
+                log.error("job %s could not be started again after the head restart (%s: %s); submit it again "
+                          "(it resumes from its latest checkpoint)", entry.job, type(e).__name__, e)
+            else:
+                log.warning("job %s started again after the head restart as Ray job %s", entry.job, started[entry.job])
+            self.pending.discard(entry.job)
+        return started
+
+
+__all__ = ["ATTEMPTS", "RELAUNCH_GRACE_S", "Relaunches", "WAIT_VAR", "Relauncher", "cluster_relauncher", "current_head", "due", "head_lost", "head_node",
+           "jobs_api_relauncher", "new_submission_id", "resubmission"]

@@ -1,0 +1,145 @@
+"""After a head restart the queue's jobs start again by themselves (admission/relaunch.py): the
+restarted admission actor finds the queue saved on another head, and submits each listed job's
+driver again through the Jobs API unless it checked in (it survived), oldest first, under the
+job's key so it keeps its place and size. Against a real head killed and started again with
+Redis: tests/test_head_restart.py."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+
+import pytest
+import yaml
+from ray.job_submission import JobDetails, JobStatus, JobSubmissionClient, JobType
+
+from tidal.admission.actor import Admitter
+from tidal.admission.naming import QUEUE_JOB_VAR, job_key
+from tidal.admission.queue_doc import DamagedQueue, Entry, load_queue, parse_queue
+from tidal.admission.quotas import Quotas
+from tidal.admission.registration import checked_registration
+from tidal.admission.relaunch import (
+    ATTEMPTS,
+    RELAUNCH_GRACE_S,
+    WAIT_VAR,
+    new_submission_id,
+    resubmission,
+)
+from tidal.errors import TidalError
+
+OLD, NEW = "a1" * 28, "b2" * 28  # two heads' node ids
+
+
+def registration(job: str, lo: int, hi: int, submission: str = "", token: str = "") -> dict:
+    """What a driver sends (admission/seat.py)."""
+    return {"job": job, "name": job, "team": None, "priority": "normal", "min_workers": lo, "max_workers": hi,
+            "cpus_per_worker": 1, "gpus_per_worker": 0, "token": token or f"tok-{job}",
+            "submission": submission or job}
+
+
+@pytest.fixture
+def lost_head(tmp_path):
+    """A queue saved by admission on head OLD: `big` RUNNING at 2 of 2 slots, `next` and
+    `later` QUEUED behind it."""
+    quotas = tmp_path / "quotas.yaml"
+    quotas.write_text(yaml.safe_dump({"capacity": 2, "min_resize_interval_s": 0}))
+    where = str(tmp_path / "q.json")
+    a = Admitter(str(quotas), where, background=False, head=OLD)
+    for job in ("big", "next", "later"):
+        a.submit(registration(job, 2, 2))
+    a.tick()
+    assert [load_queue(where).get(j).state for j in ("big", "next", "later")] == ["RUNNING", "QUEUED", "QUEUED"]
+    return str(quotas), where
+
+
+class Recorder:
+    """Stands in for the Jobs API's submit (a real head: tests/test_head_restart.py)."""
+
+    def __init__(self, fail: dict[str, int] | None = None) -> None:
+        self.sent: list[str] = []
+        self.fail = dict(fail or {})  # job -> how many of its submissions fail
+
+    def __call__(self, entry: Entry) -> str:
+        if self.fail.get(entry.job, 0):
+            self.fail[entry.job] -= 1
+            raise ConnectionError("the Jobs API is not up yet")
+        self.sent.append(entry.job)
+        return f"{entry.job}-again"
+
+
+def test_a_queue_saved_on_a_lost_head_starts_its_jobs_again_oldest_first_after_the_grace(lost_head):
+    quotas, where = lost_head
+    sent = Recorder()
+    a = Admitter(quotas, where, background=False, head=NEW, relauncher=sent)
+    a.status("later")  # its driver survived the head (it ran elsewhere) and checked in
+    a.tick(time.time())
+    assert sent.sent == [], "nothing before the grace: a surviving driver checks in by then"
+    a.tick(time.time() + RELAUNCH_GRACE_S)
+    assert sent.sent == ["big", "next"], "every job whose driver is gone, in submission order; none twice"
+    a.tick(time.time() + 2 * RELAUNCH_GRACE_S)
+    assert sent.sent == ["big", "next"]
+    saved = load_queue(where)
+    assert saved.head == NEW
+    assert saved.get("big").submission == "big-again" and "started again after the head restarted" in \
+        saved.get("big").reason
+    # The relaunched driver registers under the job's key (QUEUE_JOB_VAR) with its new id: the job
+    # keeps its size and state, and the new driver holds the seat.
+    status = a.submit(registration("big", 2, 2, submission="big-again", token="new-driver"))
+    assert (status["state"], status["workers"]) == ("RUNNING", 2)
+    assert a.finished("big", "new-driver")
+
+
+def test_a_restart_on_the_same_head_or_a_queue_without_one_starts_nothing(lost_head):
+    quotas, where = lost_head
+    sent = Recorder()
+    a = Admitter(quotas, where, background=False, head=OLD, relauncher=sent)  # only the actor restarted
+    a.tick(time.time() + RELAUNCH_GRACE_S)
+    fresh = Admitter(quotas, str(where) + ".new", background=False, head=NEW, relauncher=sent)
+    fresh.tick(time.time() + RELAUNCH_GRACE_S)
+    assert sent.sent == []
+
+
+def test_a_relaunch_that_fails_is_tried_again_then_left_to_its_lease_and_said(lost_head, caplog):
+    quotas, where = lost_head
+    sent = Recorder(fail={"big": ATTEMPTS, "next": 1})  # `big` fails every attempt; `next` once, then starts
+    a = Admitter(quotas, where, background=False, head=NEW, relauncher=sent)
+    with caplog.at_level(logging.WARNING, logger="tidal"):
+        for i in range(ATTEMPTS + 1):
+            a.tick(time.time() + RELAUNCH_GRACE_S + i)
+    assert sent.sent == ["later", "next"]
+    assert not a.relaunches.pending
+    assert "job big could not be started again after the head restart" in caplog.text
+    assert "submit it again" in caplog.text
+
+
+def test_the_resubmission_keeps_the_jobs_record_and_takes_its_place():
+    """What is sent is the job's own record (its entrypoint, package and metadata) plus the
+    job's key and the lease wait; `submit_job` of the installed Ray accepts every argument."""
+    info = JobDetails(type=JobType.SUBMISSION, entrypoint="tidal run jobs/x.yaml", submission_id="x-1",
+                      status=JobStatus.RUNNING, metadata={"team": "a"},
+                      runtime_env={"working_dir": "gcs://_ray_pkg_abc.zip", "env_vars": {"A": "1"}})
+    entry = Entry("x-1", "x", "default", "normal", 1, 1, 0.0, submission="x-1")
+    new = new_submission_id(entry, 1_700_000_000.0)
+    args = resubmission(info, entry, new)
+    assert args["runtime_env"] == {"working_dir": "gcs://_ray_pkg_abc.zip",
+                                   "env_vars": {"A": "1", QUEUE_JOB_VAR: "x-1", WAIT_VAR: "1"}}
+    assert (args["entrypoint"], args["metadata"]) == ("tidal run jobs/x.yaml", {"team": "a"})
+    assert new == "x-1-h1700000000"
+    inspect.signature(JobSubmissionClient.submit_job).bind(None, **args)
+    assert len(new_submission_id(Entry("j" * 128, "x", "d", "n", 1, 1, 0.0), 1e9)) == 128
+    assert job_key("x", {QUEUE_JOB_VAR: "x-1", "RAY_JOB_CONFIG_JSON_ENV_VAR": '{"metadata": '
+                         '{"job_submission_id": "x-1-h1"}}'}) == "x-1", "the relaunched driver takes the job's key"
+
+
+def test_a_head_or_submission_id_read_from_storage_is_checked():
+    good = {"version": 1, "jobs": [], "notice": "", "head": NEW}
+    assert parse_queue(good, "q").head == NEW
+    with pytest.raises(DamagedQueue, match="names a head"):
+        parse_queue({**good, "head": "../../x"}, "q")
+    job = {"job": "a", "name": "a", "team": "t", "priority": "p", "min_workers": 1, "max_workers": 1,
+           "submitted_at": 0.0, "submission": "a b; rm -rf /"}
+    with pytest.raises(DamagedQueue, match="not a Ray submission id"):
+        parse_queue({**good, "jobs": [job]}, "q")
+    with pytest.raises(TidalError, match="not a Ray Jobs submission id"):
+        checked_registration(registration("a", 1, 1, submission="../x"), Quotas())

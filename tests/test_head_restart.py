@@ -1,0 +1,96 @@
+"""The queue survives its head (issue #52): a real Ray head with GCS fault tolerance (a real Redis)
+and the cluster's admission runs one job while another waits; the head is lost (every process of
+it killed: its GCS, raylet, dashboard, the jobs' drivers and workers) and a new head is started in
+its place on the same Redis. Nobody submits anything again: the admission actor, restarted by Ray
+on the new head, finds the queue saved on the lost head and starts both jobs again. Both finish,
+each in its one MLflow run with every step once: the running job from its latest checkpoint, the
+waiting one after it."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+
+from tests.conftest import ROOT, tiny_spec
+from tidal.admission.queue_doc import load_queue
+from tidal.launch.jobs import connect, submit
+from tidal.testing.heads import ray_head
+from tidal.testing.processes import free_port, wait_for
+from tidal.testing.runs import job_run_id, metric_history, wait_for_step
+from tidal.testing.servers import gcs_ft_env, redis_server
+
+pytestmark = pytest.mark.slow
+QUOTAS = {"unit": "workers", "capacity": 1, "min_resize_interval_s": 5}
+SCALE = float(os.environ.get("TIDAL_TEST_TIMEOUT_SCALE", "1"))
+
+
+def job_spec(tmp: Path, name: str, steps: int, step_s: float):
+    folder = tmp / name
+    folder.mkdir()
+    return tiny_spec(folder, name=name, **{
+        "scaling.min_workers": 1, "scaling.max_workers": 1, "scaling.cpus_per_worker": 1, "train.steps": steps,
+        "train.micro_batch": 4, "train.global_batch": 8, "checkpoint.every_steps": 5,
+        "train.step_fn": "tests.slow_step:step", "worker_env": {"TIDAL_TEST_STEP_S": str(step_s)}})
+
+
+def states(queue: str) -> dict[str, str]:
+    return {e.name: e.state for e in load_queue(queue).entries}
+
+
+def first_step_after(spec, logged: int, timeout: float) -> float:
+    """When MLflow first shows a step past `logged` (the job trains again)."""
+    wait_for_step(spec, logged + 1, timeout=timeout)
+    return time.time()
+
+
+def test_a_lost_head_s_running_and_waiting_jobs_start_again_by_themselves_and_lose_nothing(tmp_path):
+    quotas, queue = tmp_path / "quotas.yaml", str(tmp_path / "queue.json")
+    quotas.write_text(yaml.safe_dump(QUOTAS))
+    first, second = job_spec(tmp_path, "first", 40, 0.25), job_spec(tmp_path, "second", 10, 0.0)
+    port, token = free_port(), secrets.token_hex(16)
+    with redis_server(tmp_path / "redis.log") as redis:
+        env = {"TIDAL_QUOTAS": str(quotas), "TIDAL_QUEUE": queue, "TIDAL_RELAUNCH_GRACE_S": "5",
+               **gcs_ft_env(redis, f"tidal-{secrets.token_hex(4)}")}
+        (tmp_path / "h1").mkdir()
+        with ray_head(tmp_path / "h1", 2, env, port=port, token=token) as head:
+            ids = {}
+            for spec in (first, second):
+                ids[spec.name] = submit(spec, head.address, working_dir=ROOT,
+                                        submission_id=f"{spec.name}-{secrets.token_hex(3)}").submission_id
+                if spec is first:
+                    wait_for_step(first, 12, timeout=240 * SCALE)  # two checkpoints saved
+            wait_for("second QUEUED behind first", lambda: states(queue) == {"first": "RUNNING", "second": "QUEUED"},
+                     timeout=60 * SCALE)
+        logged = max(metric_history(first, job_run_id(first), "loss"))
+        assert logged < first.train.steps, "the head was lost while the first job trained"
+        (tmp_path / "h2").mkdir()
+        with ray_head(tmp_path / "h2", 2, env, port=port, token=token) as head:
+            up = time.time()
+            again = first_step_after(first, logged, timeout=300 * SCALE) - up
+            started = first_step_after(second, 0, timeout=400 * SCALE) - up
+            client = connect(head.address)
+
+            def relaunched() -> dict[str, str]:
+                return {j.submission_id: str(j.status) for j in client.list_jobs()
+                        if j.submission_id and j.submission_id not in ids.values()}
+
+            wait_for("both relaunched drivers to end", lambda: len(relaunched()) == 2 and all(
+                s in ("SUCCEEDED", "FAILED", "STOPPED") for s in relaunched().values()), timeout=300 * SCALE, every=1.0)
+            jobs = relaunched()
+            assert not load_queue(queue).entries, "both jobs gave their seats back"
+        print(f"\n[head restart] from the new head's Jobs API to the first step: first (running) {again:.1f}s, "
+              f"second (queued) {started:.1f}s")
+    assert sorted(jobs.values()) == ["SUCCEEDED", "SUCCEEDED"], jobs
+    assert all(any(sid.startswith(ids[name]) for sid in jobs) for name in ids), jobs
+    for spec in (first, second):
+        client = MlflowClient(spec.tracking.uri)
+        runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+        assert len(runs) == 1, f"{spec.name}: one MLflow run across the head's loss"
+        loss = metric_history(spec, job_run_id(spec), "loss")
+        assert sorted(loss) == list(range(1, spec.train.steps + 1)), f"{spec.name}: every step logged, each once"
