@@ -9,7 +9,9 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -153,3 +155,40 @@ def _selector(path: str):
     import pyarrow.fs as pafs
 
     return pafs.FileSelector(path, recursive=True)
+
+
+def test_two_threads_loading_at_once_both_load_sound_files():
+    """torch keeps one safe-globals list per process, and its context restores the list on exit:
+    a load that ended cleared the list another thread was still loading under, and that thread
+    refused a sound file (seen as an intermittent failure of test_universal_spread, whose
+    simulated ranks are threads). Here the second load's first read waits until the first load
+    has ended, which used to refuse it every time."""
+    import threading
+
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    buf = io.BytesIO()
+    torch.save({"zero_stage": ZeroStageEnum.gradients}, buf)  # a DeepSpeed type: on Tidal's allow-list only
+    first_done = threading.Event()
+
+    class WaitsForTheFirst(io.BytesIO):
+        def read(self, *args: Any) -> bytes:
+            first_done.wait(0.5)  # loads take turns now: the first waits for this one, so this wait times out
+            return super().read(*args)
+
+    got: dict[str, Any] = {}
+
+    def second() -> None:
+        try:
+            got["second"] = safe_load(WaitsForTheFirst(buf.getvalue()))
+        except Exception as e:  # noqa: BLE001 - what the test looks for
+            got["second"] = e
+
+    thread = threading.Thread(target=second)
+    thread.start()
+    time.sleep(0.1)  # the second load is inside torch.load, waiting on its first read
+    got["first"] = safe_load(io.BytesIO(buf.getvalue()))
+    first_done.set()
+    thread.join(10)
+    assert got["first"] == {"zero_stage": ZeroStageEnum.gradients}
+    assert got["second"] == {"zero_stage": ZeroStageEnum.gradients}, got["second"]
