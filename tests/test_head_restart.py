@@ -84,7 +84,7 @@ def test_a_lost_head_s_running_and_waiting_jobs_start_again_by_themselves_and_lo
                 s in ("SUCCEEDED", "FAILED", "STOPPED") for s in relaunched().values()), timeout=300 * SCALE, every=1.0)
             jobs = relaunched()
             assert not load_queue(queue).entries, "both jobs gave their seats back"
-        print(f"\n[head restart] from the new head's Jobs API to the first step: first (running) {again:.1f}s, "
+        print(f"\n[head restart] (MLflow's clock; benchmarks.head_restart times it from the loss trace) from the new head's Jobs API to the first step: first (running) {again:.1f}s, "
               f"second (queued) {started:.1f}s")
     assert sorted(jobs.values()) == ["SUCCEEDED", "SUCCEEDED"], jobs
     assert all(any(sid.startswith(ids[name]) for sid in jobs) for name in ids), jobs
