@@ -1,7 +1,8 @@
-"""Secrets by reference against a real Ray head with token auth (tests/conftest.py's `head`: its
-`mlflow server` with artifacts on moto S3, TIDAL_STORAGE on S3): a job with two secrets, one from
-the head's environment and one from a file on it, submitted with `tidal submit` and with plain
-`ray job submit`. Every worker reads both, and the user's step function prints one; neither value is
+"""Secrets by reference against a real Ray head with token auth (tests/conftest.py's cluster: its
+`mlflow server` with artifacts on moto S3, TIDAL_STORAGE on S3; the nodes' MLFLOW_TRACKING_URI
+holding a user and password): a job with two secrets, one from the head's environment and one from
+a file on it, submitted with `tidal submit` and with plain `ray job submit`. Every worker reads
+both, and the user's step function prints one; neither value, nor the tracking URI's password, is
 in Ray's job list (`ray job list`; Ray 2.60's has no --format json) or the Jobs API (the spec in
 `tidal submit`'s entrypoint decoded from its base64), Ray Train's state API, the job's logs and
 record, MLflow (params, tags, artifacts), the bucket, or any file the test session wrote. A laptop
@@ -28,6 +29,7 @@ from tests.secrets_probe import NAMES, digest
 from tidal.cli import main
 from tidal.launch.jobs import connect
 from tidal.output import parse_record
+from tidal.testing.heads import ray_head
 
 pytestmark = pytest.mark.slow
 NODE_VAR = "TIDAL_TEST_NODE_HF_TOKEN"
@@ -36,8 +38,10 @@ NODE_VAR = "TIDAL_TEST_NODE_HF_TOKEN"
 @pytest.fixture(scope="module", autouse=True)
 def node_secrets(tmp_path_factory) -> Iterator[dict[str, str]]:
     """The cluster's secrets, put there before the head starts (autouse: before `head`): HF_TOKEN in
-    the nodes' environment, DB_PASSWORD in a file on them (a mounted Kubernetes Secret, say)."""
-    values = {"HF_TOKEN": f"hf-{secrets.token_hex(12)}", "DB_PASSWORD": f"pw-{secrets.token_hex(12)}"}
+    the nodes' environment, DB_PASSWORD in a file on them (a mounted Kubernetes Secret, say), and
+    the password in the cluster's own MLFLOW_TRACKING_URI (`head` below)."""
+    values = {"HF_TOKEN": f"hf-{secrets.token_hex(12)}", "DB_PASSWORD": f"pw-{secrets.token_hex(12)}",
+              "uri_password": f"uri-{secrets.token_hex(12)}"}
     path = tmp_path_factory.mktemp("node-secrets") / "db_password"
     path.write_text(values["DB_PASSWORD"] + "\n")
     # State tracking on: Ray Train's state API then holds each run's train_loop_config (the spec).
@@ -46,6 +50,18 @@ def node_secrets(tmp_path_factory) -> Iterator[dict[str, str]]:
     os.environ.update(node_env)
     yield {**values, "file": str(path)}
     restore_env(old)
+
+
+@pytest.fixture(scope="module")
+def head(head_tmp, cluster_env, node_secrets) -> Iterator[str]:
+    """conftest's head, but the nodes' MLFLOW_TRACKING_URI holds a user and password, as a cluster's
+    may (`http://user:password@host:5000`; the tracking server here runs without auth and ignores
+    them): a job run through the Jobs API tracks there, and the password must show nowhere."""
+    uri = cluster_env["MLFLOW_TRACKING_URI"].replace("http://", f"http://tidal-jobs:{node_secrets['uri_password']}@", 1)
+    assert node_secrets["uri_password"] in uri
+    with ray_head(head_tmp, 2, {**cluster_env, "MLFLOW_TRACKING_URI": uri}, ray_tmp=head_tmp / "ray",
+                  auth_mode_in_client=False) as h:
+        yield h.address
 
 
 def secret_spec(tmp: Path, name: str, node_secrets: dict[str, str]):
@@ -94,7 +110,7 @@ def test_plain_ray_job_submit_keeps_secrets_on_the_workers(head, cluster_env, no
 
 def check_secrets_kept(head: str, job_id: str, cluster_env: dict[str, str], node_secrets: dict[str, str],
                        probe: Path, tmp_path_factory, printed: str = "") -> None:
-    values = [node_secrets[k] for k in NAMES]
+    values = [node_secrets[k] for k in (*NAMES, "uri_password")]
     # Every rank read both.
     seen = {p.name: json.loads(p.read_text()) for p in probe.glob("*.json")}
     assert seen == {f"{r}.json": {k: digest(node_secrets[k]) for k in NAMES} for r in (0, 1)}, seen
@@ -196,7 +212,7 @@ def train_runs(address: str) -> str:
     token holder."""
     import urllib.request
 
-    from tidal.launch.jobs import auth_token
+    from tidal.ray_auth import auth_token
 
     request = urllib.request.Request(f"{address}/api/train/v2/runs/v1", headers={"Authorization": f"Bearer {auth_token()}"})
     with urllib.request.urlopen(request, timeout=30) as response:
