@@ -22,6 +22,7 @@ from tidal.admission.registration import checked_registration
 from tidal.admission.relaunch import (
     ATTEMPTS,
     RELAUNCH_GRACE_S,
+    RETRY_S,
     WAIT_VAR,
     new_submission_id,
     resubmission,
@@ -105,9 +106,13 @@ def test_a_relaunch_that_fails_is_tried_again_then_left_to_its_lease_and_said(lo
     sent = Recorder(fail={"big": ATTEMPTS, "next": 1})  # `big` fails every attempt; `next` once, then starts
     a = Admitter(quotas, where, background=False, head=NEW, relauncher=sent)
     with caplog.at_level(logging.WARNING, logger="tidal"):
+        start = time.time() + RELAUNCH_GRACE_S
+        a.tick(start + 1)  # too soon for a retry
         for i in range(ATTEMPTS + 1):
-            a.tick(time.time() + RELAUNCH_GRACE_S + i)
+            a.tick(start + i * RETRY_S)
+        a.tick(start + ATTEMPTS * RETRY_S + 5)  # past the lease the actor's start gave every job
     assert sent.sent == ["later", "next"]
+    assert load_queue(where).get("big") is None, "left to its lease once its attempts ran out (past the lease here)"
     assert not a.relaunches.pending
     assert "job big could not be started again after the head restart" in caplog.text
     assert "submit it again" in caplog.text

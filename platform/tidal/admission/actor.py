@@ -224,8 +224,9 @@ class Admitter:
         now = time.time() if now is None else now
         capacity = self._capacity()
         with self.lock:
+            # A job a lost head took with it waits for its relaunch, not on its lease.
             gone = [e.job for e in self.queue.entries if now - max(self.seen.get(e.job, 0.0), self.resumed_at)
-                    > self.lease_s]
+                    > self.lease_s and e.job not in self.relaunches.pending]
             queue = self.queue
             for job in gone:
                 queue = finished(queue, job)
@@ -274,7 +275,7 @@ class Admitter:
         if started:
             with self.lock:
                 for job, submission in started.items():
-                    self.seen[job] = time.time()
+                    self.seen[job] = now
                     self.queue = changed(self.queue, job, submission=submission,
                                          reason=f"started again after the head restarted, as Ray job {submission}")
                 self._save(self.queue)

@@ -34,7 +34,10 @@ from tidal.ray_auth import auth_headers, auth_token
 log = logging.getLogger("tidal")
 RELAUNCH_GRACE_S = float(os.environ.get("TIDAL_RELAUNCH_GRACE_S", "15"))  # three heartbeats
 WAIT_VAR = "TIDAL_RUN_WAIT"  # read by launch/trainer.run: the env form of `tidal run --wait`
-ATTEMPTS = 3  # a job whose record cannot be read or submitted is tried this often, then left to its lease
+# A job whose record cannot be read or submitted (a new head's dashboard not up yet) is tried again
+# every RETRY_S, ATTEMPTS times in all, then left to its lease.
+ATTEMPTS = 6
+RETRY_S = 10.0
 
 Relauncher = Callable[[Entry], str]  # submits an entry's driver again; its new submission id
 
@@ -118,7 +121,7 @@ class Relaunches:
 
     def __init__(self, saved: Queue, head: str, make: Callable[[], Relauncher], now: float) -> None:
         self.pending = {e.job for e in saved.entries} if head_lost(saved, head) else set()
-        self.since, self.tries = now, dict.fromkeys(self.pending, 0)
+        self.since, self.tries, self.retry_at = now, dict.fromkeys(self.pending, 0), {}
         self._make, self._relauncher = make, None
         if self.pending:
             log.warning("the queue was saved by admission on head %s and this is head %s: the head was lost with its "
@@ -127,17 +130,20 @@ class Relaunches:
 
     def run(self, queue: Queue, seen: Mapping[str, float], now: float) -> dict[str, str]:
         """Submit every due job again; each job started and its new submission id. A job that
-        cannot be (its record gone) is tried ATTEMPTS times, then left to its lease: it leaves the
+        cannot be (its record gone) is tried ATTEMPTS times, RETRY_S apart, then left to its lease: it leaves the
         queue and must be submitted by hand, which the log says."""
         self.pending = {j for j in self.pending if seen.get(j, 0.0) < self.since and queue.get(j) is not None}
         started: dict[str, str] = {}
         for entry in due(queue, self.pending, seen, self.since, now):
+            if self.retry_at.get(entry.job, 0.0) > now:
+                continue
             try:
                 self._relauncher = self._relauncher or self._make()
                 started[entry.job] = self._relauncher(entry)
             except Exception as e:  # noqa: BLE001 - the Jobs API or the job's record: try again next tick
                 self.tries[entry.job] += 1
                 if self.tries[entry.job] < ATTEMPTS:
+                    self.retry_at[entry.job] = now + RETRY_S
                     continue
                 log.error("job %s could not be started again after the head restart (%s: %s); submit it again "
                           "(it resumes from its latest checkpoint)", entry.job, type(e).__name__, e)
@@ -147,5 +153,5 @@ class Relaunches:
         return started
 
 
-__all__ = ["ATTEMPTS", "RELAUNCH_GRACE_S", "Relaunches", "WAIT_VAR", "Relauncher", "cluster_relauncher", "current_head", "due", "head_lost", "head_node",
+__all__ = ["ATTEMPTS", "RELAUNCH_GRACE_S", "RETRY_S", "Relaunches", "WAIT_VAR", "Relauncher", "cluster_relauncher", "current_head", "due", "head_lost", "head_node",
            "jobs_api_relauncher", "new_submission_id", "resubmission"]
