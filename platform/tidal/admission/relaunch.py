@@ -30,6 +30,7 @@ from typing import Any
 from tidal.admission.naming import QUEUE_JOB_VAR
 from tidal.admission.queue_doc import Entry, Queue
 from tidal.ray_auth import auth_headers, auth_token
+from tidal.redact import redact_text
 
 log = logging.getLogger("tidal")
 RELAUNCH_GRACE_S = float(os.environ.get("TIDAL_RELAUNCH_GRACE_S", "15"))  # three heartbeats
@@ -130,8 +131,8 @@ class Relaunches:
 
     def run(self, queue: Queue, seen: Mapping[str, float], now: float) -> dict[str, str]:
         """Submit every due job again; each job started and its new submission id. A job that
-        cannot be (its record gone) is tried ATTEMPTS times, RETRY_S apart, then left to its lease: it leaves the
-        queue and must be submitted by hand, which the log says."""
+        cannot be (its record gone) is tried ATTEMPTS times, RETRY_S apart, then left to its lease:
+        it leaves the queue and must be submitted by hand, which the log says."""
         self.pending = {j for j in self.pending if seen.get(j, 0.0) < self.since and queue.get(j) is not None}
         started: dict[str, str] = {}
         for entry in due(queue, self.pending, seen, self.since, now):
@@ -146,12 +147,12 @@ class Relaunches:
                     self.retry_at[entry.job] = now + RETRY_S
                     continue
                 log.error("job %s could not be started again after the head restart (%s: %s); submit it again "
-                          "(it resumes from its latest checkpoint)", entry.job, type(e).__name__, e)
+                          "(it resumes from its latest checkpoint)", entry.job, type(e).__name__, redact_text(str(e)))
             else:
                 log.warning("job %s started again after the head restart as Ray job %s", entry.job, started[entry.job])
             self.pending.discard(entry.job)
         return started
 
 
-__all__ = ["ATTEMPTS", "RELAUNCH_GRACE_S", "RETRY_S", "Relaunches", "WAIT_VAR", "Relauncher", "cluster_relauncher", "current_head", "due", "head_lost", "head_node",
-           "jobs_api_relauncher", "new_submission_id", "resubmission"]
+__all__ = ["ATTEMPTS", "RELAUNCH_GRACE_S", "RETRY_S", "WAIT_VAR", "Relauncher", "Relaunches", "cluster_relauncher",
+           "current_head", "due", "head_lost", "head_node", "jobs_api_relauncher", "new_submission_id", "resubmission"]
