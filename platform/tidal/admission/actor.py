@@ -35,6 +35,7 @@ from tidal.admission.cloud import (
     load_use,
     save_use,
 )
+from tidal.admission.gauges import queue_gauges, team_values
 from tidal.admission.naming import (  # noqa: F401 - re-exported: seats, the CLI and bursts find the actor here
     ACTOR,
     NAMESPACE,
@@ -78,12 +79,6 @@ TICK_S = 1.0
 LEASE_S = float(os.environ.get("TIDAL_ADMISSION_LEASE_S", "60"))  # a driver silent this long is gone
 REASSERT_S = 10.0  # Ray Train's autoscaling coordinator also calls request_resources (every 20 s)
 USE_SAVE_S = 30.0  # how often each team's cloud use today is written down while bursts run
-# Prometheus, per team, through Ray's metrics (exported as ray_tidal_<name>): the Grafana dashboard's queue panel.
-QUEUE_GAUGES = {
-    "queue_length": "jobs waiting (QUEUED or SUSPENDED) under the cluster's admission",
-    "queue_wait_seconds": "how long the team's longest-waiting job has waited",
-    "queue_running_workers": "workers admission gives the team's running jobs",
-}
 
 
 def onprem_capacity(quotas: Quotas, nodes: list[dict[str, Any]]) -> int:
@@ -130,7 +125,7 @@ class Admitter:
         self.plan, self.asked_at, self.accrued_at, self.use_saved_at = BurstPlan(), 0.0, now, now
         self.use_location = location.rsplit("/", 1)[0] + "/cloud-use.json"
         self.use = load_use(self.use_location, now)
-        self.gauges = _gauges() if background else {}
+        self.gauges = queue_gauges() if background else {}
         if background:
             threading.Thread(target=self._loop, args=(tick_s,), daemon=True, name="tidal-admission").start()
 
@@ -305,15 +300,10 @@ class Admitter:
         return onprem_capacity(self.quotas, ray.nodes())
 
     def _export(self, now: float) -> None:
-        """The queue's gauges per team (every team the quota file names, and any with jobs)."""
+        """The queue's gauges per team (admission/gauges.py)."""
         if not self.gauges:
             return
-        teams = {*self.quotas.teams, *(e.team for e in self.queue.entries)}
-        for team in teams:
-            mine = [e for e in self.queue.entries if e.team == team]
-            waits = [now - e.submitted_at for e in mine if e.state != "RUNNING"]
-            values = {"queue_length": len(waits), "queue_wait_seconds": max(waits, default=0.0),
-                      "queue_running_workers": sum(e.workers for e in mine if e.state == "RUNNING")}
+        for team, values in team_values(self.quotas.teams, self.queue.entries, now).items():
             for name, value in values.items():
                 self.gauges[name].set(value, tags={"team": team})
 
@@ -372,12 +362,6 @@ def _public(e: Entry) -> dict[str, Any]:
     return out
 
 
-def _gauges() -> dict[str, Any]:
-    from ray.util.metrics import Gauge
-
-    return {name: Gauge(f"tidal_{name}", text, tag_keys=("team",)) for name, text in QUEUE_GAUGES.items()}
-
-
 def admitter(create: bool = False, environ: Mapping[str, str] | None = None) -> Any:
     """The cluster's admission actor (started on the head if `create` and none runs); None when
     it cannot be reached (admission down: running jobs carry on)."""
@@ -408,5 +392,5 @@ def _on_head() -> Any:
     return NodeAffinitySchedulingStrategy(head, soft=True) if head else "DEFAULT"
 
 
-__all__ = ["ACTOR", "NAMESPACE", "QUEUE_GAUGES", "Admitter", "admission_enabled", "admitter", "onprem_capacity",
+__all__ = ["ACTOR", "NAMESPACE", "Admitter", "admission_enabled", "admitter", "onprem_capacity",
            "queue_document", "queue_named"]

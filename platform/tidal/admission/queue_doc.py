@@ -41,6 +41,11 @@ JOB_KEY = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$"
 HEAD_ID = r"^[0-9a-f]{0,64}$"  # a Ray node id in hex ("": none recorded yet)
 
 
+def is_submission_id(value: Any) -> bool:
+    """Whether `value` can be a driver's Ray Jobs submission id (read from a caller or storage)."""
+    return isinstance(value, str) and re.fullmatch(JOB_KEY, value) is not None
+
+
 class DamagedQueue(TidalError):
     """The queue document exists but cannot be trusted: not JSON, another version, or an entry
     that fails its checks. Never read as an empty queue (that would drop every job)."""
@@ -226,7 +231,7 @@ def _entry(d: Any) -> Entry:
         value = getattr(entry, key)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
             raise ValueError(f"{key} of job {entry.job!r} is not a time")
-    if entry.submission and (not isinstance(entry.submission, str) or not re.fullmatch(JOB_KEY, entry.submission)):
+    if entry.submission and not is_submission_id(entry.submission):
         raise ValueError(f"submission {entry.submission!r:.80} of job {entry.job!r} is not a Ray submission id")
     if entry.state not in STATES:
         raise ValueError(f"state {entry.state!r:.40} is not one of {', '.join(STATES)}")
@@ -237,4 +242,4 @@ def _entry(d: Any) -> Entry:
 
 
 __all__ = ["JOB_KEY", "QUEUE_FILE", "STATES", "DamagedQueue", "Entry", "Queue", "apply", "changed", "document", "entry_for",
-           "finished", "load_queue", "parse_queue", "queue_location", "running", "save_queue", "submitted", "waiting", "with_world"]
+           "finished", "is_submission_id", "load_queue", "parse_queue", "queue_location", "running", "save_queue", "submitted", "waiting", "with_world"]

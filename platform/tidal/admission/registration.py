@@ -1,8 +1,8 @@
 """A driver's registration with the cluster's admission, checked as untrusted input.
 
 The actor takes from a caller only what it cannot know itself (the job's key, name, team,
-priority, sizes, each worker's resources and the driver's Ray Jobs submission id) and checks each; it computes the slots a worker
-takes and the submission time itself. A driver proves it holds a job's seat with a random token
+priority, sizes, each worker's resources and the driver's Ray Jobs submission id) and checks
+each; it computes the slots a worker takes and the submission time itself. A driver proves it holds a job's seat with a random token
 of its own; the queue document keeps only the token's digest.
 """
 
@@ -13,7 +13,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from tidal.admission.queue_doc import JOB_KEY
+from tidal.admission.queue_doc import JOB_KEY, is_submission_id
 from tidal.admission.quotas import Quotas, resolve_scheduling
 from tidal.errors import TidalError
 
@@ -42,7 +42,7 @@ def checked_registration(reg: Any, quotas: Quotas) -> dict[str, Any]:
     team, priority = resolve_scheduling(reg.get("team"), reg.get("priority"), quotas)
     running_workers = reg.get("running_workers", 0)
     token, submission = reg.get("token", ""), reg.get("submission", "")
-    if submission and (not isinstance(submission, str) or not re.fullmatch(JOB_KEY, submission)):
+    if submission and not is_submission_id(submission):
         raise TidalError(f"job {job!r}: submission {submission!r:.80} is not a Ray Jobs submission id")
     return {"job": job, "name": name[:100], "team": team, "priority": priority, **counts,
             "slots_per_worker": quotas.slots_per_worker(shape["cpus_per_worker"], shape["gpus_per_worker"]),

@@ -8,6 +8,7 @@ lives in the job file (tracking/tracker.py says why nothing in training may wait
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -22,9 +23,16 @@ class TrackerActor:
 
     def __init__(self, spec: JobSpec, tags: dict[str, str], record: dict[str, Any] | None,
                  lease: dict[str, Any] | None = None) -> None:
+        from tidal.redact import install as install_redaction
         from tidal.tracking.console import hold_tidal_lines
         from tidal.tracking.tracker import Tracker
 
+        # This process's own output goes to Ray's worker log files on the head, which no other
+        # redaction reaches: mask it as the driver's and the workers' is (tests/test_secrets_e2e.py
+        # found the tracking URI's password there). MLflow's "View run ... at: <URI>" line, printed
+        # when a run ends, is off: the driver's end summary says where the run is.
+        install_redaction()
+        os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
         self.lines = hold_tidal_lines()  # the driver prints them, without Ray's actor prefix
         self.tracker = Tracker(spec, tags, record=record, lease=lease)
 

@@ -22,7 +22,6 @@ import contextlib
 import io
 import json
 import logging
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -38,12 +37,6 @@ from tidal.storage import JOB_FILE, RunDir
 from tidal.tracking.findings import run_tags
 from tidal.tracking.reader import PROGRESS_TAG, client, metrics_frame
 from tidal.version import __version__
-
-# MLflow prints "View run ... at: <tracking URI>/#/..." to stdout when a run ends: with the URI's
-# user and password, into Ray's worker log files on the head, which no redaction of the job's
-# output reaches (found by tests/test_secrets_e2e.py with a password in the cluster's URI). The
-# driver's end summary says where the run is, with the URI redacted.
-os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
 
 log = logging.getLogger("tidal")
 RUNNING = RunStatus.to_string(RunStatus.RUNNING)

@@ -107,7 +107,7 @@ def enabled() -> bool:
 
 def exported_names() -> set[str]:
     """Every name a Prometheus scrape shows for Tidal (Ray's prefix, and `_total` on counters)."""
-    from tidal.admission.actor import QUEUE_GAUGES  # the cluster's admission exports the queue's
+    from tidal.admission.gauges import QUEUE_GAUGES  # the cluster's admission exports the queue's
 
     return {f"ray_tidal_{k}" for k in (*GAUGES, *QUEUE_GAUGES)} | {f"ray_tidal_{k}_total" for k in COUNTERS}
 
