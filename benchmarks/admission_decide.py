@@ -15,7 +15,8 @@ reported, with the median. Goal (issue #52): under 0.1 s at 1,000 jobs.
 driver process waiting for its seat: the memory (RSS and USS) of a fresh Python after the imports
 that driver holds (`tidal.launch.trainer`, Ray Train's driver side), against one that imports only
 Ray and the seat (what a light waiting process would hold). Imports only: a connected driver adds
-Ray's core worker on top of both.
+Ray's core worker on top of both. Against them, what a parked job costs (a waiting job whose
+driver has left, admission/parking.py): the admission actor's growth per job with 1,000 parked.
 """
 
 from __future__ import annotations
@@ -83,6 +84,41 @@ DRIVERS = {
     "a waiting process with only Ray and the seat": "import ray\nimport tidal.admission.seat",
     "Python alone (the floor for any waiting process)": "import time",
 }
+# What the head holds for a parked job (admission/parking.py): no process, only its entry in the
+# admission actor and in the queue document. 1,000 jobs parked behind one running job, in-process.
+PARKED_PROBE = """
+import json, os, tempfile, psutil, yaml
+from tidal.admission.actor import Admitter
+n, d = {n}, tempfile.mkdtemp()
+quotas = os.path.join(d, "quotas.yaml")
+open(quotas, "w").write(yaml.safe_dump({{"capacity": 1, "min_resize_interval_s": 0}}))
+a = Admitter(quotas, os.path.join(d, "q.json"), background=False, relauncher=lambda e: "", pinner=lambda s, t: 1)
+def reg(j):
+    return {{"job": j, "name": "job", "team": None, "priority": "normal", "min_workers": 1, "max_workers": 1,
+            "cpus_per_worker": 1, "gpus_per_worker": 0, "token": "t-" + j, "submission": j}}
+a.submit(reg("running")); a.tick()
+before = psutil.Process().memory_full_info()
+for i in range(n):
+    j = f"raysubmit_{{i:016x}}"
+    a.submit(reg(j))
+    assert a.park(j, "t-" + j, j + "-q1")
+a.tick()
+after = psutil.Process().memory_full_info()
+print(json.dumps({{"rss": after.rss - before.rss, "uss": after.uss - before.uss,
+                  "doc": os.path.getsize(os.path.join(d, "q.json")), "n": n}}))
+"""
+
+
+def parked_memory(repeats: int, n: int = 1000) -> list[str]:
+    """Rows for `driver_memory`: the head's memory for `n` parked jobs (the actor's growth)."""
+    got = [json.loads(subprocess.run([sys.executable, "-c", PARKED_PROBE.format(n=n)], check=True,
+                                     capture_output=True, text=True).stdout.strip().splitlines()[-1])
+           for _ in range(repeats)]
+    rss, uss = [g["rss"] / n / 2**10 for g in got], [g["uss"] / n / 2**10 for g in got]
+    doc = statistics.median(g["doc"] for g in got) / n
+    return [f"| a parked job (no process; admission/parking.py): the admission actor's growth per job, KB, "
+            f"{n:,} parked | {', '.join(f'{x:.1f}' for x in rss)} (KB) | {', '.join(f'{x:.1f}' for x in uss)} (KB) | "
+            f"{statistics.median(rss) * n / 2**20:.3f} (and {doc:.0f} bytes per job in the queue document) |"]
 
 
 def driver_memory(repeats: int) -> str:
@@ -97,7 +133,7 @@ def driver_memory(repeats: int) -> str:
         rss, uss = [g["rss"] / 2**20 for g in got], [g["uss"] / 2**20 for g in got]
         lines.append(f"| {label} | {', '.join(f'{x:.0f}' for x in rss)} | {', '.join(f'{x:.0f}' for x in uss)} | "
                      f"{statistics.median(rss) * 1000 / 1024:.0f} |")
-    return "\n".join(lines)
+    return "\n".join(lines + parked_memory(repeats))
 
 
 def report(results: dict[int, tuple[list[float], list[float], int, int]], repeats: int) -> str:

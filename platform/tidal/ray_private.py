@@ -181,3 +181,12 @@ def reload_auth_token() -> None:
 
     Config.initialize("")
     AuthenticationTokenLoader.instance().reset_cache()
+
+
+def pin_package(uri: str, seconds: int) -> None:
+    """Keep a `gcs://` package in the GCS for `seconds` whatever references it, the way Ray pins
+    a fresh upload until its job holds it (ray._private.runtime_env: the temporary reference).
+    A parked job's package (admission/parking.py) outlives the driver that held it this way."""
+    from ray.experimental.internal_kv import _pin_runtime_env_uri
+
+    _pin_runtime_env_uri(uri, expiration_s=int(seconds))

@@ -8,6 +8,8 @@ Kubernetes, needs Kubernetes. The actor is the one owner of the cluster's capaci
   acts on the decision, so a restarted actor finds what the last one promised;
 - each job's rank 0 polls its target (admission/directive.py); a job told to shrink, grow or
   suspend checkpoints at its next log step and its driver restarts it at the new size.
+- a submitted job that waits long parks (admission/parking.py): its driver leaves, the actor keeps
+  its place and package, and submits its driver again through the Jobs API once it is admitted.
 
 No new single point of failure: the state lives in the queue document (TIDAL_STORAGE or the
 head's disk), the actor restarts by itself (max_restarts=-1) and reloads it, and while it is
@@ -21,17 +23,15 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from typing import Any
 
-from tidal import fs
 from tidal.admission.cloud import (
     BurstPlan,
     BurstRequest,
-    CloudUse,
+    accrue,
     aggregate_bursts,
-    day,
     load_use,
     save_use,
 )
@@ -45,33 +45,33 @@ from tidal.admission.naming import (  # noqa: F401 - re-exported: seats, the CLI
     queue_document,
     queue_named,
 )
+from tidal.admission.parking import PIN_S, ParkedStarts, Pinner
 from tidal.admission.policy import decide
 from tidal.admission.queue_doc import (
-    DamagedQueue,
     Entry,
     Queue,
     apply,
     changed,
     document,
     finished,
-    load_queue,
+    is_submission_id,
+    load_or_set_aside,
     running,
     save_queue,
     submitted,
     waiting,
     with_world,
 )
-from tidal.admission.quotas import QUOTAS_VAR, Quotas, load_quotas
+from tidal.admission.quotas import Quotas, load_quotas
 from tidal.admission.registration import checked_registration, holder_digest
 from tidal.admission.relaunch import (
+    JobsApi,
     Relauncher,
     Relaunches,
-    cluster_relauncher,
+    cluster_jobs_api,
     current_head,
-    head_node,
 )
 from tidal.cluster import SITE_LABEL, node_site
-from tidal.cluster.prices import PRICE_LABEL, worker_price
 from tidal.errors import TidalError
 
 log = logging.getLogger("tidal")
@@ -100,14 +100,24 @@ class Admitter:
     a slow save, and no lease runs out while the actor is busy."""
 
     def __init__(self, quotas_path: str, location: str, tick_s: float = TICK_S, lease_s: float = LEASE_S,
-                 background: bool = True, head: str | None = None, relauncher: Relauncher | None = None) -> None:
+                 background: bool = True, head: str | None = None, relauncher: Relauncher | None = None,
+                 pinner: Pinner | None = None) -> None:
         """`head`: the Ray node id of the head it runs on (asked of Ray when None); `relauncher`
-        submits a lost head's jobs again (the cluster's Jobs API when None)."""
+        submits a job's driver from its record (a lost head's jobs, admitted parked ones) and
+        `pinner` keeps a parked job's package: the cluster's Jobs API when None."""
         self.quotas = load_quotas(quotas_path)
         self.location, self.lease_s = location, lease_s
-        self.queue = self._load()  # registrations and finishes may be ahead of the document...
+        self.queue = load_or_set_aside(self.location)  # registrations and finishes may be ahead of the document...
         head = (current_head() if background else "") if head is None else head
-        self.relaunches = Relaunches(self.queue, head, (lambda: relauncher) if relauncher else cluster_relauncher, time.time())
+        api: list[JobsApi] = []  # made on first use: most actors never need the Jobs API
+
+        def jobs() -> JobsApi:
+            api[:] = api or [cluster_jobs_api()]
+            return api[0]
+        make: Callable[[], Relauncher] = (lambda: relauncher) if relauncher else (lambda: jobs().relaunch)
+        self.pin: Pinner = pinner or (lambda submission, seconds: jobs().pin(submission, seconds))
+        self.relaunches = Relaunches(self.queue, head, make, time.time())
+        self.parked, self.pinned_at = ParkedStarts(make), {}
         self.queue = replace(self.queue, head=head)
         self.saved: Queue | None = None  # ...decisions never are: they land here only once saved
         self.published: dict[str, dict[str, Any]] = {}
@@ -152,8 +162,10 @@ class Admitter:
                     entry = replace(entry, state="RUNNING", workers=workers, workers_now=workers, last_resize=now,
                                     reason="re-adopted: it was running when the queue was rebuilt")
                 self.queue = submitted(self.queue, entry, adopted=workers > 0)
-            elif known.holder != reg["holder"] or known.submission != (reg["submission"] or known.submission):
-                self.queue = changed(self.queue, reg["job"], holder=reg["holder"],
+            elif (known.holder != reg["holder"] or known.successor
+                  or known.submission != (reg["submission"] or known.submission)):
+                # a driver of a parked job (its successor, or one started by hand) un-parks it
+                self.queue = changed(self.queue, reg["job"], holder=reg["holder"], successor="",
                                      submission=reg["submission"] or known.submission)
             self.seen[reg["job"]] = now
             self._save(self.queue)
@@ -191,6 +203,32 @@ class Admitter:
         self.wake.set()
         return True
 
+    def park(self, job: str, token: str, successor: str) -> bool:
+        """The job's driver leaves while its job waits (admission/parking.py): once admitted, the
+        job starts as Ray job `successor`. True only once the queue document says so and the
+        job's package is pinned; False (the driver keeps waiting) if either fails, if the caller
+        does not hold the seat, or if the job was admitted meanwhile."""
+        entry = self.queue.get(job)
+        if entry is None or entry.holder != holder_digest(token) or not is_submission_id(successor) \
+                or entry.state == "RUNNING":
+            return False
+        try:
+            self.pin(entry.submission or job, PIN_S)  # before the driver ends: its end frees the package
+        except Exception as e:  # noqa: BLE001 - no pin, no parking: the driver keeps waiting
+            log.warning("job %s cannot park: its package could not be pinned (%s: %s)", job, type(e).__name__, e)
+            return False
+        with self.lock:
+            entry = self.queue.get(job)
+            if entry is None or entry.holder != holder_digest(token) or entry.state == "RUNNING":
+                return False
+            parked = changed(self.queue, job, successor=successor, holder="")
+            if not self._save(parked):
+                return False
+            self.queue, self.pinned_at[job] = parked, time.time()
+            self.seen.pop(job, None)
+        log.info("job %s parked: its driver ends, and it starts as Ray job %s once admitted", job, successor)
+        return True
+
     def burst(self, job: str, team: str, bundles: int, bundle: dict[str, float]) -> dict[str, Any]:
         """A job's cloud need in worker-shaped bundles (0: withdrawn). The autoscaler gets every
         job's need summed, in one `request_resources` call: the call is global, so one job's
@@ -220,8 +258,9 @@ class Admitter:
         capacity = self._capacity()
         with self.lock:
             # A job a lost head took with it waits for its relaunch, not on its lease.
+            # A parked job has no driver to check in: it waits for its start.
             gone = [e.job for e in self.queue.entries if now - max(self.seen.get(e.job, 0.0), self.resumed_at)
-                    > self.lease_s and e.job not in self.relaunches.pending]
+                    > self.lease_s and e.job not in self.relaunches.pending and not e.successor]
             queue = self.queue
             for job in gone:
                 queue = finished(queue, job)
@@ -244,36 +283,36 @@ class Admitter:
 
     # -- inside ---------------------------------------------------------------------------------
 
-    def _load(self) -> Queue:
-        """The saved queue; a damaged one is set aside with a cluster-level notice and the queue
-        starts empty, to be rebuilt by the live drivers as they check in (never a crash loop)."""
-        try:
-            return load_queue(self.location)
-        except DamagedQueue as e:
-            aside = f"{self.location}.damaged-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}"
-            try:
-                filesystem, path = fs.resolve(self.location)
-                filesystem.move(path, fs.resolve(aside)[1])
-            except OSError as moved:
-                aside = f"(could not be moved: {moved})"
-            notice = (f"{e}; it was set aside as {aside} and the queue is being rebuilt from the jobs' drivers as "
-                      "they check in: running jobs keep their size, waiting jobs take a new place in the queue")
-            log.error("%s", notice)
-            return Queue(notice=notice)
-
     def _relaunch(self, now: float) -> None:
-        """After a head restart: submit again the drivers the lost head took with it (outside the
-        lock: Jobs API calls); each relaunched job gets a whole lease for its new driver to start."""
-        if not self.relaunches.pending:
+        """Submit the drivers admission owes (outside the lock: Jobs API calls): those a lost head
+        took with it, and those of parked jobs it has admitted (as saved); each gets a whole lease
+        for its new driver to check in. A parked job's package is pinned again while it waits."""
+        started = self.relaunches.run(self.queue, self.seen, now) if self.relaunches.pending else {}
+        why = dict.fromkeys(started, "started again after the head restarted")
+        parked, dropped = self.parked.run(self.saved or Queue(), now)
+        why.update(dict.fromkeys(parked, "admitted"))
+        self._repin(now)
+        if not (started or parked or dropped):
             return
-        started = self.relaunches.run(self.queue, self.seen, now)
-        if started:
-            with self.lock:
-                for job, submission in started.items():
-                    self.seen[job] = now
-                    self.queue = changed(self.queue, job, submission=submission,
-                                         reason=f"started again after the head restarted, as Ray job {submission}")
-                self._save(self.queue)
+        with self.lock:
+            for job, submission in {**started, **parked}.items():
+                self.seen[job] = now
+                self.pinned_at.pop(job, None)
+                self.queue = changed(self.queue, job, submission=submission, successor="",
+                                     reason=f"{why[job]}: its driver starts as Ray job {submission}")
+            for job in dropped:
+                self.queue = finished(self.queue, job)
+            self._save(self.queue)
+
+    def _repin(self, now: float) -> None:
+        """Pin each parked job's package again half way through its pin (a restarted actor: at once)."""
+        for e in self.queue.entries:
+            if e.successor and now - self.pinned_at.get(e.job, 0.0) > PIN_S / 2:
+                try:
+                    self.pin(e.submission or e.job, PIN_S)
+                    self.pinned_at[e.job] = now
+                except Exception as ex:  # noqa: BLE001 - pinned until PIN_S: try again next tick
+                    log.warning("could not pin parked job %s's package (%s: %s)", e.job, type(ex).__name__, ex)
 
     def _clock(self, now: float) -> float:
         """A submission time of the actor's own, later than every other (so the order is the
@@ -325,23 +364,11 @@ class Admitter:
         return plan
 
     def _accrue(self, now: float) -> None:
-        """Each team's cloud use today, from the bundles granted to its jobs since the last tick
-        (GPU-hours, and cost at the cloud nodes' price labels); kept beside the queue document."""
+        """Each team's cloud use today (admission/cloud.accrue), kept beside the queue document."""
         import ray
 
         hours, self.accrued_at = (now - self.accrued_at) / 3600, now
-        if day(now) != self.use["day"]:
-            self.use = {"day": day(now), "teams": {}}
-        cloud = [n for n in ray.nodes() if n.get("Alive") and PRICE_LABEL in (n.get("Labels") or {})
-                 and node_site(n.get("Resources") or {}, n.get("Labels") or {}) == "cloud"]
-        for job, n in self.plan.granted.items():
-            r = self.bursts.get(job)
-            if r is None:
-                continue
-            gpus, cpus = r.bundle.get("GPU", 0.0), r.bundle.get("CPU", 0.0)
-            price = worker_price(cloud[0]["Labels"], cloud[0]["Resources"], cpus, gpus) if cloud else None
-            used = self.use["teams"].get(r.team, CloudUse())
-            self.use["teams"][r.team] = used.plus(hours, n * gpus, None if price is None else n * price)
+        self.use = accrue(self.use, self.plan, self.bursts, ray.nodes(), hours, now)
         if now - self.use_saved_at >= USE_SAVE_S:
             save_use(self.use_location, self.use)
             self.use_saved_at = now
@@ -362,35 +389,5 @@ def _public(e: Entry) -> dict[str, Any]:
     return out
 
 
-def admitter(create: bool = False, environ: Mapping[str, str] | None = None) -> Any:
-    """The cluster's admission actor (started on the head if `create` and none runs); None when
-    it cannot be reached (admission down: running jobs carry on)."""
-    import ray
-
-    env = os.environ if environ is None else environ
-    try:
-        return ray.get_actor(ACTOR, namespace=NAMESPACE)
-    except ValueError:
-        if not create:
-            return None
-    actor = ray.remote(Admitter).options(
-        name=ACTOR, namespace=NAMESPACE, lifetime="detached", get_if_exists=True, num_cpus=0,
-        max_restarts=-1, max_task_retries=-1, max_concurrency=8,
-        scheduling_strategy=_on_head(),
-        runtime_env={"env_vars": {k: env[k] for k in (QUOTAS_VAR, QUEUE_VAR, "TIDAL_STORAGE",
-                                                      "AWS_ENDPOINT_URL") if env.get(k)}},
-    )
-    return actor.remote(env[QUOTAS_VAR], queue_document(env))
-
-
-def _on_head() -> Any:
-    """The head node, softly: the queue belongs with the cluster's one lasting node."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    head = head_node(ray.nodes())
-    return NodeAffinitySchedulingStrategy(head, soft=True) if head else "DEFAULT"
-
-
-__all__ = ["ACTOR", "NAMESPACE", "Admitter", "admission_enabled", "admitter", "onprem_capacity",
+__all__ = ["ACTOR", "NAMESPACE", "Admitter", "admission_enabled", "onprem_capacity",
            "queue_document", "queue_named"]

@@ -18,6 +18,8 @@ from typing import Any
 
 from tidal import fs
 from tidal.admission.quotas import Quotas
+from tidal.cluster import node_site
+from tidal.cluster.prices import PRICE_LABEL, worker_price
 
 
 @dataclass(frozen=True)
@@ -128,9 +130,28 @@ def load_use(location: str, now: float) -> dict[str, Any]:
     return {"day": data["day"], "teams": {t: CloudUse(**u) for t, u in data.get("teams", {}).items()}}
 
 
+def accrue(use: dict[str, Any], plan: BurstPlan, bursts: Mapping[str, BurstRequest], nodes: list[dict[str, Any]],
+           hours: float, now: float) -> dict[str, Any]:
+    """Each team's cloud use today plus `hours` of what `plan` granted its jobs (GPU-hours, and
+    cost at the live cloud nodes' price labels); a new day starts empty."""
+    if day(now) != use["day"]:
+        use = {"day": day(now), "teams": {}}
+    cloud = [n for n in nodes if n.get("Alive") and PRICE_LABEL in (n.get("Labels") or {})
+             and node_site(n.get("Resources") or {}, n.get("Labels") or {}) == "cloud"]
+    for job, n in plan.granted.items():
+        r = bursts.get(job)
+        if r is None:
+            continue
+        gpus, cpus = r.bundle.get("GPU", 0.0), r.bundle.get("CPU", 0.0)
+        price = worker_price(cloud[0]["Labels"], cloud[0]["Resources"], cpus, gpus) if cloud else None
+        used = use["teams"].get(r.team, CloudUse())
+        use["teams"][r.team] = used.plus(hours, n * gpus, None if price is None else n * price)
+    return use
+
+
 def save_use(location: str, use: dict[str, Any]) -> None:
     filesystem, path = fs.resolve(location)
     fs.write_json(filesystem, path, {"day": use["day"], "teams": {t: asdict(u) for t, u in use["teams"].items()}})
 
 
-__all__ = ["BurstPlan", "BurstRequest", "CloudUse", "Refusal", "aggregate_bursts", "day", "load_use", "save_use"]
+__all__ = ["BurstPlan", "BurstRequest", "CloudUse", "Refusal", "accrue", "aggregate_bursts", "day", "load_use", "save_use"]

@@ -30,7 +30,7 @@ class Directive:
     def _poll(self) -> None:
         import ray
 
-        from tidal.admission.actor import admitter
+        from tidal.admission.handle import admitter
 
         handle: Any = None
         while not self._stop.wait(self.poll_s):

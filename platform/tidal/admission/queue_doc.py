@@ -18,7 +18,9 @@ drivers (admission/actor.py); it is never half-trusted.
 from __future__ import annotations
 
 import json
+import logging
 import re
+import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Literal
@@ -31,6 +33,7 @@ from tidal.spec.job import JobSpec
 from tidal.spec.scheduling import SCHEDULING_NAME
 from tidal.spec.sections import NAME_PATTERN
 
+log = logging.getLogger("tidal")
 State = Literal["QUEUED", "RUNNING", "SUSPENDED"]
 STATES = ("QUEUED", "RUNNING", "SUSPENDED")
 VERSION = 1
@@ -71,6 +74,7 @@ class Entry:
     position: int | None = None
     holder: str = ""  # a digest of the token of the driver that holds the job's seat (never the token)
     submission: str = ""  # the Ray Jobs submission id of that driver (relaunched by it after a head restart)
+    successor: str = ""  # parked (admission/parking.py): no driver; once admitted it starts as this Ray job
 
 
 @dataclass(frozen=True)
@@ -109,6 +113,24 @@ def load_queue(location: str) -> Queue:
     except ValueError as e:
         raise DamagedQueue(f"the queue document {location} is not JSON ({e})") from None
     return parse_queue(data, location)
+
+
+def load_or_set_aside(location: str) -> Queue:
+    """The saved queue; a damaged one is set aside with a cluster-level notice and the queue
+    starts empty, to be rebuilt by the live drivers as they check in (never a crash loop)."""
+    try:
+        return load_queue(location)
+    except DamagedQueue as e:
+        aside = f"{location}.damaged-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}"
+        try:
+            filesystem, path = fs.resolve(location)
+            filesystem.move(path, fs.resolve(aside)[1])
+        except OSError as moved:
+            aside = f"(could not be moved: {moved})"
+        notice = (f"{e}; it was set aside as {aside} and the queue is being rebuilt from the jobs' drivers as "
+                  "they check in: running jobs keep their size, waiting jobs take a new place in the queue")
+        log.error("%s", notice)
+        return Queue(notice=notice)
 
 
 def parse_queue(data: Any, source: str) -> Queue:
@@ -233,6 +255,8 @@ def _entry(d: Any) -> Entry:
             raise ValueError(f"{key} of job {entry.job!r} is not a time")
     if entry.submission and not is_submission_id(entry.submission):
         raise ValueError(f"submission {entry.submission!r:.80} of job {entry.job!r} is not a Ray submission id")
+    if entry.successor and not is_submission_id(entry.successor):
+        raise ValueError(f"successor {entry.successor!r:.80} of job {entry.job!r} is not a Ray submission id")
     if entry.state not in STATES:
         raise ValueError(f"state {entry.state!r:.40} is not one of {', '.join(STATES)}")
     if not isinstance(entry.reason, str) or not isinstance(entry.holder, str) or not (
@@ -242,4 +266,4 @@ def _entry(d: Any) -> Entry:
 
 
 __all__ = ["JOB_KEY", "QUEUE_FILE", "STATES", "DamagedQueue", "Entry", "Queue", "apply", "changed", "document", "entry_for",
-           "finished", "is_submission_id", "load_queue", "parse_queue", "queue_location", "running", "save_queue", "submitted", "waiting", "with_world"]
+           "finished", "is_submission_id", "load_or_set_aside", "load_queue", "parse_queue", "queue_location", "running", "save_queue", "submitted", "waiting", "with_world"]

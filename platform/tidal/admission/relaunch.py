@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from tidal.admission.naming import QUEUE_JOB_VAR
+from tidal.admission.parking import CANCELLED, Cancelled
 from tidal.admission.queue_doc import Entry, Queue
 from tidal.ray_auth import auth_headers, auth_token
 from tidal.redact import redact_text
@@ -80,26 +81,62 @@ def resubmission(info: Any, entry: Entry, submission_id: str) -> dict[str, Any]:
             "submission_id": submission_id}
 
 
-def jobs_api_relauncher(address: str) -> Relauncher:
-    """Submit a job's driver again through the Jobs API of the cluster whose GCS is at `address`
-    (from inside the cluster: the admission actor), with the cluster's token."""
-    from ray.job_submission import JobSubmissionClient
+class JobsApi:
+    """The Jobs API of the cluster whose GCS is at `address`, as the admission actor uses it (from
+    inside the cluster, with the cluster's token)."""
 
-    client = JobSubmissionClient(address, headers=auth_headers(auth_token()))
+    def __init__(self, address: str) -> None:
+        from ray.job_submission import JobSubmissionClient
 
-    def relaunch(entry: Entry) -> str:
+        self.client = JobSubmissionClient(address, headers=auth_headers(auth_token()))
+
+    def relaunch(self, entry: Entry) -> str:
+        """Submit a job's driver from the record of its last driver: again under a new id after a
+        head restart, or, for a parked job (admission/parking.py), under its successor id."""
         old = entry.submission or entry.job
-        info = client.get_job_info(old)
-        new = client.submit_job(**resubmission(info, entry, new_submission_id(entry, time.time())))
+        info = self.client.get_job_info(old)
+        new = entry.successor or new_submission_id(entry, time.time())
         try:
-            client.stop_job(old)  # its record said RUNNING for a driver the head took with it
-        except Exception as e:  # noqa: BLE001 - the record is only a view; the job is relaunched
-            log.debug("could not mark %s stopped: %s", old, e)
+            new = self.client.submit_job(**resubmission(info, entry, new))
+        except Exception:
+            if entry.successor and _taken(self.client, entry.successor):
+                return new  # submitted by an earlier life of the actor, which died before saving
+            raise
+        if not entry.successor:
+            try:
+                self.client.stop_job(old)  # its record said RUNNING for a driver the head took with it
+            except Exception as e:  # noqa: BLE001 - the record is only a view; the job is relaunched
+                log.debug("could not mark %s stopped: %s", old, e)
         return new
 
-    return relaunch
+    def pin(self, submission: str, seconds: float) -> int:
+        """Keep the packages of `submission`'s runtime environment in the GCS for `seconds`, with or
+        without a job holding them (Ray deletes a package once no job does: the parked driver's
+        end would take its package); how many were pinned."""
+        from tidal.ray_private import pin_package
+
+        uris = package_uris(self.client.get_job_info(submission).runtime_env or {})
+        for uri in uris:
+            pin_package(uri, int(seconds))
+        return len(uris)
 
 
+def package_uris(runtime_env: Mapping[str, Any]) -> list[str]:
+    """The `gcs://` packages a runtime environment names (its working_dir and py_modules)."""
+    named = [runtime_env.get("working_dir"), *(runtime_env.get("py_modules") or [])]
+    return [u for u in named if isinstance(u, str) and u.startswith("gcs://")]
+
+
+def _taken(client: Any, successor: str) -> bool:
+    """Whether a job already holds `successor`'s id; `Cancelled` if it is the no-op job a stop of
+    the parked job put there."""
+    try:
+        info = client.get_job_info(successor)
+    except Exception:  # noqa: BLE001 - none there: the submission failed for another reason
+        return False
+    if CANCELLED in (info.metadata or {}):
+        raise Cancelled(successor)
+    return True
 
 
 def current_head() -> str:
@@ -109,11 +146,11 @@ def current_head() -> str:
     return head_node(ray.nodes()) if ray.is_initialized() else ""
 
 
-def cluster_relauncher() -> Relauncher:
-    """The relauncher for the cluster this process runs in (the admission actor's)."""
+def cluster_jobs_api() -> JobsApi:
+    """The Jobs API of the cluster this process runs in (the admission actor's)."""
     import ray
 
-    return jobs_api_relauncher(ray.get_runtime_context().gcs_address)
+    return JobsApi(ray.get_runtime_context().gcs_address)
 
 
 class Relaunches:
@@ -121,7 +158,8 @@ class Relaunches:
     submitted again once the grace is over, unless it checked in (it survived)."""
 
     def __init__(self, saved: Queue, head: str, make: Callable[[], Relauncher], now: float) -> None:
-        self.pending = {e.job for e in saved.entries} if head_lost(saved, head) else set()
+        # a parked job had no driver to lose: it starts once admitted (admission/parking.py)
+        self.pending = {e.job for e in saved.entries if not e.successor} if head_lost(saved, head) else set()
         self.since, self.tries, self.retry_at = now, dict.fromkeys(self.pending, 0), {}
         self._make, self._relauncher = make, None
         if self.pending:
@@ -154,5 +192,6 @@ class Relaunches:
         return started
 
 
-__all__ = ["ATTEMPTS", "RELAUNCH_GRACE_S", "RETRY_S", "WAIT_VAR", "Relauncher", "Relaunches", "cluster_relauncher",
-           "current_head", "due", "head_lost", "head_node", "jobs_api_relauncher", "new_submission_id", "resubmission"]
+__all__ = ["ATTEMPTS", "RELAUNCH_GRACE_S", "RETRY_S", "WAIT_VAR", "Relauncher", "Relaunches",
+           "JobsApi", "cluster_jobs_api", "current_head", "due", "head_lost", "head_node",
+           "new_submission_id", "package_uris", "resubmission"]

@@ -5,6 +5,9 @@ Every face goes through here (`tidal run`, the SDK, `tidal submit`, plain `ray j
 tidal run`): `launch/trainer.run` holds a seat around its training. Where the cluster names no
 quota file there is no admission and `seat` yields None: Ray's own first come, first served.
 
+A submitted job's driver that still waits after TIDAL_PARK_AFTER_S parks the job and ends
+(admission/parking.py): the queue holds no driver per waiting job.
+
 The admission actor being unreachable is never a reason to fail: a waiting job keeps waiting,
 saying so (and for how long) in its log; a running one trains on at its size. Its driver holds
 a token only it knows: the actor lets only the token's holder give the seat back.
@@ -21,7 +24,9 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from tidal.admission.actor import ACTOR, NAMESPACE, admission_enabled, admitter, job_key
+from tidal.admission.actor import ACTOR, NAMESPACE, admission_enabled, job_key
+from tidal.admission.handle import admitter
+from tidal.admission.parking import Parked, may_park, successor_id
 from tidal.admission.queue_doc import entry_for
 from tidal.admission.quotas import cluster_quotas
 from tidal.errors import TidalError
@@ -54,11 +59,15 @@ class Seat:
         self.waited_s = 0.0  # QUEUED before the first start
         self._stop = threading.Event()
         self._said = ""
+        self.parked = False
 
-    def wait(self, poll_s: float = POLL_S) -> int:
+    def wait(self, poll_s: float = POLL_S, park: bool = False) -> int:
         """Until admission gives this job workers (printing its state, position and reason as
-        they change, and how long the actor has been silent, if it is); the size to run at."""
+        they change, and how long the actor has been silent, if it is); the size to run at.
+        `park`: a Ray Job's driver that has waited long enough leaves instead (raises `Parked`;
+        admission/parking.py), once the actor has recorded where the job goes on."""
         answered, registered = time.time(), False
+        started, submission = answered, self.registration["submission"]
         while True:
             # world 0: no group runs while the driver waits (before its first, or after one ended)
             status = self._call("status", self.job, 0) if registered else {}
@@ -75,8 +84,17 @@ class Seat:
                 return self.workers
             if status:
                 answered = time.time()
+                if park and may_park(os.environ, submission, answered - started):
+                    self._park(status)
             self._say(status, time.time() - answered)
             time.sleep(poll_s)
+
+    def _park(self, status: dict[str, Any]) -> None:
+        """Raise `Parked` if the actor records this job as parked (else wait on: it is being
+        admitted, or the document could not be saved)."""
+        successor = successor_id(self.job, time.time())
+        if self._call("park", self.job, self.token, successor):
+            raise Parked(successor, status.get("position"))
 
     def tags(self) -> dict[str, str]:
         """For the job's MLflow run: whose quota it counted against, and how long it queued."""
@@ -138,12 +156,16 @@ def seat(spec: JobSpec) -> Iterator[Seat | None]:
     s = Seat(spec)
     try:
         t0 = time.time()
-        s.wait()
+        s.wait(park=True)
         s.waited_s = time.time() - t0
         s.keep_alive()
         yield s
+    except Parked:
+        s.parked = True  # the seat stays the job's: admission starts its next driver
+        raise
     finally:
-        s.release()
+        if not s.parked:
+            s.release()
 
 
-__all__ = ["Seat", "seat"]
+__all__ = ["Parked", "Seat", "seat"]

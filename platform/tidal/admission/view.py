@@ -95,7 +95,8 @@ def head_document(environ: Mapping[str, str]) -> dict[str, Any]:
     actor runs, the document where the head's environment names it; else an empty queue."""
     import ray
 
-    from tidal.admission.actor import admitter, queue_document
+    from tidal.admission.actor import queue_document
+    from tidal.admission.handle import admitter
 
     ray.init(log_to_driver=False)
     actor = admitter()

@@ -14,33 +14,35 @@ import contextlib
 import json
 import os
 import secrets
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Generator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
-from urllib.parse import urlparse
 
+from tidal.admission.naming import QUEUE_JOB_VAR
 from tidal.admission.quotas import cluster_quotas, resolve_scheduling
 from tidal.admission.view import queue_record, queue_rows
 from tidal.errors import ClusterError, TidalError
+from tidal.launch import chain
 from tidal.launch.connect import warn_plain_token
 from tidal.launch.result import RunResult
-from tidal.launch.submission import JobState, package_working_dir, start_failure
+from tidal.launch.submission import (
+    FORWARDED_ENV,
+    JobState,
+    forwarded_env,
+    package_working_dir,
+    start_failure,
+)
 from tidal.output import parse_record
 from tidal.ray_auth import auth_headers, auth_token
 from tidal.ray_private import walk_working_dir, working_dir_upload_cap
-from tidal.redact import redact_text
 from tidal.spec.job import JobSpec
 from tidal.spec.secrets import refuse_credentials
 
 ALWAYS_EXCLUDE = [".git", ".venv", "venv", "__pycache__", "*.egg-info", ".ipynb_checkpoints",
                   "tidal-runs", "mlruns", "mlartifacts", "mlflow.db", "*.db-journal", ".pytest_cache", ".ruff_cache"]
-# Where a job tracks and stores is the cluster's to say; the submitter's own settings travel
-# with the job when set, as Ray's and MLflow's users expect of their environment.
-FORWARDED_ENV = ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "TIDAL_STORAGE")
 T = TypeVar("T")
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 # `tidal list/status --output json` hold these always; progress fields are null before the first step is in MLflow.
@@ -108,9 +110,16 @@ class Job:
     submission_id: str
     address: str
     spec: JobSpec | None = None
+    # links already found from a parked driver to the next (launch/chain.py): they never change
+    _links: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
 
     def _client(self) -> Any:
         return connect(self.address)
+
+    def _now(self, client: Any) -> chain.Link:
+        """The Ray job that is this job now: the submission itself, or where it went on after
+        parking while it waited in the cluster's queue (admission/parking.py)."""
+        return chain.walk(client, self.submission_id, self._links)[-1]
 
     def status(self) -> JobState:
         """PENDING, RUNNING, SUCCEEDED, FAILED or STOPPED; under the cluster's admission a running
@@ -118,18 +127,22 @@ class Job:
         queue (TIDAL_STORAGE or TIDAL_QUEUE set here: docs/sharing.md). A job that failed before
         its entrypoint ran has the Jobs API's reason in `.reason` (redacted)."""
         client = self._client()
-        state = str(client.get_job_status(self.submission_id).value)
-        if state == "RUNNING" and (row := queue_record(self.submission_id, os.environ)):
+        now = self._now(client)
+        state = now.state
+        if state in ("RUNNING", "QUEUED") and (row := queue_record(self.submission_id, os.environ)):
             return JobState(str(row["state"]))
         if state != "FAILED":
             return JobState(state)
-        info = client.get_job_info(self.submission_id)  # why it failed: only a failed job's is read
+        info = client.get_job_info(now.submission_id)  # why it failed: only a failed job's is read
         return JobState(state, start_failure(state, info.error_type, info.message))
 
     def logs(self) -> str:
         """Everything the job has printed so far; for a job that failed before its entrypoint ran
         (which printed nothing), a last line with the Jobs API's reason."""
-        return self._client().get_job_logs(self.submission_id) + self._failure_note()
+        client = self._client()
+        text = "".join(client.get_job_logs(link.submission_id)
+                       for link in chain.walk(client, self.submission_id, self._links) if link.started)
+        return text + self._failure_note()
 
     def _failure_note(self) -> str:
         reason = self.status().reason
@@ -149,8 +162,14 @@ class Job:
             seen = yield from self._tail()
         if seen is not None:
             yield from self._poll(poll_s, seen)
-        if note := self._failure_note():  # nothing was printed: say why it never started
+        if successor := self._went_on_as(poll_s):  # parked: the job goes on as another Ray job
+            yield from successor.follow(poll_s)
+        elif note := self._failure_note():  # nothing was printed: say why it never started
             yield note
+
+    def _went_on_as(self, poll_s: float) -> Job | None:
+        successor = chain.went_on_as(self._client(), self.submission_id, poll_s)
+        return Job(successor, self.address, self.spec) if successor else None
 
     def _tail(self) -> Generator[str, None, int | None]:
         """Stream the logs; returns None when the job ended, else how many characters were yielded."""
@@ -194,8 +213,13 @@ class Job:
         return state
 
     def stop(self) -> bool:
-        """Ask the cluster to stop the job; True if it was running."""
-        return bool(self._client().stop_job(self.submission_id))
+        """Ask the cluster to stop the job; True if it was running (or waiting in the queue with no
+        driver: it then never starts)."""
+        client = self._client()
+        now = self._now(client)
+        if not now.started:
+            return chain.cancel(client, now, self.submission_id)
+        return bool(client.stop_job(now.submission_id))
 
     def progress(self) -> dict[str, Any]:
         """The latest step's progress: step, steps, loss, tokens/s, world size (empty before the first
@@ -228,7 +252,8 @@ class Job:
 
         state = self.wait(timeout)
         rec = self._opened_record()
-        info = self._client().get_job_info(self.submission_id)
+        client = self._client()
+        info = client.get_job_info(self._now(client).submission_id)
         metrics = self._from_mlflow(rec, lambda: dict(MlflowClient(rec["tracking_uri"]).get_run(
             rec["mlflow_run_id"]).data.metrics))
         wall_s = ((info.end_time or 0) - (info.start_time or 0)) / 1000
@@ -326,42 +351,27 @@ def retry_submission(error: str) -> bool:
     return any(s in error for s in (NO_AGENT, "Connection aborted", "RemoteDisconnected", "Connection reset"))
 
 
-def forwarded_env(environ: dict[str, str] | os._Environ[str]) -> dict[str, str]:
-    """The laptop's storage and tracking settings that mean the same on the cluster: a relative path,
-    a local SQLite file or a loopback server would name a place on the head, not this laptop's."""
-    out, skipped = {}, []
-    for key in FORWARDED_ENV:
-        value = environ.get(key, "")
-        if not value:
-            continue
-        host = urlparse(value).hostname if "://" in value else None
-        local = ("://" not in value and not os.path.isabs(value)) or value.startswith("sqlite:") or (
-            host in ("localhost", "127.0.0.1", "::1", "0.0.0.0"))
-        if key == "MLFLOW_EXPERIMENT_NAME" or not local:
-            out[key] = value
-        else:
-            skipped.append(f"{key}={redact_text(value)}")  # printed by the SDK too, where no stream redacts
-    if skipped:
-        print(f"note: not sent to the cluster, as they name places on this machine: {', '.join(skipped)}; "
-              "the cluster's own settings apply", file=sys.stderr)
-    return out
-
-
 def list_jobs(address: str | None = None) -> list[dict[str, Any]]:
     """Tidal jobs on the cluster, newest first, with their latest progress."""
     client = connect(address)
     queued = {r["job"]: r for r in queue_rows(os.environ)}  # under the cluster's admission, where readable here
-    rows = []
+    rows, successors, stopped = [], {}, set()
     for info in client.list_jobs():
         meta = info.metadata or {}
+        if chain.CANCELLED in meta and info.submission_id:
+            stopped.add(info.submission_id)
         if "tidal.job" not in meta or not info.submission_id:
             continue
-        progress = read_progress(parse_record(client.get_job_logs(info.submission_id)))
-        status, q = str(info.status.value), queued.get(info.submission_id, {})
+        record = parse_record(client.get_job_logs(info.submission_id))
+        if record.get(chain.PARKED_KEY):
+            successors[info.submission_id] = record[chain.PARKED_KEY]
+        key = ((info.runtime_env or {}).get("env_vars") or {}).get(QUEUE_JOB_VAR) or info.submission_id
+        status, q = str(info.status.value), queued.get(key, {})
         rows.append({"id": info.submission_id, "name": meta["tidal.job"],
                      "status": q["state"] if q and status == "RUNNING" else status,
                      "team": q.get("team"), "priority": q.get("priority"), "start_time": info.start_time or 0,
-                     **progress})
+                     **read_progress(record)})
+    rows = chain.merge_rows(rows, successors, stopped)
     return sorted(rows, key=lambda r: r["start_time"], reverse=True)
 
 

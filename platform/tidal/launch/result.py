@@ -35,6 +35,8 @@ class RunResult:
     wall_s: float = 0.0
     error: str | None = None
     url: str = ""  # how a person opens the MLflow run
+    parked_as: str = ""  # the job waits in the cluster's queue with no driver; it goes on as this Ray job
+    position: int | None = None  # its place in the queue when it parked
 
     @property
     def run_dir(self) -> str:
@@ -73,6 +75,11 @@ class RunResult:
         return metrics_frame(self.tracking_uri, self.mlflow_run_id)
 
     def summary(self) -> str:
+        if self.parked_as:
+            where = f" at position {self.position}" if self.position else ""
+            return (f"[tidal] job {self.name!r} waits in the cluster's queue{where} with no driver on the head: once "
+                    f"admitted it starts as Ray job {self.parked_as}, and `tidal status`, `tidal logs` and "
+                    "Job.status() of this job follow it there")
         m = self.metrics
         state = f"failed after {self.wall_s:.0f}s: {self.error}" if self.error else f"finished in {self.wall_s:.0f}s"
         lines = [f"[tidal] job {self.name!r} {state}"]

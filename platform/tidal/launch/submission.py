@@ -3,14 +3,20 @@ its working directory, its own per submission, and how a job that never started 
 
 from __future__ import annotations
 
+import os
 import secrets
+import sys
 import zipfile
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from tidal.ray_private import walk_working_dir
 from tidal.redact import redact_text
 
+# Where a job tracks and stores is the cluster's to say; the submitter's own settings travel
+# with the job when set, as Ray's and MLflow's users expect of their environment.
+FORWARDED_ENV = ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "TIDAL_STORAGE")
 # In every package `submit` uploads: a value of its own per submission (see package_working_dir).
 SUBMISSION_MARKER = ".tidal-submission"
 # The Jobs API's error types for a job whose entrypoint ran (and failed on its own): its output says why.
@@ -67,3 +73,24 @@ def package_working_dir(root: Path, excludes: list[str], dest: Path) -> Path:
         walk_working_dir(root, excludes, add)
         z.writestr(SUBMISSION_MARKER, secrets.token_hex(16) + "\n")
     return path
+
+
+def forwarded_env(environ: dict[str, str] | os._Environ[str]) -> dict[str, str]:
+    """The laptop's storage and tracking settings that mean the same on the cluster: a relative path,
+    a local SQLite file or a loopback server would name a place on the head, not this laptop's."""
+    out, skipped = {}, []
+    for key in FORWARDED_ENV:
+        value = environ.get(key, "")
+        if not value:
+            continue
+        host = urlparse(value).hostname if "://" in value else None
+        local = ("://" not in value and not os.path.isabs(value)) or value.startswith("sqlite:") or (
+            host in ("localhost", "127.0.0.1", "::1", "0.0.0.0"))
+        if key == "MLFLOW_EXPERIMENT_NAME" or not local:
+            out[key] = value
+        else:
+            skipped.append(f"{key}={redact_text(value)}")  # printed by the SDK too, where no stream redacts
+    if skipped:
+        print(f"note: not sent to the cluster, as they name places on this machine: {', '.join(skipped)}; "
+              "the cluster's own settings apply", file=sys.stderr)
+    return out

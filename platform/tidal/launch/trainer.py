@@ -87,9 +87,14 @@ def _run_holding(spec: JobSpec, restart: bool, mlflow_tags: dict[str, str] | Non
               "use --restart to start over", flush=True)
 
     connect_ray()
-    with admission.seat(spec) as seat:  # QUEUED here while the cluster's admission says wait
-        tags = {**_ray_tags(spec, run_dir), **(seat.tags() if seat else {}), **(mlflow_tags or {})}
-        return _train(spec, run_dir, job, tags, callbacks or [], seat, t0, lease)
+    try:
+        with admission.seat(spec) as seat:  # QUEUED here while the cluster's admission says wait
+            tags = {**_ray_tags(spec, run_dir), **(seat.tags() if seat else {}), **(mlflow_tags or {})}
+            return _train(spec, run_dir, job, tags, callbacks or [], seat, t0, lease)
+    except admission.Parked as p:  # waits with no driver; admission starts the next (admission/parking.py)
+        print_record({"name": spec.name, "parked_as": p.successor})
+        return RunResult(spec.name, "", spec.tracking.uri, spec.checkpoint.storage, wall_s=time.time() - t0,
+                         parked_as=p.successor, position=p.position)
 
 
 def _train(spec: JobSpec, run_dir: RunDir, job: dict[str, Any], tags: dict[str, str], callbacks: list[Any],

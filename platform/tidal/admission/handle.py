@@ -1,0 +1,45 @@
+"""How drivers, workers and the CLI reach the cluster's admission actor (admission/actor.py), and
+how it is started where none runs: detached, restarted by Ray forever, softly on the head."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from tidal.admission.actor import ACTOR, NAMESPACE, QUEUE_VAR, Admitter, queue_document
+from tidal.admission.quotas import QUOTAS_VAR
+from tidal.admission.relaunch import head_node
+
+
+def admitter(create: bool = False, environ: Mapping[str, str] | None = None) -> Any:
+    """The cluster's admission actor (started on the head if `create` and none runs); None when
+    it cannot be reached (admission down: running jobs carry on)."""
+    import ray
+
+    env = os.environ if environ is None else environ
+    try:
+        return ray.get_actor(ACTOR, namespace=NAMESPACE)
+    except ValueError:
+        if not create:
+            return None
+    actor = ray.remote(Admitter).options(
+        name=ACTOR, namespace=NAMESPACE, lifetime="detached", get_if_exists=True, num_cpus=0,
+        max_restarts=-1, max_task_retries=-1, max_concurrency=8,
+        scheduling_strategy=_on_head(),
+        runtime_env={"env_vars": {k: env[k] for k in (QUOTAS_VAR, QUEUE_VAR, "TIDAL_STORAGE",
+                                                      "AWS_ENDPOINT_URL") if env.get(k)}},
+    )
+    return actor.remote(env[QUOTAS_VAR], queue_document(env))
+
+
+def _on_head() -> Any:
+    """The head node, softly: the queue belongs with the cluster's one lasting node."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    head = head_node(ray.nodes())
+    return NodeAffinitySchedulingStrategy(head, soft=True) if head else "DEFAULT"
+
+
+__all__ = ["admitter"]

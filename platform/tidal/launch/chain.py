@@ -1,0 +1,120 @@
+"""A submitted job across its drivers: a queued job's driver can leave while the job waits, and
+the job goes on as another Ray job once admitted (admission/parking.py).
+
+The first submission id stays the job's name: `tidal status`, `tidal logs`, `tidal stop`,
+`tidal list` and `Job` follow the chain from it here. The link is the record the parked driver
+printed last (`parked_as`, launch/trainer.py), so any reader of the Jobs API finds it, and
+nothing is kept on the submitting machine.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from tidal.admission.parking import CANCELLED
+from tidal.output import parse_record
+
+MAX_LINKS = 32  # a job parks once per wait; a longer chain is a loop, not a job
+PARKED_KEY = "parked_as"
+
+
+@dataclass(frozen=True)
+class Link:
+    """One Ray job of a Tidal job: its id and state. `started` is False for the successor a parked
+    job waits to start as (no such Ray job yet: the job is QUEUED); a stop of a parked job makes
+    it a no-op marked cancelled (STOPPED)."""
+
+    submission_id: str
+    state: str
+    started: bool = True
+
+
+def parked_as(client: Any, submission_id: str) -> str | None:
+    """The Ray job that `submission_id`'s job went on as, if its driver parked."""
+    return parse_record(client.get_job_logs(submission_id)).get(PARKED_KEY) or None
+
+
+def lookup(client: Any, submission_id: str) -> Any | None:
+    """The Jobs API's record of `submission_id`, or None where there is no such job."""
+    try:
+        return client.get_job_info(submission_id)
+    except RuntimeError as e:  # Ray's client: "Request failed with status code 404: ..."
+        if "404" in str(e) or "does not exist" in str(e):
+            return None
+        raise
+
+
+def walk(client: Any, submission_id: str, known: dict[str, str] | None = None) -> list[Link]:
+    """The job's Ray jobs from `submission_id` on, its newest last. `known` caches the links found
+    (a link never changes once printed)."""
+    known = {} if known is None else known
+    links: list[Link] = []
+    sid, state = submission_id, str(client.get_job_status(submission_id).value)
+    for _ in range(MAX_LINKS):
+        successor = known.get(sid) or (parked_as(client, sid) if state == "SUCCEEDED" else None)
+        if not successor:
+            break
+        known[sid] = successor
+        links.append(Link(sid, "PARKED"))
+        info = lookup(client, successor)
+        if info is None:
+            return [*links, Link(successor, "QUEUED", started=False)]
+        sid, state = successor, str(info.status.value)
+        if CANCELLED in (info.metadata or {}):
+            return [*links, Link(sid, "STOPPED")]
+    return [*links, Link(sid, state)]
+
+
+def went_on_as(client: Any, submission_id: str, poll_s: float) -> str | None:
+    """The Ray job that `submission_id`'s parked driver goes on as, once admission has started it
+    (waiting for it as long as the job waits in the queue); None if the driver did not park, or
+    the job was stopped while it waited."""
+    successor = parked_as(client, submission_id)
+    if not successor:
+        return None
+    while (info := lookup(client, successor)) is None:
+        time.sleep(poll_s)
+    return None if CANCELLED in (info.metadata or {}) else successor
+
+
+def cancel(client: Any, link: Link, job: str) -> bool:
+    """Stop a parked job that waits to start as `link`: take its id with a job that does nothing,
+    marked cancelled, so admission never starts it (admission/parking.py). If admission took the
+    id first, the job has started: stop that Ray job."""
+    try:
+        client.submit_job(entrypoint=f"echo '[tidal] job {job} was stopped while it waited in the queue'",
+                          submission_id=link.submission_id, entrypoint_num_cpus=0,
+                          metadata={CANCELLED: job})
+        return True
+    except RuntimeError:
+        if lookup(client, link.submission_id) is None:
+            raise
+        return bool(client.stop_job(link.submission_id))
+
+
+def merge_rows(rows: list[dict[str, Any]], successors: dict[str, str], stopped: set[str]) -> list[dict[str, Any]]:
+    """`tidal list`'s rows with each parked job's row showing where it is now (its successor's
+    state and progress; QUEUED before it starts, STOPPED if `stopped` holds it: a stop while it
+    waited) and its successors' rows folded into it."""
+    by_id = {r["id"]: r for r in rows}
+    folded: set[str] = set()
+    out = []
+    for row in rows:
+        if row["id"] in folded or row["id"] in successors.values():
+            continue
+        now, sid = row, row["id"]
+        for _ in range(MAX_LINKS):
+            nxt = successors.get(sid)
+            if not nxt:
+                break
+            folded.add(nxt)
+            now = by_id.get(nxt) or {"status": "STOPPED" if nxt in stopped else "QUEUED"}
+            sid = nxt
+        out.append({**row, **{k: v for k, v in now.items() if k not in ("id", "name", "start_time")}}
+                   if now is not row else row)
+    return out
+
+
+__all__ = ["MAX_LINKS", "PARKED_KEY", "Link", "cancel", "lookup", "merge_rows", "parked_as", "walk", "went_on_as"]

@@ -1,0 +1,80 @@
+"""Queued jobs cost the head no driver (issue #52), against a real token-auth head with the
+cluster's admission and one worker slot: a job runs, two more are submitted and wait. Their
+drivers park them and end (Ray's own record says SUCCEEDED: no process is left for them), while
+`Job.status()` and `tidal list` say QUEUED. One is stopped while it waits and never starts; the
+other starts by itself as its successor once the slot is free, and finishes in one MLflow run
+with every step once; `Job.logs()` and `Job.wait()` of its first submission id follow it there."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import ROOT, tiny_spec
+from tidal.admission.queue_doc import load_queue
+from tidal.launch.jobs import Job, connect, list_jobs, submit
+from tidal.testing.heads import ray_head
+from tidal.testing.processes import wait_for
+from tidal.testing.runs import job_run_id, metric_history
+
+pytestmark = pytest.mark.slow
+SCALE = float(os.environ.get("TIDAL_TEST_TIMEOUT_SCALE", "1"))
+
+
+def job_spec(tmp: Path, name: str, steps: int, step_s: float):
+    folder = tmp / name
+    folder.mkdir()
+    return tiny_spec(folder, name=name, **{
+        "scaling.min_workers": 1, "scaling.max_workers": 1, "scaling.cpus_per_worker": 1, "train.steps": steps,
+        "train.micro_batch": 4, "train.global_batch": 8, "checkpoint.every_steps": 5,
+        "train.step_fn": "tests.slow_step:step", "worker_env": {"TIDAL_TEST_STEP_S": str(step_s)}})
+
+
+def test_waiting_jobs_hold_no_driver_and_start_by_themselves_or_never_once_stopped(tmp_path, monkeypatch):
+    quotas, queue = tmp_path / "quotas.yaml", str(tmp_path / "queue.json")
+    quotas.write_text(yaml.safe_dump({"unit": "workers", "capacity": 1, "min_resize_interval_s": 5}))
+    monkeypatch.setenv("TIDAL_QUEUE", queue)  # Job.status() and `tidal list` read the cluster's queue here
+    first, second, third = (job_spec(tmp_path, "first", 30, 0.3), job_spec(tmp_path, "second", 6, 0.0),
+                            job_spec(tmp_path, "third", 6, 0.0))
+    env = {"TIDAL_QUOTAS": str(quotas), "TIDAL_QUEUE": queue, "TIDAL_PARK_AFTER_S": "1"}
+    (tmp_path / "head").mkdir()
+    with ray_head(tmp_path / "head", 2, env) as head:
+        def send(spec) -> Job:
+            return submit(spec, head.address, working_dir=ROOT, submission_id=f"{spec.name}-{secrets.token_hex(3)}")
+
+        jobs = {"first": send(first)}
+        wait_for("first RUNNING", lambda: (e := load_queue(queue).get(jobs["first"].submission_id))
+                 and e.state == "RUNNING", timeout=120 * SCALE)
+        jobs["second"], jobs["third"] = send(second), send(third)
+        client = connect(head.address)
+
+        def parked() -> bool:
+            q = load_queue(queue)
+            return all((e := q.get(jobs[n].submission_id)) is not None and e.successor
+                       and str(client.get_job_status(jobs[n].submission_id).value) == "SUCCEEDED"
+                       for n in ("second", "third"))
+
+        wait_for("second and third parked, their drivers ended", parked, timeout=120 * SCALE, every=0.5)
+        assert jobs["second"].status() == "QUEUED" and jobs["third"].status() == "QUEUED"
+        assert "waits in the cluster's queue" in jobs["second"].logs()
+        assert jobs["third"].stop(), "a parked job can be stopped"
+        assert jobs["third"].status() == "STOPPED"
+        rows = {r["name"]: r["status"] for r in list_jobs(head.address)}
+        assert rows["third"] == "STOPPED" and rows["second"] in ("QUEUED", "RUNNING"), rows
+
+        assert jobs["first"].wait(timeout=400 * SCALE) == "SUCCEEDED", jobs["first"].logs()[-3000:]
+        assert jobs["second"].wait(timeout=400 * SCALE) == "SUCCEEDED", jobs["second"].logs()[-3000:]
+        logs = jobs["second"].logs()
+        assert "waits in the cluster's queue" in logs and "finished in" in logs, "the logs follow it to its end"
+        wait_for("the queue empty", lambda: not load_queue(queue).entries, timeout=60 * SCALE)
+        ran = {j.submission_id for j in client.list_jobs() if (j.metadata or {}).get("tidal.job") == "second"}
+        assert len(ran) == 2 and all(s.startswith(jobs["second"].submission_id) for s in ran), ran
+        assert {r["name"]: r["status"] for r in list_jobs(head.address)} == {
+            "first": "SUCCEEDED", "second": "SUCCEEDED", "third": "STOPPED"}
+    loss = metric_history(second, job_run_id(second), "loss")
+    assert sorted(loss) == list(range(1, second.train.steps + 1)), "every step logged, each once"
+    assert not list((tmp_path / "third" / "runs").glob("third/checkpoint_*")), "a stopped waiting job never trained"
