@@ -3,12 +3,16 @@ cluster's admission and one worker slot: a job runs, two more are submitted and 
 drivers park them and end (Ray's own record says SUCCEEDED: no process is left for them), while
 `Job.status()` and `tidal list` say QUEUED. One is stopped while it waits and never starts; the
 other starts by itself as its successor once the slot is free, and finishes in one MLflow run
-with every step once; `Job.logs()` and `Job.wait()` of its first submission id follow it there."""
+with every step once; `Job.logs()` and `Job.wait()` of its first submission id follow it there.
+The waiting job's package stays in the GCS after its driver ended (admission pins it): without the
+pin the GCS deleted it (seen failing), and a successor's workers on any node but the parked
+driver's, which has the package unpacked in its cache, could not set up their runtime env."""
 
 from __future__ import annotations
 
 import os
 import secrets
+import time
 from pathlib import Path
 
 import pytest
@@ -34,13 +38,29 @@ def job_spec(tmp: Path, name: str, steps: int, step_s: float):
         "train.step_fn": "tests.slow_step:step", "worker_env": {"TIDAL_TEST_STEP_S": str(step_s)}})
 
 
+def held(gcs: str, package: str) -> bool:
+    """Whether the cluster's GCS still holds `package` (asked from a driver of this process)."""
+    import ray
+
+    from tidal.ray_private import package_exists
+
+    ray.init(address=gcs, logging_level="ERROR", log_to_driver=False)
+    try:
+        return package_exists(package)
+    finally:
+        ray.shutdown()
+
+
 def test_waiting_jobs_hold_no_driver_and_start_by_themselves_or_never_once_stopped(tmp_path, monkeypatch):
     quotas, queue = tmp_path / "quotas.yaml", str(tmp_path / "queue.json")
     quotas.write_text(yaml.safe_dump({"unit": "workers", "capacity": 1, "min_resize_interval_s": 5}))
     monkeypatch.setenv("TIDAL_QUEUE", queue)  # Job.status() and `tidal list` read the cluster's queue here
     first, second, third = (job_spec(tmp_path, "first", 30, 0.3), job_spec(tmp_path, "second", 6, 0.0),
                             job_spec(tmp_path, "third", 6, 0.0))
-    env = {"TIDAL_QUOTAS": str(quotas), "TIDAL_QUEUE": queue, "TIDAL_PARK_AFTER_S": "1"}
+    # Ray keeps a fresh upload for 10 minutes whatever holds it; 10 s here, so that a parked job's
+    # package outlives the driver that held it only through admission's pin (admission/parking.py).
+    env = {"TIDAL_QUOTAS": str(quotas), "TIDAL_QUEUE": queue, "TIDAL_PARK_AFTER_S": "1",
+           "RAY_RUNTIME_ENV_TEMPORARY_REFERENCE_EXPIRATION_S": "10"}
     (tmp_path / "head").mkdir()
     with ray_head(tmp_path / "head", 2, env) as head:
         def send(spec) -> Job:
@@ -50,6 +70,7 @@ def test_waiting_jobs_hold_no_driver_and_start_by_themselves_or_never_once_stopp
         wait_for("first RUNNING", lambda: (e := load_queue(queue).get(jobs["first"].submission_id))
                  and e.state == "RUNNING", timeout=120 * SCALE)
         jobs["second"], jobs["third"] = send(second), send(third)
+        sent_at = time.time()
         client = connect(head.address)
 
         def parked() -> bool:
@@ -59,6 +80,10 @@ def test_waiting_jobs_hold_no_driver_and_start_by_themselves_or_never_once_stopp
                        for n in ("second", "third"))
 
         wait_for("second and third parked, their drivers ended", parked, timeout=120 * SCALE, every=0.5)
+        # Past Ray's own hold on the upload, and with no driver holding it, the package is kept.
+        package = client.get_job_info(jobs["second"].submission_id).runtime_env["working_dir"]
+        time.sleep(max(0.0, 12 - (time.time() - sent_at)))
+        assert held(head.gcs, package), "a parked job's package outlives its driver"
         assert jobs["second"].status() == "QUEUED" and jobs["third"].status() == "QUEUED"
         assert "waits in the cluster's queue" in jobs["second"].logs()
         assert jobs["third"].stop(), "a parked job can be stopped"

@@ -190,3 +190,10 @@ def pin_package(uri: str, seconds: int) -> None:
     from ray.experimental.internal_kv import _pin_runtime_env_uri
 
     _pin_runtime_env_uri(uri, expiration_s=int(seconds))
+
+
+def package_exists(uri: str) -> bool:
+    """Whether the GCS still holds a `gcs://` package (Ray 2.60: no public call says)."""
+    from ray._private.runtime_env.packaging import package_exists as exists
+
+    return bool(exists(uri))
