@@ -46,7 +46,7 @@ def test_progress_survives_a_reworded_console(tmp_path, mlflow_uri, capsys, monk
     assert jobs.Job("raysubmit_1", "http://h:8265").progress() == want
 
     class Info:
-        submission_id, metadata, start_time = "raysubmit_1", {"tidal.job": spec.name}, 1
+        submission_id, metadata, start_time, runtime_env = "raysubmit_1", {"tidal.job": spec.name}, 1, None
         status = type("S", (), {"value": "RUNNING"})()
 
     class Client:
