@@ -91,8 +91,12 @@ def test_waiting_jobs_hold_no_driver_and_start_by_themselves_or_never_once_stopp
         rows = {r["name"]: r["status"] for r in list_jobs(head.address)}
         assert rows["third"] == "STOPPED" and rows["second"] in ("QUEUED", "RUNNING"), rows
 
-        assert jobs["first"].wait(timeout=400 * SCALE) == "SUCCEEDED", jobs["first"].logs()[-3000:]
-        assert jobs["second"].wait(timeout=400 * SCALE) == "SUCCEEDED", jobs["second"].logs()[-3000:]
+        # Following the first id (as `tidal submit` and `tidal logs --follow` do) waits through the
+        # queue and streams the driver admission starts, to the job's end.
+        followed = "".join(jobs["second"].follow(poll_s=0.5))
+        assert "waits in the cluster's queue" in followed and "finished in" in followed, followed[-3000:]
+        assert jobs["second"].wait(timeout=60 * SCALE) == "SUCCEEDED", jobs["second"].logs()[-3000:]
+        assert jobs["first"].wait(timeout=60 * SCALE) == "SUCCEEDED", jobs["first"].logs()[-3000:]
         logs = jobs["second"].logs()
         assert "waits in the cluster's queue" in logs and "finished in" in logs, "the logs follow it to its end"
         wait_for("the queue empty", lambda: not load_queue(queue).entries, timeout=60 * SCALE)

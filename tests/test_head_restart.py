@@ -80,14 +80,17 @@ def test_a_lost_head_s_running_and_waiting_jobs_start_again_by_themselves_and_lo
                 return {j.submission_id: str(j.status) for j in client.list_jobs()
                         if j.submission_id and j.submission_id not in ids.values()}
 
-            wait_for("both relaunched drivers to end", lambda: len(relaunched()) == 2 and all(
-                s in ("SUCCEEDED", "FAILED", "STOPPED") for s in relaunched().values()), timeout=300 * SCALE, every=1.0)
+            # Each job's relaunched driver; a waiting one may park again and go on as one more
+            # (admission/parking.py): the queue is empty once every driver has ended.
+            wait_for("every relaunched driver to end, the queue empty", lambda: len(relaunched()) >= 2 and all(
+                s in ("SUCCEEDED", "FAILED", "STOPPED") for s in relaunched().values())
+                and not load_queue(queue).entries, timeout=300 * SCALE, every=1.0)
             jobs = relaunched()
-            assert not load_queue(queue).entries, "both jobs gave their seats back"
         print(f"\n[head restart] (MLflow's clock; benchmarks.head_restart times it from the loss trace) from the new head's Jobs API to the first step: first (running) {again:.1f}s, "
               f"second (queued) {started:.1f}s")
-    assert sorted(jobs.values()) == ["SUCCEEDED", "SUCCEEDED"], jobs
+    assert set(jobs.values()) == {"SUCCEEDED"}, jobs
     assert all(any(sid.startswith(ids[name]) for sid in jobs) for name in ids), jobs
+    assert all(any(sid.startswith(old) for old in ids.values()) for sid in jobs), jobs
     for spec in (first, second):
         client = MlflowClient(spec.tracking.uri)
         runs = client.search_runs([e.experiment_id for e in client.search_experiments()])

@@ -26,7 +26,7 @@ from typing import Any
 
 from tidal.admission.actor import ACTOR, NAMESPACE, admission_enabled, job_key
 from tidal.admission.handle import admitter
-from tidal.admission.parking import Parked, may_park, successor_id
+from tidal.admission.parking import Parked, may_park, park_after_s, successor_id
 from tidal.admission.queue_doc import entry_for
 from tidal.admission.quotas import cluster_quotas
 from tidal.errors import TidalError
@@ -54,6 +54,7 @@ class Seat:
                              "gpus_per_worker": spec.scaling.gpus_per_worker, "token": self.token,
                              "submission": submission_id()}
         self.entry = {"team": entry.team, "priority": entry.priority, "name": spec.name}
+        park_after_s(os.environ)  # a bad TIDAL_PARK_AFTER_S is refused now, not once the job waits
         self.handle: Any = None
         self.workers = 0
         self.waited_s = 0.0  # QUEUED before the first start
