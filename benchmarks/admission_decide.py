@@ -2,6 +2,7 @@
 
     python -m benchmarks.admission_decide [--sizes 100,300,1000,3000] [--repeats 5] [--no-doc]
     python -m benchmarks.admission_decide --driver-memory [--repeats 4]
+    python -m benchmarks.admission_decide --registrations [--repeats 4]
 
 Pure CPU, no Ray: `tidal.admission.policy.decide` on a full cluster. Each size is N jobs, half
 running and half waiting, in 10 teams (each guaranteed a tenth of the cluster, and allowed to
@@ -10,6 +11,11 @@ resizable (the worst case: each waiting job may look for room among every runnin
 cluster's capacity is what the running half holds, so nothing fits without preemption. Each size
 is decided `--repeats` times on the same input (the first call included); every time is
 reported, with the median. Goal (issue #52): under 0.1 s at 1,000 jobs.
+
+`--registrations`: the admission actor's own calls at 1,000 jobs (in-process, no Ray): how long a
+driver's registration, a park (admission/parking.py) and the tick that saves them take, each with
+1,000 jobs queued; each repeat a fresh actor. These run under the actor's lock: a burst of 1,000
+drivers registering at once waits for the sum.
 
 `--driver-memory`: what a queued job costs the head today, where each queued job is its own
 driver process waiting for its seat: the memory (RSS and USS) of a fresh Python after the imports
@@ -136,6 +142,46 @@ def driver_memory(repeats: int) -> str:
     return "\n".join(lines + parked_memory(repeats))
 
 
+REGISTRATIONS = "The admission actor's calls at 1,000 jobs"
+REG_PROBE = """
+import json, os, tempfile, time, yaml
+from tidal.admission.actor import Admitter
+n, d = {n}, tempfile.mkdtemp()
+quotas = os.path.join(d, "quotas.yaml")
+open(quotas, "w").write(yaml.safe_dump({{"capacity": 1, "min_resize_interval_s": 0}}))
+a = Admitter(quotas, os.path.join(d, "q.json"), background=False, relauncher=lambda e: "", pinner=lambda s, t: 1)
+def reg(j):
+    return {{"job": j, "name": "job", "team": None, "priority": "normal", "min_workers": 1, "max_workers": 1,
+            "cpus_per_worker": 1, "gpus_per_worker": 0, "token": "t-" + j, "submission": j}}
+for i in range(n):
+    a.submit(reg(f"r{{i:05d}}"))
+a.tick()
+t = time.perf_counter()
+for i in range(n, n + 50):
+    a.submit(reg(f"r{{i:05d}}"))
+sub = (time.perf_counter() - t) / 50
+t = time.perf_counter(); a.tick(); tick = time.perf_counter() - t
+t = time.perf_counter()
+for i in range(n, n + 50):
+    assert a.park(f"r{{i:05d}}", f"t-r{{i:05d}}", f"r{{i:05d}}-q1")
+park = (time.perf_counter() - t) / 50
+print(json.dumps({{"submit": sub, "tick": tick, "park": park}}))
+"""
+
+
+def registrations(repeats: int, n: int = 1000) -> str:
+    """ms per registration, per park, and for the tick that saves 50 registrations, at `n` jobs."""
+    got = [json.loads(subprocess.run([sys.executable, "-c", REG_PROBE.format(n=n)], check=True, capture_output=True,
+                                     text=True).stdout.strip().splitlines()[-1]) for _ in range(repeats)]
+    cells = {k: [g[k] * 1000 for g in got] for k in ("submit", "park", "tick")}
+    rows = "\n".join(f"| {label} | {', '.join(f'{x:.1f}' for x in cells[k])} | **{statistics.median(cells[k]):.1f}** |"
+                     for label, k in (("a registration (each of 50)", "submit"), ("a park (each of 50)", "park"),
+                                      ("the tick after 50 registrations", "tick")))
+    return (f"Command: `python -m benchmarks.admission_decide --registrations --repeats {repeats}` ({date.today()}, "
+            f"{platform.machine()}, one Python thread, no Ray; {n:,} jobs queued behind one running)\n\n"
+            f"| call | every repeat, ms | median, ms |\n|---|---|---|\n{rows}")
+
+
 def report(results: dict[int, tuple[list[float], list[float], int, int]], repeats: int) -> str:
     lines = [f"Command: `python -m benchmarks.admission_decide --sizes {','.join(map(str, results))} "
              f"--repeats {repeats}` ({date.today()}, {platform.machine()}, one Python thread, no Ray)", "",
@@ -154,7 +200,17 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--no-doc", action="store_true", help="print only; leave docs/benchmarks.md alone")
     p.add_argument("--driver-memory", action="store_true", help="measure a waiting driver's memory instead")
+    p.add_argument("--registrations", action="store_true", help="time the actor's registration, park and tick "
+                   "at 1,000 jobs instead")
     args = p.parse_args()
+    if args.registrations:
+        body = registrations(args.repeats)
+        print(body)
+        if not args.no_doc:
+            from benchmarks.common import update_doc
+
+            update_doc(REGISTRATIONS, body)
+        return
     if args.driver_memory:
         print(driver_memory(args.repeats))
         return

@@ -100,7 +100,7 @@ def test_a_submitted_job_that_waits_parks_and_starts_as_its_successor_once_admit
     successor = parked.value.successor
     assert successor.startswith("waiter-1-q")
     saved = load_queue(where).get("waiter-1")
-    assert (saved.state, saved.successor, saved.holder) == ("QUEUED", successor, ""), "saved before the driver left"
+    assert (saved.state, saved.successor) == ("QUEUED", successor), "saved before the driver left"
     assert jobs.pins == ["waiter-1"], "its package pinned before its driver's end could free it"
     # No driver checks in for it: far past its lease it keeps its place (big's driver does check in).
     a.seen["big"] = time.time() + 60
@@ -128,7 +128,20 @@ def test_a_job_admitted_meanwhile_or_a_caller_not_holding_the_seat_does_not_park
               "cpus_per_worker": 1, "gpus_per_worker": 0, "token": "tok-w", "submission": "w"})
     assert not a.park("w", "someone-else", "w-q1")
     assert not a.park("w", "tok-w", "not a submission id!")
-    assert not load_queue(where).get("w").successor
+    assert not a.queue.get("w").successor
+
+
+def test_a_park_asked_again_after_a_lost_answer_is_confirmed_not_refused(full):
+    """The driver's call can time out after the actor parked the job (a busy actor): asked again
+    with the same successor id, the actor says yes, so the driver leaves as the document says."""
+    a, jobs, where, _ = full
+    a.submit({"job": "w", "name": "w", "team": None, "priority": "normal", "min_workers": 1, "max_workers": 1,
+              "cpus_per_worker": 1, "gpus_per_worker": 0, "token": "tok-w", "submission": "w"})
+    a.tick()
+    assert a.park("w", "tok-w", "w-q1")
+    assert a.park("w", "tok-w", "w-q1"), "the same driver, the same successor: confirmed"
+    assert not a.park("w", "someone-else", "w-q1")
+    assert jobs.pins == ["w"], "pinned once"
 
 
 def test_no_pin_or_no_save_no_parking(full, tmp_path, monkeypatch):

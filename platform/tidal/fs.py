@@ -95,14 +95,14 @@ def read_json(fs: pafs.FileSystem, path: str) -> Any | None:
         return None
 
 
-def write_json(fs: pafs.FileSystem, path: str, data: Any) -> None:
+def write_json(fs: pafs.FileSystem, path: str, data: Any, indent: int | None = 2) -> None:
     """Write `data` so a reader sees the old document or the new one, never half of one.
 
     An object store makes a single PUT visible whole; a local or shared filesystem needs a
     temporary file renamed over the target, with the file and then its directory fsynced, so
     that what a reader saw is also what is on disk after the machine crashes.
     """
-    blob = json.dumps(data, indent=2).encode()
+    blob = json.dumps(data, indent=indent, separators=None if indent else (",", ":")).encode()
     parent = path.rsplit("/", 1)[0]
     fs.create_dir(parent, recursive=True)
     if not is_local(fs):

@@ -24,7 +24,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import replace
 from typing import Any
 
 from tidal.admission.cloud import (
@@ -56,6 +56,7 @@ from tidal.admission.queue_doc import (
     finished,
     is_submission_id,
     load_or_set_aside,
+    row,
     running,
     save_queue,
     submitted,
@@ -142,7 +143,8 @@ class Admitter:
     # -- what drivers and workers call ---------------------------------------------------------
 
     def submit(self, registration: dict[str, Any]) -> dict[str, Any]:
-        """Register a job (QUEUED); a job already known (its driver restarted) keeps its place and
+        """Register a job (QUEUED), in memory: the next tick saves it (a registration never waits
+        for a whole-document write). A job already known (its driver restarted) keeps its place and
         the new driver becomes its holder. The actor sets the submission time and the slots a
         worker takes itself. A job unknown here that says it runs (`running_workers`: its driver
         kept training while the queue was lost) is adopted RUNNING at that size."""
@@ -168,8 +170,7 @@ class Admitter:
                 self.queue = changed(self.queue, reg["job"], holder=reg["holder"], successor="",
                                      submission=reg["submission"] or known.submission)
             self.seen[reg["job"]] = now
-            self._save(self.queue)
-        self.wake.set()
+        self.wake.set()  # the tick saves it with every other registration since the last (one write)
         return self.status(reg["job"])
 
     def status(self, job: str, world: int | None = None) -> dict[str, Any]:
@@ -209,8 +210,11 @@ class Admitter:
         job's package is pinned; False (the driver keeps waiting) if either fails, if the caller
         does not hold the seat, or if the job was admitted meanwhile."""
         entry = self.queue.get(job)
-        if entry is None or entry.holder != holder_digest(token) or not is_submission_id(successor) \
-                or entry.state == "RUNNING":
+        if entry is None or entry.holder != holder_digest(token) or not is_submission_id(successor):
+            return False
+        if entry.successor == successor and self.saved and self.saved.get(job) == entry:
+            return True  # the driver asks again after its first call timed out, which had landed
+        if entry.state == "RUNNING":
             return False
         try:
             self.pin(entry.submission or job, PIN_S)  # before the driver ends: its end frees the package
@@ -221,7 +225,7 @@ class Admitter:
             entry = self.queue.get(job)
             if entry is None or entry.holder != holder_digest(token) or entry.state == "RUNNING":
                 return False
-            parked = changed(self.queue, job, successor=successor, holder="")
+            parked = changed(self.queue, job, successor=successor)  # its holder stays, so a retry is known
             if not self._save(parked):
                 return False
             self.queue, self.pinned_at[job] = parked, time.time()
@@ -328,7 +332,7 @@ class Admitter:
                         "retrying", self.location, type(e).__name__, e)
             return False
         self.saved = queue
-        self.published = {e.job: _public(e) for e in queue.entries}
+        self.published = {e.job: _public(e) for e in queue.entries}  # shallow: an entry holds scalars only
         return True
 
     def _capacity(self) -> int:
@@ -384,7 +388,7 @@ class Admitter:
 
 
 def _public(e: Entry) -> dict[str, Any]:
-    out = asdict(e)
+    out = row(e)
     out.pop("holder")
     return out
 

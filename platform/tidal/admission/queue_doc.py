@@ -22,7 +22,7 @@ import logging
 import re
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
 from tidal import fs
@@ -155,11 +155,18 @@ def parse_queue(data: Any, source: str) -> Queue:
 
 def save_queue(location: str, queue: Queue) -> None:
     filesystem, path = fs.resolve(location)
-    fs.write_json(filesystem, path, document(queue))
+    fs.write_json(filesystem, path, document(queue), indent=None)  # compact: read with `tidal queue`
 
 
 def document(queue: Queue) -> dict[str, Any]:
-    return {"version": VERSION, "jobs": [asdict(e) for e in queue.entries], "notice": queue.notice, "head": queue.head}
+    return {"version": VERSION, "jobs": [row(e) for e in queue.entries], "notice": queue.notice, "head": queue.head}
+
+
+def row(entry: Entry) -> dict[str, Any]:
+    """An entry as the document holds it. Its fields are scalars, so a shallow copy is what
+    `dataclasses.asdict` gives, at a tenth of its cost (it ran per entry per save: most of a
+    save's time at 1,000 jobs)."""
+    return dict(vars(entry))
 
 
 def entry_for(spec: JobSpec, job: str, quotas: Quotas | None, now: float) -> Entry:
@@ -266,4 +273,4 @@ def _entry(d: Any) -> Entry:
 
 
 __all__ = ["JOB_KEY", "QUEUE_FILE", "STATES", "DamagedQueue", "Entry", "Queue", "apply", "changed", "document", "entry_for",
-           "finished", "is_submission_id", "load_or_set_aside", "load_queue", "parse_queue", "queue_location", "running", "save_queue", "submitted", "waiting", "with_world"]
+           "finished", "is_submission_id", "load_or_set_aside", "load_queue", "row", "parse_queue", "queue_location", "running", "save_queue", "submitted", "waiting", "with_world"]

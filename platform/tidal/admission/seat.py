@@ -60,7 +60,7 @@ class Seat:
         self.waited_s = 0.0  # QUEUED before the first start
         self._stop = threading.Event()
         self._said = ""
-        self.parked = False
+        self.parked, self.successor = False, ""
 
     def wait(self, poll_s: float = POLL_S, park: bool = False) -> int:
         """Until admission gives this job workers (printing its state, position and reason as
@@ -93,7 +93,9 @@ class Seat:
     def _park(self, status: dict[str, Any]) -> None:
         """Raise `Parked` if the actor records this job as parked (else wait on: it is being
         admitted, or the document could not be saved)."""
-        successor = successor_id(self.job, time.time())
+        # One id for every try: a try whose answer was lost (a timeout) but which landed is confirmed.
+        self.successor = self.successor or successor_id(self.job, time.time())
+        successor = self.successor
         if self._call("park", self.job, self.token, successor):
             raise Parked(successor, status.get("position"))
 
