@@ -20,11 +20,13 @@ from tidal.admission.parking import (
     PIN_S,
     RETRY_S,
     Cancelled,
+    Gone,
     Parked,
+    ParkedStarts,
     may_park,
     successor_id,
 )
-from tidal.admission.queue_doc import DamagedQueue, Entry, load_queue, parse_queue
+from tidal.admission.queue_doc import DamagedQueue, Entry, Queue, load_queue, parse_queue
 from tidal.admission.seat import Seat, seat
 from tidal.errors import TidalError
 from tidal.launch.chain import merge_rows
@@ -98,7 +100,7 @@ def test_a_submitted_job_that_waits_parks_and_starts_as_its_successor_once_admit
         pass
     assert "park" in calls and "finished" not in calls, "a parked driver does not give the seat back"
     successor = parked.value.successor
-    assert successor.startswith("waiter-1-q")
+    assert successor == "waiter-1-p", "its own submission id and -p: anyone holding the first id finds it"
     saved = load_queue(where).get("waiter-1")
     assert (saved.state, saved.successor) == ("QUEUED", successor), "saved before the driver left"
     assert jobs.pins == ["waiter-1"], "its package pinned before its driver's end could free it"
@@ -142,6 +144,48 @@ def test_a_park_asked_again_after_a_lost_answer_is_confirmed_not_refused(full):
     assert a.park("w", "tok-w", "w-q1"), "the same driver, the same successor: confirmed"
     assert not a.park("w", "someone-else", "w-q1")
     assert jobs.pins == ["w"], "pinned once"
+
+
+def test_a_driver_whose_park_answer_was_lost_leaves_instead_of_training(full, tmp_path, monkeypatch):
+    """The park landed but its answer timed out; the job is admitted before the driver asks again.
+    The driver must not train (admission starts the successor): it sees its own successor in the
+    job's entry and leaves. A late registration from it does not un-park the job either."""
+    a, jobs, where, _ = full
+    monkeypatch.setenv("TIDAL_PARK_AFTER_S", "0")
+    calls = as_submitted_driver(monkeypatch, a)
+    real_park = Admitter.park
+
+    def park_answer_lost(self, *args):
+        real_park(self, *args)
+        return None  # what Seat._call gives for a call that timed out
+
+    monkeypatch.setattr(Admitter, "park", park_answer_lost)
+    s = Seat(tiny_spec(tmp_path, name="waiter"))
+    s.registration["submission"] = "waiter-1"
+    lost = dict(s.registration)
+    assert a.finished("big", "tok-big")
+    with pytest.raises(Parked):
+        s.wait(poll_s=0.0, park=True)
+    assert calls.count("park") == 1
+    a.submit(lost)  # the parked driver's own registration, arriving late
+    assert a.queue.get(s.job).successor == "waiter-1-p", "still parked"
+    a.tick()
+    a.tick()
+    assert jobs.sent == [(s.job, "waiter-1-p")], "started once, by admission"
+
+
+def test_a_parked_job_whose_record_is_gone_leaves_the_queue_and_says_why():
+    marked: list[tuple[str, str]] = []
+
+    def gone(entry):
+        raise Gone(entry.submission)
+
+    starts = ParkedStarts(lambda: gone, lambda: lambda successor, why: marked.append((successor, why)))
+    admitted = Entry("w", "w", "default", "normal", 1, 1, 1.0, state="RUNNING", workers=1, submission="w",
+                     successor="w-p")
+    assert starts.run(Queue((admitted,))) == ({}, ["w"])
+    assert marked and marked[0][0] == "w-p" and "record is gone" in marked[0][1], \
+        "its successor id says why, so Job.status() of it is FAILED, not QUEUED forever"
 
 
 def test_no_pin_or_no_save_no_parking(full, tmp_path, monkeypatch):
@@ -208,7 +252,7 @@ def test_only_a_submitted_driver_that_waited_long_enough_parks():
     assert may_park({"TIDAL_PARK_AFTER_S": "0"}, "sub-1", 0.0)
     with pytest.raises(TidalError, match="TIDAL_PARK_AFTER_S='soon' is not a number"):
         may_park({"TIDAL_PARK_AFTER_S": "soon"}, "sub-1", 0.0)
-    assert len(successor_id("j" * 128, 1e9)) == 128
+    assert len(successor_id("j" * 128)) == 128
 
 
 def test_a_successor_read_from_storage_is_checked():

@@ -118,7 +118,7 @@ class Admitter:
         make: Callable[[], Relauncher] = (lambda: relauncher) if relauncher else (lambda: jobs().relaunch)
         self.pin: Pinner = pinner or (lambda submission, seconds: jobs().pin(submission, seconds))
         self.relaunches = Relaunches(self.queue, head, make, time.time())
-        self.parked, self.pinned_at = ParkedStarts(make), {}
+        self.parked, self.pinned_at = ParkedStarts(make, lambda: jobs().mark_dropped), {}
         self.queue = replace(self.queue, head=head)
         self.saved: Queue | None = None  # ...decisions never are: they land here only once saved
         self.published: dict[str, dict[str, Any]] = {}
@@ -164,11 +164,14 @@ class Admitter:
                     entry = replace(entry, state="RUNNING", workers=workers, workers_now=workers, last_resize=now,
                                     reason="re-adopted: it was running when the queue was rebuilt")
                 self.queue = submitted(self.queue, entry, adopted=workers > 0)
-            elif (known.holder != reg["holder"] or known.successor
-                  or known.submission != (reg["submission"] or known.submission)):
-                # a driver of a parked job (its successor, or one started by hand) un-parks it
-                self.queue = changed(self.queue, reg["job"], holder=reg["holder"], successor="",
-                                     submission=reg["submission"] or known.submission)
+            elif known.holder != reg["holder"] or known.submission != (reg["submission"] or known.submission):
+                # A new driver (a parked job's successor, a relaunch, one started by hand) holds the seat
+                # and un-parks it; saved at once, so that a restarted actor does not forget whose it is.
+                # The parked driver's own late call (same holder) changes nothing.
+                self.queue = changed(self.queue, reg["job"], holder=reg["holder"],
+                                     submission=reg["submission"] or known.submission,
+                                     successor="" if known.holder != reg["holder"] else known.successor)
+                self._save(self.queue)
             self.seen[reg["job"]] = now
         self.wake.set()  # the tick saves it with every other registration since the last (one write)
         return self.status(reg["job"])

@@ -7,7 +7,7 @@ the Jobs API keeps each job's record (its entrypoint, its runtime environment wi
 which is all a later start needs. So:
 - a driver that runs as a Ray Job and still waits `PARK_AFTER_S` after registering (a short wait
   keeps its driver: parking costs one driver start) asks the actor to park its job, naming the Ray
-  job id its driver will have next (`successor_id`). The actor records it in the queue document,
+  job id its driver will have next (`successor_id`: its own id and `-p`). The actor records it in the queue document,
   saved before the driver is told; the driver prints where the job goes on (a record that `Job`
   follows: launch/chain.py) and ends, SUCCEEDED;
 - once admitted, the actor submits that successor from the parked driver's own record
@@ -34,15 +34,22 @@ PARK_AFTER_S = 30.0
 # A parked job's package is pinned in the GCS this long, and pinned again half way (admission/actor.py).
 PIN_S = 3600.0
 Pinner = Callable[[str, float], int]  # pins the packages of a submission's runtime env; how many
+SUFFIX = "-p"
 CANCELLED = "tidal.cancelled"  # metadata of the no-op job that takes a stopped parked job's ticket
-# A successor that cannot be submitted (the Jobs API down, the record gone) is tried again every
-# RETRY_S, ATTEMPTS times in all, then its entry leaves the queue (the log says to submit it again).
-ATTEMPTS = 6
+# A successor that cannot be submitted (the Jobs API down) is tried again every RETRY_S, ATTEMPTS
+# times in all (5 minutes: an outage, not the job, is the likely cause), then its entry leaves the
+# queue, its successor id marked DROPPED where the Jobs API takes it (the log says to submit it again).
+ATTEMPTS = 30
 RETRY_S = 10.0
+DROPPED = "tidal.dropped"  # metadata of the no-op job that takes a dropped parked job's id: why
 
 
 class Cancelled(Exception):
     """The parked job was stopped: its successor id is taken by a CANCELLED job."""
+
+
+class Gone(Exception):
+    """The parked driver's Jobs API record is gone (`ray job delete`): nothing to start it from."""
 
 
 class Parked(Exception):
@@ -72,10 +79,11 @@ def may_park(environ: Mapping[str, str], submission: str, waited_s: float) -> bo
     return bool(submission) and after is not None and waited_s >= after
 
 
-def successor_id(job: str, now: float) -> str:
-    """The id the parked job's next driver gets: its key with the time, within a key's length."""
-    suffix = f"-q{int(now)}"
-    return job[:128 - len(suffix)] + suffix
+def successor_id(submission: str) -> str:
+    """The id a parked driver's job goes on as: that driver's own submission id and `-p`, within a
+    key's length. Fixed, so that anyone holding the id can find it (launch/chain.py) or take it
+    (a stop) without reading the parked driver's logs, which a head restart loses."""
+    return submission[:128 - len(SUFFIX)] + SUFFIX
 
 
 def admitted_parked(queue: Queue) -> list[Entry]:
@@ -88,8 +96,11 @@ class ParkedStarts:
     """Submits each admitted parked job's driver (through `make()`'s starter, the Jobs API), trying
     a failed one again every RETRY_S, ATTEMPTS times in all."""
 
-    def __init__(self, make: Callable[[], Callable[[Entry], str]]) -> None:
+    def __init__(self, make: Callable[[], Callable[[Entry], str]],
+                 make_mark: Callable[[], Callable[[str, str], None]] | None = None) -> None:
         self._make, self._start = make, None
+        self._make_mark: Callable[[], Callable[[str, str], None]] = make_mark or (lambda: lambda successor, why: None)
+        self._mark: Callable[[str, str], None] | None = None
         self.tries: dict[str, int] = {}
         self.retry_at: dict[str, float] = {}
 
@@ -108,19 +119,31 @@ class ParkedStarts:
             except Cancelled:
                 log.warning("job %s was stopped while it waited parked: it leaves the queue", entry.job)
                 dropped.append(entry.job)
+            except Gone as e:
+                self._drop(entry, f"its Ray job's record is gone ({e}); submit it again", dropped)
             except Exception as e:  # noqa: BLE001 - the Jobs API or the record: try again, then give up saying so
                 self.tries[entry.job] = tries = self.tries.get(entry.job, 0) + 1
                 if tries < ATTEMPTS:
                     self.retry_at[entry.job] = now + RETRY_S
                     continue
-                log.error("job %s was admitted but its driver could not be started (%s: %s); it leaves the queue: "
-                          "submit it again (it resumes from its latest checkpoint)", entry.job, type(e).__name__,
-                          redact_text(str(e)))
-                dropped.append(entry.job)
+                self._drop(entry, f"its driver could not be started after {ATTEMPTS} tries "
+                           f"({type(e).__name__}: {redact_text(str(e))[:300]}); submit it again (it resumes from its "
+                           "latest checkpoint)", dropped)
             self.tries.pop(entry.job, None)
             self.retry_at.pop(entry.job, None)
         return started, dropped
 
+    def _drop(self, entry: Entry, why: str, dropped: list[str]) -> None:
+        """The job leaves the queue; its successor id says why to whoever follows the job, where the
+        Jobs API takes it (`Job.status()` then says FAILED with this reason, not QUEUED forever)."""
+        log.error("job %s was admitted but leaves the queue: %s", entry.job, why)
+        dropped.append(entry.job)
+        try:
+            self._mark = self._mark or self._make_mark()
+            self._mark(entry.successor, why)
+        except Exception as e:  # noqa: BLE001 - the Jobs API is what failed: the log says it
+            log.debug("could not mark %s dropped: %s", entry.successor, e)
 
-__all__ = ["ATTEMPTS", "CANCELLED", "PARK_AFTER_S", "PARK_VAR", "PIN_S", "RETRY_S", "Cancelled", "Parked", "ParkedStarts", "Pinner",
+
+__all__ = ["ATTEMPTS", "CANCELLED", "DROPPED", "PARK_AFTER_S", "PARK_VAR", "PIN_S", "RETRY_S", "SUFFIX", "Cancelled", "Gone", "Parked", "ParkedStarts", "Pinner",
            "admitted_parked", "may_park", "park_after_s", "successor_id"]

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from tidal.admission.naming import QUEUE_JOB_VAR
-from tidal.admission.parking import CANCELLED, Cancelled
+from tidal.admission.parking import CANCELLED, DROPPED, Cancelled, Gone
 from tidal.admission.queue_doc import Entry, Queue
 from tidal.ray_auth import auth_headers, auth_token
 from tidal.redact import redact_text
@@ -94,7 +94,16 @@ class JobsApi:
         """Submit a job's driver from the record of its last driver: again under a new id after a
         head restart, or, for a parked job (admission/parking.py), under its successor id."""
         old = entry.submission or entry.job
-        info = self.client.get_job_info(old)
+        try:
+            info = self.client.get_job_info(old)
+        except RuntimeError as e:
+            if entry.successor and "status code 404" in str(e):
+                raise Gone(old) from None
+            raise
+        if entry.successor and str(getattr(info.status, "value", info.status)) in ("STOPPED", "FAILED"):
+            # A parked driver ends SUCCEEDED: this one was stopped (or failed) after its park was
+            # saved, and the job goes no further.
+            raise Cancelled(entry.successor)
         new = entry.successor or new_submission_id(entry, time.time())
         try:
             new = self.client.submit_job(**resubmission(info, entry, new))
@@ -108,6 +117,12 @@ class JobsApi:
             except Exception as e:  # noqa: BLE001 - the record is only a view; the job is relaunched
                 log.debug("could not mark %s stopped: %s", old, e)
         return new
+
+    def mark_dropped(self, successor: str, why: str) -> None:
+        """Take a dropped parked job's successor id with a job that does nothing, saying why in its
+        metadata: whoever follows the job (launch/chain.py) sees it FAILED, with the reason."""
+        self.client.submit_job(entrypoint="echo '[tidal] this job left the queue without starting'",
+                               submission_id=successor, entrypoint_num_cpus=0, metadata={DROPPED: why[:500]})
 
     def pin(self, submission: str, seconds: float) -> int:
         """Keep the packages of `submission`'s runtime environment in the GCS for `seconds`, with or

@@ -80,6 +80,9 @@ class Seat:
                 registered = bool(status)
             if status and status.get("error"):
                 raise TidalError(f"the cluster's admission refused job {self.job!r}: {status['error']}")
+            if self.successor and status and self.successor in (status.get("successor"), status.get("submission")):
+                # a park whose answer was lost had landed: the job is admission's to start, not this driver's
+                raise Parked(self.successor, status.get("position"))
             if status and status.get("state") == "RUNNING" and status.get("workers", 0) > 0:
                 self.workers = int(status["workers"])
                 return self.workers
@@ -94,8 +97,7 @@ class Seat:
         """Raise `Parked` if the actor records this job as parked (else wait on: it is being
         admitted, or the document could not be saved)."""
         # One id for every try: a try whose answer was lost (a timeout) but which landed is confirmed.
-        self.successor = self.successor or successor_id(self.job, time.time())
-        successor = self.successor
+        self.successor = successor = successor_id(self.registration["submission"] or self.job)
         if self._call("park", self.job, self.token, successor):
             raise Parked(successor, status.get("position"))
 

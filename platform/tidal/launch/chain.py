@@ -13,11 +13,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from tidal.admission.parking import CANCELLED
+from tidal.admission.parking import CANCELLED, DROPPED, successor_id
 from tidal.output import parse_record
 
 MAX_LINKS = 32  # a job parks once per wait; a longer chain is a loop, not a job
 PARKED_KEY = "parked_as"
+TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,7 @@ class Link:
     submission_id: str
     state: str
     started: bool = True
+    reason: str | None = None  # why a job that never started failed (admission dropped it)
 
 
 def parked_as(client: Any, submission_id: str) -> str | None:
@@ -41,57 +43,67 @@ def lookup(client: Any, submission_id: str) -> Any | None:
     try:
         return client.get_job_info(submission_id)
     except RuntimeError as e:  # Ray's client: "Request failed with status code 404: ..."
-        if "404" in str(e) or "does not exist" in str(e):
+        if "status code 404" in str(e):
             return None
         raise
 
 
 def walk(client: Any, submission_id: str, known: dict[str, str] | None = None) -> list[Link]:
-    """The job's Ray jobs from `submission_id` on, its newest last. `known` caches the links found
-    (a link never changes once printed)."""
+    """The job's Ray jobs from `submission_id` on, its newest last. A driver that ended goes on as
+    `successor_id(its id)` where that job exists (whatever the driver's end: a head restart loses
+    its logs, and a driver can fail after parking), or, where its last record says it parked, as
+    that id not yet started (QUEUED). `known` caches the links found (a link never changes)."""
     known = {} if known is None else known
     links: list[Link] = []
     sid, state = submission_id, str(client.get_job_status(submission_id).value)
     for _ in range(MAX_LINKS):
-        successor = known.get(sid) or (parked_as(client, sid) if state == "SUCCEEDED" else None)
-        if not successor:
+        if state not in TERMINAL:
+            break
+        successor = known.get(sid) or successor_id(sid)
+        info = lookup(client, successor)
+        if info is None and (known.get(sid) or (state == "SUCCEEDED" and parked_as(client, sid))):
+            known[sid] = successor
+            return [*links, Link(sid, "PARKED"), Link(successor, "QUEUED", started=False)]
+        if info is None:
             break
         known[sid] = successor
         links.append(Link(sid, "PARKED"))
-        info = lookup(client, successor)
-        if info is None:
-            return [*links, Link(successor, "QUEUED", started=False)]
         sid, state = successor, str(info.status.value)
         if CANCELLED in (info.metadata or {}):
             return [*links, Link(sid, "STOPPED")]
+        if DROPPED in (info.metadata or {}):
+            return [*links, Link(sid, "FAILED", reason=f"it left the cluster's queue without starting: "
+                                                         f"{info.metadata[DROPPED]}")]
     return [*links, Link(sid, state)]
 
 
 def went_on_as(client: Any, submission_id: str, poll_s: float) -> str | None:
-    """The Ray job that `submission_id`'s parked driver goes on as, once admission has started it
-    (waiting for it as long as the job waits in the queue); None if the driver did not park, or
-    the job was stopped while it waited."""
-    successor = parked_as(client, submission_id)
-    if not successor:
+    """The Ray job that `submission_id`'s driver goes on as, once admission has started it (waiting
+    for it as long as the job waits in the queue); None if the driver did not park, or the job was
+    stopped while it waited."""
+    successor = successor_id(submission_id)
+    info = lookup(client, successor)
+    if info is None and not parked_as(client, submission_id):
         return None
-    while (info := lookup(client, successor)) is None:
+    while info is None:
         time.sleep(poll_s)
-    return None if CANCELLED in (info.metadata or {}) else successor
+        info = lookup(client, successor)
+    return None if CANCELLED in (info.metadata or {}) or DROPPED in (info.metadata or {}) else successor
 
 
-def cancel(client: Any, link: Link, job: str) -> bool:
-    """Stop a parked job that waits to start as `link`: take its id with a job that does nothing,
-    marked cancelled, so admission never starts it (admission/parking.py). If admission took the
-    id first, the job has started: stop that Ray job."""
+def cancel(client: Any, successor: str, job: str) -> bool:
+    """Make sure admission never starts the job as `successor`: take that id with a job that does
+    nothing, marked cancelled (the Jobs API refuses a second job under one id). If admission took
+    it first, the job has started: stop that Ray job. True if something was stopped or taken."""
     try:
-        client.submit_job(entrypoint=f"echo '[tidal] job {job} was stopped while it waited in the queue'",
-                          submission_id=link.submission_id, entrypoint_num_cpus=0,
-                          metadata={CANCELLED: job})
+        client.submit_job(entrypoint=f"echo '[tidal] job {job} was stopped: this id is taken so that it never starts'",
+                          submission_id=successor, entrypoint_num_cpus=0, metadata={CANCELLED: job})
         return True
     except RuntimeError:
-        if lookup(client, link.submission_id) is None:
+        info = lookup(client, successor)
+        if info is None:
             raise
-        return bool(client.stop_job(link.submission_id))
+        return CANCELLED in (info.metadata or {}) or bool(client.stop_job(successor))
 
 
 def merge_rows(rows: list[dict[str, Any]], successors: dict[str, str], stopped: set[str]) -> list[dict[str, Any]]:

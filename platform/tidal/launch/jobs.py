@@ -133,6 +133,8 @@ class Job:
             return JobState(str(row["state"]))
         if state != "FAILED":
             return JobState(state)
+        if now.reason:
+            return JobState(state, now.reason)
         info = client.get_job_info(now.submission_id)  # why it failed: only a failed job's is read
         return JobState(state, start_failure(state, info.error_type, info.message))
 
@@ -218,7 +220,7 @@ class Job:
         client = self._client()
         now = self._now(client)
         if not now.started:
-            return chain.cancel(client, now, self.submission_id)
+            return chain.cancel(client, now.submission_id, self.submission_id)
         return bool(client.stop_job(now.submission_id))
 
     def progress(self) -> dict[str, Any]:
