@@ -85,6 +85,9 @@ class StreamingClient:
     def get_job_logs(self, sid):
         return "abc"
 
+    def get_job_info(self, sid):  # no other job: Ray 2.60's client says so with a 404
+        raise RuntimeError(f"Request failed with status code 404: Job {sid} does not exist.")
+
 
 def test_follow_streams_and_polls_where_it_cannot(monkeypatch):
     import asyncio

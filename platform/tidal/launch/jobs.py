@@ -373,6 +373,8 @@ def list_jobs(address: str | None = None) -> list[dict[str, Any]]:
                      "status": q["state"] if q and status == "RUNNING" else status,
                      "team": q.get("team"), "priority": q.get("priority"), "start_time": info.start_time or 0,
                      **read_progress(record)})
+    ids = {r["id"] for r in rows} | stopped
+    successors.update({r["id"]: nxt for r in rows if (nxt := chain.successor_id(r["id"])) in ids})  # logs lost
     rows = chain.merge_rows(rows, successors, stopped)
     return sorted(rows, key=lambda r: r["start_time"], reverse=True)
 
