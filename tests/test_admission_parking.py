@@ -41,6 +41,10 @@ class Jobs:
         self.sent: list[tuple[str, str]] = []  # (job, submission id)
         self.pins: list[str] = []
         self.fail, self.cancelled, self.pin_fails = fail, cancelled, pin_fails
+        self.stops: set[str] = set()  # successor ids a stop has taken
+
+    def stopped(self, successor: str) -> bool:
+        return successor in self.stops
 
     def relaunch(self, entry: Entry) -> str:
         if self.cancelled:
@@ -68,7 +72,8 @@ def full(tmp_path, monkeypatch):
 
     def make(**kw) -> tuple[Admitter, Jobs]:
         jobs = Jobs(**kw)
-        a = Admitter(str(quotas), where, background=False, lease_s=5, relauncher=jobs.relaunch, pinner=jobs.pin)
+        a = Admitter(str(quotas), where, background=False, lease_s=5, relauncher=jobs.relaunch, pinner=jobs.pin,
+                     stopped=jobs.stopped)
         return a, jobs
 
     a, jobs = make()
@@ -228,6 +233,22 @@ def test_a_job_stopped_while_parked_leaves_the_queue_when_its_turn_comes(full):
     b.tick()
     b.tick()
     assert load_queue(where).get("w") is None and jobs.sent == []
+
+
+def test_a_parked_job_stopped_while_it_waits_leaves_before_anyone_makes_room_for_it(full):
+    """Stopped while parked, a high-priority job would still have shrunk or suspended a running job
+    when its turn came, only to be dropped then. Among the first in the queue, a stop is looked for
+    every few seconds: the job leaves while the running one keeps its size."""
+    a, jobs, where, _ = full
+    a.submit({"job": "w", "name": "w", "team": None, "priority": "high", "min_workers": 2, "max_workers": 2,
+              "cpus_per_worker": 1, "gpus_per_worker": 0, "token": "tok-w", "submission": "w"})
+    assert a.park("w", "tok-w", "w-p")
+    jobs.stops.add("w-p")  # `tidal stop` took its next id
+    a.seen["big"] = time.time() + 60  # big's driver checks in all along
+    a.tick(time.time() + 11)
+    assert load_queue(where).get("w") is None, "out of the queue"
+    a.tick(time.time() + 12)
+    assert load_queue(where).get("big").workers == 2 and jobs.sent == [], "nobody made room for it"
 
 
 def test_a_restarted_actor_pins_parked_packages_again_and_keeps_them_past_the_lease(full):

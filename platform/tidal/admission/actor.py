@@ -45,7 +45,7 @@ from tidal.admission.naming import (  # noqa: F401 - re-exported: seats, the CLI
     queue_document,
     queue_named,
 )
-from tidal.admission.parking import PIN_S, ParkedStarts, Pinner
+from tidal.admission.parking import CHECK_S, PIN_S, ParkedStarts, Pinner, stopped_soon
 from tidal.admission.policy import decide
 from tidal.admission.queue_doc import (
     Entry,
@@ -102,10 +102,11 @@ class Admitter:
 
     def __init__(self, quotas_path: str, location: str, tick_s: float = TICK_S, lease_s: float = LEASE_S,
                  background: bool = True, head: str | None = None, relauncher: Relauncher | None = None,
-                 pinner: Pinner | None = None) -> None:
+                 pinner: Pinner | None = None, stopped: Callable[[str], bool] | None = None) -> None:
         """`head`: the Ray node id of the head it runs on (asked of Ray when None); `relauncher`
-        submits a job's driver from its record (a lost head's jobs, admitted parked ones) and
-        `pinner` keeps a parked job's package: the cluster's Jobs API when None."""
+        submits a job's driver from its record (a lost head's jobs, admitted parked ones), `pinner`
+        keeps a parked job's package and `stopped` says whether a stop took a parked job's next id:
+        the cluster's Jobs API when None."""
         self.quotas = load_quotas(quotas_path)
         self.location, self.lease_s = location, lease_s
         self.queue = load_or_set_aside(self.location)  # registrations and finishes may be ahead of the document...
@@ -118,7 +119,8 @@ class Admitter:
         make: Callable[[], Relauncher] = (lambda: relauncher) if relauncher else (lambda: jobs().relaunch)
         self.pin: Pinner = pinner or (lambda submission, seconds: jobs().pin(submission, seconds))
         self.relaunches = Relaunches(self.queue, head, make, time.time())
-        self.parked, self.pinned_at = ParkedStarts(make, lambda: jobs().mark_dropped), {}
+        self.parked, self.pinned_at, self.checked_at = ParkedStarts(make, lambda: jobs().mark_dropped), {}, 0.0
+        self.stopped = stopped or (lambda successor: jobs().stopped(successor))
         self.queue = replace(self.queue, head=head)
         self.saved: Queue | None = None  # ...decisions never are: they land here only once saved
         self.published: dict[str, dict[str, Any]] = {}
@@ -263,13 +265,16 @@ class Admitter:
         started = time.monotonic()
         now = time.time() if now is None else now
         capacity = self._capacity()
+        stopped = []  # parked jobs a stop took: out before the decision makes room for them
+        if now - self.checked_at >= CHECK_S:
+            self.checked_at, stopped = now, stopped_soon(self.queue, self.stopped)
         with self.lock:
             # A job a lost head took with it waits for its relaunch, not on its lease.
             # A parked job has no driver to check in: it waits for its start.
             gone = [e.job for e in self.queue.entries if now - max(self.seen.get(e.job, 0.0), self.resumed_at)
                     > self.lease_s and e.job not in self.relaunches.pending and not e.successor]
             queue = self.queue
-            for job in gone:
+            for job in gone + stopped:
                 queue = finished(queue, job)
             decision = decide(capacity, running(queue), waiting(queue), self.quotas, now)
             after = with_world(apply(queue, decision, now), dict(self.world))

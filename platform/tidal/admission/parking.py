@@ -41,7 +41,8 @@ CANCELLED = "tidal.cancelled"  # metadata of the no-op job that takes a stopped 
 # queue, its successor id marked DROPPED where the Jobs API takes it (the log says to submit it again).
 ATTEMPTS = 30
 RETRY_S = 10.0
-DROPPED = "tidal.dropped"  # metadata of the no-op job that takes a dropped parked job's id: why
+DROPPED = "tidal.dropped"
+CHECK_S, CHECK_FIRST = 10.0, 10  # how often, and for how many of the first parked jobs, a stop is looked for  # metadata of the no-op job that takes a dropped parked job's id: why
 
 
 class Cancelled(Exception):
@@ -84,6 +85,23 @@ def successor_id(submission: str) -> str:
     key's length. Fixed, so that anyone holding the id can find it (launch/chain.py) or take it
     (a stop) without reading the parked driver's logs, which a head restart loses."""
     return submission[:128 - len(SUFFIX)] + SUFFIX
+
+
+def stopped_soon(queue: Queue, stopped: Callable[[str], bool], limit: int = CHECK_FIRST) -> list[str]:
+    """The parked jobs, among the `limit` first in the queue, whose successor id a stop has taken
+    (`stopped(successor)`): to drop now, before admission shrinks or suspends a running job to make
+    room for a job nobody wants. Only the first few: one Jobs API call each, every CHECK_S; the
+    rest are found when their turn comes (ParkedStarts)."""
+    first = sorted((e for e in queue.entries if e.successor and e.state != "RUNNING"),
+                   key=lambda e: (e.position is None, e.position or 0, e.submitted_at))[:limit]
+    out = []
+    for e in first:
+        try:
+            if stopped(e.successor):
+                out.append(e.job)
+        except Exception as ex:  # noqa: BLE001 - the Jobs API: looked at again next time
+            log.debug("could not look at %s: %s", e.successor, ex)
+    return out
 
 
 def admitted_parked(queue: Queue) -> list[Entry]:
@@ -146,4 +164,4 @@ class ParkedStarts:
 
 
 __all__ = ["ATTEMPTS", "CANCELLED", "DROPPED", "PARK_AFTER_S", "PARK_VAR", "PIN_S", "RETRY_S", "SUFFIX", "Cancelled", "Gone", "Parked", "ParkedStarts", "Pinner",
-           "admitted_parked", "may_park", "park_after_s", "successor_id"]
+           "admitted_parked", "may_park", "stopped_soon", "park_after_s", "successor_id"]

@@ -118,6 +118,16 @@ class JobsApi:
                 log.debug("could not mark %s stopped: %s", old, e)
         return new
 
+    def stopped(self, successor: str) -> bool:
+        """Whether a stop of a parked job has taken its successor id (launch/chain.cancel)."""
+        try:
+            info = self.client.get_job_info(successor)
+        except RuntimeError as e:
+            if "status code 404" in str(e):
+                return False
+            raise
+        return CANCELLED in (info.metadata or {})
+
     def mark_dropped(self, successor: str, why: str) -> None:
         """Take a dropped parked job's successor id with a job that does nothing, saying why in its
         metadata: whoever follows the job (launch/chain.py) sees it FAILED, with the reason."""
