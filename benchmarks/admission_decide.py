@@ -36,6 +36,7 @@ import subprocess
 import sys
 import time
 from datetime import date
+from typing import Any
 
 from tidal.admission.policy import QueuedJob, RunningJob, decide
 from tidal.admission.quotas import Quotas
@@ -92,16 +93,21 @@ DRIVERS = {
 }
 # What the head holds for a parked job (admission/parking.py): no process, only its entry in the
 # admission actor and in the queue document. 1,000 jobs parked behind one running job, in-process.
-PARKED_PROBE = """
-import json, os, tempfile, psutil, yaml
+# An admission actor in-process (no Ray: the Jobs API's calls stood in for) on a cluster of one slot,
+# and `reg`, what a driver registers; the probes below start with it.
+ACTOR_SETUP = """
+import json, os, tempfile, time, psutil, yaml
 from tidal.admission.actor import Admitter
 n, d = {n}, tempfile.mkdtemp()
 quotas = os.path.join(d, "quotas.yaml")
 open(quotas, "w").write(yaml.safe_dump({{"capacity": 1, "min_resize_interval_s": 0}}))
-a = Admitter(quotas, os.path.join(d, "q.json"), background=False, relauncher=lambda e: "", pinner=lambda s, t: 1)
+a = Admitter(quotas, os.path.join(d, "q.json"), background=False, relauncher=lambda e: "", pinner=lambda s, t: 1,
+             stopped=lambda s: False)
 def reg(j):
     return {{"job": j, "name": "job", "team": None, "priority": "normal", "min_workers": 1, "max_workers": 1,
             "cpus_per_worker": 1, "gpus_per_worker": 0, "token": "t-" + j, "submission": j}}
+"""
+PARKED_PROBE = ACTOR_SETUP + """
 a.submit(reg("running")); a.tick()
 before = psutil.Process().memory_full_info()
 for i in range(n):
@@ -115,11 +121,15 @@ print(json.dumps({{"rss": after.rss - before.rss, "uss": after.uss - before.uss,
 """
 
 
+def probe(code: str, repeats: int) -> list[dict[str, Any]]:
+    """`code` run `repeats` times, each in a fresh interpreter; the JSON each printed last."""
+    return [json.loads(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                                      text=True).stdout.strip().splitlines()[-1]) for _ in range(repeats)]
+
+
 def parked_memory(repeats: int, n: int = 1000) -> list[str]:
     """Rows for `driver_memory`: the head's memory for `n` parked jobs (the actor's growth)."""
-    got = [json.loads(subprocess.run([sys.executable, "-c", PARKED_PROBE.format(n=n)], check=True,
-                                     capture_output=True, text=True).stdout.strip().splitlines()[-1])
-           for _ in range(repeats)]
+    got = probe(PARKED_PROBE.format(n=n), repeats)
     rss, uss = [g["rss"] / n / 2**10 for g in got], [g["uss"] / n / 2**10 for g in got]
     doc = statistics.median(g["doc"] for g in got) / n
     return [f"| a parked job (no process; admission/parking.py): the admission actor's growth per job, KB, "
@@ -133,9 +143,7 @@ def driver_memory(repeats: int) -> str:
              f"{platform.machine()})", "", "| waiting process | RSS, MB (every run) | USS, MB (every run) | "
              "1,000 queued jobs, GB of RSS |", "|---|---|---|---|"]
     for label, imports in DRIVERS.items():
-        got = [json.loads(subprocess.run([sys.executable, "-c", PROBE.format(imports=imports)], check=True,
-                                         capture_output=True, text=True).stdout.strip().splitlines()[-1])
-               for _ in range(repeats)]
+        got = probe(PROBE.format(imports=imports), repeats)
         rss, uss = [g["rss"] / 2**20 for g in got], [g["uss"] / 2**20 for g in got]
         lines.append(f"| {label} | {', '.join(f'{x:.0f}' for x in rss)} | {', '.join(f'{x:.0f}' for x in uss)} | "
                      f"{statistics.median(rss) * 1000 / 1024:.0f} |")
@@ -143,16 +151,7 @@ def driver_memory(repeats: int) -> str:
 
 
 REGISTRATIONS = "The admission actor's calls at 1,000 jobs"
-REG_PROBE = """
-import json, os, tempfile, time, yaml
-from tidal.admission.actor import Admitter
-n, d = {n}, tempfile.mkdtemp()
-quotas = os.path.join(d, "quotas.yaml")
-open(quotas, "w").write(yaml.safe_dump({{"capacity": 1, "min_resize_interval_s": 0}}))
-a = Admitter(quotas, os.path.join(d, "q.json"), background=False, relauncher=lambda e: "", pinner=lambda s, t: 1)
-def reg(j):
-    return {{"job": j, "name": "job", "team": None, "priority": "normal", "min_workers": 1, "max_workers": 1,
-            "cpus_per_worker": 1, "gpus_per_worker": 0, "token": "t-" + j, "submission": j}}
+REG_PROBE = ACTOR_SETUP + """
 for i in range(n):
     a.submit(reg(f"r{{i:05d}}"))
 a.tick()
@@ -171,8 +170,7 @@ print(json.dumps({{"submit": sub, "tick": tick, "park": park}}))
 
 def registrations(repeats: int, n: int = 1000) -> str:
     """ms per registration, per park, and for the tick that saves 50 registrations, at `n` jobs."""
-    got = [json.loads(subprocess.run([sys.executable, "-c", REG_PROBE.format(n=n)], check=True, capture_output=True,
-                                     text=True).stdout.strip().splitlines()[-1]) for _ in range(repeats)]
+    got = probe(REG_PROBE.format(n=n), repeats)
     cells = {k: [g[k] * 1000 for g in got] for k in ("submit", "park", "tick")}
     rows = "\n".join(f"| {label} | {', '.join(f'{x:.1f}' for x in cells[k])} | **{statistics.median(cells[k]):.1f}** |"
                      for label, k in (("a registration (each of 50)", "submit"), ("a park (each of 50)", "park"),

@@ -73,6 +73,17 @@ def tiny_spec(tmp: Path, name: str = "tiny", **overrides: Any) -> JobSpec:
     return base.with_overrides(overrides) if overrides else base
 
 
+def one_worker_spec(tmp: Path, name: str, steps: int, step_s: float) -> JobSpec:
+    """A one-worker job in a folder of its own under `tmp`, each step at least `step_s` long
+    (tests/slow_step.py), a checkpoint every 5 steps: what the admission tests queue behind each other."""
+    folder = tmp / name
+    folder.mkdir()
+    return tiny_spec(folder, name=name, **{
+        "scaling.min_workers": 1, "scaling.max_workers": 1, "scaling.cpus_per_worker": 1, "train.steps": steps,
+        "train.micro_batch": 4, "train.global_batch": 8, "checkpoint.every_steps": 5,
+        "train.step_fn": "tests.slow_step:step", "worker_env": {"TIDAL_TEST_STEP_S": str(step_s)}})
+
+
 @pytest.fixture(scope="module")
 def ray_local() -> Iterator[None]:
     import ray

@@ -34,6 +34,14 @@ from tidal.launch.chain import merge_rows
 JOB_ENV = {"RAY_JOB_CONFIG_JSON_ENV_VAR": json.dumps({"metadata": {"job_submission_id": "waiter-1"}})}
 
 
+def registration(job: str, workers: int = 1, priority: str = "normal", token: str = "",
+                 submission: str = "") -> dict:
+    """What a driver sends (admission/seat.py), for a job of a fixed size."""
+    return {"job": job, "name": job, "team": None, "priority": priority, "min_workers": workers,
+            "max_workers": workers, "cpus_per_worker": 1, "gpus_per_worker": 0, "token": token or f"tok-{job}",
+            "submission": submission or job}
+
+
 class Jobs:
     """Stands in for the Jobs API the actor uses: submits (recorded) and package pins (recorded)."""
 
@@ -77,8 +85,7 @@ def full(tmp_path, monkeypatch):
         return a, jobs
 
     a, jobs = make()
-    a.submit({"job": "big", "name": "big", "team": None, "priority": "normal", "min_workers": 2, "max_workers": 2,
-              "cpus_per_worker": 1, "gpus_per_worker": 0, "token": "tok-big", "submission": "big"})
+    a.submit(registration("big", workers=2))
     a.tick()
     return a, jobs, where, make
 
@@ -122,8 +129,7 @@ def test_a_submitted_job_that_waits_parks_and_starts_as_its_successor_once_admit
     entry = load_queue(where).get("waiter-1")
     assert (entry.state, entry.submission, entry.successor) == ("RUNNING", successor, "")
     # The successor's driver registers under the job's key and runs at its size.
-    again = {"job": "waiter-1", "name": "waiter", "team": None, "priority": "normal", "min_workers": 2,
-             "max_workers": 2, "cpus_per_worker": 1, "gpus_per_worker": 0, "token": "tok-next", "submission": successor}
+    again = {**registration("waiter-1", workers=2, token="tok-next", submission=successor), "name": "waiter"}
     assert a.submit(again)["workers"] == 2
     assert a.finished("waiter-1", "tok-next")
 
@@ -131,8 +137,7 @@ def test_a_submitted_job_that_waits_parks_and_starts_as_its_successor_once_admit
 def test_a_job_admitted_meanwhile_or_a_caller_not_holding_the_seat_does_not_park(full):
     a, jobs, where, _ = full
     assert not a.park("big", "tok-big", "big-q1"), "a RUNNING job runs"
-    a.submit({"job": "w", "name": "w", "team": None, "priority": "normal", "min_workers": 1, "max_workers": 1,
-              "cpus_per_worker": 1, "gpus_per_worker": 0, "token": "tok-w", "submission": "w"})
+    a.submit(registration("w"))
     assert not a.park("w", "someone-else", "w-q1")
     assert not a.park("w", "tok-w", "not a submission id!")
     assert not a.queue.get("w").successor
@@ -142,8 +147,7 @@ def test_a_park_asked_again_after_a_lost_answer_is_confirmed_not_refused(full):
     """The driver's call can time out after the actor parked the job (a busy actor): asked again
     with the same successor id, the actor says yes, so the driver leaves as the document says."""
     a, jobs, where, _ = full
-    a.submit({"job": "w", "name": "w", "team": None, "priority": "normal", "min_workers": 1, "max_workers": 1,
-              "cpus_per_worker": 1, "gpus_per_worker": 0, "token": "tok-w", "submission": "w"})
+    a.submit(registration("w"))
     a.tick()
     assert a.park("w", "tok-w", "w-q1")
     assert a.park("w", "tok-w", "w-q1"), "the same driver, the same successor: confirmed"
@@ -197,8 +201,7 @@ def test_no_pin_or_no_save_no_parking(full, tmp_path, monkeypatch):
     """The driver leaves only once its package is kept and the document says the job is parked:
     else it keeps waiting (and so holds its package and its place)."""
     a, jobs, where, make = full
-    reg = {"job": "w", "name": "w", "team": None, "priority": "normal", "min_workers": 1, "max_workers": 1,
-           "cpus_per_worker": 1, "gpus_per_worker": 0, "token": "tok-w", "submission": "w"}
+    reg = registration("w")
     a.submit(reg)
     jobs.pin_fails = True
     assert not a.park("w", "tok-w", "w-q1")
@@ -211,8 +214,7 @@ def test_no_pin_or_no_save_no_parking(full, tmp_path, monkeypatch):
 def test_a_start_that_fails_is_tried_again_then_the_job_leaves_the_queue_saying_so(full, caplog):
     a, jobs, where, make = full
     b, jobs = make(fail=ATTEMPTS)
-    b.submit({"job": "w", "name": "w", "team": None, "priority": "normal", "min_workers": 1, "max_workers": 1,
-              "cpus_per_worker": 1, "gpus_per_worker": 0, "token": "tok-w", "submission": "w"})
+    b.submit(registration("w"))
     assert b.park("w", "tok-w", "w-q1")
     assert b.finished("big", "tok-big")
     now = time.time()
@@ -226,8 +228,7 @@ def test_a_start_that_fails_is_tried_again_then_the_job_leaves_the_queue_saying_
 def test_a_job_stopped_while_parked_leaves_the_queue_when_its_turn_comes(full):
     a, jobs, where, make = full
     b, jobs = make(cancelled=True)
-    b.submit({"job": "w", "name": "w", "team": None, "priority": "normal", "min_workers": 1, "max_workers": 1,
-              "cpus_per_worker": 1, "gpus_per_worker": 0, "token": "tok-w", "submission": "w"})
+    b.submit(registration("w"))
     assert b.park("w", "tok-w", "w-q1")
     assert b.finished("big", "tok-big")
     b.tick()
@@ -240,8 +241,7 @@ def test_a_parked_job_stopped_while_it_waits_leaves_before_anyone_makes_room_for
     when its turn came, only to be dropped then. Among the first in the queue, a stop is looked for
     every few seconds: the job leaves while the running one keeps its size."""
     a, jobs, where, _ = full
-    a.submit({"job": "w", "name": "w", "team": None, "priority": "high", "min_workers": 2, "max_workers": 2,
-              "cpus_per_worker": 1, "gpus_per_worker": 0, "token": "tok-w", "submission": "w"})
+    a.submit(registration("w", workers=2, priority="high"))
     assert a.park("w", "tok-w", "w-p")
     jobs.stops.add("w-p")  # `tidal stop` took its next id
     a.seen["big"] = time.time() + 60  # big's driver checks in all along
@@ -253,8 +253,7 @@ def test_a_parked_job_stopped_while_it_waits_leaves_before_anyone_makes_room_for
 
 def test_a_restarted_actor_pins_parked_packages_again_and_keeps_them_past_the_lease(full):
     a, jobs, where, make = full
-    a.submit({"job": "w", "name": "w", "team": None, "priority": "normal", "min_workers": 1, "max_workers": 1,
-              "cpus_per_worker": 1, "gpus_per_worker": 0, "token": "tok-w", "submission": "w"})
+    a.submit(registration("w"))
     assert a.park("w", "tok-w", "w-q1")
     b, jobs2 = make()  # Ray restarted the actor: it knows no pin times
     b.seen["big"] = time.time() + PIN_S  # big's driver checks in all along

@@ -13,12 +13,11 @@ from __future__ import annotations
 import os
 import secrets
 import time
-from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.conftest import ROOT, tiny_spec
+from tests.conftest import ROOT, one_worker_spec
 from tidal.admission.queue_doc import load_queue
 from tidal.launch.jobs import Job, connect, list_jobs, submit
 from tidal.testing.heads import ray_head
@@ -27,15 +26,6 @@ from tidal.testing.runs import job_run_id, metric_history
 
 pytestmark = pytest.mark.slow
 SCALE = float(os.environ.get("TIDAL_TEST_TIMEOUT_SCALE", "1"))
-
-
-def job_spec(tmp: Path, name: str, steps: int, step_s: float):
-    folder = tmp / name
-    folder.mkdir()
-    return tiny_spec(folder, name=name, **{
-        "scaling.min_workers": 1, "scaling.max_workers": 1, "scaling.cpus_per_worker": 1, "train.steps": steps,
-        "train.micro_batch": 4, "train.global_batch": 8, "checkpoint.every_steps": 5,
-        "train.step_fn": "tests.slow_step:step", "worker_env": {"TIDAL_TEST_STEP_S": str(step_s)}})
 
 
 def held(gcs: str, package: str) -> bool:
@@ -55,8 +45,8 @@ def test_waiting_jobs_hold_no_driver_and_start_by_themselves_or_never_once_stopp
     quotas, queue = tmp_path / "quotas.yaml", str(tmp_path / "queue.json")
     quotas.write_text(yaml.safe_dump({"unit": "workers", "capacity": 1, "min_resize_interval_s": 5}))
     monkeypatch.setenv("TIDAL_QUEUE", queue)  # Job.status() and `tidal list` read the cluster's queue here
-    first, second, third = (job_spec(tmp_path, "first", 30, 0.3), job_spec(tmp_path, "second", 6, 0.0),
-                            job_spec(tmp_path, "third", 6, 0.0))
+    first, second, third = (one_worker_spec(tmp_path, "first", 30, 0.3), one_worker_spec(tmp_path, "second", 6, 0.0),
+                            one_worker_spec(tmp_path, "third", 6, 0.0))
     # Ray keeps a fresh upload for 10 minutes whatever holds it; 10 s here, so that a parked job's
     # package outlives the driver that held it only through admission's pin (admission/parking.py).
     env = {"TIDAL_QUOTAS": str(quotas), "TIDAL_QUEUE": queue, "TIDAL_PARK_AFTER_S": "1",

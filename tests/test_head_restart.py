@@ -11,13 +11,12 @@ from __future__ import annotations
 import os
 import secrets
 import time
-from pathlib import Path
 
 import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
-from tests.conftest import ROOT, tiny_spec
+from tests.conftest import ROOT, one_worker_spec
 from tidal.admission.queue_doc import load_queue
 from tidal.launch.jobs import connect, submit
 from tidal.testing.heads import ray_head
@@ -28,15 +27,6 @@ from tidal.testing.servers import gcs_ft_env, redis_server
 pytestmark = pytest.mark.slow
 QUOTAS = {"unit": "workers", "capacity": 1, "min_resize_interval_s": 5}
 SCALE = float(os.environ.get("TIDAL_TEST_TIMEOUT_SCALE", "1"))
-
-
-def job_spec(tmp: Path, name: str, steps: int, step_s: float):
-    folder = tmp / name
-    folder.mkdir()
-    return tiny_spec(folder, name=name, **{
-        "scaling.min_workers": 1, "scaling.max_workers": 1, "scaling.cpus_per_worker": 1, "train.steps": steps,
-        "train.micro_batch": 4, "train.global_batch": 8, "checkpoint.every_steps": 5,
-        "train.step_fn": "tests.slow_step:step", "worker_env": {"TIDAL_TEST_STEP_S": str(step_s)}})
 
 
 def states(queue: str) -> dict[str, str]:
@@ -52,7 +42,7 @@ def first_step_after(spec, logged: int, timeout: float) -> float:
 def test_a_lost_head_s_running_and_waiting_jobs_start_again_by_themselves_and_lose_nothing(tmp_path):
     quotas, queue = tmp_path / "quotas.yaml", str(tmp_path / "queue.json")
     quotas.write_text(yaml.safe_dump(QUOTAS))
-    first, second = job_spec(tmp_path, "first", 40, 0.25), job_spec(tmp_path, "second", 10, 0.0)
+    first, second = one_worker_spec(tmp_path, "first", 40, 0.25), one_worker_spec(tmp_path, "second", 10, 0.0)
     port, token = free_port(), secrets.token_hex(16)
     with redis_server(tmp_path / "redis.log") as redis:
         env = {"TIDAL_QUOTAS": str(quotas), "TIDAL_QUEUE": queue, "TIDAL_RELAUNCH_GRACE_S": "5",
