@@ -45,7 +45,7 @@ from tidal.admission.naming import (  # noqa: F401 - re-exported: seats, the CLI
     queue_document,
     queue_named,
 )
-from tidal.admission.parking import CHECK_S, PIN_S, ParkedStarts, Pinner, stopped_soon
+from tidal.admission.parking import CHECK_S, ParkedStarts, Pinner, Pins, stopped_soon
 from tidal.admission.policy import decide
 from tidal.admission.queue_doc import (
     Entry,
@@ -117,9 +117,9 @@ class Admitter:
             api[:] = api or [cluster_jobs_api()]
             return api[0]
         make: Callable[[], Relauncher] = (lambda: relauncher) if relauncher else (lambda: jobs().relaunch)
-        self.pin: Pinner = pinner or (lambda submission, seconds: jobs().pin(submission, seconds))
+        self.pins = Pins(pinner or (lambda submission, seconds: jobs().pin(submission, seconds)))
         self.relaunches = Relaunches(self.queue, head, make, time.time())
-        self.parked, self.pinned_at, self.checked_at = ParkedStarts(make, lambda: jobs().mark_dropped), {}, 0.0
+        self.parked, self.checked_at = ParkedStarts(make, lambda: jobs().mark_dropped), 0.0
         self.stopped = stopped or (lambda successor: jobs().stopped(successor))
         self.queue = replace(self.queue, head=head)
         self.saved: Queue | None = None  # ...decisions never are: they land here only once saved
@@ -222,7 +222,7 @@ class Admitter:
         if entry.state == "RUNNING":
             return False
         try:
-            self.pin(entry.submission or job, PIN_S)  # before the driver ends: its end frees the package
+            pinned = self.pins.pin(entry)  # before the driver ends: its end frees the package
         except Exception as e:  # noqa: BLE001 - no pin, no parking: the driver keeps waiting
             log.warning("job %s cannot park: its package could not be pinned (%s: %s)", job, type(e).__name__, e)
             return False
@@ -233,7 +233,7 @@ class Admitter:
             parked = changed(self.queue, job, successor=successor)  # its holder stays, so a retry is known
             if not self._save(parked):
                 return False
-            self.queue, self.pinned_at[job] = parked, time.time()
+            self.queue, self.pins.at[job] = parked, pinned
             self.seen.pop(job, None)
         log.info("job %s parked: its driver ends, and it starts as Ray job %s once admitted", job, successor)
         return True
@@ -303,28 +303,18 @@ class Admitter:
         why = dict.fromkeys(started, "started again after the head restarted")
         parked, dropped = self.parked.run(self.saved or Queue(), now)
         why.update(dict.fromkeys(parked, "admitted"))
-        self._repin(now)
+        self.pins.renew(self.queue, now)
         if not (started or parked or dropped):
             return
         with self.lock:
             for job, submission in {**started, **parked}.items():
                 self.seen[job] = now
-                self.pinned_at.pop(job, None)
+                self.pins.at.pop(job, None)
                 self.queue = changed(self.queue, job, submission=submission, successor="",
                                      reason=f"{why[job]}: its driver starts as Ray job {submission}")
             for job in dropped:
                 self.queue = finished(self.queue, job)
             self._save(self.queue)
-
-    def _repin(self, now: float) -> None:
-        """Pin each parked job's package again half way through its pin (a restarted actor: at once)."""
-        for e in self.queue.entries:
-            if e.successor and now - self.pinned_at.get(e.job, 0.0) > PIN_S / 2:
-                try:
-                    self.pin(e.submission or e.job, PIN_S)
-                    self.pinned_at[e.job] = now
-                except Exception as ex:  # noqa: BLE001 - pinned until PIN_S: try again next tick
-                    log.warning("could not pin parked job %s's package (%s: %s)", e.job, type(ex).__name__, ex)
 
     def _clock(self, now: float) -> float:
         """A submission time of the actor's own, later than every other (so the order is the

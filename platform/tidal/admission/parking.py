@@ -104,6 +104,29 @@ def stopped_soon(queue: Queue, stopped: Callable[[str], bool], limit: int = CHEC
     return out
 
 
+class Pins:
+    """Each parked job's package kept in the GCS (`pin`: the Jobs API's), for PIN_S, and pinned
+    again half way through; `at`: when each was last pinned (an actor restarted knows none, and
+    pins every parked job again at its first tick)."""
+
+    def __init__(self, pin: Pinner) -> None:
+        self.pin_for, self.at = pin, {}
+
+    def pin(self, entry: Entry) -> float:
+        """Pin `entry`'s package now (raises if it cannot be); when."""
+        self.pin_for(entry.submission or entry.job, PIN_S)
+        return time.time()
+
+    def renew(self, queue: Queue, now: float) -> None:
+        for e in queue.entries:
+            if e.successor and now - self.at.get(e.job, 0.0) > PIN_S / 2:
+                try:
+                    self.pin(e)
+                    self.at[e.job] = now
+                except Exception as ex:  # noqa: BLE001 - pinned until PIN_S: try again next tick
+                    log.warning("could not pin parked job %s's package (%s: %s)", e.job, type(ex).__name__, ex)
+
+
 def admitted_parked(queue: Queue) -> list[Entry]:
     """The parked jobs admission has given workers: their drivers are to be submitted, oldest first."""
     return sorted((e for e in queue.entries if e.successor and e.state == "RUNNING" and e.workers > 0),
@@ -163,5 +186,5 @@ class ParkedStarts:
             log.debug("could not mark %s dropped: %s", entry.successor, e)
 
 
-__all__ = ["ATTEMPTS", "CANCELLED", "DROPPED", "PARK_AFTER_S", "PARK_VAR", "PIN_S", "RETRY_S", "SUFFIX", "Cancelled", "Gone", "Parked", "ParkedStarts", "Pinner",
+__all__ = ["ATTEMPTS", "CANCELLED", "DROPPED", "PARK_AFTER_S", "PARK_VAR", "PIN_S", "RETRY_S", "SUFFIX", "Cancelled", "Gone", "Parked", "ParkedStarts", "Pinner", "Pins",
            "admitted_parked", "may_park", "stopped_soon", "park_after_s", "successor_id"]
