@@ -50,9 +50,13 @@ class Jobs:
         self.pins: list[str] = []
         self.fail, self.cancelled, self.pin_fails = fail, cancelled, pin_fails
         self.stops: set[str] = set()  # successor ids a stop has taken
+        self.marked: list[tuple[str, str]] = []  # successor ids taken for a dropped job, and why
 
     def stopped(self, successor: str) -> bool:
         return successor in self.stops
+
+    def mark(self, successor: str, why: str) -> None:
+        self.marked.append((successor, why))
 
     def relaunch(self, entry: Entry) -> str:
         if self.cancelled:
@@ -81,7 +85,7 @@ def full(tmp_path, monkeypatch):
     def make(**kw) -> tuple[Admitter, Jobs]:
         jobs = Jobs(**kw)
         a = Admitter(str(quotas), where, background=False, lease_s=5, relauncher=jobs.relaunch, pinner=jobs.pin,
-                     stopped=jobs.stopped)
+                     stopped=jobs.stopped, marker=jobs.mark)
         return a, jobs
 
     a, jobs = make()
@@ -223,6 +227,7 @@ def test_a_start_that_fails_is_tried_again_then_the_job_leaves_the_queue_saying_
             b.tick(now + i * RETRY_S)
     assert jobs.sent == [] and load_queue(where).get("w") is None
     assert "its driver could not be started" in caplog.text and "submit it again" in caplog.text
+    assert [m[0] for m in jobs.marked] == ["w-q1"], "its next id says why it never started"
 
 
 def test_a_job_stopped_while_parked_leaves_the_queue_when_its_turn_comes(full):

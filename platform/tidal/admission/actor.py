@@ -102,11 +102,12 @@ class Admitter:
 
     def __init__(self, quotas_path: str, location: str, tick_s: float = TICK_S, lease_s: float = LEASE_S,
                  background: bool = True, head: str | None = None, relauncher: Relauncher | None = None,
-                 pinner: Pinner | None = None, stopped: Callable[[str], bool] | None = None) -> None:
+                 pinner: Pinner | None = None, stopped: Callable[[str], bool] | None = None,
+                 marker: Callable[[str, str], None] | None = None) -> None:
         """`head`: the Ray node id of the head it runs on (asked of Ray when None); `relauncher`
         submits a job's driver from its record (a lost head's jobs, admitted parked ones), `pinner`
-        keeps a parked job's package and `stopped` says whether a stop took a parked job's next id:
-        the cluster's Jobs API when None."""
+        keeps a parked job's package, `stopped` says whether a stop took a parked job's next id and
+        `marker` marks a dropped one's: the cluster's Jobs API when None."""
         self.quotas = load_quotas(quotas_path)
         self.location, self.lease_s = location, lease_s
         self.queue = load_or_set_aside(self.location)  # registrations and finishes may be ahead of the document...
@@ -119,7 +120,7 @@ class Admitter:
         make: Callable[[], Relauncher] = (lambda: relauncher) if relauncher else (lambda: jobs().relaunch)
         self.pins = Pins(pinner or (lambda submission, seconds: jobs().pin(submission, seconds)))
         self.relaunches = Relaunches(self.queue, head, make, time.time())
-        self.parked, self.checked_at = ParkedStarts(make, lambda: jobs().mark_dropped), 0.0
+        self.parked, self.checked_at = ParkedStarts(make, (lambda: marker) if marker else (lambda: jobs().mark_dropped)), 0.0
         self.stopped = stopped or (lambda successor: jobs().stopped(successor))
         self.queue = replace(self.queue, head=head)
         self.saved: Queue | None = None  # ...decisions never are: they land here only once saved
