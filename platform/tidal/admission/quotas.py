@@ -25,6 +25,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from tidal.errors import SpecError, TidalError
+from tidal.spec.parse import load_yaml
 from tidal.spec.scheduling import SCHEDULING_NAME
 
 QUOTAS_VAR = "TIDAL_QUOTAS"
@@ -156,7 +157,7 @@ def load_quotas(path: str) -> Quotas:
     try:
         filesystem, where = fs.resolve(os.path.expanduser(path))
         with filesystem.open_input_stream(where) as f:
-            data = yaml.safe_load(f.read())
+            data = load_yaml(f.read())
     except (OSError, yaml.YAMLError) as e:
         raise QuotaFileError([("<file>", f"cannot read it ({e}); check {QUOTAS_VAR} names the file on the "
                                "cluster's storage or the head's disk")], path) from None
@@ -221,7 +222,7 @@ def named_file_problems(where: str, value: str, config_dir: Path) -> list[Proble
     if found is None:
         return []
     try:
-        data = yaml.safe_load(found.read_text())
+        data = load_yaml(found.read_text())
     except yaml.YAMLError as e:
         return [(where, f"{found} is not YAML: {e}")]
     return [(f"{where} ({found.name}) {key}", msg) for key, msg in quota_problems(data)]

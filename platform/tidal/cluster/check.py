@@ -11,6 +11,7 @@ import yaml
 from tidal.admission.quotas import is_quota_file, named_quota_problems, quota_problems
 from tidal.cluster.configs import _START_KEYS, Problem, check_launcher
 from tidal.cluster.kuberay import check_kuberay, is_manifest, manifest_problems
+from tidal.spec.parse import load_yaml
 
 
 def validate_cluster_config(path: str | Path) -> list[Problem]:
@@ -18,7 +19,7 @@ def validate_cluster_config(path: str | Path) -> list[Problem]:
     if is_manifest(path):  # RayCluster, RayJob, Kueue's objects: one file may hold several
         return manifest_problems(path)
     try:
-        config = yaml.safe_load(Path(path).read_text())
+        config = load_yaml(Path(path).read_text())
     except (OSError, yaml.YAMLError) as e:
         return [("<file>", f"cannot read {path}: {e}")]
     if not isinstance(config, dict):

@@ -47,6 +47,7 @@ from tidal.cluster.shell import (
     shell_words,
     under,
 )
+from tidal.spec.parse import load_yaml_all
 
 _SHARED_VOLUME_KINDS = {"persistentVolumeClaim", "nfs", "csi"}
 _OLD_STORAGE_ANNOTATION = "tidal.io/checkpoint-storage"
@@ -220,7 +221,7 @@ def manifest_problems(path: str | Path) -> list[Problem]:
 
 def _documents(path: Path) -> list[Any] | None:
     try:
-        return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+        return [d for d in load_yaml_all(path.read_text()) if d is not None]
     except (OSError, yaml.YAMLError):
         return None
 

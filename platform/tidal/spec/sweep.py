@@ -24,6 +24,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from tidal.errors import SpecError
+from tidal.spec.parse import load_yaml
 
 if TYPE_CHECKING:
     from tidal.spec.job import JobSpec
@@ -238,7 +239,7 @@ def _scalar(text: str) -> Any:
         except ValueError:
             pass
     try:
-        value = yaml.safe_load(text)
+        value = load_yaml(text)
     except yaml.YAMLError:
         return text
     return value if isinstance(value, (bool, str)) or value is None else text
