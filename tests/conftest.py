@@ -97,7 +97,7 @@ def ray_local() -> Iterator[None]:
 def mlflow_uri(tmp_path_factory) -> str:
     """One MLflow SQLite store for tests that need no store of their own (creating one takes
     seconds); each test makes its own runs in it."""
-    return f"sqlite:///{tmp_path_factory.mktemp('mlflow')}/mlflow.db"
+    return prepared_store(tmp_path_factory.mktemp("mlflow") / "mlflow.db")
 
 
 @pytest.fixture(scope="session")

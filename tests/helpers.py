@@ -17,6 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tidal.spec.job import JobSpec
 from tidal.storage import STATE_FILE, RunDir, checkpoint_dir_name, manifest_name
 from tidal.testing.processes import kill as kill
@@ -25,6 +27,10 @@ from tidal.testing.runs import job_run_id as job_run_id
 from tidal.testing.runs import wait_for_step as wait_for_step
 
 ROOT = Path(__file__).resolve().parents[1]
+# The storages a storage-level test runs on: local in the quick tier, the S3 test server (a moto
+# server, boto3 and an S3 round trip per call: 0.3-3 s a test) in the slow one, so
+# `-m "not slow"` stays a quick tier while every claim is still tested against a real S3 API.
+STORAGES = ["local", pytest.param("s3", marks=pytest.mark.slow)]
 # An exported model's loss on a batch against the loss the distributed job logged for it.
 EXPORT_TOLERANCE = 1e-4
 
@@ -37,6 +43,35 @@ def tidal_cli(*args: str, cwd: os.PathLike[str] | str = ROOT, timeout: float = 1
     full.pop("TIDAL_DEBUG", None)
     return subprocess.run([sys.executable, "-m", "tidal", *args], capture_output=True, text=True, env=full, cwd=cwd,
                           timeout=timeout)
+
+
+def tidal_main(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    """`tidal ARGS` in this process (`tidal.cli.main`, what the `tidal` script calls), without
+    TIDAL_DEBUG unless `env` sets it: (exit code, stdout, stderr). A subprocess pays 0.6-0.9 s of
+    interpreter and imports per call; `tidal_cli` keeps that for what only a process shows (its
+    imports, `python -m tidal`)."""
+    import contextlib
+    import io
+
+    from tidal.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    saved = {k: os.environ.get(k) for k in {"TIDAL_DEBUG", *(env or {})}}
+    os.environ.pop("TIDAL_DEBUG", None)
+    os.environ.update(env or {})
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(args))
+            except SystemExit as e:  # argparse: bad usage (2) and --help (0)
+                code = e.code if isinstance(e.code, int) else 1
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return code, out.getvalue(), err.getvalue()
 
 
 def driver_in(ray_tmpdir: Path) -> subprocess.CompletedProcess[str]:

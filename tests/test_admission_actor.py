@@ -11,6 +11,7 @@ import shutil
 import threading
 import time
 
+import pytest
 import yaml
 
 from tidal.admission import actor as actor_module
@@ -135,6 +136,7 @@ def test_a_failed_save_blocks_acting_and_is_retried(tmp_path):
     assert load_queue(where).get("high").state == "RUNNING"
 
 
+@pytest.mark.slow
 def test_heartbeats_are_answered_during_a_tick_longer_than_a_lease_and_no_live_job_is_dropped(tmp_path, monkeypatch):
     """A save that takes longer than a driver's lease (slow storage): the drivers keep calling,
     each call is answered while the save runs, and no live job loses its slots."""

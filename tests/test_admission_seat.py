@@ -8,11 +8,14 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from tests.conftest import tiny_spec
 from tidal.admission import seat as seat_module
 from tidal.admission.seat import Seat
 
 
+@pytest.mark.slow
 def test_an_unreachable_actor_makes_a_job_wait_visibly_and_never_fail(tmp_path, monkeypatch, capsys):
     """It used to raise after TIDAL_ADMISSION_WAIT_S (300 s) of silence, failing every queued and
     suspended job while the actor restarted. Now the job keeps waiting, says so again as the

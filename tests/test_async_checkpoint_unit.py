@@ -116,6 +116,7 @@ class FakeCheckpoint:
         self.path = path
 
 
+@pytest.mark.slow
 def test_a_live_save_holds_the_update_until_the_step_is_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """On CPU nothing is copied: the write reads the training tensors themselves, so the next
     weight update must wait until they are serialized (not for the fsync and manifest after), and
@@ -185,6 +186,7 @@ def _ray_hand_over(writer: StorageWriter, tmp_path: Path, saves: int, poll_s: fl
     return writer.ray_held()
 
 
+@pytest.mark.slow
 def test_writes_held_by_rays_report_queue_are_measured_and_named(tmp_path: Path):
     """Ray Train takes one report per worker per poll: saves faster than that wait for Ray, not
     for storage, and the user is told what to change; saves Ray keeps up with wait for nothing."""

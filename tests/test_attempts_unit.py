@@ -14,6 +14,7 @@ import pytest
 import torch
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
 
+from tests.helpers import STORAGES
 from tidal import fs
 from tidal.storage import (
     QUARANTINE_FILE,
@@ -29,7 +30,7 @@ from tidal.worker.host_buffers import Buffers
 from tidal.worker.snapshot import COPY, SnapshotEngine, write_checkpoint
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=STORAGES)
 def store(request, tmp_path) -> tuple[pafs.FileSystem, str]:
     """(filesystem, run folder) on a local path, or in a fresh bucket of the S3 test server."""
     if request.param == "local":

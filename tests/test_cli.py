@@ -11,15 +11,15 @@ import pytest
 
 import tidal
 from tests.conftest import ROOT
-from tests.helpers import tidal_cli
+from tests.helpers import tidal_cli, tidal_main
 from tidal.cli import main
 from tidal.testing.runs import prepared_store
 
 
 def test_version_names_tidal_and_the_stack_it_runs_on():
-    proc = tidal_cli("--version")
-    assert proc.returncode == 0, proc.stderr
-    lines = proc.stdout.splitlines()
+    code, out, err = tidal_main("--version")
+    assert code == 0, err
+    lines = out.splitlines()
     assert lines[0] == f"tidal {tidal.__version__}"
     for name in ("ray", "deepspeed", "mlflow"):
         assert f"{name} {version(name)}" in lines
@@ -36,18 +36,25 @@ def test_version_names_tidal_and_the_stack_it_runs_on():
     ],
 )
 def test_bad_usage_exits_2(args, expected):
-    proc = tidal_cli(*args)
+    code, _, err = tidal_main(*args)
+    assert code == 2, err
+    assert expected in err and "Traceback" not in err
+
+
+def test_a_process_exits_2_on_bad_usage_with_the_message_only():
+    """What the in-process tests check, once as a user's shell sees it: the exit status of `python -m tidal`."""
+    proc = tidal_cli("frobnicate")
     assert proc.returncode == 2, proc.stderr
-    assert expected in proc.stderr and "Traceback" not in proc.stderr
+    assert "invalid choice: 'frobnicate'" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_invalid_spec_exits_2_before_anything_starts(tmp_path):
     path = tmp_path / "job.yaml"
     path.write_text("train: {stpes: 10}\n")
-    proc = tidal_cli("run", str(path))
-    assert proc.returncode == 2
-    assert "train.stpes: unknown key; did you mean 'steps'?" in proc.stderr
-    assert "Ray" not in proc.stdout and "Traceback" not in proc.stderr
+    code, out, err = tidal_main("run", str(path))
+    assert code == 2
+    assert "train.stpes: unknown key; did you mean 'steps'?" in err
+    assert "Ray" not in out and "Traceback" not in err
 
 
 @pytest.mark.parametrize(
@@ -59,13 +66,14 @@ def test_invalid_spec_exits_2_before_anything_starts(tmp_path):
     ],
 )
 def test_a_command_that_fails_exits_1(args, expected):
-    proc = tidal_cli(*args)
-    assert proc.returncode == 1, proc.stderr
-    assert expected in proc.stderr and "Traceback" not in proc.stderr
+    code, _, err = tidal_main(*args)
+    assert code == 1, err
+    assert expected in err and "Traceback" not in err
 
 
 def test_help_documents_the_exit_codes():
-    out = tidal_cli("--help").stdout
+    code, out, _ = tidal_main("--help")
+    assert code == 0
     codes = out.split("exit codes:")[1]
     assert all(f"\n  {code} " in codes for code in ("0", "1", "2", "130"))
 

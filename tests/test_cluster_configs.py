@@ -32,6 +32,7 @@ from tidal.cluster.configs import check_launcher
 from tidal.cluster.kuberay import check_kuberay
 from tidal.cluster.prices import PRICE_LABEL, worker_price
 from tidal.cluster.status import format_demand, format_workers
+from tidal.spec.parse import load_yaml
 
 CONFIGS = sorted((ROOT / "cluster_configs").rglob("*.yaml"))
 LAUNCHER = [p for p in CONFIGS if "kuberay" not in p.parts and p.name != "quotas.yaml"]  # quotas: a quota file
@@ -39,7 +40,7 @@ KUBERAY = ROOT / "cluster_configs" / "kuberay" / "raycluster.yaml"
 
 
 def load(path: Path) -> dict[str, Any]:
-    return yaml.safe_load(path.read_text())
+    return load_yaml(path.read_text())
 
 
 def wheres(problems: list[tuple[str, str]]) -> list[str]:

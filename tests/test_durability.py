@@ -10,6 +10,7 @@ import json
 import os
 
 import pyarrow.fs as pafs
+import pytest
 
 from tidal import fs
 
@@ -52,6 +53,7 @@ def test_overwrite_is_synced_too(tmp_path, monkeypatch):
     assert [is_dir for _, is_dir in calls] == [False, True]
 
 
+@pytest.mark.slow
 def test_no_fsync_on_object_store(bucket, monkeypatch):
     """An object store's PUT is durable when it returns; there is no file descriptor to sync."""
     calls = record_fsyncs(monkeypatch)

@@ -104,6 +104,7 @@ def test_export_help_names_formats_mlflow_and_exit_codes(capsys):
         assert text in out
 
 
+@pytest.mark.slow
 def test_the_built_in_gpt_maps_exactly_onto_gpt2(tmp_path):
     """Same loss from Hugging Face's GPT-2 loaded from the export as from the built-in GPT, on
     random (not initial: every weight differs) parameters, so a swapped or untransposed weight shows."""
@@ -131,6 +132,7 @@ def test_the_built_in_gpt_maps_exactly_onto_gpt2(tmp_path):
     assert again == expected
 
 
+@pytest.mark.slow
 def test_an_hf_export_with_a_tokenizer_goes_to_mlflow_as_a_transformers_pipeline(tmp_path):
     """MLflow's transformers flavour needs a tokenizer; with one the logged model generates through
     pyfunc, and the job run's status is left as it was."""

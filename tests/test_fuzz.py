@@ -3,6 +3,7 @@ field path; never another exception type."""
 
 from __future__ import annotations
 
+import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -31,6 +32,7 @@ def _check(problems: list[tuple[str, str]]) -> None:
         assert isinstance(path, str) and isinstance(msg, str) and msg
 
 
+@pytest.mark.slow
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(docs)
 def test_any_mapping_gives_a_spec_or_a_spec_error(doc):

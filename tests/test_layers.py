@@ -6,6 +6,7 @@ Also: Ray's private modules only in `tidal/ray_private.py`, and the driver never
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import subprocess
 import sys
@@ -79,6 +80,7 @@ def imports(name: str, path: Path, mods: dict[str, Path]) -> list[tuple[str, int
     return found
 
 
+@functools.cache  # parsing every module takes about a second; two tests read the same graph
 def graph() -> list[Edge]:
     mods = modules()
     edges = {Edge(name, target, path, line) for name, path in mods.items()

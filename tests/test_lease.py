@@ -12,10 +12,11 @@ import time
 
 import pytest
 
+from tests.helpers import STORAGES
 from tidal.lease import JobAlreadyRunning, Lease, LeaseCheck, latest
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=STORAGES)
 def storage(request, tmp_path) -> str:
     if request.param == "local":
         return str(tmp_path / "runs")
@@ -43,6 +44,7 @@ def test_a_released_lease_is_taken_at_once_by_the_next_generation(storage):
     assert second.check().current(fresh=True)
 
 
+@pytest.mark.slow
 def test_a_lease_not_renewed_within_its_ttl_is_taken_over_and_the_old_holder_learns_it(storage):
     # The holder is this process (alive on this host): only the expiry can free it.
     first = Lease(storage, "job", ttl=0.5)
@@ -59,6 +61,7 @@ def test_a_lease_not_renewed_within_its_ttl_is_taken_over_and_the_old_holder_lea
         Lease(storage, "job", ttl=30).acquire()
 
 
+@pytest.mark.slow
 def test_a_driver_killed_on_this_host_frees_its_job_at_once(tmp_path):
     storage = str(tmp_path / "runs")
     code = ("import sys, time; sys.path.insert(0, sys.argv[1]);"
@@ -94,6 +97,7 @@ def test_of_two_racing_starts_exactly_one_wins(storage):
     assert sorted(results) == ["refused", "refused", "refused", "won"]
 
 
+@pytest.mark.slow
 def test_wait_starts_once_the_live_holder_releases(tmp_path):
     storage = str(tmp_path / "runs")
     first = Lease(storage, "job", ttl=30)

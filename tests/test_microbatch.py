@@ -66,6 +66,7 @@ def one_rank() -> Iterator[None]:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("one_rank")
 def test_the_search_tries_real_steps_records_its_choice_and_a_resume_keeps_it(tmp_path):
     spec = tiny_spec(tmp_path, **{"train.micro_batch": "auto", "train.global_batch": 64})

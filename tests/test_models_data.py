@@ -71,6 +71,7 @@ def tokenizer(tmp_path_factory) -> str:
     return str(path)
 
 
+@pytest.mark.slow
 def test_a_hugging_face_tokenizer_feeds_both_data_paths(tmp_path, tokenizer):
     from transformers import AutoTokenizer
 

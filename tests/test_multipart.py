@@ -34,6 +34,7 @@ def notes(spec) -> list[str]:
     return [e["text"] for e in MetricsBuffer(run.fs, run.path).load() if e.get("kind") == "note"]
 
 
+@pytest.mark.slow
 def test_an_attempt_start_aborts_the_jobs_incomplete_uploads_only(bucket, tmp_path):
     spec = tiny_spec(tmp_path, name="job", **{"checkpoint.storage": f"{bucket}/runs"})
     start_upload(bucket, "runs/job/checkpoint_000008/mp_rank_00_model_states.pt")
@@ -52,6 +53,7 @@ def test_an_attempt_start_aborts_the_jobs_incomplete_uploads_only(bucket, tmp_pa
     assert fs.abort_incomplete_uploads(spec.checkpoint.storage, spec.name) == 0, "nothing left"
 
 
+@pytest.mark.slow
 def test_the_uris_own_endpoint_and_credentials_are_used(bucket, s3_server, monkeypatch):
     start_upload(bucket, "r/job/a.pt")
     for var in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
@@ -61,6 +63,7 @@ def test_the_uris_own_endpoint_and_credentials_are_used(bucket, s3_server, monke
     assert fs.abort_incomplete_uploads(uri, "job") == 1
 
 
+@pytest.mark.slow
 def test_no_boto3_is_one_warning_and_training_goes_on(bucket, tmp_path, monkeypatch):
     spec = tiny_spec(tmp_path, name="noboto", **{"checkpoint.storage": f"{bucket}/runs"})
     start_upload(bucket, "runs/noboto/a.pt")

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ray_registers
+from tests.helpers import STORAGES, ray_registers
 from tidal import fs
 from tidal.spec.job import JobSpec
 from tidal.storage import STATE_FILE, RunDir, checkpoint_dir_name, manifest_name, prune_plan
 from tidal.tracking.buffer import MetricsBuffer
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=STORAGES)
 def root(request, tmp_path) -> str:
     if request.param == "local":
         return str(tmp_path / "store")

@@ -93,6 +93,7 @@ def run_rank(root_uri: str, files: dict[str, int], cache: Path, hold_s: float) -
                             stdout=subprocess.PIPE, text=True, env=env)
 
 
+@pytest.mark.slow
 def test_two_ranks_of_a_node_download_the_shared_file_once_and_clean_up(bucket, tmp_path):
     """Two rank processes on one node: each downloads its own partition, the model states are
     downloaded once between them, every byte read is the stored one, and the cache is gone after."""
@@ -122,6 +123,7 @@ def test_two_ranks_of_a_node_download_the_shared_file_once_and_clean_up(bucket, 
         "a restart on the same node reads the node's copy, nothing from storage"
 
 
+@pytest.mark.slow
 def test_the_fetched_folder_holds_exactly_the_fetched_files(bucket, tmp_path):
     """DeepSpeed's converter lists a step folder by file-name prefix (`mp_rank_`, `zero_pp_rank_`):
     a lock or part file beside a data file was taken for one (`EOFError: Ran out of input` on
@@ -164,6 +166,7 @@ def test_a_cache_in_use_by_another_rank_is_kept(tmp_path):
     assert fetch.sweep(str(tmp_path)) == [cache.dir]
 
 
+@pytest.mark.slow
 def test_too_little_local_disk_is_a_clear_error_and_the_checkpoint_is_kept(bucket, tmp_path, monkeypatch):
     """A node whose disk cannot hold the rank's files: the error names the folder and the bytes,
     nothing is downloaded, and the checkpoint is not quarantined. (The free space is reported
@@ -207,6 +210,7 @@ def test_a_waiting_rank_fails_clearly_when_rank_0s_conversion_failed(tmp_path):
     assert time.monotonic() - t0 < 10
 
 
+@pytest.mark.slow
 def test_a_waiting_rank_fails_clearly_when_rank_0_stops_reporting(tmp_path, monkeypatch):
     monkeypatch.setattr(universal, "STALE_S", 1.0)
     monkeypatch.setattr(universal, "POLL_S", 0.1)

@@ -157,6 +157,7 @@ def _selector(path: str):
     return pafs.FileSelector(path, recursive=True)
 
 
+@pytest.mark.slow
 def test_two_threads_loading_at_once_both_load_sound_files():
     """torch keeps one safe-globals list per process, and its context restores the list on exit:
     a load that ended cleared the list another thread was still loading under, and that thread

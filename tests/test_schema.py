@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from tests.conftest import ROOT
-from tests.helpers import tidal_cli
+from tests.helpers import tidal_main
 
 SCHEMA = ROOT / "jobs" / "tidal-job.schema.json"
 HEADER = "# yaml-language-server: $schema=./tidal-job.schema.json"
@@ -26,9 +26,9 @@ def validator() -> jsonschema.Draft202012Validator:
 
 
 def test_shipped_schema_is_what_tidal_schema_prints():
-    proc = tidal_cli("schema")
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout == SCHEMA.read_text(), (
+    code, out, err = tidal_main("schema")
+    assert code == 0, err
+    assert out == SCHEMA.read_text(), (
         "jobs/tidal-job.schema.json is out of date with JobSpec: run `tidal schema > jobs/tidal-job.schema.json`")
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
+from tests.helpers import tidal_main
 from tidal.cli import main
 from tidal.errors import SpecError
 from tidal.spec import JobSpec, load_spec
@@ -130,17 +131,16 @@ def test_cli_validate_prints_the_resolved_spec_and_deepspeed(capsys):
 
 def test_cli_bad_spec_exits_2_without_traceback(tmp_path):
     path = write(tmp_path, "parallelism: {zero_stage: 4}\nscaling: {min_workers: 3, max_workers: 2}")
-    proc = subprocess.run([sys.executable, "-m", "tidal", "validate", str(path)], capture_output=True, text=True)
-    assert proc.returncode == 2
-    assert "parallelism.zero_stage" in proc.stderr and "scaling.min_workers" in proc.stderr
-    assert "Traceback" not in proc.stderr
+    code, _, err = tidal_main("validate", str(path))
+    assert code == 2
+    assert "parallelism.zero_stage" in err and "scaling.min_workers" in err
+    assert "Traceback" not in err
 
 
 def test_cli_traceback_with_tidal_debug(tmp_path):
     path = write(tmp_path, "parallelism: {zero_stage: 4}")
-    proc = subprocess.run([sys.executable, "-m", "tidal", "validate", str(path)], capture_output=True, text=True,
-                          env={**__import__("os").environ, "TIDAL_DEBUG": "1"})
-    assert proc.returncode == 2 and "Traceback" in proc.stderr
+    code, _, err = tidal_main("validate", str(path), env={"TIDAL_DEBUG": "1"})
+    assert code == 2 and "Traceback" in err
 
 
 def test_cli_import_budget():

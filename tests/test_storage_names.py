@@ -11,6 +11,7 @@ from pathlib import Path
 import pyarrow.fs as pafs
 import pytest
 
+from tests.helpers import STORAGES
 from tidal import fs
 from tidal.errors import CheckpointError, TidalError
 from tidal.storage import (
@@ -71,7 +72,7 @@ def write_checkpoint(store: pafs.FileSystem, run: str, step: int, extra: dict[st
     return path
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=STORAGES)
 def run_dir(request, tmp_path) -> RunDir:
     if request.param == "local":
         return RunDir(str(tmp_path / "runs"), "job")

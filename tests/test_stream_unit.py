@@ -129,6 +129,7 @@ def test_turning_streaming_on_is_refused_and_other_jobs_keep_their_fingerprint(t
                          {"fingerprint": plain.resume_fingerprint(), "step": 8})
 
 
+@pytest.mark.slow
 def test_shards_on_object_storage_give_the_same_steps(tmp_path, bucket):
     """The index on S3 (moto's server): built there, found again, and read by the workers from it."""
     local, local_uri, _ = streamed(tmp_path)

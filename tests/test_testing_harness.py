@@ -41,6 +41,7 @@ def _start_stubborn(tmp_path: Path) -> tuple[subprocess.Popen, int]:
     return proc, int(child)
 
 
+@pytest.mark.slow
 def test_stopping_a_server_ends_its_group_and_what_it_started_elsewhere(tmp_path):
     proc, child = _start_stubborn(tmp_path)
     assert child in [p.pid for p in descendants(proc.pid)]
@@ -49,6 +50,7 @@ def test_stopping_a_server_ends_its_group_and_what_it_started_elsewhere(tmp_path
     assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
 
 
+@pytest.mark.slow
 def test_killing_a_session_is_immediate_and_waits_for_its_members(tmp_path):
     log = tmp_path / "sleeper.log"
     proc = start_in_session([sys.executable, "-c", "import subprocess, sys, time; "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from mlflow.tracking import MlflowClient
 
 from tests.conftest import metric_history, tiny_spec
@@ -53,6 +54,7 @@ def test_running_a_finished_job_again_sends_what_an_earlier_driver_left(tmp_path
     assert MetricsBuffer(run.fs, run.path).load() == []
 
 
+@pytest.mark.slow
 def test_storage_refusing_writes_never_raises_into_training_and_holds_the_checkpoint_wait(tmp_path):
     """Rank 0's emitter keeps an event it cannot write and retries; `drain` (the wait before a
     checkpoint) says so instead of raising, and succeeds once storage takes writes again."""
@@ -67,6 +69,7 @@ def test_storage_refusing_writes_never_raises_into_training_and_holds_the_checkp
     assert [e["step"] for e in MetricsBuffer(run.fs, run.path).load()] == [1]
 
 
+@pytest.mark.slow
 def test_a_checkpoints_wait_covers_the_events_before_it_not_those_after(tmp_path):
     """The checkpoint's write waits for the steps up to its own (`mark`, `wait_written`), not for
     the steps trained while it is written: with storage refusing a later event, the earlier

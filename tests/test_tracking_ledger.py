@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from tests.conftest import metric_history
+from tests.helpers import STORAGES
 from tests.ledger_fakes import STEP, Clock, Server, emit, ledger, setup
 from tidal.storage import RunDir
 from tidal.tracking.emitter import Emitter
@@ -44,7 +45,7 @@ def test_a_replayed_step_is_logged_once_across_restarts_of_training_and_tracker(
     assert any(isinstance(e, Resumed) and e.lost == 2 for e in seen)
 
 
-@pytest.mark.parametrize("where", ["local", "s3"])
+@pytest.mark.parametrize("where", STORAGES)
 def test_a_crash_between_append_and_send_loses_nothing_and_sends_nothing_twice(mlflow_uri, tmp_path, where, request):
     storage = str(tmp_path / "runs") if where == "local" else request.getfixturevalue("bucket") + "/runs"
     spec, run, buffer = setup(tmp_path, mlflow_uri, **{"checkpoint.storage": storage})
@@ -66,6 +67,7 @@ def test_a_crash_between_append_and_send_loses_nothing_and_sends_nothing_twice(m
     assert buffer.load() == []
 
 
+@pytest.mark.slow
 def test_points_batch_up_behind_a_slow_server(mlflow_uri, tmp_path):
     spec, run, _ = setup(tmp_path, mlflow_uri)
     run_id = RunWriter(spec).start(None)

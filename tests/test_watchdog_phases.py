@@ -44,6 +44,7 @@ def run_watchdog(tmp_path, body: str) -> tuple[int, list[str]]:
     return proc.returncode, notes
 
 
+@pytest.mark.slow
 def test_a_save_longer_than_the_step_timeout_within_its_deadline_is_not_killed(tmp_path):
     rc, notes = run_watchdog(tmp_path, """
         with wd.phase("save", 5.0):
@@ -53,6 +54,7 @@ def test_a_save_longer_than_the_step_timeout_within_its_deadline_is_not_killed(t
     assert (rc, notes) == (0, [])
 
 
+@pytest.mark.slow
 def test_a_phase_past_its_own_deadline_is_hung_and_named(tmp_path):
     rc, notes = run_watchdog(tmp_path, """
         with wd.phase("save", 2.0):
@@ -62,6 +64,7 @@ def test_a_phase_past_its_own_deadline_is_hung_and_named(tmp_path):
     assert len(notes) == 1 and "in save after step 7" in notes[0] and "phase_timeout_s" in notes[0], notes
 
 
+@pytest.mark.slow
 def test_a_step_after_a_phase_still_has_the_step_timeout(tmp_path):
     rc, notes = run_watchdog(tmp_path, """
         with wd.phase("eval", 5.0):

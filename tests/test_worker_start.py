@@ -60,6 +60,7 @@ def test_a_worker_reaches_its_first_steps_without_importing_mlflow_or_inductor()
     assert result["losses"][-1] < result["losses"][0], "the engine trains"
 
 
+@pytest.mark.slow
 def test_a_deferred_compile_compiles_at_its_first_call_only():
     compiled: list[str] = []
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
+import os
 import shutil
 import tempfile
 import time
@@ -33,11 +34,28 @@ def prepared_store(db: Path) -> str:
 
 @functools.cache
 def _template() -> Path:
-    folder = Path(tempfile.mkdtemp(prefix="tidal-mlflow-template-"))
-    atexit.register(shutil.rmtree, folder, True)
-    db = folder / "mlflow.db"
+    """The migrated empty store: made once per MLflow version on this machine, in the user's cache
+    folder as pip and pytest keep theirs (3-5 s of migrations on a 2-core machine, otherwise paid by
+    every test session); in a temporary folder where that cannot be written."""
+    import mlflow
+
+    folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tidal-tests"
+    kept = folder / f"mlflow-{mlflow.__version__}-empty.db"
+    if kept.is_file():
+        return kept
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        building = Path(tempfile.mkdtemp(prefix=".building-", dir=folder))
+    except OSError:
+        building = Path(tempfile.mkdtemp(prefix="tidal-mlflow-template-"))
+        kept = building / "mlflow.db"
+        atexit.register(shutil.rmtree, building, True)
+    db = building / "mlflow.db"
     MlflowClient(f"sqlite:///{db}").search_experiments()  # creates and migrates the store
-    return db
+    if db != kept:
+        os.replace(db, kept)  # whole or not at all, for a session starting beside this one
+        shutil.rmtree(building, ignore_errors=True)
+    return kept
 
 
 def job_run_id(spec: JobSpec, timeout: float = 120) -> str:
