@@ -33,6 +33,7 @@ import torch
 
 from benchmarks.common import (
     history,
+    in_turn,
     latest_run_id,
     median,
     settle,
@@ -121,7 +122,7 @@ def stall(args: argparse.Namespace, tmp: Path) -> str:
     state = None
     for i in range(args.pairs):
         r: dict[str, Any] = {}
-        for kind in (("tidal", "torch") if i % 2 == 0 else ("torch", "tidal")):
+        for kind in in_turn(i, "tidal", "torch"):
             settle()
             if kind == "tidal":
                 r.update(tidal_saves(spec, path))
@@ -166,7 +167,7 @@ def throughput(args: argparse.Namespace, tmp: Path) -> str:
     rounds = []
     for i in range(args.pairs):
         r = {}
-        for kind in (("none", "every") if i % 2 == 0 else ("every", "none")):
+        for kind in in_turn(i, "none", "every"):
             settle()
             r[kind] = timed_tidal_run(specs[kind], paths[kind])["step_s"]
         r["ratio"] = r["none"] / r["every"]

@@ -33,6 +33,12 @@ def pair_args(doc: str | None) -> argparse.Namespace:
     return ap.parse_args()
 
 
+def in_turn(pair: int, *kinds: Any) -> tuple[Any, ...]:
+    """The order pair number `pair` runs `kinds` in: as given for even pairs, reversed for odd, so
+    each goes first as often (a machine warming up, a cache filling, favours neither side)."""
+    return kinds if pair % 2 == 0 else kinds[::-1]
+
+
 venv_tools_first()  # before any benchmark starts Ray or a job: their processes inherit it
 
 

@@ -25,7 +25,7 @@ os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")  # this process never beco
 import time
 from pathlib import Path
 
-from benchmarks.common import Job, median, pairs_main, write_spec
+from benchmarks.common import Job, in_turn, median, pairs_main, write_spec
 from tidal.spec.job import JobSpec
 from tidal.testing.clusters import raylet_cluster
 from tidal.testing.processes import kill, our_processes
@@ -69,7 +69,7 @@ def run(pairs: int, tmp: Path) -> list[dict[str, float]]:
         try:
             for i in range(pairs):
                 r: dict[str, float] = {}
-                for kind in (("worker", "driver") if i % 2 == 0 else ("driver", "worker")):
+                for kind in in_turn(i, "worker", "driver"):
                     job.wait_steps(job.steps_done() + 40)  # past a checkpoint, at full speed again
                     r[kind] = kill_worker(job) if kind == "worker" else kill_driver(job)
                 r["ratio"] = r["driver"] / r["worker"]

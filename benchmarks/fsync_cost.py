@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 
-from benchmarks.common import ROOT, history, latest_run_id, settle, write_spec
+from benchmarks.common import ROOT, history, in_turn, latest_run_id, settle, write_spec
 from tidal import fs
 from tidal.spec.job import JobSpec
 
@@ -72,7 +72,7 @@ def job_pairs(pairs: int, where: str | None) -> None:
     synced, plain = [], []
     with tempfile.TemporaryDirectory(dir=where) as tmp:
         for pair in range(pairs):
-            order = (True, False) if pair % 2 == 0 else (False, True)
+            order = in_turn(pair, True, False)
             got = {d: job_ms_per_step(Path(tmp), d, f"{pair}-{'on' if d else 'off'}") for d in order}
             synced.append(got[True])
             plain.append(got[False])
@@ -91,7 +91,7 @@ def main() -> None:
     synced, plain = [], []
     with tempfile.TemporaryDirectory(dir=a.dir) as folder:
         for pair in range(a.pairs):
-            order = (True, False) if pair % 2 == 0 else (False, True)
+            order = in_turn(pair, True, False)
             got = {durable: per_write_ms(folder, a.writes, durable) for durable in order}
             synced.append(got[True])
             plain.append(got[False])

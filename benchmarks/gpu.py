@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import engine_state, torch_save_fsync
+from benchmarks.common import engine_state, in_turn, torch_save_fsync
 from tidal.spec.job import JobSpec
 
 GOAL_MFU = 0.45
@@ -271,7 +271,7 @@ def checkpoint_pairs(args: argparse.Namespace, trainer: Trainer, spec: JobSpec, 
     pairs = []
     for i in range(args.pairs):
         pair: dict[str, Any] = {}
-        for kind in (("tidal", "torch") if i % 2 == 0 else ("torch", "tidal")):
+        for kind in in_turn(i, "tidal", "torch"):
             checkpoint.flush()  # a background write still running would slow whatever is timed next
             shutil.rmtree(storage / spec.name, ignore_errors=True)  # the previous checkpoint: keep one
             t0 = time.perf_counter()

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from benchmarks.common import ROOT, median, pairs_main, read_trace
+from benchmarks.common import ROOT, in_turn, median, pairs_main, read_trace
 from tidal.launch.jobs import submit
 from tidal.spec.job import JobSpec
 from tidal.testing.heads import ray_head
@@ -86,7 +86,7 @@ def run(pairs: int, tmp: Path) -> list[dict[str, float]]:
     with redis_server(tmp / "redis.log") as redis:
         for i in range(pairs):
             r: dict[str, float] = {}
-            for kind in (("fresh", "lost") if i % 2 == 0 else ("lost", "fresh")):
+            for kind in in_turn(i, "fresh", "lost"):
                 folder = tmp / f"{i}-{kind}"
                 folder.mkdir()
                 r[kind] = fresh(folder, redis) if kind == "fresh" else lost_head(folder, redis)

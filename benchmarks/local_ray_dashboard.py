@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import median, pair_args, settle, update_doc, write_spec
+from benchmarks.common import in_turn, median, pair_args, settle, update_doc, write_spec
 from benchmarks.throughput import bench_spec, tidal
 from tidal.launch.connect import DASHBOARD_ENV
 from tidal.spec.job import JobSpec
@@ -38,7 +38,7 @@ def main() -> None:
         path = write_spec(spec, Path(d) / "bench.yaml")
         pairs = []
         for i in range(args.pairs):
-            order = (True, False) if i % 2 == 0 else (False, True)
+            order = in_turn(i, True, False)
             pairs.append({dash: run(spec, path, dash) for dash in order})
             p = pairs[-1]
             print(f"pair {i + 1}: with the dashboard {p[True][0]:.1f} ms/step (step 10 at {p[True][1]:.1f} s), "

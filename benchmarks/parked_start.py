@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from benchmarks.common import ROOT, median, pairs_main, read_trace
+from benchmarks.common import ROOT, in_turn, median, pairs_main, read_trace
 from tidal.admission.queue_doc import load_queue
 from tidal.launch.jobs import connect, submit
 from tidal.spec.job import JobSpec
@@ -76,7 +76,7 @@ def run(pairs: int, tmp: Path) -> list[dict[str, float]]:
     rounds = []
     for i in range(pairs):
         r: dict[str, float] = {}
-        for kind in (("driver", "parked") if i % 2 == 0 else ("parked", "driver")):
+        for kind in in_turn(i, "driver", "parked"):
             folder = tmp / f"{i}-{kind}"
             folder.mkdir()
             r[kind] = one(folder, park=kind == "parked")

@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from benchmarks.common import Job, median, pairs_main, write_spec
+from benchmarks.common import Job, in_turn, median, pairs_main, write_spec
 from tidal.spec.job import JobSpec
 from tidal.testing.heads import ray_head
 
@@ -110,7 +110,7 @@ def run(pairs: int, tmp: Path) -> list[dict[str, Any]]:
     with ray_head(tmp, 4, env) as head:
         for i in range(pairs):
             r: dict[str, Any] = {}
-            for kind in (("idle", "full") if i % 2 == 0 else ("full", "idle")):
+            for kind in in_turn(i, "idle", "full"):
                 if kind == "idle":
                     r["idle"] = idle_round(tmp, head.gcs, i)
                 else:

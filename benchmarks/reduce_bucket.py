@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import median, pair_args, update_doc, write_spec
+from benchmarks.common import in_turn, median, pair_args, update_doc, write_spec
 from benchmarks.throughput import bench_spec, plain
 from tidal.spec.deepspeed import DEEPSPEED_REDUCE_BUCKET
 
@@ -36,7 +36,7 @@ def main() -> None:
         paths = {"sized": write_spec(sized, tmp / "sized.yaml"), "default": write_spec(default, tmp / "default.yaml")}
         pairs = []
         for i in range(args.pairs):
-            order = ("default", "sized") if i % 2 == 0 else ("sized", "default")
+            order = in_turn(i, "default", "sized")
             pairs.append({k: run(paths[k]) for k in order})
             p = pairs[-1]
             print(f"pair {i + 1}: DeepSpeed's bucket {p['default'][0]:.1f} ms/step ({p['default'][1]:,} faults), "

@@ -30,6 +30,7 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
+from benchmarks.common import in_turn
 from tidal.testing.processes import venv_tools_first
 
 venv_tools_first()
@@ -150,7 +151,7 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     try:
         for i in range(args.pairs):
-            order = [("old", old_way), ("new", new_way)] if i % 2 == 0 else [("new", new_way), ("old", old_way)]
+            order = in_turn(i, ("old", old_way), ("new", new_way))
             row: dict[str, Any] = {"pair": i + 1}
             for name, fn in order:
                 work = base / f"work-{i}-{name}"

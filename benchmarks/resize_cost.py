@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.common import history, latest_run_id, tidal_run, write_spec
+from benchmarks.common import history, in_turn, latest_run_id, tidal_run, write_spec
 from benchmarks.reshard import DiskPeak
 from tidal.spec.job import JobSpec
 from tidal.worker import fetch, share, universal_spread
@@ -291,7 +291,7 @@ def measure(args: argparse.Namespace) -> None:
     rows: dict[str, list[dict[str, float]]] = {k: [] for k in kinds}
     step = 2  # each launch pair has a folder of its own: the same short save in every round
     for r in range(args.rounds):
-        order = list(kinds) if r % 2 == 0 else list(reversed(kinds))
+        order = list(in_turn(r, *kinds))
         for kind in order:
             rows[kind].append(one(base / f"r{r}-{kind.split()[0]}", args, step, *kinds[kind]))
             print(f"round {r + 1} {kind}: {json.dumps(rows[kind][-1])}", flush=True)

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 import tidal
-from benchmarks.common import update_doc
+from benchmarks.common import in_turn, update_doc
 from tidal.spec.job import JobSpec
 from tidal.testing.clusters import raylet_cluster
 
@@ -69,7 +69,7 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="straggler-") as d:
         for i in range(args.pairs):
-            order = (False, True) if i % 2 == 0 else (True, False)
+            order = in_turn(i, False, True)
             got = {on: run_once(on, args.slow, args.steps, Path(d) / f"{i}-{on}") for on in order}
             rows.append((got[False], got[True]))
             print(f"pair {i + 1}: off {got[False][0]:.1f} s {got[False][1]:,.0f} tok/s | "
