@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import threading
@@ -43,6 +44,27 @@ def tidal_cli(*args: str, cwd: os.PathLike[str] | str = ROOT, timeout: float = 1
     full.pop("TIDAL_DEBUG", None)
     return subprocess.run([sys.executable, "-m", "tidal", *args], capture_output=True, text=True, env=full, cwd=cwd,
                           timeout=timeout)
+
+
+# What a person should not have to read in `tidal run`'s console on a run that went as Tidal says:
+# a Ray process prefix, colour codes in output that is no terminal, DeepSpeed's or Ray's chatter.
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+RAY_PREFIX = re.compile(r"^\((?:\w+ )?pid=\d+|^\(raylet\)|^\(autoscaler")
+# DeepSpeed's logger: "[2026-11-27 10:00:00,000] [WARNING] [file.py:123:func] ..."
+DEEPSPEED_LINE = re.compile(r"\[(?:INFO|WARNING|DEBUG)\] \[[\w.]+:\d+:\w+\]")
+CHATTER = ("MPU is not provided", "Extracting ZeRO fragments", "Merging slices", "*** Done!", "Resharding",
+           "A worker died or was killed", "Convert DeepSpeed Checkpoint", "Graceful shutdown of backend failed",
+           "Restore: ", "Traceback")
+# Ray Train's coordinator answering late on a busy machine: Ray calls it harmless unless it persists,
+# so Tidal keeps it as one line (no traceback); whether it shows depends on the machine's load.
+LOAD_DEPENDENT = "Failed to send resource request"
+
+
+def chatter_in(out: str) -> list[str]:
+    """The lines of a console's `out` a person should not have to read."""
+    return [line for line in out.splitlines()
+            if ANSI.search(line) or DEEPSPEED_LINE.search(line) or any(c in line for c in CHATTER)
+            or (RAY_PREFIX.search(line) and LOAD_DEPENDENT not in line)]
 
 
 def tidal_main(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
