@@ -203,6 +203,11 @@ FORWARDED_CHATTER = (
     # A resize's conversion progress, should a Tidal older or newer than worker/universal.py print it
     # (that module keeps it in the log unless TIDAL_DEBUG=1); `[tidal] resize: converted ...` says it.
     "Resharding: ",
+    # Ray Train's PlacementGroupCleaner where the State API is not served (no dashboard): every second.
+    # Its own logger is lowered in the job's processes by the setup hook (quiet_placement_group_cleaner),
+    # which a driver that connected to Ray itself (a notebook, a test) does not install; the cleaner
+    # goes on watching, and the controller's placement groups end with its job.
+    "Failed to query Ray Train Controller actor state",
 )
 COLOR_ENV = "RAY_COLOR_PREFIX"  # Ray's driver colours each forwarded line's origin unless it is "0"
 # Colour codes inside a line: Ray's deduplication adds a green " [repeated 2x across cluster]" whatever
