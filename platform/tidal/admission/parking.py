@@ -41,8 +41,8 @@ CANCELLED = "tidal.cancelled"  # metadata of the no-op job that takes a stopped 
 # queue, its successor id marked DROPPED where the Jobs API takes it (the log says to submit it again).
 ATTEMPTS = 30
 RETRY_S = 10.0
-DROPPED = "tidal.dropped"
-CHECK_S, CHECK_FIRST = 10.0, 10  # how often, and for how many of the first parked jobs, a stop is looked for  # metadata of the no-op job that takes a dropped parked job's id: why
+DROPPED = "tidal.dropped"  # metadata of the no-op job that takes a dropped parked job's id: why
+CHECK_S, CHECK_FIRST = 10.0, 10  # how often, and for how many of the first parked jobs, a stop is looked for
 
 
 class Cancelled(Exception):
@@ -50,7 +50,7 @@ class Cancelled(Exception):
 
 
 class Gone(Exception):
-    """The parked driver's Jobs API record is gone (`ray job delete`): nothing to start it from."""
+    """A driver's Jobs API record is gone (`ray job delete`): nothing to start its job from again."""
 
 
 class Parked(Exception):

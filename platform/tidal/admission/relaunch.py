@@ -94,12 +94,9 @@ class JobsApi:
         """Submit a job's driver from the record of its last driver: again under a new id after a
         head restart, or, for a parked job (admission/parking.py), under its successor id."""
         old = entry.submission or entry.job
-        try:
-            info = self.client.get_job_info(old)
-        except RuntimeError as e:
-            if entry.successor and "status code 404" in str(e):
-                raise Gone(old) from None
-            raise
+        info = lookup(self.client, old)
+        if info is None:
+            raise Gone(old)
         if entry.successor and str(getattr(info.status, "value", info.status)) in ("STOPPED", "FAILED"):
             # A parked driver ends SUCCEEDED: this one was stopped (or failed) after its park was
             # saved, and the job goes no further.
@@ -120,13 +117,8 @@ class JobsApi:
 
     def stopped(self, successor: str) -> bool:
         """Whether a stop of a parked job has taken its successor id (launch/chain.cancel)."""
-        try:
-            info = self.client.get_job_info(successor)
-        except RuntimeError as e:
-            if "status code 404" in str(e):
-                return False
-            raise
-        return CANCELLED in (info.metadata or {})
+        info = lookup(self.client, successor)
+        return info is not None and CANCELLED in (info.metadata or {})
 
     def mark_dropped(self, successor: str, why: str) -> None:
         """Take a dropped parked job's successor id with a job that does nothing, saying why in its
@@ -150,6 +142,17 @@ def package_uris(runtime_env: Mapping[str, Any]) -> list[str]:
     """The `gcs://` packages a runtime environment names (its working_dir and py_modules)."""
     named = [runtime_env.get("working_dir"), *(runtime_env.get("py_modules") or [])]
     return [u for u in named if isinstance(u, str) and u.startswith("gcs://")]
+
+
+def lookup(client: Any, submission_id: str) -> Any | None:
+    """The Jobs API's record of `submission_id`; None where the API says there is none (404). Any
+    other failure (the API not answering) raises: no record is not the same as no answer."""
+    try:
+        return client.get_job_info(submission_id)
+    except RuntimeError as e:  # Ray's client: "Request failed with status code 404: ..."
+        if "status code 404" in str(e):
+            return None
+        raise
 
 
 def _taken(client: Any, successor: str) -> bool:

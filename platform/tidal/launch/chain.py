@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tidal.admission.parking import CANCELLED, DROPPED, successor_id
+from tidal.admission.relaunch import lookup
 from tidal.output import parse_record
 
 MAX_LINKS = 32  # a job parks once per wait; a longer chain is a loop, not a job
@@ -36,16 +37,6 @@ class Link:
 def parked_as(client: Any, submission_id: str) -> str | None:
     """The Ray job that `submission_id`'s job went on as, if its driver parked."""
     return parse_record(client.get_job_logs(submission_id)).get(PARKED_KEY) or None
-
-
-def lookup(client: Any, submission_id: str) -> Any | None:
-    """The Jobs API's record of `submission_id`, or None where there is no such job."""
-    try:
-        return client.get_job_info(submission_id)
-    except RuntimeError as e:  # Ray's client: "Request failed with status code 404: ..."
-        if "status code 404" in str(e):
-            return None
-        raise
 
 
 def walk(client: Any, submission_id: str, known: dict[str, str] | None = None) -> list[Link]:
