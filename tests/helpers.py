@@ -67,6 +67,11 @@ def chatter_in(out: str) -> list[str]:
             or (RAY_PREFIX.search(line) and LOAD_DEPENDENT not in line)]
 
 
+def set_args(overrides: list[str]) -> list[str]:
+    """`--set` before each `a.b=value`, as the CLI takes them."""
+    return [arg for o in overrides for arg in ("--set", o)]
+
+
 def tidal_main(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
     """`tidal ARGS` in this process (`tidal.cli.main`, what the `tidal` script calls), without
     TIDAL_DEBUG unless `env` sets it: (exit code, stdout, stderr). A subprocess pays 0.6-0.9 s of
@@ -74,25 +79,18 @@ def tidal_main(*args: str, env: dict[str, str] | None = None) -> tuple[int, str,
     imports, `python -m tidal`)."""
     import contextlib
     import io
+    from unittest import mock
 
     from tidal.cli import main
 
     out, err = io.StringIO(), io.StringIO()
-    saved = {k: os.environ.get(k) for k in {"TIDAL_DEBUG", *(env or {})}}
-    os.environ.pop("TIDAL_DEBUG", None)
-    os.environ.update(env or {})
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                code = main(list(args))
-            except SystemExit as e:  # argparse: bad usage (2) and --help (0)
-                code = e.code if isinstance(e.code, int) else 1
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with mock.patch.dict(os.environ), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        os.environ.pop("TIDAL_DEBUG", None)
+        os.environ.update(env or {})
+        try:
+            code = main(list(args))
+        except SystemExit as e:  # argparse: bad usage (2) and --help (0)
+            code = e.code if isinstance(e.code, int) else 1
     return code, out.getvalue(), err.getvalue()
 
 

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from tests.conftest import ROOT, metric_history
-from tests.helpers import chatter_in, tidal_cli
+from tests.helpers import chatter_in, set_args, tidal_cli
 from tidal.spec import load_spec
 from tidal.testing.processes import kill, our_processes
 from tidal.testing.runs import prepared_store, wait_for_step
@@ -28,7 +28,7 @@ def test_quickstart_trains_then_resumes_resized_through_a_worker_kill_printing_o
     small = ["model.d_model=64", "model.n_head=2", f"checkpoint.storage={tmp_path / 'runs'}",
              f"tracking.uri={prepared_store(tmp_path / 'mlflow.db')}"]
     spec_path = str(ROOT / "jobs/quickstart.yaml")
-    first = tidal_cli("run", spec_path, *sets(["train.steps=10", *small]), cwd=tmp_path, timeout=540, env=user_env)
+    first = tidal_cli("run", spec_path, *set_args(["train.steps=10", *small]), cwd=tmp_path, timeout=540, env=user_env)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert "note: train.warmup_steps 10 is not below train.steps (10): warming up over 9 step(s)" in first.stderr
     assert "[tidal] step 10/10" in first.stdout and "[tidal] job 'quickstart' finished" in first.stdout
@@ -45,7 +45,7 @@ def test_quickstart_trains_then_resumes_resized_through_a_worker_kill_printing_o
 
     killer = threading.Thread(target=kill_after_step_20, daemon=True)
     killer.start()
-    second = tidal_cli("run", spec_path, *sets(longer), cwd=tmp_path, timeout=540, env=user_env)
+    second = tidal_cli("run", spec_path, *set_args(longer), cwd=tmp_path, timeout=540, env=user_env)
     killer.join(timeout=5)
     assert second.returncode == 0, second.stdout[-5000:] + second.stderr[-5000:]
     assert "checkpoint written at world size 2 resharded for 1" in second.stdout, second.stdout
@@ -56,10 +56,6 @@ def test_quickstart_trains_then_resumes_resized_through_a_worker_kill_printing_o
     loss = metric_history(resumed, run_id, "loss")
     # The quickstart logs every 10 steps; metric_history fails on a step logged twice (the kill's replay).
     assert sorted(loss) == [10, 20, 30, 40], "one MLflow run, each logged step once through the resize and the kill"
-
-
-def sets(overrides: list[str]) -> list[str]:
-    return [arg for o in overrides for arg in ("--set", o)]
 
 
 @pytest.mark.extended  # outside the suite's budget (pyproject.toml): exit codes by outcome run in test_jobs

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import tidal
 from tests.conftest import ROOT, metric_history
 from tests.helpers import EXPORT_TOLERANCE as TOLERANCE
-from tests.helpers import batch_of_step
+from tests.helpers import batch_of_step, set_args
 from tidal.cli import main
 from tidal.exporter.model import EXPORT_FILE
 from tidal.spec.load import load_spec
@@ -48,8 +48,7 @@ def test_hf_llama_zero3_exports_to_from_pretrained_with_the_training_loss(tmp_pa
     capsys.readouterr()
 
     out = tmp_path / "llama-hf"
-    sets = [a for o in overrides for a in ("--set", o)]
-    assert main(["export", job, *sets, "--checkpoint", "3", "--format", "hf", "--output", str(out), "--json"]) == 0
+    assert main(["export", job, *set_args(overrides), "--checkpoint", "3", "--format", "hf", "--output", str(out), "--json"]) == 0
     record = json.loads(capsys.readouterr().out)
     assert record["step"] == 3 and record["checkpoint"].endswith("checkpoint_000000003")
     assert json.loads((out / EXPORT_FILE).read_text()) == record

@@ -19,7 +19,6 @@ from typing import Any
 
 import jsonschema
 import pytest
-import yaml
 
 from tidal.cluster.check import validate_cluster_config
 from tidal.cluster.kuberay import check_rayjob, manifest_problems
@@ -32,18 +31,18 @@ from tidal.cluster.kueue import (
 )
 from tidal.errors import SpecError
 from tidal.spec.load import load_spec
+from tidal.spec.parse import load_yaml, load_yaml_all
 
 ROOT = Path(__file__).resolve().parents[1]
 KUBERAY = ROOT / "cluster_configs" / "kuberay"
 SCHEMAS = ROOT.parent / "shared" / "schemas"
 if not SCHEMAS.is_dir():  # a worktree beside the main checkout
     SCHEMAS = Path("/work/shared/schemas")
-_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml: the CRDs are 2.5 MB of YAML
 FILES = sorted({*KUBERAY.glob("*.yaml"), *KUBERAY.glob("*.yml")})
 
 
 def documents(path: Path) -> list[dict[str, Any]]:
-    return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+    return [d for d in load_yaml_all(path.read_text()) if d is not None]
 
 
 ALL = [(f, i, d) for f in FILES for i, d in enumerate(documents(f))]
@@ -68,7 +67,7 @@ def crds() -> dict[tuple[str, str], Any]:
     """(apiVersion, kind) -> a validator for that CRD version's schema."""
     out = {}
     for path in sorted(SCHEMAS.glob("*/*.yaml")):
-        crd = yaml.load(path.read_text(), Loader=_LOADER)
+        crd = load_yaml(path.read_text())  # libyaml where present: the CRDs are 2.5 MB of YAML
         for version in crd["spec"]["versions"]:
             schema = strict(version["schema"]["openAPIV3Schema"])
             out[(f"{crd['spec']['group']}/{version['name']}", crd["spec"]["names"]["kind"])] = \
