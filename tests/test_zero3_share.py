@@ -141,3 +141,19 @@ def test_a_zero3_rank_reads_its_share_and_loads_what_the_whole_file_gives(tmp_pa
     assert max(reads) < (0.5 + 0.1) * (whole + optimizer_bytes) * 2 / world, "about half at 2 ranks, a quarter at 4"
     sparse = [p for p in (tmp_path / "node-1").rglob("fp32.pt") if not p.is_symlink()]
     assert sparse, "the rank's slices are files of its own"
+
+
+def test_a_second_restore_of_the_same_share_on_a_node_reuses_its_links(tmp_path, monkeypatch):
+    """A ZeRO-3 rank restarting on its node after a resize (the same checkpoint, world and rank) finds
+    its share's folder from the first restore, whose links lead into the node's copy: it must take
+    them, not refuse them as leading outside the folder (every such restart failed)."""
+    found, _ = universal_folder(tmp_path)
+    monkeypatch.setenv(fetch.CACHE_ENV, str(tmp_path / "node"))
+    tag = "global_step8_universal"
+    files = fs.files_under(pafs.LocalFileSystem(), f"{found.path}/{tag}")
+    for attempt in range(2):
+        with fetch.tag_folder(found.fs, found.path, tag, files, "job", "same", share=(2, 0)) as (load_dir, got):
+            loaded = torch.load(os.path.join(load_dir, tag, "zero", "optimizer_state.pt"), weights_only=False)
+            assert loaded["optimizer_state_dict"]["state"][0]["step"] == 8
+            if attempt:
+                assert got.downloaded == {}, "the node's copies and this rank's slices are reused"

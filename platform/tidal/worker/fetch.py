@@ -151,7 +151,7 @@ class NodeCache:
         """Make `into/rel` this rank's sparse copy of `src/rel` (tidal.worker.share.fetch_share),
         unless an earlier restore of the same rank and world made it; a file that cannot be
         sliced is fetched whole into the node's copy and linked."""
-        dst = fs.join_local(into, rel)
+        dst = _link_path(into, rel)  # a link to the node's whole copy, when the file could not be sliced
         if _present(dst, size):
             got.reused[rel] = size
             return
@@ -294,12 +294,23 @@ def tag_folder(storage: pafs.FileSystem, root: str, tag: str, files: dict[str, i
                 if rel not in whole:
                     cache.fetch_share(storage, root, f"{tag}/{rel}", size, load_dir, share, got)
                 else:
-                    _link(fs.join_local(load_dir, f"{tag}/{rel}"), cache.path(f"{tag}/{rel}"))
+                    _link(_link_path(load_dir, f"{tag}/{rel}"), cache.path(f"{tag}/{rel}"))
         log.info("Restore: %s/%s (pid %d): %s", name, tag, os.getpid(), got.line())
         yield load_dir, got
 
 
+def _link_path(root: str, rel: str) -> str:
+    """Where the link to `rel` goes under `root`: its folder checked as `fs.join_local` checks any
+    path, the link itself not followed (an earlier restore's link leads into the node's copy, by design)."""
+    folder, _, name = fs.check_name(rel).rpartition("/")
+    return os.path.join(fs.join_local(root, folder) if folder else root, name)
+
+
 def _link(link: str, target: str) -> None:
+    """`link` leading to `target`, whatever was there (an earlier restore's link is kept as it is)."""
     os.makedirs(os.path.dirname(link), exist_ok=True)
-    if not os.path.islink(link):
-        os.symlink(target, link)
+    if os.path.islink(link) and os.readlink(link) == target:
+        return
+    if os.path.lexists(link):
+        os.remove(link)
+    os.symlink(target, link)
