@@ -14,6 +14,7 @@ from tidal.ray_private import recompute_reserved_resources
 from tidal.spec.job import JobSpec
 from tidal.storage import RunDir
 from tidal.tracking.emitter import Emitter
+from tidal.tracking.quiet import quiet_controller
 
 log = logging.getLogger("tidal")
 
@@ -24,6 +25,12 @@ class FailureNotifier(UserCallback):
 
     def __init__(self, spec: JobSpec) -> None:
         self.storage, self.name = spec.checkpoint.storage, spec.name
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickled in Ray Train's controller: lower its chatter there (tracking/quiet.py), which
+        the setup hook does only when Tidal itself connected to Ray."""
+        self.__dict__.update(state)
+        quiet_controller()
 
     def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
         events = Emitter(self.storage, self.name)

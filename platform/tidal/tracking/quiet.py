@@ -121,6 +121,14 @@ class _OneLine(logging.Filter):
         return first
 
 
+def quiet_controller() -> None:
+    """In Ray Train's controller, from Tidal's callback as it is unpickled there (launch/callbacks.py):
+    what the setup hook does in that process, for a driver that connected to Ray itself (a notebook,
+    `tidal.run` under an existing `ray.init`), which installs no hook. Idempotent; not under TIDAL_DEBUG=1."""
+    if not debug():
+        _quiet_train_controller()
+
+
 def _quiet_train_controller() -> None:
     """Ray Train's controller (an actor of this job, so this hook runs in it) on a worker's death
     and under load. Tidal's own lines say which rank failed, why, and that the group restarts."""
@@ -220,7 +228,9 @@ def forwarded(line: str) -> str:
     without Ray's `(RayTrainWorker pid=...)` prefix), "drop" (known chatter), or "ray" (Ray prints it)."""
     if line.startswith(TIDAL_LINE):
         return "tidal"
-    if any(c in line for c in FORWARDED_CHATTER):
+    # KNOWN_RAY_ERRORS too: Ray's deduplicators apply RAY_DEDUP_LOGS_SKIP_REGEX, but not when a
+    # driver turned deduplication off (RAY_DEDUP_LOGS=0), and not in a process that imported Ray first.
+    if any(c in line for c in FORWARDED_CHATTER) or re.search(KNOWN_RAY_ERRORS, line):
         return "drop"
     return "ray"
 
