@@ -77,8 +77,13 @@ def build(folder: Path, width: int, layers: int) -> int:
     return sum(files.values())
 
 
+def disk_bytes(st: os.stat_result) -> int:
+    """What a file holds on disk: a sparse copy (tidal.worker.share, .repartition) only its data."""
+    return min(st.st_size, st.st_blocks * 512)
+
+
 class DiskPeak:
-    """The most bytes under `folder` (symlinks not followed), sampled while it runs."""
+    """The most bytes on disk under `folder` (symlinks not followed), sampled while it runs."""
 
     def __init__(self, folder: str) -> None:
         self.folder, self.peak, self.stop = folder, 0, threading.Event()
@@ -91,7 +96,7 @@ class DiskPeak:
                 for n in names:
                     try:
                         st = os.lstat(os.path.join(root, n))
-                        total += st.st_size if not os.path.islink(os.path.join(root, n)) else 0
+                        total += disk_bytes(st) if not os.path.islink(os.path.join(root, n)) else 0
                     except OSError:
                         pass
             self.peak = max(self.peak, total)

@@ -32,9 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.common import history, in_turn, latest_run_id, tidal_run, write_spec
-from benchmarks.reshard import DiskPeak
+from benchmarks.reshard import DiskPeak, disk_bytes
 from tidal.spec.job import JobSpec
-from tidal.worker import fetch, share, universal_spread
+from tidal.worker import fetch, repartition, share, universal_spread
 
 GB = 1e9
 
@@ -168,6 +168,31 @@ def zero3_share_bytes(listing: dict[str, int], world: int, rank: int) -> int:
     return out
 
 
+# A direct ZeRO-1/2 resize reads, per old partition file it touches, its size, both ends (share.EDGE
+# each) and one range per partitioned tensor (fp32 master, exp_avg, exp_avg_sq): tidal.worker.repartition.
+DIRECT_REQUESTS_PER_FILE = 1 + 2 + 3
+
+
+def direct_row(m: Model, old_world: int, new_nodes: int, gpus: int, ckpt: dict[str, int],
+               node_bps: float, store_bps: float, verify: int) -> dict[str, float]:
+    """A ZeRO-2 resize by byte range (tidal.worker.repartition.pieces): each rank reads its new
+    partition's slices of the old partitions (12 bytes an element) and the archives' ends; each node
+    the bf16 module once. No conversion: what a node reads is what it holds after, on disk too."""
+    n, new_world = sum(m.tensors().values()), new_nodes * gpus
+    module = ckpt["global_step1/mp_rank_00_model_states.pt"]
+    nodes, requests = [], verify
+    for node in range(new_nodes):
+        read = module
+        for rank in range(node * gpus, (node + 1) * gpus):
+            parts = repartition.pieces(n, old_world, new_world, rank)
+            read += sum(12 * (p.hi - p.lo) for p in parts) + 2 * share.EDGE * len(parts)
+            requests += 2 + DIRECT_REQUESTS_PER_FILE * len(parts)
+        nodes.append(read)
+    aggregate = min(store_bps, node_bps * new_nodes)
+    return {"read0": nodes[0], "read": max(nodes), "disk0": nodes[0], "disk": max(nodes), "held": max(nodes),
+            "requests": requests, "s": max(max(nodes) / node_bps, sum(nodes) / aggregate)}
+
+
 def paper_row(m: Model, stage: int, old_nodes: int, new_nodes: int, gpus: int, node_gbps: float,
               store_gbps: float, shares: int) -> dict[str, object]:
     old_world, new_world = old_nodes * gpus, new_nodes * gpus
@@ -176,6 +201,19 @@ def paper_row(m: Model, stage: int, old_nodes: int, new_nodes: int, gpus: int, n
     tag = {rel.removeprefix("global_step1/"): size for rel, size in ckpt.items()}
     # Same-size restart: each node reads its ranks' files (fetch.rank_files), once per node.
     same = max(node_bytes([fetch.rank_files(tag, node * gpus + g) for g in range(gpus)]) for node in range(old_nodes))
+    # Requests (tidal.worker.restore): rank 0 lists the run, reads the state file and each rank's
+    # manifest, asks about each listed file; each rank then asks for and reads each of its files.
+    verify = 2 + old_world + len(ckpt)
+    same_requests = verify + 2 * sum(len(fetch.rank_files(tag, r)) for r in range(old_world))
+    node_bps, store_bps = node_gbps * GB / 8, store_gbps * GB / 8
+    same_s = max(same / node_bps, same * old_nodes / min(store_bps, node_bps * old_nodes))
+    row = {"model": m.name, "zero": stage, "state_gb": state / GB, "same_gb": same / GB, "same_s": same_s,
+           "same_requests": same_requests}
+    if stage == 2:
+        d = direct_row(m, old_world, new_nodes, gpus, ckpt, node_bps, store_bps, verify)
+        return {**row, "resize_gb_node0": d["read0"] / GB, "resize_gb_node": d["read"] / GB,
+                "disk_gb_node0": d["disk0"] / GB, "disk_gb_node": d["disk"] / GB, "disk_over_held": 1.0,
+                "resize_requests": d["requests"], "resize_s": d["s"]}
     # Resize: the ranks convert together (below), then every node reads its ranks' share of the
     # universal folder.
     uni = universal_listing(m, stage)
@@ -215,24 +253,17 @@ def paper_row(m: Model, stage: int, old_nodes: int, new_nodes: int, gpus: int, n
     bundles = senders * len(set(own.values()))
     convert_requests = 2 * sum(len(universal_spread.share(ckpt, "global_step1", r, new_world).fetch)
                                for r in range(new_world)) + 2 * bundles + 2 * new_world + len(uni)
-    # Requests (tidal.worker.restore): rank 0 lists the run, reads the state file and each rank's
-    # manifest, asks about each listed file; each rank then asks for and reads each of its files.
-    verify = 2 + old_world + len(ckpt)
-    same_requests = verify + 2 * sum(len(fetch.rank_files(tag, r)) for r in range(old_world))
     if stage == 3:
         sliced_files = sum(share.sliced(rel) for rel in uni)
         per_rank = shares * sliced_files + 2 * (len(uni) - sliced_files)
     else:
         per_rank = 2 * max(len(fetch.rank_files(uni, 0, held_params(m, new_world, r))) for r in range(0, new_world, gpus))
     resize_requests = verify + convert_requests + per_rank * new_world
-    node_bps, store_bps = node_gbps * GB / 8, store_gbps * GB / 8
     aggregate = min(store_bps, node_bps * new_nodes)
     all_traffic = sum(n["traffic"] for n in nodes)
     resize_s = (max(busiest["traffic"] / node_bps, all_traffic / aggregate)
                 + max(load / node_bps, load * new_nodes / aggregate))
-    same_s = max(same / node_bps, same * old_nodes / min(store_bps, node_bps * old_nodes))
-    return {"model": m.name, "zero": stage, "state_gb": state / GB, "same_gb": same / GB, "same_s": same_s,
-            "same_requests": same_requests, "resize_gb_node0": (node0["read"] + load) / GB,
+    return {**row, "resize_gb_node0": (node0["read"] + load) / GB,
             "resize_gb_node": (busiest["read"] + load) / GB, "disk_gb_node0": (node0["disk"] + load) / GB,
             "disk_gb_node": (busiest["disk"] + load) / GB, "disk_over_held": (busiest["disk"] + load) / load,
             "resize_requests": resize_requests, "resize_s": resize_s}
@@ -281,7 +312,7 @@ def one(base: Path, args: argparse.Namespace, step: int, before: int, after: int
         t0 = time.time()
         tidal_run(base / "b.yaml")
     first = history(spec, latest_run_id(spec), "loss")[step + 1][1] / 1000
-    copied = sum(p.stat().st_size for p in (base / "cache").rglob("*") if p.is_file() and not p.is_symlink())
+    copied = sum(disk_bytes(p.stat()) for p in (base / "cache").rglob("*") if p.is_file() and not p.is_symlink())
     return {"s": first - t0, "copied_per_rank_mb": copied / after / 2**20, "peak_disk_mb": disk.peak / 2**20}
 
 

@@ -85,7 +85,8 @@ REFERENCES: dict[str, Callable[[Path], JobSpec]] = {
     "eval-plain": _tiny("plain", **{"train.steps": 60, "train.global_batch": 64, "checkpoint.every_steps": 10}),
     "models-data-whole": _pipeline_whole,
     "models-data-pq-steady": _parquet_steady,
-    "restore-e2e-steady": _tiny("steady", **{"train.steps": 12, "checkpoint.every_steps": 6}),
+    "restore-e2e-steady3": _tiny("steady", **{"train.steps": 12, "checkpoint.every_steps": 6,
+                                              "parallelism.zero_stage": 3}),
     "s3-checkpoints-steady3": _reshard(3),  # the same undisturbed run as test_reshard's, at ZeRO-3
     "microbatch-fixed-4": _tiny("fixed-4", **{
         "model.builder": "tests.oom_model:build", "train.micro_batch": 4, "train.steps": 8, "train.log_every": 1,

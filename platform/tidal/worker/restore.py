@@ -1,10 +1,12 @@
 """Restore a checkpoint at any world size: agree on the resume point, convert, load, condemn only proven damage.
 
-Resizing: DeepSpeed ZeRO checkpoints only load at the world size that wrote them. For another
-size the new group converts once to DeepSpeed's universal format, which keeps the optimizer
-state, each rank its share (tidal.worker.universal_spread; tensor- or pipeline-parallel
-checkpoints on rank 0 alone, tidal.worker.universal), and publishes it in storage beside the
-original as `global_stepN_universal` (a marker written last makes it count), outside any collective.
+Resizing: DeepSpeed ZeRO checkpoints only load at the world size that wrote them. A plain
+data-parallel ZeRO-1/2 checkpoint is read by each new rank directly, only the byte ranges of the
+old partitions that make up its new one (tidal.worker.repartition). For the others the new group
+converts once to DeepSpeed's universal format, which keeps the optimizer state, each rank its
+share (tidal.worker.universal_spread; tensor- or pipeline-parallel checkpoints on rank 0 alone,
+tidal.worker.universal), and publishes it in storage beside the original as
+`global_stepN_universal` (a marker written last makes it count), outside any collective.
 
 Rank 0 lists and verifies the checkpoint once and hands every rank the list of its files, so a
 rank's storage requests grow with its own files, not with the world. Each rank reads only the
@@ -43,7 +45,7 @@ from tidal.storage import (
     find_resume_point,
     quarantine,
 )
-from tidal.worker import fetch, safe_load, universal, universal_spread
+from tidal.worker import fetch, repartition, safe_load, universal, universal_spread
 from tidal.worker.checkpoint import TrainState, tag
 
 log = logging.getLogger("tidal")
@@ -71,7 +73,9 @@ def agree_on_resume_point(spec: JobSpec) -> Found | None:
         if found is None:
             return None
         step_tag = tag(found.step)
-        if needs_reshard(found.state, dist.get_world_size()) and not universal.ready(found, step_tag):
+        world = dist.get_world_size()
+        if (needs_reshard(found.state, world) and not repartition.direct(spec, found, step_tag, world)
+                and not universal.ready(found, step_tag)):
             universal.prepare(found, step_tag)  # before the others can read a stale status or marker
         return found.path, found.state, found.files
 
@@ -81,13 +85,24 @@ def agree_on_resume_point(spec: JobSpec) -> Found | None:
     return Found(chosen[0], RunDir(spec.checkpoint.storage, spec.name).fs, chosen[1], chosen[2])
 
 
-def restore(engine: Any, found: Found, reshard: bool) -> TrainState:
-    """Load `found` into `engine`, converting it first if it was written at another world size.
+def restore(engine: Any, found: Found, reshard: bool, direct: bool = False) -> TrainState:
+    """Load `found` into `engine`, resizing it first if it was written at another world size:
+    `direct`, each rank reading its new partition by byte range (tidal.worker.repartition),
+    else through a universal conversion.
 
     DeepSpeed reads a private copy of exactly this rank's listed files, checked weights-only
     there (tidal.worker.fetch): never the storage folder, whatever the filesystem."""
     state = TrainState.from_saved(found.state)
     step_tag = tag(state.step)
+    if reshard and direct:
+        listed = tag_files(found, step_tag)
+        try:
+            repartition.restore(engine, found, step_tag, listed, _identity(found, found.files or {}))
+        except fetch.LocalDiskFull:
+            raise
+        except Exception as e:
+            raise _load_failed(found, listed, step_tag, e) from e
+        return state
     if reshard:
         step_tag, listed, identity = _converted(found, step_tag)
     else:

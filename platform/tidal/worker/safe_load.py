@@ -143,6 +143,14 @@ class UnsafeCheckpointFile(CheckpointError):
     """A checkpoint file whose pickle names a type outside the allow-list: refused, never run."""
 
 
+@contextlib.contextmanager
+def allowed() -> Iterator[None]:
+    """While inside, torch's weights-only unpickler takes the allow-list (for a caller that
+    runs that unpickler itself, reading a pickle without its tensors' bytes)."""
+    with _loading, torch.serialization.safe_globals(allowed_globals()):
+        yield
+
+
 def safe_load(f: Any, map_location: Any = "cpu", mmap: bool = False) -> Any:
     """`torch.load` that refuses (UnsafeCheckpointFile) any pickle naming a type outside the
     allow-list, instead of calling it."""

@@ -26,7 +26,7 @@ from tidal.spec import secrets
 from tidal.spec.compile import compile_note, warmup_steps
 from tidal.spec.job import JobSpec
 from tidal.tracking.emitter import Emitter
-from tidal.worker import checkpoint, microbatch, restore
+from tidal.worker import checkpoint, microbatch, repartition, restore
 from tidal.worker.data import Batches
 from tidal.worker.device import torch_device
 from tidal.worker.engine import build_engine, data_parallel_rank, param_count
@@ -108,16 +108,17 @@ def open_session(config: dict[str, Any]) -> Session:
 
     found = restore.agree_on_resume_point(spec)  # rank 0 decides; every rank loads the same one
     reshard = bool(found) and restore.needs_reshard(found.state, world)
+    direct = reshard and repartition.direct(spec, found, checkpoint.tag(found.step), world)
     # train.micro_batch auto: the size this job chose, or searched now (a collective); a number from here on.
     spec = microbatch.choose(spec, world, device, rank, events.say,
                              lambda sp, eng: _batches(sp, config, eng, rank, world, device))
     telemetry = Telemetry(spec, events, device, found)  # Prometheus, stragglers, site, cost; from here on
-    engine = build_engine(spec, world, device, load_universal=reshard)
+    engine = build_engine(spec, world, device, load_universal=reshard and not direct, resize=reshard)
     if rank == 0 and spec.parallelism.compile is not None:
         events.say(compile_note(spec.parallelism.compile))
     state = checkpoint.TrainState()
     if found:
-        state = restore.restore(engine, found, reshard)
+        state = restore.restore(engine, found, reshard, direct)
         if rank == 0:
             events.resumed(found.name, state.step, int(found.state["world_size"]), world)
     batches = _batches(spec, config, engine, rank, world, device)
