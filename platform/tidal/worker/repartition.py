@@ -31,6 +31,7 @@ import logging
 import math
 import os
 import re
+import shutil
 import zipfile
 from dataclasses import dataclass
 from typing import Any
@@ -201,6 +202,11 @@ def _copy_ranges(storage: pafs.FileSystem, src: str, dst: str, size: int, wanted
             raise CheckpointError(f"{src} is {f.size():,} bytes in storage, its manifest says {size:,}")
         edges = Edges(f, size)
         ranges = _ranges(edges, size, wanted, numels, old_world)
+        need, free = sum(end - start for start, end in ranges), shutil.disk_usage(os.path.dirname(dst)).free
+        if need > free:
+            raise fetch.LocalDiskFull(f"resizing {src} needs {need:,} bytes of local disk in {os.path.dirname(dst)} "
+                                      f"and {free:,} are free. Free space there, or point {fetch.CACHE_ENV} at a "
+                                      "larger node-local folder; the checkpoint itself is sound and is kept.")
         with open(dst, "wb") as out:
             out.truncate(size)  # holes everywhere not written below
             for start, end in ranges:
