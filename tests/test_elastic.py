@@ -17,7 +17,7 @@ from ray.core.generated import autoscaler_pb2
 
 import tidal
 from tests.conftest import metric_history, tiny_spec
-from tests.helpers import wait_for_step
+from tests.helpers import chatter_in, wait_for_step
 from tidal.testing.clusters import add_worker_node, raylet_cluster
 
 pytestmark = pytest.mark.slow
@@ -81,7 +81,7 @@ def test_preemption_warning_saves_at_the_step_reached_and_loses_nothing(cluster,
     del b
 
 
-def test_elastic_shrinks_on_node_loss_grows_back_and_counts_the_worker_hours_it_used(cluster, tmp_path):
+def test_elastic_shrinks_on_node_loss_grows_back_and_counts_the_worker_hours_it_used(cluster, tmp_path, capfd):
     nodes = [n for n in cluster.worker_nodes]
     while len(nodes) < 2:
         nodes.append(add_worker_node(cluster))
@@ -113,6 +113,21 @@ def test_elastic_shrinks_on_node_loss_grows_back_and_counts_the_worker_hours_it_
     for s in steps[1:]:  # continuous: no jump back towards the initial loss after a resize
         assert loss[s] < loss[1] * 0.9 or s < 20, (s, loss[s], loss[1])
     assert_gpu_hours_follow_the_world_size(spec, run_id)
+    assert_console_is_tidals(capfd)
+
+
+def assert_console_is_tidals(capfd) -> None:
+    """What the person who ran it read (`tidal.run` in this process, as from a notebook, which
+    connected to Ray itself): Tidal's lines, which say a worker failed, the group restarted and
+    resized, and no Ray or DeepSpeed chatter. The surviving worker's own error (its collective
+    failed when its peer's node went) is kept, as any worker's failure is: it is that failure's report."""
+    printed = capfd.readouterr()
+    with capfd.disabled():
+        print(printed.out[-3000:])
+    console = printed.out + printed.err
+    assert "[tidal]" in console and "resharded for 1" in console and "resharded for 2" in console, console[-3000:]
+    noise = [line for line in chatter_in(console) if not line.startswith("(RayTrainWorker pid=")]
+    assert not noise, "\n".join(noise[:40])
 
 
 def assert_gpu_hours_follow_the_world_size(spec, run_id: str) -> None:
