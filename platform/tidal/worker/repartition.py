@@ -233,21 +233,36 @@ def _ranges(f: Any, size: int, wanted: dict[int, tuple[int, int]], numels: list[
     f.seek(_data_start(f, pkl[0]))
     tree, keys = _meta_tree(f.read(pkl[0].compress_size))
     prefix = pkl[0].filename[:-len("data.pkl")]
-    sliced: dict[str, tuple[int, int]] = {}  # record name -> the bytes of it to copy
-    for i, tensor in _partitioned_tensors(tree, numels, old_world):
-        lo, hi = wanted.get(i, (0, 0))
+    # A record may hold several tensors: Tidal's saves into an object store put every tensor of a
+    # file in one host block (tidal.worker.snapshot). Of a record holding a partitioned tensor, each
+    # tensor's bytes are copied (a partitioned one's wanted slice, any other whole), nothing else.
+    partitioned = {id(t): (i, t) for i, t in _partitioned_tensors(tree, numels, old_world)}
+    parts: dict[str, list[tuple[int, int]]] = {}  # record name -> the byte ranges of it to copy
+    for tensor in _tensors(tree):
         name = f"{prefix}data/{keys[tensor.untyped_storage()._cdata]}"
         item, first = tensor.element_size(), tensor.storage_offset()
-        sliced[name] = ((first + lo) * item, (first + hi) * item)
+        if id(tensor) in partitioned:
+            lo, hi = wanted.get(partitioned[id(tensor)][0], (0, 0))
+        else:
+            lo, hi = 0, _extent(tensor)
+        parts.setdefault(name, []).append(((first + lo) * item, (first + hi) * item))
+    sliced = {name for name in parts if any(id(t) in partitioned for t in _tensors(tree)
+                                            if f"{prefix}data/{keys[t.untyped_storage()._cdata]}" == name)}
     out = [(archive.start_dir, size)]
     for info in infos:
         start = _data_start(f, info)
         if info.filename not in sliced:
             out.append((info.header_offset, start + info.compress_size))
         else:
-            lo, hi = sliced[info.filename]
-            out += [(info.header_offset, start), (start + lo, start + hi)]
+            out += [(info.header_offset, start), *((start + lo, start + hi) for lo, hi in parts[info.filename])]
     return out
+
+
+def _extent(t: torch.Tensor) -> int:
+    """Elements of its storage a tensor spans from its offset (a view: up to its last element)."""
+    if t.numel() == 0:
+        return 0
+    return 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
 
 
 def _meta_tree(pkl: bytes) -> tuple[Any, dict[int, str]]:
