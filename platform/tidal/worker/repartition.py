@@ -132,7 +132,7 @@ def restore(engine: Any, found: Found, step_tag: str, listed: dict[str, int], id
         for d in olds or [0]:  # a rank that holds only padding still needs the optimizer's settings
             rel = optim_name(listed, d)
             wanted = {i: (p.lo, p.hi) for i, group_pieces in enumerate(plan) for p in group_pieces if p.old == d}
-            saved[d] = _sparse_copy(cache, found, step_tag, rel, listed[rel], here, wanted, numels, old_world, d, got)
+            saved[d] = _sparse_copy(found, step_tag, rel, listed[rel], here, wanted, numels, old_world, got)
         log.info("Restore: %s/%s (pid %d), resized %d -> %d by byte range: %s",
                  found.name, step_tag, os.getpid(), old_world, world, got.line())
         state = _assemble(opt, saved, plan, numels, old_world, world, rank)
@@ -167,10 +167,9 @@ def _partitioned(t: Any, old_p: int) -> bool:
     return isinstance(t, torch.Tensor) and t.dim() == 1 and t.numel() == old_p
 
 
-def _sparse_copy(cache: fetch.NodeCache, found: Found, step_tag: str, rel: str, size: int, here: str,
-                 wanted: dict[int, tuple[int, int]], numels: list[int], old_world: int, d: int,
-                 got: fetch.Fetched) -> dict[str, Any]:
-    """Old rank `d`'s saved optimizer state, from a sparse local copy of its file that holds, of
+def _sparse_copy(found: Found, step_tag: str, rel: str, size: int, here: str, wanted: dict[int, tuple[int, int]],
+                 numels: list[int], old_world: int, got: fetch.Fetched) -> dict[str, Any]:
+    """An old rank's saved optimizer state, from a sparse local copy of its file `rel` that holds, of
     each partitioned tensor of group i, elements `wanted[i]` (none for a group not listed);
     loaded weights-only and memory-mapped, so the holes are never read."""
     dst = fs.join_local(here, f"{step_tag}/{rel}")
@@ -182,7 +181,7 @@ def _sparse_copy(cache: fetch.NodeCache, found: Found, step_tag: str, rel: str, 
         where = fs.join_local(found.path, f"{step_tag}/{rel}") if fs.is_local(found.fs) else \
             fs.join(found.path, f"{step_tag}/{rel}")
         try:
-            got.downloaded[f"{step_tag}/{rel}"] = _copy_ranges(found.fs, where, part, size, wanted, numels, old_world, d)
+            got.downloaded[f"{step_tag}/{rel}"] = _copy_ranges(found.fs, where, part, size, wanted, numels, old_world)
             os.rename(part, dst)
         finally:
             if os.path.exists(part):
@@ -194,7 +193,7 @@ def _sparse_copy(cache: fetch.NodeCache, found: Found, step_tag: str, rel: str, 
 
 
 def _copy_ranges(storage: pafs.FileSystem, src: str, dst: str, size: int, wanted: dict[int, tuple[int, int]],
-                 numels: list[int], old_world: int, d: int) -> int:
+                 numels: list[int], old_world: int) -> int:
     """Write `dst`: the archive `src` with every record whole but the partitioned tensors', of
     which only the wanted elements; returns the bytes read from storage."""
     with storage.open_input_file(src) as f:
