@@ -82,6 +82,11 @@ def is_local(fs: pafs.FileSystem) -> bool:
     return isinstance(fs, pafs.LocalFileSystem)
 
 
+def join_in(fs: pafs.FileSystem, root: str, rel: str) -> str:
+    """`root/rel` in `fs`, `rel` checked: on this machine links resolved too (`join_local`)."""
+    return join_local(root, rel) if is_local(fs) else join(root, rel)
+
+
 def exists(fs: pafs.FileSystem, path: str) -> bool:
     return fs.get_file_info(path).type != pafs.FileType.NotFound
 
@@ -281,7 +286,7 @@ def local_files(fs: pafs.FileSystem, root: str, rels: list[str]) -> Iterator[str
         for rel in rels:
             dst = join_local(tmp, rel)
             os.makedirs(os.path.dirname(dst), exist_ok=True)
-            src = join_local(root, rel) if is_local(fs) else join(root, rel)
+            src = join_in(fs, root, rel)
             pafs.copy_files(src, dst, source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
         yield tmp
 

@@ -139,7 +139,7 @@ class NodeCache:
                 "itself is sound and is kept.")
         got = Fetched()
         for rel, size in sorted(files.items()):
-            where = fs.join_local(src, rel) if fs.is_local(storage) else fs.join(src, rel)
+            where = fs.join_in(storage, src, rel)
             if self._fetch_one(storage, where, rel, size):
                 got.downloaded[rel] = size
             else:
@@ -156,7 +156,7 @@ class NodeCache:
             got.reused[rel] = size
             return
         os.makedirs(os.path.dirname(dst), exist_ok=True)
-        where = fs.join_local(src, rel) if fs.is_local(storage) else fs.join(src, rel)
+        where = fs.join_in(storage, src, rel)
         part = f"{dst}.{os.getpid()}.part"
         try:
             read = fetch_share(storage, where, part, size, *share)

@@ -26,7 +26,6 @@ resize through the universal conversion (tidal.worker.universal_spread) as befor
 
 from __future__ import annotations
 
-import io
 import logging
 import math
 import os
@@ -38,7 +37,6 @@ from typing import Any
 
 import pyarrow.fs as pafs
 import torch
-from torch import _weights_only_unpickler as weights_only
 
 from tidal import fs
 from tidal.errors import CheckpointError
@@ -46,7 +44,7 @@ from tidal.spec.deepspeed import ds_config
 from tidal.spec.job import JobSpec
 from tidal.storage import Found
 from tidal.worker import fetch, safe_load
-from tidal.worker.share import CHUNK, Edges, _data_start, _itemsize
+from tidal.worker.share import Edges, _data_start, meta_tree, write_sparse
 
 log = logging.getLogger("tidal")
 
@@ -178,8 +176,7 @@ def _sparse_copy(found: Found, step_tag: str, rel: str, size: int, here: str, wa
     else:
         os.makedirs(os.path.dirname(dst), exist_ok=True)
         part = f"{dst}.{os.getpid()}.part"
-        where = fs.join_local(found.path, f"{step_tag}/{rel}") if fs.is_local(found.fs) else \
-            fs.join(found.path, f"{step_tag}/{rel}")
+        where = fs.join_in(found.fs, found.path, f"{step_tag}/{rel}")
         try:
             got.downloaded[f"{step_tag}/{rel}"] = _copy_ranges(found.fs, where, part, size, wanted, numels, old_world)
             os.rename(part, dst)
@@ -206,14 +203,7 @@ def _copy_ranges(storage: pafs.FileSystem, src: str, dst: str, size: int, wanted
             raise fetch.LocalDiskFull(f"resizing {src} needs {need:,} bytes of local disk in {os.path.dirname(dst)} "
                                       f"and {free:,} are free. Free space there, or point {fetch.CACHE_ENV} at a "
                                       "larger node-local folder; the checkpoint itself is sound and is kept.")
-        with open(dst, "wb") as out:
-            out.truncate(size)  # holes everywhere not written below
-            for start, end in ranges:
-                for at in range(start, end, CHUNK):
-                    out.seek(at)
-                    out.write(edges.read_at(min(CHUNK, end - at), at))
-            out.flush()
-            os.fsync(out.fileno())
+        write_sparse(edges, dst, size, ranges)
     return edges.fetched
 
 
@@ -235,18 +225,18 @@ def _ranges(f: Any, size: int, wanted: dict[int, tuple[int, int]], numels: list[
     # A record may hold several tensors: Tidal's saves into an object store put every tensor of a
     # file in one host block (tidal.worker.snapshot). Of a record holding a partitioned tensor, each
     # tensor's bytes are copied (a partitioned one's wanted slice, any other whole), nothing else.
-    partitioned = {id(t): (i, t) for i, t in _partitioned_tensors(tree, numels, old_world)}
+    partitioned = {id(t): i for i, t in _partitioned_tensors(tree, numels, old_world)}
     parts: dict[str, list[tuple[int, int]]] = {}  # record name -> the byte ranges of it to copy
+    sliced: set[str] = set()  # records holding a partitioned tensor
     for tensor in _tensors(tree):
         name = f"{prefix}data/{keys[tensor.untyped_storage()._cdata]}"
         item, first = tensor.element_size(), tensor.storage_offset()
         if id(tensor) in partitioned:
-            lo, hi = wanted.get(partitioned[id(tensor)][0], (0, 0))
+            sliced.add(name)
+            lo, hi = wanted.get(partitioned[id(tensor)], (0, 0))
         else:
             lo, hi = 0, _extent(tensor)
         parts.setdefault(name, []).append(((first + lo) * item, (first + hi) * item))
-    sliced = {name for name in parts if any(id(t) in partitioned for t in _tensors(tree)
-                                            if f"{prefix}data/{keys[t.untyped_storage()._cdata]}" == name)}
     out = [(archive.start_dir, size)]
     for info in infos:
         start = _data_start(f, info)
@@ -265,21 +255,11 @@ def _extent(t: torch.Tensor) -> int:
 
 
 def _meta_tree(pkl: bytes) -> tuple[Any, dict[int, str]]:
-    """The archive's object, every tensor on the meta device (the pickle read weights-only, no
-    storage byte read), and each storage's record key by its identity."""
-    keys: dict[int, str] = {}
-
-    def storage(pid: Any) -> Any:
-        dtype = pid[1].dtype if hasattr(pid[1], "dtype") else torch.uint8
-        untyped = torch.UntypedStorage(int(pid[4]) * _itemsize(dtype), device="meta")
-        keys[untyped._cdata] = str(pid[2])
-        return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
-
-    unpickler = weights_only.Unpickler(io.BytesIO(pkl), encoding="utf-8")
-    unpickler.persistent_load = storage
+    """The archive's object with its tensors on the meta device and its storages' record keys
+    (tidal.worker.share.meta_tree), the pickle read weights-only under Tidal's allow-list."""
     with safe_load.allowed():
         try:
-            return unpickler.load(), keys
+            return meta_tree(pkl)
         except Exception as e:  # noqa: BLE001 - a pickle the weights-only reader refuses or cannot read
             raise safe_load.UnsafeCheckpointFile(f"an optimizer partition's pickle does not load weights-only: "
                                                  f"{type(e).__name__}: {str(e)[:200]}") from e

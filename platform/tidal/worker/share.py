@@ -126,22 +126,31 @@ def layout(f: Any, size: int) -> Layout:
 def _tensor(pkl: bytes) -> torch.Tensor:
     """The tensor a universal file holds (`{"param": t, ...}` or `t`), on the meta device: the
     pickle is read weights-only and no storage byte is."""
-    def storage(pid: Any) -> Any:
-        dtype = pid[1].dtype if hasattr(pid[1], "dtype") else torch.uint8
-        return torch.storage.TypedStorage(wrap_storage=torch.UntypedStorage(int(pid[4]) * _itemsize(dtype),
-                                                                            device="meta"),
-                                          dtype=dtype, _internal=True)
-
-    unpickler = weights_only.Unpickler(io.BytesIO(pkl), encoding="utf-8")
-    unpickler.persistent_load = storage
     try:
-        obj = unpickler.load()
+        obj, _ = meta_tree(pkl)
     except (pickle.UnpicklingError, IndexError, TypeError) as e:
         raise NotSliceable(str(e)) from e
     tensor = obj.get("param") if isinstance(obj, dict) else obj
     if not isinstance(tensor, torch.Tensor) or not tensor.is_contiguous():
         raise NotSliceable("no contiguous tensor")
     return tensor
+
+
+def meta_tree(pkl: bytes) -> tuple[Any, dict[int, str]]:
+    """An archive's object from its pickle `pkl`, read by torch's weights-only unpickler (with the
+    allow-list in force, if the caller set one) with every tensor on the meta device, no storage
+    byte read; and each storage's record key, by the storage's identity (`untyped_storage()._cdata`)."""
+    keys: dict[int, str] = {}
+
+    def storage(pid: Any) -> Any:
+        dtype = pid[1].dtype if hasattr(pid[1], "dtype") else torch.uint8
+        untyped = torch.UntypedStorage(int(pid[4]) * _itemsize(dtype), device="meta")
+        keys[untyped._cdata] = str(pid[2])
+        return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
+
+    unpickler = weights_only.Unpickler(io.BytesIO(pkl), encoding="utf-8")
+    unpickler.persistent_load = storage
+    return unpickler.load(), keys
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -168,13 +177,18 @@ def fetch_share(storage: pafs.FileSystem, src: str, dst: str, size: int, world: 
         lay = layout(edges, size)
         lo, hi = partition(lay.numel, world, rank)
         first = lay.data_start + (lay.offset + lo) * lay.itemsize
-        ranges = [*lay.whole, (first, first + (hi - lo) * lay.itemsize)]
-        with open(dst, "wb") as out:
-            out.truncate(lay.size)  # holes everywhere not written below
-            for start, end in ranges:
-                for at in range(start, end, CHUNK):
-                    out.seek(at)
-                    out.write(edges.read_at(min(CHUNK, end - at), at))
-            out.flush()
-            os.fsync(out.fileno())
+        write_sparse(edges, dst, lay.size, [*lay.whole, (first, first + (hi - lo) * lay.itemsize)])
     return edges.fetched
+
+
+def write_sparse(edges: Edges, dst: str, size: int, ranges: list[tuple[int, int]]) -> None:
+    """`dst`: a file of `size` bytes holding `edges`'s bytes in `ranges` and holes (no disk; zeros
+    when read) everywhere else, fsynced."""
+    with open(dst, "wb") as out:
+        out.truncate(size)
+        for start, end in ranges:
+            for at in range(start, end, CHUNK):
+                out.seek(at)
+                out.write(edges.read_at(min(CHUNK, end - at), at))
+        out.flush()
+        os.fsync(out.fileno())
