@@ -174,3 +174,49 @@ def test_tidals_own_info_notes_show_only_under_tidal_debug(monkeypatch):
         assert not tidal_log.isEnabledFor(logging.INFO) and tidal_log.isEnabledFor(logging.WARNING)
     finally:
         tidal_log.setLevel(before)
+
+
+def _start_timeout(log: logging.Logger, workers: int = 2) -> None:
+    from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
+
+    try:
+        raise WorkerGroupStartupTimeoutError(workers)
+    except WorkerGroupStartupTimeoutError as e:
+        log.exception("Error in control loop iteration: %s", e)
+
+
+def test_a_worker_group_that_did_not_start_in_time_is_one_tidal_line_a_minute(monkeypatch, tmp_path, capsys):
+    """An elastic job's worker group start times out by design (tidal/launch/recovery.py: a short
+    timeout, retried without limit, bounds a stale view of the nodes): Ray Train's controller logged
+    each with its traceback (`Error in control loop iteration`), and a node-loss run's console had
+    them. Tidal says it once a minute while it lasts; any other controller error keeps its traceback."""
+    import pickle
+
+    from tests.conftest import tiny_spec
+    from tidal.launch.callbacks import FailureNotifier
+    from tidal.ray_private import TRAIN_CONTROLLER_LOGGER
+    from tidal.tracking.quiet import StartWaits
+
+    monkeypatch.delenv("TIDAL_DEBUG", raising=False)
+    monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "5")
+    logger = logging.getLogger(TRAIN_CONTROLLER_LOGGER)
+    saved = list(logger.filters)
+    try:
+        logger.filters[:] = []
+        pickle.loads(pickle.dumps(FailureNotifier(tiny_spec(tmp_path))))  # as Ray hands it to the controller
+        kept = _records(TRAIN_CONTROLLER_LOGGER, lambda log: (
+            _start_timeout(log), _start_timeout(log), log.error("a real problem", exc_info=ValueError("x"))))
+        assert [r.getMessage() for r in kept] == ["a real problem"] and kept[0].exc_info
+        said = capsys.readouterr().out.splitlines()
+        assert said == ["[tidal] waiting for workers: a group of 2 did not start within 5 s; Ray Train tries "
+                        "again with the nodes it sees (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S sets the wait)"]
+    finally:
+        logger.filters[:] = saved
+
+    now = [0.0]
+    lines: list[str] = []
+    waits = StartWaits(every_s=60.0, clock=lambda: now[0], say=lines.append)
+    for t in (0.0, 5.0, 59.0, 60.0, 65.0, 121.0):
+        now[0] = t
+        assert not _records("tidal-test-start-waits", lambda log: (log.addFilter(waits), _start_timeout(log, 3)))
+    assert len(lines) == 3 and "a group of 3" in lines[0], lines

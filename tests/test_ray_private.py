@@ -29,8 +29,11 @@ def test_the_names_given_as_text_match_rays():
     assert ray_private.WORKER_GROUP_START_TIMEOUT == constants.WORKER_GROUP_START_TIMEOUT_S_ENV_VAR
     module, _, cls = ray_private.FAKE_PROVIDER_MODULE.rpartition(".")
     assert hasattr(importlib.import_module(module), cls), ray_private.FAKE_PROVIDER_MODULE
-    for logger_module in (ray_private.TRAIN_CONTEXT_MODULE, ray_private.PLACEMENT_GROUP_CLEANER_LOGGER):
+    for logger_module in (ray_private.TRAIN_CONTEXT_MODULE, ray_private.PLACEMENT_GROUP_CLEANER_LOGGER,
+                          ray_private.TRAIN_CONTROLLER_LOGGER):
         assert importlib.util.find_spec(logger_module) is not None, logger_module
+    exceptions = importlib.import_module("ray.train.v2._internal.exceptions")
+    assert hasattr(exceptions, ray_private.START_TIMEOUT_ERROR)
 
 
 def test_the_calls_match_rays_signatures():

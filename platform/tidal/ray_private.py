@@ -56,6 +56,10 @@ PLACEMENT_GROUP_CLEANER_LOGGER = "ray.train.v2._internal.execution.controller.pl
 RAY_LOGGING_MODULE = "ray._private.ray_logging"
 AUTH_TOKEN_SETUP_LOGGER = "ray._private.authentication.authentication_token_setup"
 TRAIN_BACKEND_SETUP_LOGGER = "ray.train.v2._internal.callbacks.backend_setup"
+TRAIN_CONTROLLER_LOGGER = "ray.train.v2._internal.execution.controller.controller"
+# The exception Ray Train's controller raises when a worker group did not start within
+# WORKER_GROUP_START_TIMEOUT, matched by name so that only this adapter knows Ray's private module.
+START_TIMEOUT_ERROR = "WorkerGroupStartupTimeoutError"
 TRAIN_AUTOSCALING_CLIENT_LOGGER = "ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_client"
 # Ray's autoscaling coordinator: a detached actor shared by Ray Data and Train V2's elastic policy
 # (ray/data/_internal/cluster_autoscaler/default_autoscaling_coordinator.py); its name and namespace.

@@ -11,6 +11,7 @@ import logging
 import os
 import re
 import sys
+import time
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, TextIO
@@ -18,9 +19,12 @@ from typing import Any, TextIO
 from tidal.ray_private import (
     AUTH_TOKEN_SETUP_LOGGER,
     PLACEMENT_GROUP_CLEANER_LOGGER,
+    START_TIMEOUT_ERROR,
     TRAIN_AUTOSCALING_CLIENT_LOGGER,
     TRAIN_BACKEND_SETUP_LOGGER,
     TRAIN_CONTEXT_MODULE,
+    TRAIN_CONTROLLER_LOGGER,
+    WORKER_GROUP_START_TIMEOUT,
     log_deduplicators,
     wrap_worker_log_printer,
 )
@@ -140,6 +144,42 @@ def _quiet_train_controller() -> None:
     target = logging.getLogger(TRAIN_AUTOSCALING_CLIENT_LOGGER)
     if not any(isinstance(f, _OneLine) for f in target.filters):
         target.addFilter(_OneLine("Failed to send resource request"))
+    controller = logging.getLogger(TRAIN_CONTROLLER_LOGGER)
+    if not any(isinstance(f, StartWaits) for f in controller.filters):
+        controller.addFilter(StartWaits())
+
+
+class StartWaits(logging.Filter):
+    """A worker group that did not start within RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S: Ray Train's
+    controller logs "Error in control loop iteration" with a traceback at each timeout and tries
+    again. For an elastic job that is Tidal's design (5 s, tidal/launch/recovery.py: each retry sizes
+    the group from the nodes then, bounding what a stale view of a lost node costs), and a fixed-size
+    job waiting for an autoscaler's nodes retries the same way. So a `[tidal]` line, once a minute
+    while it lasts (a job can wait for nodes a long time), printed to this process's stdout, which
+    the driver prints plainly (`forwarded`); Ray's own record is dropped."""
+
+    def __init__(self, every_s: float = 60.0, clock: Callable[[], float] = time.monotonic,
+                 say: Callable[[str], None] | None = None) -> None:
+        super().__init__()
+        self.every_s, self.clock = every_s, clock
+        self.say = say or (lambda line: print(line, flush=True))
+        self.last: float | None = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if type(error).__name__ != START_TIMEOUT_ERROR:
+            return True
+        now = self.clock()
+        if self.last is None or now - self.last >= self.every_s:
+            self.last = now
+            self.say(start_wait_line(getattr(error, "num_workers", "?")))
+        return False
+
+
+def start_wait_line(workers: object) -> str:
+    timeout = os.environ.get(WORKER_GROUP_START_TIMEOUT, "60")
+    return (f"{TIDAL_LINE}waiting for workers: a group of {workers} did not start within {float(timeout):g} s; "
+            f"Ray Train tries again with the nodes it sees ({WORKER_GROUP_START_TIMEOUT} sets the wait)")
 
 
 def _ask_this_cluster() -> None:
