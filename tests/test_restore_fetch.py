@@ -150,6 +150,29 @@ def test_a_cache_left_by_a_killed_rank_is_removed_by_the_next_restore(tmp_path):
         assert os.listdir(tmp_path) == [os.path.basename(newer.dir)], "bounded: the older copy went"
 
 
+def test_a_ranks_own_copy_cut_short_is_never_taken_and_is_written_again_whole(tmp_path):
+    """A direct resize's and a ZeRO-3 share's per-rank copies (fetch.write_once): a process killed while
+    writing (its `.part` left behind), a write that fails, and a write of the wrong size leave nothing
+    the next restore takes for the file; the next restore writes it and reuses it after."""
+    dst = str(tmp_path / "global_step8" / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    os.makedirs(os.path.dirname(dst))
+    Path(f"{dst}.99999.part").write_bytes(b"half of it")  # a killed process's, at another pid
+
+    def cut(part: str) -> int:
+        Path(part).write_bytes(b"half")
+        raise OSError("connection reset by peer")
+
+    with pytest.raises(OSError, match="reset"):
+        fetch.write_once(dst, 8, "s3://b/x", cut)
+    assert not os.path.exists(dst) and not os.path.exists(f"{dst}.{os.getpid()}.part")
+    with pytest.raises(CheckpointError, match="s3://b/x's size differs from its manifest's 8 bytes"):
+        fetch.write_once(dst, 8, "s3://b/x", lambda part: Path(part).write_bytes(b"short"))
+    assert not os.path.exists(dst)
+    assert fetch.write_once(dst, 8, "s3://b/x", lambda part: Path(part).write_bytes(b"12345678") and 3) == 3
+    assert Path(dst).read_bytes() == b"12345678"
+    assert fetch.write_once(dst, 8, "s3://b/x", cut) is None, "this node's copy, reused"
+
+
 def test_a_cache_in_use_by_another_rank_is_kept(tmp_path):
     cache = fetch.NodeCache("a/checkpoint", root=str(tmp_path))
     holder = subprocess.Popen([sys.executable, "-c", (

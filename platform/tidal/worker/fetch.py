@@ -45,7 +45,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -152,25 +152,17 @@ class NodeCache:
         unless an earlier restore of the same rank and world made it; a file that cannot be
         sliced is fetched whole into the node's copy and linked."""
         dst = _link_path(into, rel)  # a link to the node's whole copy, when the file could not be sliced
-        if _present(dst, size):
-            got.reused[rel] = size
-            return
-        os.makedirs(os.path.dirname(dst), exist_ok=True)
         where = fs.join_in(storage, src, rel)
-        part = f"{dst}.{os.getpid()}.part"
         try:
-            read = fetch_share(storage, where, part, size, *share)
+            read = write_once(dst, size, where, lambda part: fetch_share(storage, where, part, size, *share))
         except NotSliceable:
             got.downloaded.update(self.fetch(storage, src, {rel: size}).downloaded)
             _link(dst, self.path(rel))
             return
-        finally:
-            if os.path.exists(part) and os.path.getsize(part) != size:
-                os.remove(part)
-        if not os.path.exists(part):
-            raise CheckpointError(f"{where}'s size differs from its manifest's {size:,} bytes")
-        os.rename(part, dst)
-        got.downloaded[rel] = read
+        if read is None:
+            got.reused[rel] = size
+        else:
+            got.downloaded[rel] = read
 
     def path(self, rel: str) -> str:
         return fs.join_local(self.dir, rel)
@@ -207,6 +199,26 @@ class NodeCache:
                 raise CheckpointError(f"{src} is {got:,} bytes in storage, its manifest says {size:,}")
             os.rename(part, dst)  # atomic: a reader sees no file or the whole file
             return True
+
+
+def write_once(dst: str, size: int, source: str, write: Callable[[str], int]) -> int | None:
+    """Make `dst` (a rank's own file of `size` bytes, made from `source`) by `write(part)`, which
+    returns the bytes it read from storage, unless an earlier restore on this node made it (None).
+    Written to a `.part` and renamed once whole and at its size: a process killed while writing
+    leaves no `dst`, and the next restore writes it again."""
+    if _present(dst, size):
+        return None
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    part = f"{dst}.{os.getpid()}.part"
+    try:
+        read = write(part)
+        if not _present(part, size):
+            raise CheckpointError(f"{source}'s size differs from its manifest's {size:,} bytes")
+        os.rename(part, dst)
+        return read
+    finally:
+        if os.path.exists(part):
+            os.remove(part)
 
 
 def _present(path: str, size: int) -> bool:

@@ -170,19 +170,13 @@ def _sparse_copy(found: Found, step_tag: str, rel: str, size: int, here: str, wa
     """An old rank's saved optimizer state, from a sparse local copy of its file `rel` that holds, of
     each partitioned tensor of group i, elements `wanted[i]` (none for a group not listed);
     loaded weights-only and memory-mapped, so the holes are never read."""
-    dst = fs.join_local(here, f"{step_tag}/{rel}")
-    if os.path.exists(dst) and os.path.getsize(dst) == size:
-        got.reused[f"{step_tag}/{rel}"] = size  # this node's copy, from an earlier attempt at this size and rank
+    dst, key = fs.join_local(here, f"{step_tag}/{rel}"), f"{step_tag}/{rel}"
+    where = fs.join_in(found.fs, found.path, key)
+    read = fetch.write_once(dst, size, where, lambda part: _copy_ranges(found.fs, where, part, size, wanted, numels, old_world))
+    if read is None:
+        got.reused[key] = size  # this node's copy, from an earlier attempt at this size and rank
     else:
-        os.makedirs(os.path.dirname(dst), exist_ok=True)
-        part = f"{dst}.{os.getpid()}.part"
-        where = fs.join_in(found.fs, found.path, f"{step_tag}/{rel}")
-        try:
-            got.downloaded[f"{step_tag}/{rel}"] = _copy_ranges(found.fs, where, part, size, wanted, numels, old_world)
-            os.rename(part, dst)
-        finally:
-            if os.path.exists(part):
-                os.remove(part)
+        got.downloaded[key] = read
     loaded = safe_load.safe_load(dst, mmap=True)
     if not isinstance(loaded, dict) or not isinstance(loaded.get(OPTIMIZER_STATE), dict):
         raise CheckpointError(f"{rel} holds no ZeRO optimizer state")
