@@ -29,6 +29,10 @@ DIED = ("A worker died or was killed while executing a task by an unexpected sys
     # every-second warning, which reached the console of an in-process node-loss run 40-odd times.
     ("Failed to query Ray Train Controller actor state. State API may be temporarily unavailable. "
      "Continuing to monitor.", "drop"),
+    # Ray Train's PreemptionWatcher on a drained node; Tidal's line says the warning and the emergency save.
+    ("PreemptionWatcher: preemption detected \u2014 preempted_node_ids=['90bf'], preempted_ranks=[0], "
+     "deadline_ms=1795866498070", "drop"),
+    ("PreemptionWatcher poll failed", "ray"),
     ("Resharding: converting global_step4 of checkpoint_000000004 (4 files, 1 MiB) to universal form", "drop"),
     # The controller's C++ core worker on Ray's own PreemptionWatcher (ray#53727; nothing fails), which a
     # driver with Ray's deduplication off (RAY_DEDUP_LOGS=0) got with no skip pattern applied.

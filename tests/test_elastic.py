@@ -60,7 +60,7 @@ def finished(t: threading.Thread, out: dict, timeout: float = 400):
 
 
 @pytest.mark.extended  # outside the suite's budget (pyproject.toml): the preemption plan (a synchronous save, then the drain) is unit-tested (test_plan)
-def test_preemption_warning_saves_at_the_step_reached_and_loses_nothing(cluster, tmp_path):
+def test_preemption_warning_saves_at_the_step_reached_and_loses_nothing(cluster, tmp_path, capfd):
     a, b = add_worker_node(cluster), add_worker_node(cluster)
     spec = tiny_spec(tmp_path, name="preempted", **{"train.steps": 400, "train.global_batch": 64, "checkpoint.every_steps": 100})
     t, out = run_in_background(spec)
@@ -76,6 +76,7 @@ def test_preemption_warning_saves_at_the_step_reached_and_loses_nothing(cluster,
     ckpt_bytes = metric_history(spec, run_id, "checkpoint_bytes")
     emergency = [s for s in ckpt_bytes if s % 100]
     assert len(emergency) == 1 and 30 <= emergency[0] < 100, sorted(ckpt_bytes)
+    assert_console_is_tidals(capfd, "preemption warning: saving an emergency checkpoint", "resumed from")
     cluster.remove_node(a)
     cluster.remove_node(spare)
     del b
@@ -113,19 +114,20 @@ def test_elastic_shrinks_on_node_loss_grows_back_and_counts_the_worker_hours_it_
     for s in steps[1:]:  # continuous: no jump back towards the initial loss after a resize
         assert loss[s] < loss[1] * 0.9 or s < 20, (s, loss[s], loss[1])
     assert_gpu_hours_follow_the_world_size(spec, run_id)
-    assert_console_is_tidals(capfd)
+    assert_console_is_tidals(capfd, "resharded for 1", "resharded for 2")
 
 
-def assert_console_is_tidals(capfd) -> None:
+def assert_console_is_tidals(capfd, *said: str) -> None:
     """What the person who ran it read (`tidal.run` in this process, as from a notebook, which
     connected to Ray itself): Tidal's lines, which say a worker failed, the group restarted and
     resized, and no Ray or DeepSpeed chatter. The surviving worker's own error (its collective
-    failed when its peer's node went) is kept, as any worker's failure is: it is that failure's report."""
+    failed when its peer's node went) is kept, as any worker's failure is: it is that failure's report.
+    `said`: Tidal's lines the path must have printed."""
     printed = capfd.readouterr()
     with capfd.disabled():
         print(printed.out[-3000:])
     console = printed.out + printed.err
-    assert "[tidal]" in console and "resharded for 1" in console and "resharded for 2" in console, console[-3000:]
+    assert "[tidal]" in console and all(line in console for line in said), console[-3000:]
     noise = [line for line in chatter_in(console) if not line.startswith("(RayTrainWorker pid=")]
     assert not noise, "\n".join(noise[:40])
 

@@ -256,6 +256,10 @@ FORWARDED_CHATTER = (
     # which a driver that connected to Ray itself (a notebook, a test) does not install; the cleaner
     # goes on watching, and the controller's placement groups end with its job.
     "Failed to query Ray Train Controller actor state",
+    # Ray Train's PreemptionWatcher when a node is drained (a spot reclaim): its node and rank ids. Tidal's
+    # own line says it ("preemption warning: saving an emergency checkpoint at step N") and what follows.
+    # Its "PreemptionWatcher poll failed" stays: that one is news.
+    "PreemptionWatcher: preemption detected",
 )
 COLOR_ENV = "RAY_COLOR_PREFIX"  # Ray's driver colours each forwarded line's origin unless it is "0"
 # Colour codes inside a line: Ray's deduplication adds a green " [repeated 2x across cluster]" whatever
