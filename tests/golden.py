@@ -26,6 +26,7 @@ from typing import Any
 
 from tests.conftest import ROOT, tiny_spec
 from tidal.spec import JobSpec, load_spec
+from tidal.testing.chaos import chaos_spec
 from tidal.testing.runs import prepared_store
 
 ASSETS = Path(__file__).resolve().parent / "assets" / "losses"
@@ -92,6 +93,7 @@ REFERENCES: dict[str, Callable[[Path], JobSpec]] = {
         "model.builder": "tests.oom_model:build", "train.micro_batch": 4, "train.steps": 8, "train.log_every": 1,
         "checkpoint.every_steps": 4}),
     "admission-sharing-low-alone": _admission_alone,
+    "chaos-undisturbed": lambda tmp: chaos_spec(tmp, "undisturbed", 200, 20),  # tests/test_chaos.py's
 }
 
 

@@ -42,11 +42,15 @@ def traced(spec: JobSpec) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in rows]
 
 
-def run_chaos(tmp: Path, faults: int, steps: int, every: int, seed: int) -> dict[str, Any]:
-    """Runs an undisturbed reference and the same job under faults; returns what happened."""
-    reference = chaos_spec(tmp, "undisturbed", steps, every)
-    tidal.run(reference)
-    expected = dict(traced(reference))
+def run_chaos(tmp: Path, faults: int, steps: int, every: int, seed: int,
+              expected: dict[int, float] | None = None) -> dict[str, Any]:
+    """Runs the job under faults and compares every execution of every step with `expected`
+    (step -> loss of the undisturbed job: a test's stored reference), or with an undisturbed
+    run made here first (the benchmark); returns what happened."""
+    if expected is None:
+        reference = chaos_spec(tmp, "undisturbed", steps, every)
+        tidal.run(reference)
+        expected = dict(traced(reference))
 
     spec = chaos_spec(tmp, "chaos", steps, every)
     rng = random.Random(seed)
