@@ -1,6 +1,6 @@
 """Combined-fault chaos: one elastic job on object storage while faults of every kind Tidal claims
 to survive land at seeded random times, some of them in the middle of a save or of a resize's
-conversion. Reports each fault and its cost, steps lost, steps logged twice, every step's loss
+restore. Reports each fault and its cost, steps lost, steps logged twice, every step's loss
 (replayed ones included) against an undisturbed run, and the effective training time.
 
     python -m benchmarks.chaos_combined [--faults 10] [--steps 3000] [--every 25] [--seed 0]
@@ -17,7 +17,10 @@ it. The faults:
   manifest);
 - node: a worker node removed (the job shrinks to 1 worker), and returned some seconds later
   (it grows back to 2 when Ray Train next looks);
-- conversion: a node removed and a worker killed while the shrink's universal conversion runs;
+- resize restore: a node removed and the surviving worker killed while it restores the 2-worker
+  checkpoint at 1 worker: inside the direct ZeRO-1/2 resize (tidal.worker.repartition: once its
+  byte-range copy has begun in the node's restore cache), or inside the universal conversion of a
+  checkpoint that still converts;
 - driver: SIGKILL of the `tidal run` process, then the same command again (it resumes);
 - tracker: SIGKILL of the job's tracker actor;
 - mlflow: the tracking server stopped for some seconds and started again.
@@ -54,10 +57,11 @@ from tidal.storage import RunDir, check_complete
 from tidal.testing.clusters import raylet_cluster
 from tidal.testing.processes import our_processes
 from tidal.testing.servers import MlflowServer, moto_s3
+from tidal.worker.fetch import CACHE_ENV, PREFIX
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "reliability.md"
 SECTION = "Combined faults"
-KINDS = ("worker", "worker mid-save", "node", "conversion", "driver", "tracker", "mlflow")
+KINDS = ("worker", "worker mid-save", "node", "resize restore", "driver", "tracker", "mlflow")
 WRITE_DELAY_S = 0.5  # each rank's write pauses this long before its manifest: room to kill mid-save
 
 
@@ -71,8 +75,10 @@ def chaos_spec(storage: str, tracking: str, name: str, steps: int, every: int, t
         checkpoint={"every_steps": every, "keep": 3, "storage": storage},
         failure={"max_restarts": 100},
         tracking={"uri": tracking, "experiment": "chaos-combined"},
-        # In the spec, not this process's environment: the workers' raylets started before it.
-        worker_env={"TIDAL_LOSS_TRACE": str(trace), "TIDAL_CHECKPOINT_WRITE_DELAY_S": str(WRITE_DELAY_S)},
+        # In the spec, not this process's environment: the workers' raylets started before it. The
+        # restore cache where this process can watch a resize's copy begin (`_resizing`).
+        worker_env={"TIDAL_LOSS_TRACE": str(trace), "TIDAL_CHECKPOINT_WRITE_DELAY_S": str(WRITE_DELAY_S),
+                    CACHE_ENV: str(restore_cache(trace))},
     )
 
 
@@ -89,6 +95,21 @@ def _save_in_flight(run: RunDir) -> bool:
         return False
     problem, _ = check_complete(run.fs, folders[0])
     return problem is not None and "never finished writing" in problem
+
+
+def restore_cache(trace: Path) -> Path:
+    """The job's node-local restore cache (the simulated nodes share this machine's disk)."""
+    return trace.parent / f"{trace.stem}-restore-cache"
+
+
+def _copies(cache: Path) -> set[Path]:
+    """The folders of the direct resizes' copies in `cache` (tidal.worker.repartition)."""
+    return set(cache.glob(f"{PREFIX}*/.repartition-*"))
+
+
+def _resizing(cache: Path, before: set[Path]) -> bool:
+    """A direct resize's copy has begun since `before` was taken: its rank is inside the restore."""
+    return bool(_copies(cache) - before)
 
 
 def _converting(run: RunDir) -> bool:
@@ -180,18 +201,22 @@ class Chaos:
             fault.note = "no save seen in flight; killed anyway"
             self._kill_worker(fault)
 
-    def _conversion(self, fault: Fault) -> None:
-        """Take a node away (the job restarts at 1 worker, converting its 2-worker checkpoint),
-        kill a worker while that conversion runs, and give the node back."""
+    def _resize_restore(self, fault: Fault) -> None:
+        """Take a node away (the job restarts at 1 worker, resizing its 2-worker checkpoint), kill
+        the worker while it restores, and give the node back."""
+        cache = restore_cache(self.trace)
+        before = _copies(cache)
         victim = self._remove_node(fault)
         if victim is None:
             return
         t_removed = time.time()
-        if self._until(lambda: _converting(self.run), 60, 0.05):
+        where = self._until(lambda: ("direct" if _resizing(cache, before) else None)
+                            or ("conversion" if _converting(self.run) else None), 60, 0.01)
+        if where:
             self._kill_worker(fault)
-            fault.note = "node removed; a worker killed mid-conversion; node returned"
+            fault.note = f"node removed; the worker killed inside the resize's restore ({where}); node returned"
         else:
-            fault.note = "node removed; no conversion seen in flight within 60 s; node returned"
+            fault.note = "node removed; no resize restore seen in flight within 60 s; node returned"
         self.stop.wait(max(0.0, 15 - (time.time() - t_removed)))
         self.cluster.add_node(num_cpus=1)
 
