@@ -6,6 +6,7 @@ Each entry says why it is harmless; anything not listed here is printed as befor
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
@@ -177,8 +178,10 @@ class StartWaits(logging.Filter):
 
 
 def start_wait_line(workers: object) -> str:
-    timeout = os.environ.get(WORKER_GROUP_START_TIMEOUT, "60")
-    return (f"{TIDAL_LINE}waiting for workers: a group of {workers} did not start within {float(timeout):g} s; "
+    timeout = os.environ.get(WORKER_GROUP_START_TIMEOUT, "60")  # Ray's default
+    with contextlib.suppress(ValueError):  # a filter must never raise into the controller's error path
+        timeout = f"{float(timeout):g}"
+    return (f"{TIDAL_LINE}waiting for workers: a group of {workers} did not start within {timeout} s; "
             f"Ray Train tries again with the nodes it sees ({WORKER_GROUP_START_TIMEOUT} sets the wait)")
 
 
