@@ -58,6 +58,7 @@ from tidal.testing.clusters import raylet_cluster
 from tidal.testing.processes import our_processes
 from tidal.testing.servers import MlflowServer, moto_s3
 from tidal.worker.fetch import CACHE_ENV, PREFIX
+from tidal.worker.repartition import COPIES
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "reliability.md"
 SECTION = "Combined faults"
@@ -104,7 +105,7 @@ def restore_cache(trace: Path) -> Path:
 
 def _copies(cache: Path) -> set[Path]:
     """The folders of the direct resizes' copies in `cache` (tidal.worker.repartition)."""
-    return set(cache.glob(f"{PREFIX}*/.repartition-*"))
+    return set(cache.glob(f"{PREFIX}*/{COPIES}*"))
 
 
 def _resizing(cache: Path, before: set[Path]) -> bool:

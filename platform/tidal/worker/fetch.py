@@ -95,6 +95,13 @@ class Fetched:
     downloaded: dict[str, int] = field(default_factory=dict)
     reused: dict[str, int] = field(default_factory=dict)
 
+    def took(self, rel: str, size: int, read: int | None) -> None:
+        """`rel` (of `size` bytes) made by `write_once`: `read` bytes from storage, None if this node had it."""
+        if read is None:
+            self.reused[rel] = size
+        else:
+            self.downloaded[rel] = read
+
     def line(self) -> str:
         mb = sum(self.downloaded.values()) / 2**20
         return (f"downloaded {len(self.downloaded)} file(s), {mb:.1f} MiB; reused {len(self.reused)} "
@@ -159,10 +166,7 @@ class NodeCache:
             got.downloaded.update(self.fetch(storage, src, {rel: size}).downloaded)
             _link(dst, self.path(rel))
             return
-        if read is None:
-            got.reused[rel] = size
-        else:
-            got.downloaded[rel] = read
+        got.took(rel, size, read)
 
     def path(self, rel: str) -> str:
         return fs.join_local(self.dir, rel)

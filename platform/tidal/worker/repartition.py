@@ -47,6 +47,7 @@ from tidal.worker import fetch, safe_load
 from tidal.worker.share import Edges, _data_start, meta_tree, write_sparse
 
 log = logging.getLogger("tidal")
+COPIES = ".repartition-"  # a new rank's sparse copies, in the node cache: `{COPIES}{world}-{rank}/`
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
 OPTIM = re.compile(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt")
@@ -125,7 +126,7 @@ def restore(engine: Any, found: Found, step_tag: str, listed: dict[str, int], id
     olds = sorted({p.old for group_pieces in plan for p in group_pieces})
     with fetch.NodeCache(f"{found.path}/{step_tag}#{identity}", name=f"{found.name}-{step_tag}") as cache:
         got = cache.fetch(found.fs, found.path, {f"{step_tag}/{MODEL_STATES}": listed[MODEL_STATES]})
-        here = cache.path(f".repartition-{world}-{rank}")
+        here = cache.path(f"{COPIES}{world}-{rank}")
         saved = {}
         for d in olds or [0]:  # a rank that holds only padding still needs the optimizer's settings
             rel = optim_name(listed, d)
@@ -170,13 +171,11 @@ def _sparse_copy(found: Found, step_tag: str, rel: str, size: int, here: str, wa
     """An old rank's saved optimizer state, from a sparse local copy of its file `rel` that holds, of
     each partitioned tensor of group i, elements `wanted[i]` (none for a group not listed);
     loaded weights-only and memory-mapped, so the holes are never read."""
-    dst, key = fs.join_local(here, f"{step_tag}/{rel}"), f"{step_tag}/{rel}"
-    where = fs.join_in(found.fs, found.path, key)
-    read = fetch.write_once(dst, size, where, lambda part: _copy_ranges(found.fs, where, part, size, wanted, numels, old_world))
-    if read is None:
-        got.reused[key] = size  # this node's copy, from an earlier attempt at this size and rank
-    else:
-        got.downloaded[key] = read
+    key = f"{step_tag}/{rel}"
+    dst, where = fs.join_local(here, key), fs.join_in(found.fs, found.path, key)
+    # reused: this node's copy, from an earlier attempt at this size and rank
+    got.took(key, size, fetch.write_once(
+        dst, size, where, lambda part: _copy_ranges(found.fs, where, part, size, wanted, numels, old_world)))
     loaded = safe_load.safe_load(dst, mmap=True)
     if not isinstance(loaded, dict) or not isinstance(loaded.get(OPTIMIZER_STATE), dict):
         raise CheckpointError(f"{rel} holds no ZeRO optimizer state")
