@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pyarrow.fs as pafs
@@ -21,6 +22,7 @@ from tidal import fs
 from tidal.storage import Found
 from tidal.testing.processes import free_port
 from tidal.worker import fetch, share
+from tidal.worker import repartition_zero3 as zero3
 from tidal.worker.host_buffers import Buffers
 from tidal.worker.repartition import direct, partition_size, pieces
 
@@ -50,8 +52,46 @@ def test_each_new_partition_is_built_from_slices_of_the_old_ones_as_deepspeed_cu
                 assert all(saved[p.old][p.lo:p.hi].numel() == p.hi - p.lo for p in pieces(numel, old, new, rank))
 
 
-def listing(old: int, prefix: str = "") -> dict[str, int]:
-    return {f"{TAG}/mp_rank_00_model_states.pt": 10,
+def zero3_flats(params: list[torch.Tensor], world: int, sub_group_size: int) -> list[list[torch.Tensor]]:
+    """Each rank's sub-group flats as ZeRO-3 holds them: every parameter padded to a multiple of the
+    world and cut in `world` parts; a rank's parts of a sub-group's parameters end to end."""
+    slots, sizes = zero3.layout([[p.numel() for p in params]], world, sub_group_size)
+    flats = [[torch.zeros(n) for n in sizes] for _ in range(world)]
+    for p, slot in zip(params, slots, strict=True):
+        for rank, part in enumerate(torch.cat([p, torch.zeros((-p.numel()) % world)]).chunk(world)):
+            flats[rank][slot.group][slot.offset:slot.offset + part.numel()] = part
+    return flats
+
+
+def test_zero3_cuts_sub_groups_as_deepspeed_does_at_each_size():
+    # tests.zero_checkpoint's model, sub_group_size 52: a sub-group closes once its partitions reach 52
+    numels = [3, 91, 13, 65, 5]
+    assert zero3.layout([numels], 1, 52)[1] == [94, 78, 5]
+    assert zero3.layout([numels], 2, 52)[1] == [55, 36]
+    assert zero3.layout([numels], 2, None)[1] == zero3.layout([numels], 2, 10**9)[1] == [91]
+    assert zero3.layout([[4, 4], [6]], 2, 10**9) == ([zero3.Slot(0, 0), zero3.Slot(0, 2), zero3.Slot(1, 0)], [4, 3])
+
+
+@pytest.mark.parametrize("numels,sub_group_size", [([3, 91, 13, 65, 5], 52), ([1, 7, 1000, 3], 10**9),
+                                                   ([17] * 9, 40)])
+def test_each_new_zero3_partition_is_built_from_slices_of_the_old_ones(numels, sub_group_size):
+    params = [torch.arange(1, n + 1, dtype=torch.float32) + 1000 * i for i, n in enumerate(numels)]
+    for old in range(1, 6):
+        saved = zero3_flats(params, old, sub_group_size)
+        was = zero3.layout([numels], old, sub_group_size)[0]
+        for new in range(1, 6):
+            now, sizes = zero3.layout([numels], new, sub_group_size)
+            for rank, expected in enumerate(zero3_flats(params, new, sub_group_size)):
+                built = [torch.zeros(n) for n in sizes]
+                for p in zero3.pieces(numels, was, now, old, new, rank):
+                    built[p.to][p.at:p.at + p.hi - p.lo] = saved[p.old][p.group][p.lo:p.hi]
+                assert all(torch.equal(b, e) for b, e in zip(built, expected, strict=True)), (numels, old, new, rank)
+
+
+def listing(old: int, prefix: str = "", zero3: bool = False) -> dict[str, int]:
+    models = ([f"{TAG}/zero_pp_rank_{d}_mp_rank_00_model_states.pt" for d in range(old)] if zero3
+              else [f"{TAG}/mp_rank_00_model_states.pt"])
+    return {**dict.fromkeys(models, 10),
             **{f"{TAG}/{prefix}zero_pp_rank_{d}_mp_rank_00_optim_states.pt": 100 for d in range(old)},
             "manifest-0.json": 1, "state.json": 1}
 
@@ -61,20 +101,29 @@ def listing(old: int, prefix: str = "") -> dict[str, int]:
     ({"prefix": "bf16_", "overrides": {"parallelism.precision": "bf16"}}, True),  # ZeRO-2 in bf16: the same optimizer
     ({"stage": 1}, True),
     ({"stage": 1, "prefix": "bf16_", "overrides": {"parallelism.precision": "bf16"}}, False),  # DeepSpeed's BF16 optimizer
-    ({"stage": 3}, False),
+    ({"stage": 3}, False),  # ZeRO-1/2's files
+    ({"stage": 3, "zero3": True, "frozen": 0}, True),
+    ({"stage": 3, "zero3": True, "frozen": 0, "overrides": {"checkpoint.resize": "universal"}}, False),  # asked for
+    ({"overrides": {"checkpoint.resize": "universal"}}, False),
+    ({"stage": 3, "zero3": True}, False),  # saved before Tidal recorded frozen parameters
+    ({"stage": 3, "zero3": True, "frozen": 2}, False),  # their fragments: per rank, in the model states
+    ({"stage": 3, "zero3": True, "frozen": 0, "drop": f"{TAG}/zero_pp_rank_1_mp_rank_00_model_states.pt"}, False),
+    ({"stage": 3, "zero3": True, "frozen": 0,
+      "overrides": {"parallelism.offload_params": "nvme", "parallelism.nvme_path": "/local_nvme"}}, False),
     ({"extra": {f"{TAG}/zero_pp_rank_0_mp_rank_01_optim_states.pt": 100}}, False),  # tensor parallel
     ({"extra": {f"{TAG}/layer_01-model_states.pt": 5}}, False),  # pipeline
     ({"drop": f"{TAG}/zero_pp_rank_1_mp_rank_00_optim_states.pt"}, False),  # a partition missing
     ({"overrides": {"parallelism.deepspeed": {"zero_optimization": {"round_robin_gradients": True}}}}, False),
     ({"files": None}, False),
 ])
-def test_only_plain_data_parallel_zero12_checkpoints_resize_directly(tmp_path, case, expected):
+def test_only_plain_data_parallel_zero_checkpoints_resize_directly(tmp_path, case, expected):
     stage = case.get("stage", 2)
-    files = {**listing(2, case.get("prefix", "")), **case.get("extra", {})}
+    files = {**listing(2, case.get("prefix", ""), case.get("zero3", False)), **case.get("extra", {})}
     files.pop(case.get("drop", ""), None)
     spec = tiny_spec(tmp_path, **{"parallelism.zero_stage": stage, **case.get("overrides", {})})
-    found = Found("/x", pafs.LocalFileSystem(), {"step": 8, "world_size": 2, "zero_stage": stage},
-                  case.get("files", files))
+    state = {"step": 8, "world_size": 2, "zero_stage": stage,
+             **({"frozen_params": case["frozen"]} if "frozen" in case else {})}
+    found = Found("/x", pafs.LocalFileSystem(), state, case.get("files", files))
     assert direct(spec, found, TAG, 1) is expected
 
 
@@ -97,14 +146,24 @@ WIDE = 1500  # a model whose optimizer state is large beside an archive's two en
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory) -> dict[int, Path]:
-    """ZeRO-2 checkpoints of tests.zero_checkpoint's model: 2 ranks (narrow), 1 rank (wide)."""
-    root = tmp_path_factory.mktemp("saved")
+def saved(tmp_path_factory) -> Callable[[int], dict[int, Path]]:
+    """ZeRO checkpoints of tests.zero_checkpoint's model at a stage: 2 ranks (narrow), 1 rank (wide)."""
+    made: dict[int, dict[int, Path]] = {}
+
+    def at(stage: int) -> dict[int, Path]:
+        if stage not in made:
+            made[stage] = _save(tmp_path_factory.mktemp(f"saved{stage}"), stage)
+        return made[stage]
+
+    return at
+
+
+def _save(root: Path, stage: int) -> dict[int, Path]:
     jobs = {2: ("13", 2), 1: (str(WIDE), 1)}
 
     def save(old: int) -> None:
         width, world = jobs[old]
-        run_ranks("tests.zero_checkpoint", [str(root / f"w{old}"), "2", width], world, {})
+        run_ranks("tests.zero_checkpoint", [str(root / f"w{old}"), str(stage), width], world, {})
 
     threads = [threading.Thread(target=save, args=(old,)) for old in jobs]
     for t in threads:
@@ -117,8 +176,13 @@ def saved(tmp_path_factory) -> dict[int, Path]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("old,new,where", [(2, 1, "local"), (1, 2, "s3")])  # s3: one record a file
-def test_a_direct_resize_loads_what_deepspeeds_universal_path_loads(saved, old, new, where, tmp_path, request):
+@pytest.mark.parametrize("stage,old,new,where", [
+    (2, 2, 1, "local"), (2, 1, 2, "s3"),  # s3: one record a file
+    # ZeRO-3: sub-groups cut differently at each size (3 at one rank, 2 at two), every parameter sliced
+    (3, 2, 1, "s3"), (3, 1, 2, "local"),
+])
+def test_a_direct_resize_loads_what_deepspeeds_universal_path_loads(saved, stage, old, new, where, tmp_path, request):
+    saved = saved(stage)
     if where == "s3":
         # As Tidal's saves into an object store lay a file out: every tensor in one block (one record).
         packed = tmp_path / "packed"
@@ -132,18 +196,20 @@ def test_a_direct_resize_loads_what_deepspeeds_universal_path_loads(saved, old, 
         uri = str(tmp_path / "runs" / "job" / "checkpoint_000000002")
         pafs.copy_files(str(saved[old]), uri)
     width = "13" if old == 2 else str(WIDE)
-    out = [json.loads(line) for line in run_ranks("tests.repartition_check", [uri, str(old), "2", width], new,
+    out = [json.loads(line) for line in run_ranks("tests.repartition_check", [uri, str(old), str(stage), width], new,
                                                   {fetch.CACHE_ENV: str(tmp_path / "node")})]
     for rank, got in enumerate(out):
         assert "state/0/exp_avg" in got["keys"] and "fp32/0" in got["keys"]
         assert got["differ"] == [], (rank, got["differ"])  # the module, fp32 master and Adam's moments, bit for bit
         assert got["losses_direct"] == got["losses_universal"], rank  # and the steps after
+        # Adam's bias correction: every partition counted each of the 2 steps since the save at step 2 once
+        assert got["steps_direct"] == got["steps_universal"] == [4.0] * len(got["steps_direct"]), rank
         assert got["reread"] == {}, "a second load on the node reads its copies, nothing from storage"
     if old == 1:  # a grow: each rank reads about half of the one partition, not all of it
         optim = (saved[1] / "global_step2" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").stat().st_size
         state = sum(4 * 3 * n for n in (7 * WIDE + WIDE, WIDE * 5 + 5))  # fp32, exp_avg, exp_avg_sq of a and b
         reads = [got["read"].get("global_step2/zero_pp_rank_0_mp_rank_00_optim_states.pt", 0) for got in out]
         print(f"grow 1 -> 2: the partition file {optim:,} bytes ({state:,} of optimizer state); each rank read {reads}")
-        for got in reads:
-            assert got <= state / 2 + 2 * share.EDGE + 1024, (got, state)
+        for got in reads:  # beside its half: the archive's two ends and each record's header (12 under ZeRO-3)
+            assert got <= state / 2 + 2 * share.EDGE + 4096, (got, state)
         assert sum(reads) < 0.75 * 2 * optim, "not the whole file on every rank"

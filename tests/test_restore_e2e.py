@@ -162,8 +162,8 @@ def test_a_conversion_killed_half_way_is_made_again_and_loads(tmp_path, ray_here
     """1 worker to step 6, then 2 workers: rank 0 converts while rank 1 waits on storage; the
     conversion is killed; the attempt fails, the next converts again, and training goes on with
     the losses of a run that never resized. Nothing is quarantined, nothing is left running."""
-    # ZeRO-3: a ZeRO-1/2 resize makes no conversion (tidal.worker.repartition)
-    common = {"train.steps": 12, "checkpoint.every_steps": 6, "parallelism.zero_stage": 3}
+    # A resize converts only when asked to (checkpoint.resize) or for a checkpoint a direct one does not cover
+    common = {"train.steps": 12, "checkpoint.every_steps": 6, "parallelism.zero_stage": 3, "checkpoint.resize": "universal"}
     # the undisturbed run's losses, stored (tests/golden.py regenerates them)
     expected = reference_losses("restore-e2e-steady3", tiny_spec(tmp_path, name="steady", **common))
 

@@ -65,9 +65,10 @@ def test_a_pickle_planted_in_a_published_universal_folder_never_runs_at_a_resize
     """On a local (or NFS) path DeepSpeed's universal loader was handed the storage folder, and
     unpickles every `*.pt` in each `zero/<param>/` folder without weights-only."""
     marker = tmp_path / "ran"
-    common = {"train.steps": 18, "checkpoint.every_steps": 6, "parallelism.zero_stage": 3}
+    common = {"train.steps": 18, "checkpoint.every_steps": 6, "parallelism.zero_stage": 3,
+              "checkpoint.resize": "universal"}
     # 2 workers to 6, then 1 to 12: the resize publishes global_step6_universal beside step 6
-    # (ZeRO-3: a ZeRO-1/2 resize converts nothing, tidal.worker.repartition).
+    # (asked for: by default a resize converts nothing, tidal.worker.repartition).
     for n, until in ((2, 6), (1, 12)):
         assert tidal.run(tiny_spec(tmp_path, name="planted", **common, **workers(n),
                                    **{"train.stop_at": until})).error is None

@@ -1,7 +1,8 @@
 """Save a real DeepSpeed ZeRO checkpoint from a small data-parallel group, one process per rank:
 `python -m tests.zero_checkpoint OUT STAGE RANK WORLD PORT [WIDTH]`. The model's parameters are sized so
 the flat partitions cut through them (a parameter's fragments come from several ranks), and one
-parameter never gets a gradient (ZeRO keeps no optimizer state for it)."""
+parameter never gets a gradient (ZeRO-1/2 keep no optimizer state for it). Under ZeRO-3 its
+sub-groups are small, so they change with the world size as a large model's do."""
 
 from __future__ import annotations
 
@@ -43,7 +44,9 @@ def engine(stage: int, load_universal: bool = False, width: int = 13) -> Any:
     torch.manual_seed(0)
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
-              "zero_optimization": {"stage": stage}, "steps_per_print": 10**9,
+              # ZeRO-3: sub-groups small enough that they are cut differently at 1 and 2 ranks
+              "zero_optimization": {"stage": stage, **({"sub_group_size": 4 * width} if stage == 3 else {})},
+              "steps_per_print": 10**9,
               "checkpoint": {"load_universal": load_universal}}
     return deepspeed.initialize(model=Small(width), config=config)[0]
 

@@ -255,6 +255,13 @@ class CheckpointSpec(Part):
         None, description="also keep the best checkpoints by an eval metric: Ray Train then keeps the `keep` best "
         "by it, plus the newest (needs an eval section)"
     )
+    resize: Literal["by_range", "universal"] = Field(
+        "by_range", description="how a ZeRO checkpoint loads at another worker count. by_range: each new rank reads, "
+        "by byte range, only the slices of the old partitions it will hold (no conversion). universal: through "
+        "DeepSpeed's universal format, converted once beside the checkpoint (global_stepN_universal), spread over "
+        "the ranks. Checkpoints by_range does not cover (pipeline, bf16 with ZeRO-1, NVMe offload, ZeRO-3 with "
+        "frozen parameters) always go universal"
+    )
     safe_globals: list[str] = Field(
         default_factory=list, description="types and functions (module.name, as torch names them, e.g. numpy.dtype) "
         "that the model's own state holds and checkpoints may load besides tensors and DeepSpeed's types; loading "

@@ -65,6 +65,9 @@ class Provenance:
     world_size: int
     zero_stage: int
     fingerprint: dict[str, Any] = field(default_factory=dict)
+    # Parameters the optimizer does not train: ZeRO-3 saves their fragments per rank, which only
+    # a universal conversion cuts at another size (tidal.worker.repartition.direct); None: unknown.
+    frozen_params: int | None = None
 
 
 def tag(step: int) -> str:

@@ -19,9 +19,10 @@ slices, and hands DeepSpeed's own loader the state DeepSpeed would have saved at
 
 The model states file (the module, the LR scheduler, the step counters) does not depend on the
 world size for ZeRO-1/2 and is loaded by DeepSpeed as at any resume, from the node's copy.
-Checkpoints this does not cover (ZeRO-3, pipeline or tensor parallel files, bf16 with ZeRO-1,
-which uses DeepSpeed's BF16 optimizer, NVMe offload, round-robin gradients, elastic checkpoints)
-resize through the universal conversion (tidal.worker.universal_spread) as before.
+ZeRO-3 resizes the same way, parameter by parameter (tidal.worker.repartition_zero3). Checkpoints
+this does not cover (pipeline or tensor parallel files, bf16 with ZeRO-1, which uses DeepSpeed's
+BF16 optimizer, NVMe offload, round-robin gradients, elastic checkpoints, ZeRO-3 with frozen
+parameters) resize through the universal conversion (tidal.worker.universal_spread) as before.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import os
 import re
 import shutil
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +52,7 @@ log = logging.getLogger("tidal")
 COPIES = ".repartition-"  # a new rank's sparse copies, in the node cache: `{COPIES}{world}-{rank}/`
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
+ZERO3_MODEL_STATES = re.compile(r"zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt")
 OPTIM = re.compile(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt")
 ALIGNMENT = 2  # DeepSpeed's nccl_start_alignment_factor: a group's end is padded to 2 x world elements
 OPTIMIZER_STATE = "optimizer_state_dict"  # the key DeepSpeed saves a ZeRO optimizer's state under
@@ -87,23 +90,33 @@ def pieces(numel: int, old_world: int, new_world: int, rank: int) -> list[Piece]
 
 def direct(spec: JobSpec, found: Found, step_tag: str, world: int) -> bool:
     """Whether `found` (written at another world size) resizes to `world` here rather than
-    through a universal conversion: a plain data-parallel ZeRO-1/2 checkpoint of this job's
-    stage, loaded by DeepSpeed's ZeRO optimizer in the layout `pieces` assumes."""
+    through a universal conversion: a plain data-parallel ZeRO checkpoint of this job's stage,
+    loaded by DeepSpeed's ZeRO optimizer in the layout `pieces` (ZeRO-1/2) or
+    `repartition_zero3.pieces` assumes; for ZeRO-3, written by a save that recorded no frozen
+    parameters (their fragments are per rank, in the model states)."""
     stage, p = int(found.state["zero_stage"]), spec.parallelism
-    if found.files is None or stage not in (1, 2) or p.zero_stage != stage or p.pipeline_stages > 1:
+    if spec.checkpoint.resize == "universal" or found.files is None or stage not in (1, 2, 3):
+        return False
+    if p.zero_stage != stage or p.pipeline_stages > 1:
         return False
     if stage == 1 and p.precision == "bf16":
         return False  # DeepSpeed's BF16 optimizer, another checkpoint layout
+    if stage == 3 and found.state.get("frozen_params") != 0:
+        return False  # frozen parameters, or a checkpoint from before Tidal recorded them
     zero = ds_config(spec, world, on_gpu=False)["zero_optimization"]
     if zero.get("round_robin_gradients") or zero.get("elastic_checkpoint"):
         return False
-    if (zero.get("offload_optimizer") or {}).get("device") == "nvme":
+    if "nvme" in ((zero.get("offload_optimizer") or {}).get("device"), (zero.get("offload_param") or {}).get("device")):
         return False
     prefix = f"{step_tag}/"
     names = {rel[len(prefix):] for rel in found.files if rel.startswith(prefix)}
     old = int(found.state["world_size"])
     optim = {m.group(2) for n in names if (m := OPTIM.fullmatch(n))}
-    return MODEL_STATES in names and optim == {str(d) for d in range(old)} and len(names) == old + 1
+    ranks = {str(d) for d in range(old)}
+    if stage == 3:
+        models = {m.group(1) for n in names if (m := ZERO3_MODEL_STATES.fullmatch(n))}
+        return optim == ranks and models == ranks and len(names) == 2 * old
+    return MODEL_STATES in names and optim == ranks and len(names) == old + 1
 
 
 def optim_name(names: dict[str, int], old: int) -> str:
@@ -131,7 +144,8 @@ def restore(engine: Any, found: Found, step_tag: str, listed: dict[str, int], id
         for d in olds or [0]:  # a rank that holds only padding still needs the optimizer's settings
             rel = optim_name(listed, d)
             wanted = {i: (p.lo, p.hi) for i, group_pieces in enumerate(plan) for p in group_pieces if p.old == d}
-            saved[d] = _sparse_copy(found, step_tag, rel, listed[rel], here, wanted, numels, old_world, got)
+            saved[d] = sparse_copy(found, step_tag, rel, listed[rel], here, got, lambda tree, wanted=wanted: [
+                (t, [wanted.get(i, (0, 0))]) for i, t in _partitioned_tensors(tree, numels, old_world)])
         log.info("Restore: %s/%s (pid %d), resized %d -> %d by byte range: %s",
                  found.name, step_tag, os.getpid(), old_world, world, got.line())
         state = _assemble(opt, saved, plan, numels, old_world, world, rank)
@@ -166,31 +180,34 @@ def _partitioned(t: Any, old_p: int) -> bool:
     return isinstance(t, torch.Tensor) and t.dim() == 1 and t.numel() == old_p
 
 
-def _sparse_copy(found: Found, step_tag: str, rel: str, size: int, here: str, wanted: dict[int, tuple[int, int]],
-                 numels: list[int], old_world: int, got: fetch.Fetched) -> dict[str, Any]:
-    """An old rank's saved optimizer state, from a sparse local copy of its file `rel` that holds, of
-    each partitioned tensor of group i, elements `wanted[i]` (none for a group not listed);
-    loaded weights-only and memory-mapped, so the holes are never read."""
+# What of a saved optimizer state's tree (meta tensors) a sparse copy holds: each partitioned
+# tensor with the element ranges of it wanted; every other tensor is copied whole.
+Find = Callable[[Any], list[tuple[torch.Tensor, list[tuple[int, int]]]]]
+
+
+def sparse_copy(found: Found, step_tag: str, rel: str, size: int, here: str, got: fetch.Fetched,
+                find: Find) -> dict[str, Any]:
+    """An old rank's saved optimizer state, from a sparse local copy of its file `rel` that holds
+    of each partitioned tensor only the elements `find` wants; loaded weights-only and
+    memory-mapped, so the holes are never read."""
     key = f"{step_tag}/{rel}"
     dst, where = fs.join_local(here, key), fs.join_in(found.fs, found.path, key)
     # reused: this node's copy, from an earlier attempt at this size and rank
-    got.took(key, size, fetch.write_once(
-        dst, size, where, lambda part: _copy_ranges(found.fs, where, part, size, wanted, numels, old_world)))
+    got.took(key, size, fetch.write_once(dst, size, where, lambda part: _copy_ranges(found.fs, where, part, size, find)))
     loaded = safe_load.safe_load(dst, mmap=True)
     if not isinstance(loaded, dict) or not isinstance(loaded.get(OPTIMIZER_STATE), dict):
         raise CheckpointError(f"{rel} holds no ZeRO optimizer state")
     return loaded[OPTIMIZER_STATE]
 
 
-def _copy_ranges(storage: pafs.FileSystem, src: str, dst: str, size: int, wanted: dict[int, tuple[int, int]],
-                 numels: list[int], old_world: int) -> int:
+def _copy_ranges(storage: pafs.FileSystem, src: str, dst: str, size: int, find: Find) -> int:
     """Write `dst`: the archive `src` with every record whole but the partitioned tensors', of
     which only the wanted elements; returns the bytes read from storage."""
     with storage.open_input_file(src) as f:
         if f.size() != size:
             raise CheckpointError(f"{src} is {f.size():,} bytes in storage, its manifest says {size:,}")
         edges = Edges(f, size)
-        ranges = _ranges(edges, size, wanted, numels, old_world)
+        ranges = _ranges(edges, size, find)
         need, free = sum(end - start for start, end in ranges), shutil.disk_usage(os.path.dirname(dst)).free
         if need > free:
             raise fetch.LocalDiskFull(f"resizing {src} needs {need:,} bytes of local disk in {os.path.dirname(dst)} "
@@ -200,8 +217,7 @@ def _copy_ranges(storage: pafs.FileSystem, src: str, dst: str, size: int, wanted
     return edges.fetched
 
 
-def _ranges(f: Any, size: int, wanted: dict[int, tuple[int, int]], numels: list[int],
-            old_world: int) -> list[tuple[int, int]]:
+def _ranges(f: Any, size: int, find: Find) -> list[tuple[int, int]]:
     """Byte ranges of the archive `f` to copy: every entry whole (headers, the pickle, small
     records), but of each partitioned tensor's record only its wanted elements."""
     archive = zipfile.ZipFile(f)
@@ -217,8 +233,8 @@ def _ranges(f: Any, size: int, wanted: dict[int, tuple[int, int]], numels: list[
     prefix = pkl[0].filename[:-len("data.pkl")]
     # A record may hold several tensors: Tidal's saves into an object store put every tensor of a
     # file in one host block (tidal.worker.snapshot). Of a record holding a partitioned tensor, each
-    # tensor's bytes are copied (a partitioned one's wanted slice, any other whole), nothing else.
-    partitioned = {id(t): i for i, t in _partitioned_tensors(tree, numels, old_world)}
+    # tensor's bytes are copied (a partitioned one's wanted slices, any other whole), nothing else.
+    partitioned = {id(t): wanted for t, wanted in find(tree)}
     parts: dict[str, list[tuple[int, int]]] = {}  # record name -> the byte ranges of it to copy
     sliced: set[str] = set()  # records holding a partitioned tensor
     for tensor in _tensors(tree):
@@ -226,10 +242,10 @@ def _ranges(f: Any, size: int, wanted: dict[int, tuple[int, int]], numels: list[
         item, first = tensor.element_size(), tensor.storage_offset()
         if id(tensor) in partitioned:
             sliced.add(name)
-            lo, hi = wanted.get(partitioned[id(tensor)], (0, 0))
+            elements = partitioned[id(tensor)]
         else:
-            lo, hi = 0, _extent(tensor)
-        parts.setdefault(name, []).append(((first + lo) * item, (first + hi) * item))
+            elements = [(0, _extent(tensor))]
+        parts.setdefault(name, []).extend(((first + lo) * item, (first + hi) * item) for lo, hi in elements)
     out = [(archive.start_dir, size)]
     for info in infos:
         start = _data_start(f, info)

@@ -1,8 +1,9 @@
 """Restore a checkpoint at any world size: agree on the resume point, convert, load, condemn only proven damage.
 
 Resizing: DeepSpeed ZeRO checkpoints only load at the world size that wrote them. A plain
-data-parallel ZeRO-1/2 checkpoint is read by each new rank directly, only the byte ranges of the
-old partitions that make up its new one (tidal.worker.repartition). For the others the new group
+data-parallel ZeRO checkpoint is read by each new rank directly, only the byte ranges of the old
+partitions that make up its new one (tidal.worker.repartition; ZeRO-3 parameter by parameter,
+tidal.worker.repartition_zero3). For the others the new group
 converts once to DeepSpeed's universal format, which keeps the optimizer state, each rank its
 share (tidal.worker.universal_spread; tensor- or pipeline-parallel checkpoints on rank 0 alone,
 tidal.worker.universal), and publishes it in storage beside the original as
@@ -32,6 +33,7 @@ import zipfile
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 
 from tidal import fs
@@ -45,7 +47,14 @@ from tidal.storage import (
     find_resume_point,
     quarantine,
 )
-from tidal.worker import fetch, repartition, safe_load, universal, universal_spread
+from tidal.worker import (
+    fetch,
+    repartition,
+    repartition_zero3,
+    safe_load,
+    universal,
+    universal_spread,
+)
 from tidal.worker.checkpoint import TrainState, tag
 
 log = logging.getLogger("tidal")
@@ -97,7 +106,8 @@ def restore(engine: Any, found: Found, reshard: bool, direct: bool = False) -> T
     if reshard and direct:
         listed = tag_files(found, step_tag)
         try:
-            repartition.restore(engine, found, step_tag, listed, _identity(found, found.files or {}))
+            by_range = repartition_zero3 if int(found.state["zero_stage"]) == 3 else repartition
+            by_range.restore(engine, found, step_tag, listed, _identity(found, found.files or {}))
         except fetch.LocalDiskFull:
             raise
         except Exception as e:
@@ -122,6 +132,8 @@ def restore(engine: Any, found: Found, reshard: bool, direct: bool = False) -> T
                 raise CheckpointError(f"DeepSpeed found nothing to load under tag {step_tag}")
         except Exception as e:
             raise _load_failed(found, files, step_tag, e) from e
+    if share is not None:
+        _untie_steps(engine)
     return state
 
 
@@ -184,6 +196,24 @@ def _zero3_share(engine: Any) -> tuple[int, int] | None:
         return None
     group = getattr(engine.optimizer, "dp_process_group", None)
     return dist.get_world_size(group=group), _dp_rank(engine)
+
+
+def _untie_steps(engine: Any) -> None:
+    """Give each ZeRO-3 sub-group its own optimizer step counter after a universal load.
+
+    DeepSpeed's `load_hp_checkpoint_state_from_checkpoint_dir_stage3` (0.19.8) sets one `step`
+    tensor object on every sub-group, and torch's Adam adds 1 to it in place per sub-group: with
+    k sub-groups (a large model's partitions split at `sub_group_size`), every step after the
+    resize advanced the count by k, and Adam's bias correction went wrong from the second step.
+    """
+    inner = getattr(getattr(engine, "optimizer", None), "optimizer", None)  # the torch optimizer under ZeRO's
+    seen: set[int] = set()
+    for group_state in getattr(inner, "state", {}).values():
+        step = group_state.get("step")
+        if isinstance(step, torch.Tensor):
+            if id(step) in seen:
+                group_state["step"] = step.clone()
+            seen.add(id(step))
 
 
 def _held_params(engine: Any) -> set[str] | None:

@@ -128,7 +128,8 @@ def open_session(config: dict[str, Any]) -> Session:
     seat = config.get("admission") or {}  # admission/seat.py: the job's key and the size it was launched for
     return Session(
         spec, rank, world, device, events, engine, state,
-        checkpoint.Provenance(world, spec.parallelism.zero_stage, spec.resume_fingerprint()),
+        checkpoint.Provenance(world, spec.parallelism.zero_stage, spec.resume_fingerprint(),
+                              sum(not p.requires_grad for p in engine.module.parameters())),
         batches, _evaluator(spec, rank, world, device, batches),
         StepWatchdog(spec.failure.step_timeout_s, rank, events, spec.failure.phase_timeout_s),
         telemetry, auto.step_fn(step_function(spec)) if auto else step_function(spec),  # train.step_fn, or model(*batch)
