@@ -3,6 +3,7 @@
     python -m benchmarks.resize_cost paper                       # the scale table (docs/reliability.md)
     python -m benchmarks.resize_cost measure --rounds 4          # quickstart size, 2 workers
     python -m benchmarks.resize_cost measure --rounds 4 --d-model 1024 --layers 8   # ~1.5 GB state
+    python -m benchmarks.resize_cost measure --rounds 4 --d-model 1024 --layers 8 --zero-stage 3
 
 `paper`: 7B and 70B, ZeRO-2 and ZeRO-3, 8-GPU nodes, 8 -> 16 -> 8 nodes, from the same functions a
 restore runs: `tidal.worker.fetch.rank_files` picks each rank's files of a listing laid out as
@@ -34,7 +35,7 @@ from pathlib import Path
 from benchmarks.common import history, in_turn, latest_run_id, tidal_run, write_spec
 from benchmarks.reshard import DiskPeak, disk_bytes
 from tidal.spec.job import JobSpec
-from tidal.worker import fetch, repartition, share, universal_spread
+from tidal.worker import fetch, repartition, repartition_zero3, share, universal_spread
 
 GB = 1e9
 
@@ -193,8 +194,38 @@ def direct_row(m: Model, old_world: int, new_nodes: int, gpus: int, ckpt: dict[s
             "requests": requests, "s": max(max(nodes) / node_bps, sum(nodes) / aggregate)}
 
 
+SUB_GROUP = 10**9  # DeepSpeed's ZeRO-3 sub_group_size, which Tidal leaves as it is
+
+
+def zero3_direct_row(m: Model, old_world: int, new_nodes: int, gpus: int, ckpt: dict[str, int],
+                     node_bps: float, store_bps: float, verify: int) -> dict[str, float]:
+    """A ZeRO-3 resize by byte range (tidal.worker.repartition_zero3.pieces, sub-groups cut by
+    `layout` at each size): each rank reads its new partitions' slices of the old ones (fp32 master,
+    exp_avg, exp_avg_sq: a record each, 12 bytes an element) and the ends of each old file it
+    touches; each node old rank 0's model states once. A read per run of slices end to end
+    (`repartition.merged`), per record."""
+    numels, new_world = list(m.tensors().values()), new_nodes * gpus
+    old, _ = repartition_zero3.layout([numels], old_world, SUB_GROUP)
+    new, _ = repartition_zero3.layout([numels], new_world, SUB_GROUP)
+    model = ckpt["global_step1/zero_pp_rank_0_mp_rank_00_model_states.pt"]
+    nodes, requests = [], verify
+    for node in range(new_nodes):
+        read, requests = model, requests + 2
+        for rank in range(node * gpus, (node + 1) * gpus):
+            plan = repartition_zero3.pieces(numels, old, new, old_world, new_world, rank)
+            files = {p.old for p in plan}
+            runs = sum(len(repartition.merged([(p.lo, p.hi) for p in plan if (p.old, p.group) == key]))
+                       for key in {(p.old, p.group) for p in plan})
+            read += sum(12 * (p.hi - p.lo) for p in plan) + 2 * share.EDGE * len(files)
+            requests += 3 * len(files) + 3 * runs
+        nodes.append(read)
+    aggregate = min(store_bps, node_bps * new_nodes)
+    return {"read0": nodes[0], "read": max(nodes), "disk0": nodes[0], "disk": max(nodes), "held": max(nodes),
+            "requests": requests, "s": max(max(nodes) / node_bps, sum(nodes) / aggregate)}
+
+
 def paper_row(m: Model, stage: int, old_nodes: int, new_nodes: int, gpus: int, node_gbps: float,
-              store_gbps: float, shares: int) -> dict[str, object]:
+              store_gbps: float, shares: int, via: str = "by_range") -> dict[str, object]:
     old_world, new_world = old_nodes * gpus, new_nodes * gpus
     ckpt = zero_listing(m, stage, old_world)
     state = sum(ckpt.values())
@@ -207,10 +238,11 @@ def paper_row(m: Model, stage: int, old_nodes: int, new_nodes: int, gpus: int, n
     same_requests = verify + 2 * sum(len(fetch.rank_files(tag, r)) for r in range(old_world))
     node_bps, store_bps = node_gbps * GB / 8, store_gbps * GB / 8
     same_s = max(same / node_bps, same * old_nodes / min(store_bps, node_bps * old_nodes))
-    row = {"model": m.name, "zero": stage, "state_gb": state / GB, "same_gb": same / GB, "same_s": same_s,
-           "same_requests": same_requests}
-    if stage == 2:
-        d = direct_row(m, old_world, new_nodes, gpus, ckpt, node_bps, store_bps, verify)
+    row = {"model": m.name, "zero": stage, "via": via, "state_gb": state / GB, "same_gb": same / GB,
+           "same_s": same_s, "same_requests": same_requests}
+    if via == "by_range":
+        d = (direct_row if stage == 2 else zero3_direct_row)(m, old_world, new_nodes, gpus, ckpt, node_bps,
+                                                             store_bps, verify)
         return {**row, "resize_gb_node0": d["read0"] / GB, "resize_gb_node": d["read"] / GB,
                 "disk_gb_node0": d["disk0"] / GB, "disk_gb_node": d["disk"] / GB, "disk_over_held": 1.0,
                 "resize_requests": d["requests"], "resize_s": d["s"]}
@@ -271,30 +303,32 @@ def paper_row(m: Model, stage: int, old_nodes: int, new_nodes: int, gpus: int, n
 
 def paper(args: argparse.Namespace) -> None:
     shares = requests_per_share()
-    rows = [paper_row(m, stage, old, new, args.gpus, args.node_gbps, args.store_gbps, shares)
-            for m in MODELS for stage in (2, 3) for old, new in ((8, 16), (16, 8))]
+    cases = [(stage, via, old, new) for stage, via in ((2, "by_range"), (3, "by_range"), (3, "universal"))
+             for old, new in ((8, 16), (16, 8))]
+    rows = [(paper_row(m, stage, old, new, args.gpus, args.node_gbps, args.store_gbps, shares, via), old, new)
+            for m in MODELS for stage, via, old, new in cases]
     print(f"{args.gpus}-GPU nodes; node link {args.node_gbps:g} Gbit/s, storage {args.store_gbps:g} Gbit/s in all; "
           f"a ZeRO-3 share of one universal file takes {shares} requests\n")
-    print("| model | ZeRO | nodes | state | restart: read per node | restart: requests | restart: s | "
+    print("| model | ZeRO | resize | nodes | state | restart: read per node | restart: requests | restart: s | "
           "resize: read, node 0 / busiest | resize: peak disk, node 0 / busiest | peak disk / held after | "
           "resize: requests | resize: s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for row, (old, new) in zip(rows, [(8, 16), (16, 8)] * 4, strict=True):
-        print(f"| {row['model']} | {row['zero']} | {old} -> {new} | {row['state_gb']:.0f} GB | {row['same_gb']:.1f} GB "
-              f"| {row['same_requests']:,} | {row['same_s']:.0f} | {row['resize_gb_node0']:.0f} / {row['resize_gb_node']:.1f} GB "
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for row, old, new in rows:
+        print(f"| {row['model']} | {row['zero']} | {row['via']} | {old} -> {new} | {row['state_gb']:.0f} GB "
+              f"| {row['same_gb']:.1f} GB | {row['same_requests']:,} | {row['same_s']:.0f} "
+              f"| {row['resize_gb_node0']:.0f} / {row['resize_gb_node']:.1f} GB "
               f"| {row['disk_gb_node0']:.0f} / {row['disk_gb_node']:.1f} GB | {row['disk_over_held']:.1f}x "
-              f"| {row['resize_requests']:,} "
-              f"| {row['resize_s']:.0f} |")
+              f"| {row['resize_requests']:,} | {row['resize_s']:.0f} |")
 
 
 # --- measure ----------------------------------------------------------------------------------------
 
-def job(base: Path, d_model: int, layers: int, steps: int, workers: int) -> JobSpec:
+def job(base: Path, d_model: int, layers: int, steps: int, workers: int, stage: int = 2) -> JobSpec:
     return JobSpec(
         name="resize-cost", model={"n_layer": layers, "n_head": max(2, d_model // 64), "d_model": d_model,
                                    "vocab_size": 256, "seq_len": 64},
         train={"steps": steps, "micro_batch": 2, "global_batch": 4, "lr": 1e-4, "warmup_steps": 1, "log_every": 1},
-        parallelism={"zero_stage": 2}, scaling={"min_workers": workers, "max_workers": workers},
+        parallelism={"zero_stage": stage}, scaling={"min_workers": workers, "max_workers": workers},
         checkpoint={"every_steps": 1, "keep": 2, "storage": str(base / "runs")},
         tracking={"uri": f"sqlite:///{base}/mlflow.db", "experiment": "resize-cost"},
         worker_env={fetch.CACHE_ENV: str(base / "cache")})
@@ -303,10 +337,10 @@ def job(base: Path, d_model: int, layers: int, steps: int, workers: int) -> JobS
 def one(base: Path, args: argparse.Namespace, step: int, before: int, after: int) -> dict[str, float]:
     """Save at `before` workers to `step`, then resume at `after` to `step + 1`: the second launch timed."""
     base.mkdir(parents=True, exist_ok=True)
-    write_spec(job(base, args.d_model, args.layers, step + 1, before).with_overrides({"train.stop_at": step}),
+    write_spec(job(base, args.d_model, args.layers, step + 1, before, args.zero_stage).with_overrides({"train.stop_at": step}),
                base / "a.yaml")
     tidal_run(base / "a.yaml")
-    spec = job(base, args.d_model, args.layers, step + 1, after)
+    spec = job(base, args.d_model, args.layers, step + 1, after, args.zero_stage)
     write_spec(spec, base / "b.yaml")
     with DiskPeak(str(base / "cache")) as disk:
         t0 = time.time()
@@ -350,6 +384,7 @@ def main() -> None:
     m.add_argument("--d-model", type=int, default=64)
     m.add_argument("--layers", type=int, default=2)
     m.add_argument("--dir", default=None)
+    m.add_argument("--zero-stage", type=int, default=2, choices=(1, 2, 3))
     args = ap.parse_args()
     paper(args) if args.mode == "paper" else measure(args)
 

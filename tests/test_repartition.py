@@ -24,7 +24,7 @@ from tidal.testing.processes import free_port
 from tidal.worker import fetch, share
 from tidal.worker import repartition_zero3 as zero3
 from tidal.worker.host_buffers import Buffers
-from tidal.worker.repartition import direct, partition_size, pieces
+from tidal.worker.repartition import direct, merged, partition_size, pieces
 
 ROOT = Path(__file__).resolve().parents[1]
 TAG = "global_step8"
@@ -86,6 +86,10 @@ def test_each_new_zero3_partition_is_built_from_slices_of_the_old_ones(numels, s
                 for p in zero3.pieces(numels, was, now, old, new, rank):
                     built[p.to][p.at:p.at + p.hi - p.lo] = saved[p.old][p.group][p.lo:p.hi]
                 assert all(torch.equal(b, e) for b, e in zip(built, expected, strict=True)), (numels, old, new, rank)
+
+
+def test_byte_ranges_that_touch_are_read_as_one():
+    assert merged([(5, 9), (0, 5), (12, 12), (11, 14), (13, 20), (30, 31)]) == [(0, 9), (11, 20), (30, 31)]
 
 
 def listing(old: int, prefix: str = "", zero3: bool = False) -> dict[str, int]:

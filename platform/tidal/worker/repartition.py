@@ -253,6 +253,18 @@ def _ranges(f: Any, size: int, find: Find) -> list[tuple[int, int]]:
             out.append((info.header_offset, start + info.compress_size))
         else:
             out += [(info.header_offset, start), *((start + lo, start + hi) for lo, hi in parts[info.filename])]
+    return merged(out)
+
+
+def merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """`ranges` sorted, those that touch or overlap joined: one read each from storage (a shrink's
+    slices of consecutive parameters are end to end in the old partition)."""
+    out: list[tuple[int, int]] = []
+    for start, end in sorted(r for r in ranges if r[1] > r[0]):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
     return out
 
 
