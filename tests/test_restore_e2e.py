@@ -2,7 +2,8 @@
 reads each file of the checkpoint once (each rank its own partition, the model states once for
 the node), counted by the S3 server itself, and a worker killed afterwards restores from its
 node's copy with zero bytes from S3; a resize's conversion killed half-way is made again by the
-next attempt, which loads it, while the waiting rank never sat in a collective."""
+next attempt, which loads it, while the waiting rank never sat in a collective; a pickle planted in
+that published conversion never runs when a later start loads it."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import pytest
 
 import tidal
 from tests.conftest import metric_history, moto_s3, tiny_spec
+from tests.fakes import evil
 from tests.golden import reference_losses
 from tests.helpers import run_killing_a_worker
 from tidal import fs
@@ -187,3 +189,18 @@ def test_a_conversion_killed_half_way_is_made_again_and_loads(tmp_path, ray_here
     assert not converters(psutil.Process()), "no conversion process outlived its attempt"
     left = [p.name for p in (tmp_path / "cache").iterdir()]
     assert len(left) == 1 and "convert" not in left[0], f"the conversion's folders were removed: {left}"
+
+    # A later start at this size reads the published conversion again. DeepSpeed's universal loader
+    # unpickles every `zero/<param>/*.pt` without weights-only; on a local (or NFS) path it was once
+    # handed the storage folder, where a pickle planted beside the fragments ran.
+    marker = tmp_path / "ran"
+    params = [p for p in (Path(ckpt) / "global_step6_universal" / "zero").iterdir() if p.is_dir()]
+    assert params, "the resize published a universal folder"
+    for param in params:
+        (param / "planted.pt").write_bytes(evil(marker))
+    # Step 12 set aside by hand: the next start resumes from step 6 (written by 1 worker) through it.
+    (Path(run.path) / checkpoint_dir_name(12) / QUARANTINE_FILE).write_text('{"error": "set aside by the test"}')
+    again = tidal.run(spec)
+    assert not marker.exists(), "the planted pickle ran"
+    assert again.error is None, again.error
+    assert metric_history(spec, again.mlflow_run_id, "world_size")[7] == 2

@@ -1,9 +1,9 @@
 """Nothing read from storage is trusted, end to end through Ray Train and real DeepSpeed: a
 manifest naming a file outside its checkpoint (on moto's S3 server and on a local path) writes
 nothing outside the restore cache, the checkpoint is condemned and the job goes on from the one
-before; a pickle planted in a published universal folder on a local filesystem never runs at a
-resize; a model whose state holds numpy values fails at its first save naming the types, and
-with them allowed in the spec trains, resumes and resizes."""
+before (a pickle planted in a published universal folder: tests/test_restore_e2e.py); a model
+whose state holds numpy values fails at its first save naming the types, and with them allowed in
+the spec trains, resumes and resizes."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import pytest
 import tidal
 from tests.conftest import metric_history, tiny_spec
 from tests.extra_state_model import NUMPY_SCALAR
-from tests.fakes import evil
 from tidal import fs
 from tidal.errors import TidalError
 from tidal.storage import QUARANTINE_FILE, UNSAFE, RunDir, checkpoint_dir_name, manifest_name
@@ -59,34 +58,6 @@ def test_a_manifest_name_outside_its_checkpoint_is_never_used_and_the_job_ends_w
     assert not files_named(cache, "x") and not files_named(cache, "outside"), "nothing written outside its folder"
     condemned = fs.read_json(run.fs, f"{eight}/{QUARANTINE_FILE}")
     assert condemned is not None and UNSAFE in condemned["error"]
-
-
-def test_a_pickle_planted_in_a_published_universal_folder_never_runs_at_a_resize(tmp_path):
-    """On a local (or NFS) path DeepSpeed's universal loader was handed the storage folder, and
-    unpickles every `*.pt` in each `zero/<param>/` folder without weights-only."""
-    marker = tmp_path / "ran"
-    common = {"train.steps": 18, "checkpoint.every_steps": 6, "parallelism.zero_stage": 3,
-              "checkpoint.resize": "universal"}
-    # 2 workers to 6, then 1 to 12: the resize publishes global_step6_universal beside step 6
-    # (asked for: by default a resize converts nothing, tidal.worker.repartition).
-    for n, until in ((2, 6), (1, 12)):
-        assert tidal.run(tiny_spec(tmp_path, name="planted", **common, **workers(n),
-                                   **{"train.stop_at": until})).error is None
-    run = tmp_path / "runs" / "planted"
-    universal = run / checkpoint_dir_name(6) / "global_step6_universal" / "zero"
-    params = [p for p in universal.iterdir() if p.is_dir()]
-    assert params, "the resize published a universal folder"
-    for param in params:
-        (param / "planted.pt").write_bytes(evil(marker))
-    # Step 12 set aside by hand, so the next 1-worker start resumes from step 6 (written by 2
-    # workers) through that published universal folder.
-    (run / checkpoint_dir_name(12) / QUARANTINE_FILE).write_text('{"error": "set aside by the test"}')
-
-    result = tidal.run(tiny_spec(tmp_path, name="planted", **common, **workers(1)))
-
-    assert not marker.exists(), "the planted pickle ran"
-    assert result.error is None, result.error
-    assert metric_history(tiny_spec(tmp_path, name="planted"), result.mlflow_run_id, "world_size")[7] == 1
 
 
 @pytest.mark.extended  # outside the suite's budget (pyproject.toml): the first-save check and safe_globals are unit-tested (test_safe_globals); resizes run in test_reshard

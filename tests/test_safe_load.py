@@ -77,7 +77,7 @@ def _plant(run, rel: str, data: bytes) -> None:
         f.write(data)
 
 
-@pytest.mark.extended  # outside the suite's budget (pyproject.toml): refused pickles are unit-tested here; test_restore_trust_e2e plants one end to end
+@pytest.mark.extended  # outside the suite's budget (pyproject.toml): refused pickles are unit-tested here; test_restore_e2e plants one end to end
 @pytest.mark.slow
 @pytest.mark.usefixtures("s3_server", "ray_local")
 def test_planted_pickles_never_run(tmp_path, bucket, capfd) -> None:
@@ -126,7 +126,7 @@ def test_planted_pickles_never_run(tmp_path, bucket, capfd) -> None:
     assert not marker.exists()
 
 
-@pytest.mark.extended  # outside the suite's budget (pyproject.toml): a planted pickle at a resize also in test_restore_trust_e2e
+@pytest.mark.extended  # outside the suite's budget (pyproject.toml): a planted pickle at a resize also in test_restore_e2e
 @pytest.mark.slow
 @pytest.mark.usefixtures("s3_server", "ray_local")
 def test_a_resize_never_runs_a_planted_pickle(tmp_path, bucket) -> None:
