@@ -66,12 +66,13 @@ KINDS = ("worker", "worker mid-save", "node", "resize restore", "driver", "track
 WRITE_DELAY_S = 0.5  # each rank's write pauses this long before its manifest: room to kill mid-save
 
 
-def chaos_spec(storage: str, tracking: str, name: str, steps: int, every: int, trace: Path) -> JobSpec:
+def chaos_spec(storage: str, tracking: str, name: str, steps: int, every: int, trace: Path,
+               zero_stage: int = 2) -> JobSpec:
     return JobSpec(
         name=name,
         model={"n_layer": 2, "n_head": 2, "d_model": 128, "vocab_size": 64, "seq_len": 32},
         train={"steps": steps, "micro_batch": 8, "global_batch": 64, "lr": 3e-3, "warmup_steps": 10, "log_every": 1},
-        parallelism={"zero_stage": 2},
+        parallelism={"zero_stage": zero_stage},
         scaling={"min_workers": 1, "max_workers": 2, "cpus_per_worker": 1, "elastic_check_s": 10},
         checkpoint={"every_steps": every, "keep": 3, "storage": storage},
         failure={"max_restarts": 100},
@@ -459,6 +460,8 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=25)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-doc", action="store_true", help="print the report only")
+    ap.add_argument("--zero-stage", type=int, default=2, choices=(1, 2, 3),
+                    help="the job's ZeRO stage: its resizes go by byte range at every stage")
     args = ap.parse_args()
     if args.faults < len(KINDS):
         ap.error(f"--faults must be at least {len(KINDS)}: one of each kind ({', '.join(KINDS)})")
@@ -470,16 +473,18 @@ def main() -> None:
             with moto_s3(tmp / "moto.log", buckets=("chaos",)), raylet_cluster(workers=2, connect=False) as cluster:
                 mlflow.start()
                 ref_spec = chaos_spec("s3://chaos/runs", mlflow.uri, "undisturbed", args.steps, args.every,
-                                      tmp / "undisturbed.trace")
+                                      tmp / "undisturbed.trace", args.zero_stage)
                 ref = run_job(cluster, mlflow, ref_spec, tmp, [], args.seed)
-                spec = chaos_spec("s3://chaos/runs", mlflow.uri, "chaos", args.steps, args.every, tmp / "chaos.trace")
+                spec = chaos_spec("s3://chaos/runs", mlflow.uri, "chaos", args.steps, args.every, tmp / "chaos.trace",
+                                  args.zero_stage)
                 faults = plan_faults(random.Random(args.seed), args.faults, args.steps)
                 got = run_job(cluster, mlflow, spec, tmp, faults, args.seed)
                 r = summarize(spec, ref, got, faults)
         finally:
             mlflow.stop()
             _keep(tmp)
-        cmd = f"python -m benchmarks.chaos_combined --faults {args.faults} --steps {args.steps} --every {args.every} --seed {args.seed}"
+        cmd = (f"python -m benchmarks.chaos_combined --faults {args.faults} --steps {args.steps} --every {args.every} "
+               f"--seed {args.seed}" + (f" --zero-stage {args.zero_stage}" if args.zero_stage != 2 else ""))
         text = report(r, cmd)
         print(text)
         if r["exit"] != 0:

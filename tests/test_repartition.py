@@ -88,6 +88,29 @@ def test_each_new_zero3_partition_is_built_from_slices_of_the_old_ones(numels, s
                 assert all(torch.equal(b, e) for b, e in zip(built, expected, strict=True)), (numels, old, new, rank)
 
 
+def test_a_zero3_rank_that_holds_only_padding_of_a_sub_group_gets_zeros_and_its_own_step():
+    # 8 and 1 elements, one rank -> four, sub-groups closing at 2: at four ranks rank 3 holds elements
+    # 6-8 of the first parameter and only padding of the second (its own sub-group).
+    numels, size = [8, 1], 2
+    was, _ = zero3.layout([numels], 1, size)
+    now, sizes = zero3.layout([numels], 4, size)
+    assert sizes == [2, 1]
+    plan = zero3.pieces(numels, was, now, 1, 4, 3)
+    assert {p.to for p in plan} == {0}
+    step = torch.tensor(5.0)
+    saved = {0: {"loss_scaler": None, zero3.FP32: [torch.arange(8.0), torch.tensor([9.0])],
+                 zero3.ZERO_STATE: {"state": {k: {"step": step, "exp_avg": t * 2} for k, t in
+                                              enumerate([torch.arange(8.0), torch.tensor([9.0])])},
+                                    "param_groups": [{"lr": 0.1, "params": [0, 1]}]}}}
+    state = zero3._assemble(saved, plan, sizes, [0, 0], 4)
+    assert [t.tolist() for t in state[zero3.FP32]] == [[6.0, 7.0], [0.0]]
+    groups = state[zero3.ZERO_STATE]["state"]
+    assert groups[0]["exp_avg"].tolist() == [12.0, 14.0] and groups[1]["exp_avg"].tolist() == [0.0]
+    assert groups[0]["step"] is not groups[1]["step"] and float(groups[1]["step"]) == 5.0
+    assert state[zero3.ZERO_STATE]["param_groups"] == [{"lr": 0.1, "params": [0, 1]}]
+    assert state["partition_count"] == 4
+
+
 def test_byte_ranges_that_touch_are_read_as_one():
     assert merged([(5, 9), (0, 5), (12, 12), (11, 14), (13, 20), (30, 31)]) == [(0, 9), (11, 20), (30, 31)]
 

@@ -143,7 +143,7 @@ def restore(engine: Any, found: Found, step_tag: str, listed: dict[str, int], id
         got = cache.fetch(found.fs, found.path, {first: listed[model_states(0)]})
         here = cache.path(f"{COPIES}{world}-{rank}")
         saved = {}
-        for d in sorted({p.old for p in plan}):
+        for d in sorted({p.old for p in plan}) or [0]:  # a rank of padding only still needs the settings
             wanted: dict[int, list[tuple[int, int]]] = {}
             for p in plan:
                 if p.old == d:
@@ -227,7 +227,9 @@ def _assemble(saved: dict[int, dict[str, Any]], plan: list[Piece], sizes: list[i
         source.setdefault(p.to, (p.old, p.group))
     state: dict[int, dict[str, Any]] = {}
     for j, n in enumerate(sizes):
-        d, k = source[j]
+        # A sub-group this rank holds only padding of (parameters smaller than the world) takes
+        # its state's keys and step from any old one; its partitioned tensors stay zeros.
+        d, k = source.get(j, (min(saved), 0))
         old_state = saved[d][ZERO_STATE]["state"].get(k)
         if old_state is None:
             continue  # no optimizer state yet (saved before a first step)
@@ -258,7 +260,7 @@ def _model_states(path: str, world: int) -> dict[str, Any]:
         raise CheckpointError(f"{os.path.basename(path)} holds no DeepSpeed model states")
     if states.get("frozen_param_fragments"):
         raise CheckpointError("the checkpoint holds frozen parameters' ZeRO-3 fragments, which a direct resize "
-                              "does not cut; it resizes through a universal conversion")
+                              "does not cut; set checkpoint.resize: universal to resize it through a conversion")
     return {**states, "dp_world_size": world}
 
 
