@@ -327,7 +327,7 @@ def summarize(spec: JobSpec, ref: dict[str, Any], got: dict[str, Any], faults: l
         **judge(lives, expected), "restarts": restarts(lives),
         "useful_s": useful, "training_wall_s": training_wall, "wall_s": got["wall_s"], "steps": steps,
         "ref_useful_s": ref_useful, "ref_wall_s": ref_wall,
-        "every": spec.checkpoint.every_steps,
+        "every": spec.checkpoint.every_steps, "zero": spec.parallelism.zero_stage,
     }
 
 
@@ -411,7 +411,7 @@ def report(r: dict[str, Any], command: str) -> str:
     return f"""Command: `{command}` ({time.strftime('%Y-%m-%d')}, 2-core CPU machine; moto S3, `mlflow server`, a Ray
 cluster of a head and two 1-CPU worker nodes, the driver as a `tidal run` process)
 
-A {r['steps']}-step elastic job (1-2 workers, GPT d128 L2, ZeRO-2, a checkpoint every {r['every']} steps on S3,
+A {r['steps']}-step elastic job (1-2 workers, GPT d128 L2, ZeRO-{r['zero']}, a checkpoint every {r['every']} steps on S3,
 each write paused {WRITE_DELAY_S} s before its manifests) under these faults, in this order:
 
 | # | fault | after step | injected | what happened |

@@ -55,6 +55,9 @@ def test_known_chatter_is_dropped_and_tidal_debug_keeps_it(monkeypatch):
         warnings.simplefilter("always")
         quiet_libraries()
         warnings.warn("Detected call of `lr_scheduler.step()` before `optimizer.step()`. ...", UserWarning, stacklevel=1)
+        # ZeRO-3, every step on every rank, behind Ray's worker prefix
+        warnings.warn("`torch.distributed.reduce_scatter_tensor` is deprecated. Please use "
+                      "`torch.distributed.reduce_scatter_single` instead.", FutureWarning, stacklevel=1)
         warnings.warn("a real warning", UserWarning, stacklevel=1)
     assert [str(w.message) for w in caught] == ["a real warning"]
     assert deepspeed_says("Setting accelerator to CPU. If you have GPU ...") == []

@@ -71,9 +71,10 @@ def quiet_libraries() -> None:
     for message in (r"Seems like `optimizer\.step\(\)` has been overridden",
                     r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`"):
         warnings.filterwarnings("ignore", message=message, category=UserWarning)
-    # DeepSpeed's ZeRO calls torch's old all-gather name; the new one does the same collective.
-    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
-                            category=FutureWarning)
+    # DeepSpeed's ZeRO calls torch's old all-gather and reduce-scatter names (ZeRO-3: every step);
+    # the new ones do the same collectives.
+    for old in ("all_gather_into_tensor", "reduce_scatter_tensor"):
+        warnings.filterwarnings("ignore", message=rf"`torch\.distributed\.{old}` is deprecated", category=FutureWarning)
     # Tidal's own progress notes (a checkpoint's files fetched, a conversion's stage) are INFO: in a
     # Ray worker every line reaches the driver's console, so they show only under TIDAL_DEBUG=1.
     tidal_log = logging.getLogger("tidal")

@@ -176,8 +176,9 @@ def _zero_optimizer(engine: Any) -> Any:
     return opt
 
 
-def _partitioned(t: Any, old_p: int) -> bool:
-    return isinstance(t, torch.Tensor) and t.dim() == 1 and t.numel() == old_p
+def shaped(t: Any, n: int) -> bool:
+    """A flat tensor of `n` elements: a partition, or optimizer state shaped like one."""
+    return isinstance(t, torch.Tensor) and t.dim() == 1 and t.numel() == n
 
 
 # What of a saved optimizer state's tree (meta tensors) a sparse copy holds: each partitioned
@@ -308,7 +309,7 @@ def _partitioned_tensors(tree: Any, numels: list[int], old_world: int) -> list[t
     for i, fp32 in enumerate(sd[FP32]):
         out.append((i, fp32))
         old_p = partition_size(numels[i], old_world)
-        out += [(i, t) for t in sd[BASE].get("state", {}).get(i, {}).values() if _partitioned(t, old_p)]
+        out += [(i, t) for t in sd[BASE].get("state", {}).get(i, {}).values() if shaped(t, old_p)]
     return out
 
 
@@ -327,7 +328,7 @@ def _assemble(opt: Any, saved: dict[int, dict[str, Any]], plan: list[list[Piece]
         fp32.append(_gather(saved, plan[i], new_p, lambda sd, i=i: sd[FP32][i], old_p, numel)[:held].clone())
         group_state = {}
         for key, value in base["state"].get(i, {}).items():
-            if _partitioned(value, old_p):
+            if shaped(value, old_p):
                 group_state[key] = _gather(saved, plan[i], new_p, lambda sd, i=i, k=key: sd[BASE]["state"][i][k],
                                            old_p, numel)
             else:

@@ -40,7 +40,7 @@ from tidal import fs
 from tidal.errors import CheckpointError
 from tidal.storage import Found
 from tidal.worker import fetch, safe_load
-from tidal.worker.repartition import COPIES, optim_name, sparse_copy
+from tidal.worker.repartition import COPIES, optim_name, shaped, sparse_copy
 
 log = logging.getLogger("tidal")
 
@@ -205,12 +205,8 @@ def _partitioned(tree: Any, wanted: dict[int, list[tuple[int, int]]],
                               f"world size holds {sizes}: saved with another model or sub_group_size")
     out = [(t, wanted.get(k, [])) for k, t in enumerate(sd[FP32])]
     for k, group_state in base.get("state", {}).items():
-        out += [(t, wanted.get(k, [])) for t in group_state.values() if _shaped(t, sizes[k])]
+        out += [(t, wanted.get(k, [])) for t in group_state.values() if shaped(t, sizes[k])]
     return out
-
-
-def _shaped(t: Any, n: int) -> bool:
-    return isinstance(t, torch.Tensor) and t.dim() == 1 and t.numel() == n
 
 
 def _assemble(saved: dict[int, dict[str, Any]], plan: list[Piece], sizes: list[int], owners: list[int],
@@ -234,7 +230,7 @@ def _assemble(saved: dict[int, dict[str, Any]], plan: list[Piece], sizes: list[i
         if old_state is None:
             continue  # no optimizer state yet (saved before a first step)
         # Each sub-group its own tensors: torch's Adam adds 1 to `step` in place, per sub-group.
-        state[j] = {key: torch.zeros(n, dtype=v.dtype) if _shaped(v, len(saved[d][FP32][k]))
+        state[j] = {key: torch.zeros(n, dtype=v.dtype) if shaped(v, len(saved[d][FP32][k]))
                     else v.clone() if isinstance(v, torch.Tensor) else v for key, v in old_state.items()}
     for p in plan:
         for key, value in state.get(p.to, {}).items():
