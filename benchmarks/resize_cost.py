@@ -174,6 +174,14 @@ def zero3_share_bytes(listing: dict[str, int], world: int, rank: int) -> int:
 DIRECT_REQUESTS_PER_FILE = 1 + 2 + 3
 
 
+def _direct(nodes: list[int], requests: int, new_nodes: int, node_bps: float, store_bps: float) -> dict[str, float]:
+    """A direct resize's row from each node's bytes read: what a node reads is what it holds after,
+    on disk too; the transfer is bound by the busiest node's link or the storage's total."""
+    aggregate = min(store_bps, node_bps * new_nodes)
+    return {"read0": nodes[0], "read": max(nodes), "disk0": nodes[0], "disk": max(nodes), "held": max(nodes),
+            "requests": requests, "s": max(max(nodes) / node_bps, sum(nodes) / aggregate)}
+
+
 def direct_row(m: Model, old_world: int, new_nodes: int, gpus: int, ckpt: dict[str, int],
                node_bps: float, store_bps: float, verify: int) -> dict[str, float]:
     """A ZeRO-2 resize by byte range (tidal.worker.repartition.pieces): each rank reads its new
@@ -189,9 +197,7 @@ def direct_row(m: Model, old_world: int, new_nodes: int, gpus: int, ckpt: dict[s
             read += sum(12 * (p.hi - p.lo) for p in parts) + 2 * share.EDGE * len(parts)
             requests += 2 + DIRECT_REQUESTS_PER_FILE * len(parts)
         nodes.append(read)
-    aggregate = min(store_bps, node_bps * new_nodes)
-    return {"read0": nodes[0], "read": max(nodes), "disk0": nodes[0], "disk": max(nodes), "held": max(nodes),
-            "requests": requests, "s": max(max(nodes) / node_bps, sum(nodes) / aggregate)}
+    return _direct(nodes, requests, new_nodes, node_bps, store_bps)
 
 
 SUB_GROUP = 10**9  # DeepSpeed's ZeRO-3 sub_group_size, which Tidal leaves as it is
@@ -219,9 +225,7 @@ def zero3_direct_row(m: Model, old_world: int, new_nodes: int, gpus: int, ckpt: 
             read += sum(12 * (p.hi - p.lo) for p in plan) + 2 * share.EDGE * len(files)
             requests += 3 * len(files) + 3 * runs
         nodes.append(read)
-    aggregate = min(store_bps, node_bps * new_nodes)
-    return {"read0": nodes[0], "read": max(nodes), "disk0": nodes[0], "disk": max(nodes), "held": max(nodes),
-            "requests": requests, "s": max(max(nodes) / node_bps, sum(nodes) / aggregate)}
+    return _direct(nodes, requests, new_nodes, node_bps, store_bps)
 
 
 def paper_row(m: Model, stage: int, old_nodes: int, new_nodes: int, gpus: int, node_gbps: float,

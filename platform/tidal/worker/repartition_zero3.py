@@ -17,8 +17,8 @@ slices of old ones (`pieces`, pure), each slice one byte range of an old rank's 
 
 DeepSpeed's own loader then takes the state it would have saved at the new size:
 `engine.load_checkpoint` reads the model and optimizer states through the engine's checkpoint
-engine, which here serves this rank's, assembled in memory (`Served`), so nothing is written
-twice. The model states are old rank 0's with the new world size: under ZeRO-3 they hold no
+engine, which here serves this rank's, assembled in memory (`safe_load.safe_loading`'s `served`),
+so nothing is written twice. The model states are old rank 0's with the new world size: under ZeRO-3 they hold no
 weights (placeholders; the parameters are restored from the fp32 partitions), only the steps,
 the LR scheduler and the client state, the same on every rank. Frozen parameters are saved as
 per-rank fragments of the model states; a checkpoint that may hold some (its `frozen_params` not
@@ -106,23 +106,6 @@ def pieces(numels: list[int], old: list[Slot], new: list[Slot], old_world: int, 
     return out
 
 
-class Served:
-    """A DeepSpeed checkpoint engine for `engine.load_checkpoint` whose `load` returns the states
-    assembled in memory, by file name; DeepSpeed reads nothing else, and any other read is refused."""
-
-    def __init__(self, inner: Any, states: dict[str, Any]) -> None:
-        self.inner, self.states = inner, states
-
-    def load(self, path: str, map_location: Any = None) -> Any:
-        name = os.path.basename(path)
-        if name not in self.states:
-            raise CheckpointError(f"DeepSpeed asked for {name}, which a direct ZeRO-3 resize does not hold")
-        return self.states[name]
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-
 def restore(engine: Any, found: Found, step_tag: str, listed: dict[str, int], identity: str) -> fetch.Fetched:
     """Load `found` (its tag folder's files: `listed`) into the ZeRO-3 `engine` at this group's size;
     returns what this rank took from storage (bytes read, for its sparse copies)."""
@@ -157,13 +140,9 @@ def restore(engine: Any, found: Found, step_tag: str, listed: dict[str, int], id
         served = _served_folder(here, step_tag, rank)
         states = {model_states(rank): _model_states(fs.join_local(cache.dir, first), world),
                   **{name: {ZERO_STATE: state} for name in _optim_names(rank)}}
-        before = engine.checkpoint_engine
-        engine.checkpoint_engine = Served(before, states)
-        try:
+        with safe_load.safe_loading(engine, served=states):
             load_path, _ = engine.load_checkpoint(served, tag=step_tag, load_optimizer_states=True,
                                                   load_lr_scheduler_states=True)
-        finally:
-            engine.checkpoint_engine = before
         if load_path is None:
             raise CheckpointError(f"DeepSpeed found nothing to load under tag {step_tag}")
     return got
@@ -234,7 +213,7 @@ def _assemble(saved: dict[int, dict[str, Any]], plan: list[Piece], sizes: list[i
                     else v.clone() if isinstance(v, torch.Tensor) else v for key, v in old_state.items()}
     for p in plan:
         for key, value in state.get(p.to, {}).items():
-            if isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == sizes[p.to]:
+            if shaped(value, sizes[p.to]):
                 value[p.at:p.at + p.hi - p.lo] = _part(saved[p.old][ZERO_STATE]["state"][p.group][key], p)
     param_groups = [{**g, "params": [j for j, owner in enumerate(owners) if owner == i]}
                     for i, g in enumerate(first[ZERO_STATE]["param_groups"])]
@@ -266,7 +245,7 @@ def _optim_names(rank: int) -> list[str]:
 
 def _served_folder(here: str, step_tag: str, rank: int) -> str:
     """A folder whose tag folder holds an empty file named as this rank's model states: DeepSpeed
-    finds its checkpoint by listing (`glob`) before it reads anything through `Served`."""
+    finds its checkpoint by listing (`glob`) before it reads anything served."""
     folder = os.path.join(here, "served")
     os.makedirs(os.path.join(folder, step_tag), exist_ok=True)
     open(os.path.join(folder, step_tag, model_states(rank)), "wb").close()

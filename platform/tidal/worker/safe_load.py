@@ -169,23 +169,32 @@ def safe_load(f: Any, map_location: Any = "cpu", mmap: bool = False) -> Any:
 
 class SafeLoadEngine:
     """Wraps an engine's DeepSpeed checkpoint engine for `engine.load_checkpoint`, which reads the
-    model and optimizer states through its `load`: weights-only here, the rest delegated."""
+    model and optimizer states through its `load`: weights-only here, the rest delegated.
 
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
+    `served`: states already in memory by file name (loaded weights-only, or built from such:
+    a direct ZeRO-3 resize's, tidal.worker.repartition_zero3), returned for those names; with
+    it, DeepSpeed reads no file, and a name it does not hold is refused."""
+
+    def __init__(self, inner: Any, served: dict[str, Any] | None = None) -> None:
+        self.inner, self.served = inner, served
 
     def load(self, path: str, map_location: Any = None) -> Any:
-        return safe_load(path, map_location=map_location)
+        if self.served is None:
+            return safe_load(path, map_location=map_location)
+        name = os.path.basename(path)
+        if name not in self.served:
+            raise CheckpointError(f"DeepSpeed asked for {name}, which this load does not hold")
+        return self.served[name]
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
 
 @contextlib.contextmanager
-def safe_loading(engine: Any) -> Iterator[None]:
-    """While inside, `engine.load_checkpoint` unpickles weights-only."""
+def safe_loading(engine: Any, served: dict[str, Any] | None = None) -> Iterator[None]:
+    """While inside, `engine.load_checkpoint` unpickles weights-only (or takes `served`, SafeLoadEngine)."""
     before = engine.checkpoint_engine
-    engine.checkpoint_engine = SafeLoadEngine(before)
+    engine.checkpoint_engine = SafeLoadEngine(before, served)
     try:
         yield
     finally:
