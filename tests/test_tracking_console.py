@@ -60,6 +60,11 @@ def test_known_chatter_is_dropped_and_tidal_debug_keeps_it(monkeypatch):
                       "`torch.distributed.reduce_scatter_single` instead.", FutureWarning, stacklevel=1)
         warnings.warn("a real warning", UserWarning, stacklevel=1)
     assert [str(w.message) for w in caught] == ["a real warning"]
+    # each worker's "Found credentials in environment variables." on S3, where Ray's root logger is at INFO
+    monkeypatch.setattr(logging.getLogger(), "level", logging.INFO)
+    logging.getLogger("botocore.credentials").manager._clear_cache()
+    assert not logging.getLogger("botocore.credentials").isEnabledFor(logging.INFO)
+    assert logging.getLogger("botocore.credentials").isEnabledFor(logging.WARNING)
     assert deepspeed_says("Setting accelerator to CPU. If you have GPU ...") == []
     assert deepspeed_says("a real DeepSpeed warning") == ["a real DeepSpeed warning"]
     logging.getLogger("DeepSpeed").filters.clear()

@@ -80,8 +80,9 @@ def quiet_libraries() -> None:
     tidal_log = logging.getLogger("tidal")
     if tidal_log.level == logging.NOTSET:
         tidal_log.setLevel(logging.WARNING)
-    # MLflow logs at INFO when it creates a SQLite store's tables, the first time a job uses it.
-    for name in ("mlflow.store.db.utils", "alembic.runtime.migration"):
+    # MLflow logs at INFO when it creates a SQLite store's tables, the first time a job uses it;
+    # botocore, on every worker that reaches S3, where it found the endpoint and the credentials.
+    for name in ("mlflow.store.db.utils", "alembic.runtime.migration", "botocore"):
         logging.getLogger(name).setLevel(logging.WARNING)
     _quiet_ray_train_reports()
 
