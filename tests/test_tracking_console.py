@@ -12,7 +12,7 @@ import pytest
 
 from tests.conftest import ROOT
 from tests.helpers import tidal_cli
-from tidal.ray_private import AUTH_TOKEN_SETUP_LOGGER
+from tidal.ray_private import AUTH_TOKEN_SETUP_LOGGER, TRAIN_USER_ERROR_LOGGER
 from tidal.tracking.quiet import quiet_libraries, skip_known_ray_errors
 
 CHATTER = ("TrainingReport(", "Setting accelerator to CPU", "all_gather_into_tensor", "lr_scheduler.step()",
@@ -87,7 +87,37 @@ def test_rays_token_auth_notice_is_dropped_and_its_other_lines_kept(monkeypatch)
     logging.getLogger(AUTH_TOKEN_SETUP_LOGGER).filters.clear()
 
 
-@pytest.mark.slow
+def ray_train_error(*frames_and_error: str) -> str:
+    """Ray Train's record in the worker whose training function raised (ray.train.v2._internal.util)."""
+    return "Error in training function:\nTraceback (most recent call last):\n" + "\n".join(frames_and_error) + "\n"
+
+
+PEER_GONE = [  # gloo's words on the rank that survived, in torch 2.13 (Read and Write take strerror's)
+    "RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:38029",
+    "RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:598] Read error [127.0.0.1]:4021: Connection reset by peer",
+]
+
+
+@pytest.mark.parametrize("error", PEER_GONE)
+def test_a_ranks_traceback_for_a_peer_that_went_is_dropped_and_any_other_kept(monkeypatch, error):
+    """When a node goes, the rank that survived fails in its collective: Tidal's line names it with this
+    error's last line, and its traceback (torch's and DeepSpeed's insides) is noise. A user's error
+    keeps its traceback, and TIDAL_DEBUG=1 keeps both."""
+    frames = ('  File "/venv/deepspeed/runtime/zero/stage_1_and_2.py", line 1123, in reduce_ipg_grads',
+              "    dist.all_reduce(tensor)")
+    peer, mine = ray_train_error(*frames, error), ray_train_error('  File "model.py", line 3', "ValueError: bad head")
+    logging.getLogger(TRAIN_USER_ERROR_LOGGER).filters.clear()
+    monkeypatch.setenv("TIDAL_DEBUG", "1")
+    quiet_libraries()
+    assert logger_says(TRAIN_USER_ERROR_LOGGER, peer) == [peer]
+    monkeypatch.delenv("TIDAL_DEBUG")
+    quiet_libraries()
+    assert logger_says(TRAIN_USER_ERROR_LOGGER, peer) == []
+    assert logger_says(TRAIN_USER_ERROR_LOGGER, mine) == [mine]
+    logging.getLogger(TRAIN_USER_ERROR_LOGGER).filters.clear()
+
+
+@pytest.mark.extended  # outside the suite's budget (pyproject.toml): the same checks run on test_cli_e2e's first run
 def test_a_short_run_prints_tidal_lines_and_no_library_chatter(tmp_path, monkeypatch):
     # its own local instance: a cluster another job started on this machine may end mid-run
     monkeypatch.setenv("RAY_ADDRESS", "local")

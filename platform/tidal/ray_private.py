@@ -57,6 +57,8 @@ RAY_LOGGING_MODULE = "ray._private.ray_logging"
 AUTH_TOKEN_SETUP_LOGGER = "ray._private.authentication.authentication_token_setup"
 TRAIN_BACKEND_SETUP_LOGGER = "ray.train.v2._internal.callbacks.backend_setup"
 TRAIN_CONTROLLER_LOGGER = "ray.train.v2._internal.execution.controller.controller"
+# Logs "Error in training function:" with the traceback, in the worker whose function raised.
+TRAIN_USER_ERROR_LOGGER = "ray.train.v2._internal.util"
 # The exception Ray Train's controller raises when a worker group did not start within
 # WORKER_GROUP_START_TIMEOUT, matched by name so that only this adapter knows Ray's private module.
 START_TIMEOUT_ERROR = "WorkerGroupStartupTimeoutError"

@@ -25,6 +25,7 @@ from tidal.ray_private import (
     TRAIN_BACKEND_SETUP_LOGGER,
     TRAIN_CONTEXT_MODULE,
     TRAIN_CONTROLLER_LOGGER,
+    TRAIN_USER_ERROR_LOGGER,
     WORKER_GROUP_START_TIMEOUT,
     log_deduplicators,
     wrap_worker_log_printer,
@@ -85,6 +86,29 @@ def quiet_libraries() -> None:
     for name in ("mlflow.store.db.utils", "alembic.runtime.migration", "botocore"):
         logging.getLogger(name).setLevel(logging.WARNING)
     _quiet_ray_train_reports()
+    errors = logging.getLogger(TRAIN_USER_ERROR_LOGGER)
+    if not any(isinstance(f, PeerLost) for f in errors.filters):
+        errors.addFilter(PeerLost())
+
+
+# gloo's and NCCL's words for a collective whose peer's process or node went away.
+PEER_LOST = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|remote process exited")
+
+
+class PeerLost(logging.Filter):
+    """Ray Train's "Error in training function:" and its traceback, from a rank whose collective failed
+    because another rank's process or node went (killed, its node lost or preempted). The traceback is
+    torch's and DeepSpeed's insides; Tidal's own line names the rank and the error, beside the rank
+    that failed first (`worker rank 1 failed: RuntimeError: ... Connection closed by peer ...`, from
+    the exception Ray Train hands the controller). Any other error keeps its traceback: it is that
+    failure's report."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if not message.startswith("Error in training function"):
+            return True
+        last = message.rstrip().splitlines()[-1]
+        return not PEER_LOST.search(last)
 
 
 def _quiet_ray_train_reports() -> None:
