@@ -54,7 +54,11 @@ RAY_PREFIX = re.compile(r"^\((?:\w+ )?pid=\d+|^\(raylet\)|^\(autoscaler")
 DEEPSPEED_LINE = re.compile(r"\[(?:INFO|WARNING|DEBUG)\] \[[\w.]+:\d+:\w+\]")
 CHATTER = ("MPU is not provided", "Extracting ZeRO fragments", "Merging slices", "*** Done!", "Resharding",
            "A worker died or was killed", "Convert DeepSpeed Checkpoint", "Graceful shutdown of backend failed",
-           "Restore: ", "Traceback")
+           "Restore: ", "Traceback",
+           # what tracking/quiet.py lowers at its source (each line there says why)
+           "TrainingReport(", "Setting accelerator to CPU", "all_gather_into_tensor", "lr_scheduler.step()",
+           "optimizer.step()` has been overridden", "built successfully", "Creating initial MLflow database tables",
+           "Failed to query Ray Train Controller actor state", "Token authentication is enabled for this Ray cluster")
 # Ray Train's coordinator answering late on a busy machine: Ray calls it harmless unless it persists,
 # so Tidal keeps it as one line (no traceback); whether it shows depends on the machine's load.
 LOAD_DEPENDENT = "Failed to send resource request"

@@ -1,6 +1,8 @@
 """A `train.step_fn` for tests that need a job to last: the model's own loss, after sleeping
-TIDAL_TEST_STEP_S seconds per micro-batch (set through the spec's worker_env). The sleep changes
-no number: losses equal those of the same job without it."""
+TIDAL_TEST_STEP_S seconds per micro-batch (set through the spec's worker_env). With
+TIDAL_TEST_HOLD=PATH too, it sleeps only while PATH exists: a test removes the file once the job
+has lasted long enough for what it checks, and the job runs to its end at full speed. The sleep
+changes no number: losses equal those of the same job without it."""
 
 from __future__ import annotations
 
@@ -12,5 +14,7 @@ import torch
 
 
 def step(model: Any, batch: Any) -> torch.Tensor:
-    time.sleep(float(os.environ.get("TIDAL_TEST_STEP_S", "0")))
+    hold = os.environ.get("TIDAL_TEST_HOLD")
+    if hold is None or os.path.exists(hold):
+        time.sleep(float(os.environ.get("TIDAL_TEST_STEP_S", "0")))
     return model(**batch) if isinstance(batch, dict) else model(*batch)
