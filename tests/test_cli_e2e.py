@@ -4,6 +4,7 @@ every path; a job that fails for good says so without a traceback (exit 1)."""
 
 from __future__ import annotations
 
+import re
 import threading
 
 import pytest
@@ -32,6 +33,14 @@ def test_quickstart_trains_then_resumes_resized_through_a_worker_kill_printing_o
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert "note: train.warmup_steps 10 is not below train.steps (10): warming up over 9 step(s)" in first.stderr
     assert "[tidal] step 10/10" in first.stdout and "[tidal] job 'quickstart' finished" in first.stdout
+    assert "starting a local Ray instance (without its dashboard; TIDAL_RAY_DASHBOARD=1 starts it)" in first.stdout
+    lines = (first.stdout + first.stderr).splitlines()
+    assert len([line for line in lines if "[tidal] step " in line]) == 1, "one line per log interval (10 steps)"
+    assert len([line for line in lines if "[tidal] checkpoint at step " in line]) == 1
+    assert not re.search(r"\b\w+Warning: ", first.stdout + first.stderr), [line for line in lines if "Warning: " in line]
+    # Ray's C++ log lines: "[2026-11-25 15:01:02,345 E 1234 1234] file.cc:12: ..."
+    assert not [line for line in lines if re.search(r"\d E \d+ \d+\]", line)], "no `E` line on a successful run"
+    assert len(lines) <= 30, "\n".join(lines)
     run_id = first.stdout.split("MLflow run ")[1].split()[0]
 
     longer = ["train.steps=40", "scaling.min_workers=1", "scaling.max_workers=1", *small]
