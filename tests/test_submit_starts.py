@@ -1,5 +1,5 @@
-"""Every submission starts, and one that cannot says why (issue #52), against a real token-auth head
-(tidal.testing.heads). Ray skips uploading an unchanged working_dir whose package the GCS says it
+"""Every submission starts, and one that cannot says why (issue #52), against the suite's real token-auth head
+(conftest's `head`). Ray skips uploading an unchanged working_dir whose package the GCS says it
 holds, and the GCS deletes a package once no job references it (ray#36703, #46625): a job submitted
 from a folder as another job from that folder ends could find its package gone and fail before its
 entrypoint ran, with `tidal submit` saying only FAILED. Each submission now uploads a package of
@@ -7,7 +7,6 @@ its own (tidal.launch.jobs.package_working_dir)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,15 +15,8 @@ import yaml
 from tests.conftest import ROOT, tiny_spec
 from tidal.cli import main
 from tidal.launch.jobs import Job, connect, submit
-from tidal.testing.heads import Head, ray_head
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def head(tmp_path_factory) -> Iterator[Head]:
-    with ray_head(tmp_path_factory.mktemp("head"), num_cpus=2, env={}) as h:
-        yield h
 
 
 def test_ten_jobs_from_one_folder_all_start(head, tmp_path, monkeypatch, capsys):
@@ -36,21 +28,21 @@ def test_ten_jobs_from_one_folder_all_start(head, tmp_path, monkeypatch, capsys)
     spec = tiny_spec(tmp_path, name="ten", **{"train.steps": 4, "checkpoint.every_steps": 4})
     path = tmp_path / "ten.yaml"
     path.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
-    first = submit(spec, head.address, ROOT)
+    first = submit(spec, head, ROOT)
     assert first.wait(timeout=400) == "SUCCEEDED", first.logs()[-3000:]
     ids = [first.submission_id]
     for i in range(9):
         if i % 2:  # the SDK
-            job = submit(spec, head.address, ROOT)
+            job = submit(spec, head, ROOT)
             assert job.wait(timeout=200) == "SUCCEEDED", job.logs()[-3000:]
             ids.append(job.submission_id)
         else:  # the CLI, following the job to its end
-            code = main(["submit", str(path), "--address", head.address])
+            code = main(["submit", str(path), "--address", head])
             out = capsys.readouterr().out
             assert code == 0, out[-3000:]
             assert "already complete at step 4" in out
             ids.append(out.split("submitted 'ten' as ")[1].split()[0])
-    client = connect(head.address)
+    client = connect(head)
     infos = [client.get_job_info(i) for i in ids]
     assert [str(i.status.value) for i in infos] == ["SUCCEEDED"] * 10
     packages = [i.runtime_env["working_dir"] for i in infos]
@@ -71,16 +63,16 @@ def test_a_job_that_fails_in_its_runtime_env_says_why(head, tmp_path, monkeypatc
     spec = tiny_spec(tmp_path, name="never-starts")
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
-    assert main(["submit", str(path), "--address", head.address]) == 1
+    assert main(["submit", str(path), "--address", head]) == 1
     out = capsys.readouterr().out
     job_id = out.split("submitted 'never-starts' as ")[1].split()[0]
     assert f"[tidal] job {job_id} failed before its entrypoint ran: runtime_env setup failed" in out, out[-3000:]
     assert out.rstrip().endswith("FAILED")
 
-    assert main(["status", job_id, "--address", head.address]) == 0
+    assert main(["status", job_id, "--address", head]) == 0
     status = capsys.readouterr().out
     assert status.startswith(f"{job_id}: FAILED before its entrypoint ran: runtime_env setup failed"), status
-    assert main(["logs", job_id, "--address", head.address]) == 0
+    assert main(["logs", job_id, "--address", head]) == 0
     assert "failed before its entrypoint ran: runtime_env setup failed" in capsys.readouterr().out
-    state = Job(job_id, head.address).status()
+    state = Job(job_id, head).status()
     assert state == "FAILED" and state.reason and "runtime_env setup failed" in state.reason
