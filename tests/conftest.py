@@ -1,5 +1,6 @@
-"""Shared fixtures. Ray-backed tests share one local Ray instance per module (starting one costs
-seconds); each test gets its own storage folder and MLflow SQLite file."""
+"""Shared fixtures. Ray-backed tests share one local Ray instance for the whole session (starting
+one costs 6-7 s; the modules that ask for it run one after another, see `pytest_collection_modifyitems`);
+each test gets its own storage folder and MLflow SQLite file."""
 
 from __future__ import annotations
 
@@ -36,7 +37,10 @@ os.environ.setdefault("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "0.5")  # default 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """`extended` tests (pyproject.toml: variants and soak runs beyond the suite's budget) run only
     when `-m` names them (`-m extended`, `-m "slow or extended"`): the README's `python -m pytest -q`
-    and `.ci/run` run the same suite. They are slow tests too, so `-m "not slow"` never takes one."""
+    and `.ci/run` run the same suite. They are slow tests too, so `-m "not slow"` never takes one.
+
+    Then the modules that use `ray_local` move, whole and in their order, to the end of the run: one
+    after another they share one local Ray instance, which no other module's own ray.init meets."""
     extended = [item for item in items if item.get_closest_marker("extended")]
     for item in extended:
         if not item.get_closest_marker("slow"):
@@ -44,6 +48,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if extended and "extended" not in (config.getoption("markexpr") or ""):
         config.hook.pytest_deselected(items=extended)
         items[:] = [item for item in items if not item.get_closest_marker("extended")]
+    sharing = {item.module for item in items if "ray_local" in getattr(item, "fixturenames", ())}
+    items.sort(key=lambda item: getattr(item, "module", None) in sharing)  # stable: order kept within each part
 
 
 @pytest.fixture(autouse=True)
@@ -73,24 +79,66 @@ def tiny_spec(tmp: Path, name: str = "tiny", **overrides: Any) -> JobSpec:
     return base.with_overrides(overrides) if overrides else base
 
 
-def one_worker_spec(tmp: Path, name: str, steps: int, step_s: float) -> JobSpec:
+def one_worker_spec(tmp: Path, name: str, steps: int, step_s: float, hold: Path | None = None) -> JobSpec:
     """A one-worker job in a folder of its own under `tmp`, each step at least `step_s` long
-    (tests/slow_step.py), a checkpoint every 5 steps: what the admission tests queue behind each other."""
+    (tests/slow_step.py; only while the file `hold` exists, if given), a checkpoint every 5 steps:
+    what the admission tests queue behind each other."""
     folder = tmp / name
     folder.mkdir()
+    env = {"TIDAL_TEST_STEP_S": str(step_s), **({"TIDAL_TEST_HOLD": str(hold)} if hold else {})}
     return tiny_spec(folder, name=name, **{
         "scaling.min_workers": 1, "scaling.max_workers": 1, "scaling.cpus_per_worker": 1, "train.steps": steps,
         "train.micro_batch": 4, "train.global_batch": 8, "checkpoint.every_steps": 5,
-        "train.step_fn": "tests.slow_step:step", "worker_env": {"TIDAL_TEST_STEP_S": str(step_s)}})
+        "train.step_fn": "tests.slow_step:step", "worker_env": env})
+
+
+class _SharedRay:
+    """The session's one local Ray instance: started by the first module that asks for `ray_local`,
+    kept for the next, stopped at the session's end or before a module that does not ask (one that
+    may call ray.init itself, or start a cluster its in-process jobs must find)."""
+
+    def __init__(self) -> None:
+        self.up = False
+
+    def start(self) -> None:
+        import ray
+
+        if not self.up:
+            ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
+            self.up = True
+
+    def stop(self) -> None:
+        if self.up:
+            import ray
+
+            ray.shutdown()
+            self.up = False
+
+
+_shared_ray = _SharedRay()
+
+
+@pytest.fixture(scope="session")
+def _ray_session() -> Iterator[_SharedRay]:
+    yield _shared_ray
+    _shared_ray.stop()
 
 
 @pytest.fixture(scope="module")
-def ray_local() -> Iterator[None]:
-    import ray
-
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
+def ray_local(_ray_session, s3_server) -> Iterator[None]:
+    """The shared local Ray instance (2 CPUs, no dashboard). It needs the S3 test server's address in
+    this process's environment before it starts, as a cluster's nodes have it: its workers inherit it."""
+    _ray_session.start()
     yield
-    ray.shutdown()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_shared_ray_here(request: pytest.FixtureRequest) -> None:
+    """A module that does not use `ray_local` never finds this process connected to it."""
+    module = request.module
+    if not any(getattr(i, "module", None) is module and "ray_local" in getattr(i, "fixturenames", ())
+               for i in request.session.items):
+        _shared_ray.stop()
 
 
 @pytest.fixture(scope="session")
@@ -138,16 +186,18 @@ def cluster_env(tmp_path_factory, s3_server) -> Iterator[dict[str, str]]:
         yield {"MLFLOW_TRACKING_URI": uri, "TIDAL_STORAGE": f"s3://{bucket}/tidal"}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def head_tmp(tmp_path_factory) -> Path:
     """`head`'s folder: its log, and under ray/ its temp dir (where `ray start` records its address)."""
     return tmp_path_factory.mktemp("head")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def head(head_tmp, cluster_env) -> Iterator[str]:
     """A Ray head on 127.0.0.1 with its dashboard and token auth (tidal.testing.heads), its nodes'
     environment naming the cluster's tracking server and storage; yields the Jobs API address.
+    One for the session: the modules that only submit to a cluster share it (a head's start and stop
+    cost seconds), each job under a name of its own.
     The head's environment is the cluster's Python environment: `python` and `tidal` from this venv
     (first on PATH, above). This process holds the token but not RAY_AUTH_MODE=token: Tidal's
     clients must send it by themselves, as they do on a laptop."""
