@@ -9,6 +9,8 @@ worker count): a test whose reference spec differs in one of them fails and says
 rewrites the file; a field added to the spec later (at its default) is not compared. The comparisons that use them allow for
 floating-point drift between machines (a relative 1e-4); bit-for-bit checks retrain in the test.
 
+A reference may keep more than losses (`RECORDED`): the streamed test's, which windows each step trained.
+
 A reference trained on a file the test writes in its own folder (a parquet source) names the file by
 its place in that folder and records a digest of its content: the builder below writes the same file
 (with the test's own function), and a test whose file's content differs is told to regenerate.
@@ -77,6 +79,27 @@ def _admission_alone(tmp: Path) -> JobSpec:
         "train.step_fn": "tests.slow_step:step", "failure.max_restarts": 0})
 
 
+def _user_code_steady(tmp: Path) -> JobSpec:
+    """tests/test_user_code_e2e.py's undisturbed run: the mlp-classifier example (ZeRO-2, 2 workers)
+    through the test's step function, which records what reached the engine."""
+    return load_spec(ROOT / "jobs" / "mlp-classifier.yaml").with_overrides({
+        "name": "steady", "checkpoint.storage": str(tmp / "runs"), "tracking.uri": prepared_store(tmp / "mlflow.db"),
+        "train.log_every": 1, "train.step_fn": "tests.user_step_probe:step", "worker_env.TIDAL_TEST_PROBE": str(tmp / "probe")})
+
+
+def _stream_steady(tmp: Path) -> JobSpec:
+    """tests/test_stream_resume.py's undisturbed streamed run, recording each step's windows."""
+    from tests.stream_probe import streamed, write_docs
+
+    return tiny_spec(tmp, name="steady", **streamed(write_docs(tmp)), worker_env={"TIDAL_TEST_WINDOWS": str(tmp / "steady")})
+
+
+def _stream_windows(tmp: Path) -> dict[str, list[str]]:
+    from tests.stream_probe import STEPS, step_batches
+
+    return {str(step): windows for step, windows in step_batches(tmp / "steady", 2, 1, STEPS).items()}
+
+
 REFERENCES: dict[str, Callable[[Path], JobSpec]] = {
     "reshard-zero2": _reshard(2),
     "async-checkpoint-undisturbed": _tiny("undisturbed", **{
@@ -94,7 +117,11 @@ REFERENCES: dict[str, Callable[[Path], JobSpec]] = {
         "checkpoint.every_steps": 4}),
     "admission-sharing-low-alone": _admission_alone,
     "chaos-undisturbed": lambda tmp: chaos_spec(tmp, "undisturbed", 200, 20),  # tests/test_chaos.py's
+    "stream-undisturbed": _stream_steady,
+    "user-code-steady": _user_code_steady,
 }
+# What a reference keeps beside its losses, read from the folder it trained in: key -> how.
+RECORDED: dict[str, dict[str, Callable[[Path], Any]]] = {"stream-undisturbed": {"windows": _stream_windows}}
 
 
 def content_digest(path: Path) -> str:
@@ -139,6 +166,15 @@ def reference_losses(name: str, spec: JobSpec, tmp: Path | None = None) -> dict[
     return {int(step): loss for step, loss in data["losses"].items()}
 
 
+def reference_record(name: str, key: str) -> Any:
+    """What the stored reference `name` recorded as `key` (RECORDED), beside the losses that
+    `reference_losses` checked against the test's spec."""
+    path = ASSETS / f"{name}.json"
+    if not path.exists():
+        raise AssertionError(f"no stored reference {path.name}: run `{COMMAND} {name}`")
+    return json.loads(path.read_text())[key]
+
+
 def regenerate(name: str) -> Path:
     import tidal
     from tidal.testing.runs import metric_history
@@ -147,10 +183,11 @@ def regenerate(name: str) -> Path:
         spec = REFERENCES[name](Path(d))
         losses = metric_history(spec, tidal.run(spec).mlflow_run_id, "loss")
         fields = what_matters(spec, Path(d))
+        recorded = {key: read(Path(d)) for key, read in RECORDED.get(name, {}).items()}
     path = ASSETS / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"command": f"{COMMAND} {name}", "spec": fields,
-                                "losses": {str(s): losses[s] for s in sorted(losses)}}, indent=1) + "\n")
+                                "losses": {str(s): losses[s] for s in sorted(losses)}, **recorded}, indent=1) + "\n")
     return path
 
 

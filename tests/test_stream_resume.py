@@ -4,37 +4,22 @@ run left alone; and a streamed job with the default CPUs per worker runs on a 2-
 
 from __future__ import annotations
 
-import random
 import shutil
-from pathlib import Path
 
 import pytest
 
 import tidal
 from tests.conftest import ROOT, metric_history, tiny_spec
+from tests.golden import reference_losses, reference_record
+from tests.stream_probe import DOCS, STEPS, step_batches, streamed, write_docs
 from tidal.spec import load_spec
 from tidal.testing.runs import prepared_store
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local")]
 
-_rng = random.Random(5)
-# Documents of 40-90 characters: most span several windows of 17 tokens, and they are not aligned.
-DOCS = ["".join(_rng.choice("abcdefghij klmnop") for _ in range(_rng.randint(40, 90))) for _ in range(80)]
-STEPS = 20  # 5,218 bytes: 306 windows, 19 whole steps of 16 in an epoch; step 20 starts the second
-
 
 def workers(n: int) -> dict[str, int]:
     return {"scaling.min_workers": n, "scaling.max_workers": n}
-
-
-def step_batches(record: Path, world: int, first: int, last: int, micro: int = 4, batch: int = 16) -> dict[int, list[str]]:
-    """step -> the windows of its global batch (rank 0's, then rank 1's...), from what the probe
-    step function recorded during one launch that trained steps first..last."""
-    per_step = batch // (micro * world)
-    lines = {r: (record.parent / f"{record.name}.rank{r}").read_text().split("\n")[:-1] for r in range(world)}
-    assert all(len(v) == per_step * (last - first + 1) for v in lines.values()), "a launch trained other steps"
-    return {first + k: [w for r in range(world) for line in lines[r][k * per_step:(k + 1) * per_step]
-                        for w in line.split()] for k in range(last - first + 1)}
 
 
 def block_size(max_bytes: int) -> None:
@@ -46,16 +31,13 @@ def block_size(max_bytes: int) -> None:
 
 
 def test_a_streamed_job_resized_2_1_2_trains_the_windows_of_an_undisturbed_run(tmp_path):
-    source = tmp_path / "docs.txt"
-    source.write_text("".join(d + "\n" for d in DOCS))
-    common = {"data.source": str(source), "data.streaming": True, "model.vocab_size": 256, "train.steps": STEPS,
-              "checkpoint.every_steps": 4, "train.step_fn": "tests.stream_probe:step"}
+    """Against the undisturbed run's stored windows and losses (`python -m tests.golden stream-undisturbed`)."""
+    common = streamed(write_docs(tmp_path))
+    steady = tiny_spec(tmp_path, name="steady", **common, worker_env={"TIDAL_TEST_WINDOWS": str(tmp_path / "steady")})
+    expected = reference_losses("stream-undisturbed", steady, tmp_path)
+    want = {int(step): windows for step, windows in reference_record("stream-undisturbed", "windows").items()}
     original = __import__("ray.data").data.DataContext.get_current().target_max_block_size
     try:
-        steady = tiny_spec(tmp_path, name="steady", **common, worker_env={"TIDAL_TEST_WINDOWS": str(tmp_path / "steady")})
-        expected = metric_history(steady, tidal.run(steady).mlflow_run_id, "loss")
-        want = step_batches(tmp_path / "steady", 2, 1, STEPS)
-
         # One job, three launches, each with Ray Data's blocks cut anew (the shard index is rebuilt
         # for the second: it must come out the same).
         got_batches: dict[int, list[str]] = {}

@@ -12,6 +12,7 @@ import pytest
 
 import tidal
 from tests.conftest import metric_history
+from tests.golden import REFERENCES, reference_losses
 from tidal.spec.job import JobSpec
 from tidal.spec.load import load_spec
 from tidal.testing.runs import prepared_store
@@ -45,18 +46,6 @@ def undisturbed(tmp_path_factory) -> tuple[Path, dict[int, float]]:
     return tmp, got
 
 
-def test_passthrough_keys_reach_the_engine(undisturbed):
-    tmp, _ = undisturbed
-    for rank in (0, 1):
-        engine = json.loads((tmp / "steady" / f"probe.rank{rank}").read_text())
-        # the example's own key, one set with --set, and what Tidal derived beside them
-        assert engine["reduce_bucket_size"] == 500_000
-        assert engine["steps_per_print"] == 1000
-        assert engine["zero_stage"] == 2
-        assert engine["optimizer"] == "Adam"  # train.optimizer: Adam, not DeepSpeed's AdamW default
-        assert engine["lr_scheduler"] == "LambdaLR"  # train.schedule: wsd, which DeepSpeed lacks
-
-
 @pytest.mark.extended  # outside the suite's budget (pyproject.toml): killed workers resume exactly in test_chaos and test_async_checkpoint
 def test_a_killed_worker_resumes_exactly(undisturbed, tmp_path):
     _, expected = undisturbed
@@ -72,14 +61,26 @@ def test_a_killed_worker_resumes_exactly(undisturbed, tmp_path):
     assert metric_history(spec, result.mlflow_run_id, "restarts")[STEPS] >= 1
 
 
-def test_resizes_across_zero3_keep_the_losses(undisturbed, tmp_path):
-    _, expected = undisturbed
+def test_resizes_across_zero3_keep_the_losses_and_passthrough_keys_reach_the_engine(tmp_path):
+    """Against the example's undisturbed run at ZeRO-2 on 2 workers, stored (`python -m tests.golden
+    user-code-steady`); the first launch's engine shows the DeepSpeed keys the job passed through."""
+    expected = reference_losses("user-code-steady", REFERENCES["user-code-steady"](tmp_path), tmp_path)
     (tmp_path / "resized").mkdir()
     for workers, until in ((2, 20), (1, 40), (2, STEPS)):  # one job, three launches
         spec = example(tmp_path, "resized", **{"parallelism.zero_stage": 3, "train.stop_at": until,
-                                                "scaling.min_workers": workers, "scaling.max_workers": workers})
+                                                "scaling.min_workers": workers, "scaling.max_workers": workers,
+                                                "parallelism.deepspeed.steps_per_print": 1000})
         result = tidal.run(spec)
+    for rank in (0, 1):
+        engine = json.loads((tmp_path / "resized" / f"probe.rank{rank}").read_text())
+        # the example's own key, one set like --set, and what Tidal derived beside them
+        assert engine["reduce_bucket_size"] == 500_000
+        assert engine["steps_per_print"] == 1000
+        assert engine["zero_stage"] == 3
+        assert engine["optimizer"] == "Adam"  # train.optimizer: Adam, not DeepSpeed's AdamW default
+        assert engine["lr_scheduler"] == "LambdaLR"  # train.schedule: wsd, which DeepSpeed lacks
     got = metric_history(spec, result.mlflow_run_id, "loss")
+    assert got[STEPS] < 0.5 * got[1], "the classifier did not learn"
     world = metric_history(spec, result.mlflow_run_id, "world_size")
     assert sorted(got) == list(range(1, STEPS + 1))
     assert [world[s] for s in (20, 21, 40, 41, 60)] == [2, 1, 1, 2, 2]
