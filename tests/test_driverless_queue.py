@@ -45,7 +45,9 @@ def test_waiting_jobs_hold_no_driver_and_start_by_themselves_or_never_once_stopp
     quotas, queue = tmp_path / "quotas.yaml", str(tmp_path / "queue.json")
     quotas.write_text(yaml.safe_dump({"unit": "workers", "capacity": 1, "min_resize_interval_s": 5}))
     monkeypatch.setenv("TIDAL_QUEUE", queue)  # Job.status() and `tidal list` read the cluster's queue here
-    first, second, third = (one_worker_spec(tmp_path, "first", 30, 0.3), one_worker_spec(tmp_path, "second", 6, 0.0),
+    hold = tmp_path / "hold"  # the first job's steps are slow until the waiting jobs were checked
+    hold.touch()
+    first, second, third = (one_worker_spec(tmp_path, "first", 30, 0.3, hold), one_worker_spec(tmp_path, "second", 6, 0.0),
                             one_worker_spec(tmp_path, "third", 6, 0.0))
     # Ray keeps a fresh upload for 10 minutes whatever holds it; 10 s here, so that a parked job's
     # package outlives the driver that held it only through admission's pin (admission/parking.py).
@@ -80,6 +82,7 @@ def test_waiting_jobs_hold_no_driver_and_start_by_themselves_or_never_once_stopp
         assert jobs["third"].status() == "STOPPED"
         rows = {r["name"]: r["status"] for r in list_jobs(head.address)}
         assert rows["third"] == "STOPPED" and rows["second"] in ("QUEUED", "RUNNING"), rows
+        hold.unlink()
 
         # Following the first id (as `tidal submit` and `tidal logs --follow` do) waits through the
         # queue and streams the driver admission starts, to the job's end.

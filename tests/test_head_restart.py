@@ -42,7 +42,9 @@ def first_step_after(spec, logged: int, timeout: float) -> float:
 def test_a_lost_head_s_running_and_waiting_jobs_start_again_by_themselves_and_lose_nothing(tmp_path):
     quotas, queue = tmp_path / "quotas.yaml", str(tmp_path / "queue.json")
     quotas.write_text(yaml.safe_dump(QUOTAS))
-    first, second = one_worker_spec(tmp_path, "first", 40, 0.25), one_worker_spec(tmp_path, "second", 10, 0.0)
+    hold = tmp_path / "hold"  # the first job's steps are slow until the new head has it training again
+    hold.touch()
+    first, second = one_worker_spec(tmp_path, "first", 40, 0.25, hold), one_worker_spec(tmp_path, "second", 10, 0.0)
     port, token = free_port(), secrets.token_hex(16)
     with redis_server(tmp_path / "redis.log") as redis:
         env = {"TIDAL_QUOTAS": str(quotas), "TIDAL_QUEUE": queue, "TIDAL_RELAUNCH_GRACE_S": "5",
@@ -63,6 +65,7 @@ def test_a_lost_head_s_running_and_waiting_jobs_start_again_by_themselves_and_lo
         with ray_head(tmp_path / "h2", 2, env, port=port, token=token) as head:
             up = time.time()
             again = first_step_after(first, logged, timeout=300 * SCALE) - up
+            hold.unlink()
             started = first_step_after(second, 0, timeout=400 * SCALE) - up
             client = connect(head.address)
 

@@ -62,35 +62,28 @@ def test_submit_follow_status_logs_list(head, tmp_path, capsys, monkeypatch):
     assert {"tokens_per_s", "world_size", "mfu"} <= set(frame.columns)
 
 
-def test_submit_exits_by_the_outcome_and_no_wait_returns_at_once(head, tmp_path, capsys, monkeypatch):
+def test_submit_exits_by_the_outcome_no_wait_returns_at_once_and_stop_stops(head, tmp_path, capsys, monkeypatch):
     """Like `ray job submit`: exit 0 only if the job SUCCEEDED (following by default, and exit 0 for
-    a success: the test above); --no-wait returns at once."""
+    a success: the test above); --no-wait returns at once; `tidal stop` stops that job as it trains."""
     from tidal.launch.jobs import Job
 
     monkeypatch.chdir(ROOT)
-    _, path = spec_file(tmp_path, "eight-steps", **{"train.steps": 8})
-
     _, broken = spec_file(tmp_path, "broken", **{"train.steps": 8, "failure.max_restarts": 0,
                                                  "model.builder": "tests.custom_model:build_failing"})
     assert main(["submit", str(broken), "--address", head]) == 1
     assert capsys.readouterr().out.rstrip().endswith("FAILED")
 
-    assert main(["submit", str(path), "--address", head, "--no-wait", "--set", "name=not-waited"]) == 0
+    _, path = spec_file(tmp_path, "to-stop", **{"train.steps": 5000, "checkpoint.every_steps": 1000})
+    assert main(["submit", str(path), "--address", head, "--no-wait"]) == 0
     out = capsys.readouterr().out
     assert "[tidal] step" not in out
-    job_id = out.split("submitted 'not-waited' as ")[1].split()[0]
-    assert Job(job_id, head).wait(timeout=400) == "SUCCEEDED"  # and the head is free for the next test
-
-
-def test_stop_a_running_job(head, tmp_path):
-    spec, _ = spec_file(tmp_path, "to-stop", **{"train.steps": 5000, "checkpoint.every_steps": 1000})
-    job = submit(spec, head, ROOT)
+    job = Job(out.split("submitted 'to-stop' as ")[1].split()[0], head)
     deadline = time.time() + 180
     while not job.progress() and time.time() < deadline:
         time.sleep(1)
     assert job.progress()["step"] >= 1, "job never started training"
     assert main(["stop", job.submission_id, "--address", head]) == 0
-    assert job.wait(timeout=120) == "STOPPED"
+    assert job.wait(timeout=120) == "STOPPED"  # and the head is free for the next test
 
 
 @pytest.mark.extended  # outside the suite's budget (pyproject.toml): plain `ray job submit` runs in test_one_live_attempt

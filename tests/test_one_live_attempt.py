@@ -26,10 +26,14 @@ STEPS = 100
 
 
 def cluster_spec(tmp: Path, name: str, cluster_env: dict[str, str], step_s: float, storage: str | None = None):
-    """A job whose steps take `step_s` per micro-batch, tracked and stored where the cluster says."""
+    """A job whose steps take `step_s` per micro-batch while tmp/NAME.hold exists (tests/slow_step.py),
+    tracked and stored where the cluster says."""
+    hold = tmp / f"{name}.hold"
+    hold.touch()
     spec = tiny_spec(tmp, name=name, **{
         "train.steps": STEPS, "checkpoint.every_steps": 10, "train.log_every": 1,
-        "train.step_fn": "tests.slow_step:step", "worker_env": {"TIDAL_TEST_STEP_S": str(step_s)},
+        "train.step_fn": "tests.slow_step:step",
+        "worker_env": {"TIDAL_TEST_STEP_S": str(step_s), "TIDAL_TEST_HOLD": str(hold)},
         "checkpoint.storage": storage or cluster_env["TIDAL_STORAGE"],
         "tracking.uri": cluster_env["MLFLOW_TRACKING_URI"]})
     path = tmp / f"{name}.yaml"
@@ -88,6 +92,8 @@ def test_a_second_start_through_every_face_is_refused_and_the_first_finishes(hea
         assert proc.returncode != 0, f"{face} started a second driver:\n{out[-3000:]}"
         assert "job 'twice' is already running" in out, f"{face}:\n{out[-3000:]}"
         assert f"Ray job {first.submission_id}" in out, f"{face} did not name the live driver:\n{out[-3000:]}"
+    assert Job(first.submission_id, head).status() == "RUNNING", "every face was refused while the first trained"
+    (tmp_path / "twice.hold").unlink()  # the first has lasted long enough: it trains on at full speed
     assert first.wait(timeout=600) == "SUCCEEDED", Job(first.submission_id, head).logs()[-3000:]
     assert_every_step_once_and_no_checkpoint_lost(spec)
 
