@@ -186,18 +186,19 @@ def cluster_env(tmp_path_factory, s3_server) -> Iterator[dict[str, str]]:
         yield {"MLFLOW_TRACKING_URI": uri, "TIDAL_STORAGE": f"s3://{bucket}/tidal"}
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def head_tmp(tmp_path_factory) -> Path:
     """`head`'s folder: its log, and under ray/ its temp dir (where `ray start` records its address)."""
     return tmp_path_factory.mktemp("head")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def head(head_tmp, cluster_env) -> Iterator[str]:
     """A Ray head on 127.0.0.1 with its dashboard and token auth (tidal.testing.heads), its nodes'
     environment naming the cluster's tracking server and storage; yields the Jobs API address.
-    One for the session: the modules that only submit to a cluster share it (a head's start and stop
-    cost seconds), each job under a name of its own.
+    One per module, not per session: a head left running while a later module starts a Ray of its own
+    (test_elastic's raylets) makes that module's Ray Train find two clusters on this machine and say so
+    into its console every second (seen when test_one_live_attempt ran before test_elastic).
     The head's environment is the cluster's Python environment: `python` and `tidal` from this venv
     (first on PATH, above). This process holds the token but not RAY_AUTH_MODE=token: Tidal's
     clients must send it by themselves, as they do on a laptop."""
