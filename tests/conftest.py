@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from tests.slow_step import slow_env
 from tidal.spec.job import JobSpec
 from tidal.testing.heads import NO_DRAIN_ON_SIGTERM as NO_DRAIN_ON_SIGTERM
 from tidal.testing.heads import ray_head
@@ -85,11 +86,10 @@ def one_worker_spec(tmp: Path, name: str, steps: int, step_s: float, hold: Path 
     what the admission tests queue behind each other."""
     folder = tmp / name
     folder.mkdir()
-    env = {"TIDAL_TEST_STEP_S": str(step_s), **({"TIDAL_TEST_HOLD": str(hold)} if hold else {})}
     return tiny_spec(folder, name=name, **{
         "scaling.min_workers": 1, "scaling.max_workers": 1, "scaling.cpus_per_worker": 1, "train.steps": steps,
         "train.micro_batch": 4, "train.global_batch": 8, "checkpoint.every_steps": 5,
-        "train.step_fn": "tests.slow_step:step", "worker_env": env})
+        "train.step_fn": "tests.slow_step:step", "worker_env": slow_env(step_s, hold)})
 
 
 class _SharedRay:

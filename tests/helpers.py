@@ -71,6 +71,16 @@ def chatter_in(out: str) -> list[str]:
             or (RAY_PREFIX.search(line) and LOAD_DEPENDENT not in line)]
 
 
+def short_run_problems(out: str) -> list[str]:
+    """What the console of a short `tidal run` that went well must not hold: `chatter_in`'s lines, a
+    Python warning, Ray's C++ `E` line ("[2026-11-25 15:01:02,345 E 1234 1234] file.cc:12: ..."),
+    a `[tidal]` line with Ray's process prefix, or more than 30 lines."""
+    lines = out.splitlines()
+    problems = chatter_in(out) + [line for line in lines if re.search(r"\b\w+Warning: ", line)
+                                  or re.search(r"\d E \d+ \d+\]", line) or ("[tidal]" in line and "pid=" in line)]
+    return problems + ([f"{len(lines)} lines, more than 30:\n{out}"] if len(lines) > 30 else [])
+
+
 def set_args(overrides: list[str]) -> list[str]:
     """`--set` before each `a.b=value`, as the CLI takes them."""
     return [arg for o in overrides for arg in ("--set", o)]

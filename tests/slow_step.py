@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # conftest imports `slow_env`: no torch at collection for it
+    import torch
 
 
 def step(model: Any, batch: Any) -> torch.Tensor:
@@ -18,3 +20,9 @@ def step(model: Any, batch: Any) -> torch.Tensor:
     if hold is None or os.path.exists(hold):
         time.sleep(float(os.environ.get("TIDAL_TEST_STEP_S", "0")))
     return model(**batch) if isinstance(batch, dict) else model(*batch)
+
+
+def slow_env(step_s: float, hold: Path | None = None) -> dict[str, str]:
+    """The worker_env of a job whose `train.step_fn` is this `step`: `step_s` per micro-batch, only
+    while the file `hold` exists if one is given."""
+    return {"TIDAL_TEST_STEP_S": str(step_s), **({"TIDAL_TEST_HOLD": str(hold)} if hold else {})}

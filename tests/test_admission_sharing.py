@@ -18,6 +18,7 @@ import yaml
 
 from tests.conftest import ROOT, metric_history, tiny_spec
 from tests.golden import reference_losses
+from tests.slow_step import slow_env
 from tidal.admission.queue_doc import load_queue
 from tidal.admission.view import rows
 from tidal.cli import main
@@ -50,7 +51,7 @@ def job_spec(tmp: Path, name: str, lo: int, hi: int, steps: int, priority: str, 
         "scaling.min_workers": lo, "scaling.max_workers": hi, "scaling.cpus_per_worker": 1,
         "train.steps": steps, "train.micro_batch": 2, "train.global_batch": 24, "checkpoint.every_steps": 25,
         "scheduling.priority": priority, "scheduling.team": team, "train.step_fn": "tests.slow_step:step",
-        "worker_env": {"TIDAL_TEST_STEP_S": str(step_s)}, "failure.max_restarts": 0})
+        "worker_env": slow_env(step_s), "failure.max_restarts": 0})
 
 
 SENT: list[Job] = []

@@ -4,13 +4,12 @@ every path; a job that fails for good says so without a traceback (exit 1)."""
 
 from __future__ import annotations
 
-import re
 import threading
 
 import pytest
 
 from tests.conftest import ROOT, metric_history
-from tests.helpers import chatter_in, set_args, tidal_cli
+from tests.helpers import chatter_in, set_args, short_run_problems, tidal_cli
 from tidal.spec import load_spec
 from tidal.testing.processes import kill, our_processes
 from tidal.testing.runs import prepared_store, wait_for_step
@@ -34,13 +33,10 @@ def test_quickstart_trains_then_resumes_resized_through_a_worker_kill_printing_o
     assert "note: train.warmup_steps 10 is not below train.steps (10): warming up over 9 step(s)" in first.stderr
     assert "[tidal] step 10/10" in first.stdout and "[tidal] job 'quickstart' finished" in first.stdout
     assert "starting a local Ray instance (without its dashboard; TIDAL_RAY_DASHBOARD=1 starts it)" in first.stdout
+    assert not short_run_problems(first.stdout + first.stderr), "\n".join(short_run_problems(first.stdout + first.stderr))
     lines = (first.stdout + first.stderr).splitlines()
     assert len([line for line in lines if "[tidal] step " in line]) == 1, "one line per log interval (10 steps)"
     assert len([line for line in lines if "[tidal] checkpoint at step " in line]) == 1
-    assert not re.search(r"\b\w+Warning: ", first.stdout + first.stderr), [line for line in lines if "Warning: " in line]
-    # Ray's C++ log lines: "[2026-11-25 15:01:02,345 E 1234 1234] file.cc:12: ..."
-    assert not [line for line in lines if re.search(r"\d E \d+ \d+\]", line)], "no `E` line on a successful run"
-    assert len(lines) <= 30, "\n".join(lines)
     run_id = first.stdout.split("MLflow run ")[1].split()[0]
 
     longer = ["train.steps=40", "scaling.min_workers=1", "scaling.max_workers=1", *small]

@@ -18,6 +18,7 @@ from ray.core.generated import autoscaler_pb2
 import tidal
 from tests.conftest import metric_history, tiny_spec
 from tests.helpers import chatter_in, wait_for_step
+from tests.slow_step import slow_env
 from tidal.storage import RunDir
 from tidal.testing.clusters import add_worker_node, raylet_cluster
 from tidal.testing.processes import wait_for
@@ -98,7 +99,7 @@ def test_elastic_shrinks_on_node_loss_grows_back_and_counts_the_worker_hours_it_
         "train.steps": steps, "train.global_batch": 64, "checkpoint.every_steps": every,
         "scaling.min_workers": 1, "scaling.max_workers": 2, "scaling.elastic_check_s": 2,
         "train.step_fn": "tests.slow_step:step",
-    }, worker_env={"TIDAL_TEST_STEP_S": "0.06", "TIDAL_TEST_HOLD": str(hold)})
+    }, worker_env=slow_env(0.06, hold))
     t, out = run_in_background(spec)
     wait_for_step(spec, 30)
     wait_for_world_size(spec, 2)  # an elastic group may start small while nodes settle, then grow

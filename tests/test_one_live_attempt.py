@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from tests.conftest import ROOT, tiny_spec
+from tests.slow_step import slow_env
 from tidal.errors import ClusterError
 from tidal.launch.jobs import Job, submit
 from tidal.storage import QUARANTINE_FILE, RunDir, check_complete
@@ -32,8 +33,7 @@ def cluster_spec(tmp: Path, name: str, cluster_env: dict[str, str], step_s: floa
     hold.touch()
     spec = tiny_spec(tmp, name=name, **{
         "train.steps": STEPS, "checkpoint.every_steps": 10, "train.log_every": 1,
-        "train.step_fn": "tests.slow_step:step",
-        "worker_env": {"TIDAL_TEST_STEP_S": str(step_s), "TIDAL_TEST_HOLD": str(hold)},
+        "train.step_fn": "tests.slow_step:step", "worker_env": slow_env(step_s, hold),
         "checkpoint.storage": storage or cluster_env["TIDAL_STORAGE"],
         "tracking.uri": cluster_env["MLFLOW_TRACKING_URI"]})
     path = tmp / f"{name}.yaml"

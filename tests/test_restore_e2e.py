@@ -26,6 +26,7 @@ from tests.conftest import metric_history, moto_s3, tiny_spec
 from tests.fakes import evil
 from tests.golden import reference_losses
 from tests.helpers import run_killing_a_worker
+from tests.slow_step import slow_env
 from tidal import fs
 from tidal.storage import QUARANTINE_FILE, RunDir, checkpoint_dir_name, listed_files
 from tidal.worker import fetch, universal
@@ -89,7 +90,7 @@ def test_a_two_worker_restore_from_s3_reads_each_file_once(tmp_path, recorded_s3
     spec = tiny_spec(tmp_path, name="fetch", **{"train.steps": 16, "checkpoint.every_steps": 8,
                                                 "checkpoint.storage": f"s3://{bucket}/runs",
                                                 "train.step_fn": "tests.slow_step:step"},
-                     worker_env={fetch.CACHE_ENV: str(tmp_path / "cache"), "TIDAL_TEST_STEP_S": "0.5"})
+                     worker_env={fetch.CACHE_ENV: str(tmp_path / "cache"), **slow_env(0.5)})
     tidal.run(spec.with_overrides({"train.stop_at": 8}))
     run = RunDir(spec.checkpoint.storage, spec.name)
     ckpt = f"{run.path}/{checkpoint_dir_name(8)}"
