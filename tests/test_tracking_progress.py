@@ -102,3 +102,30 @@ def test_follow_streams_and_polls_where_it_cannot(monkeypatch):
 
     client.tailed = False
     assert asyncio.run(in_a_notebook()) == ["abc"] and not client.tailed
+
+
+class LingeringClient(StreamingClient):
+    """Ray's stream stays open after the job ended (Ray 2.60 closed it 5-7 s later): here, until the
+    follower lets go."""
+
+    async def tail_job_logs(self, sid):
+        import asyncio
+
+        self.tailed = True
+        yield "a"
+        yield "b"
+        await asyncio.Event().wait()
+
+
+def test_follow_ends_with_the_job_not_with_rays_stream(monkeypatch):
+    import threading
+
+    client = LingeringClient()
+    monkeypatch.setattr(jobs, "connect", lambda address=None: client)
+    got: list[str] = []
+    follower = threading.Thread(target=lambda: got.extend(jobs.Job("raysubmit_1", "http://h:8265").follow(poll_s=0.05)),
+                                daemon=True)
+    follower.start()
+    follower.join(30)
+    assert not follower.is_alive(), "follow waited for Ray to close the stream of a job that had ended"
+    assert got == ["a", "b", "c"] and client.tailed, "streamed, then the rest read once the job had ended"

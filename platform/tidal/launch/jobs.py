@@ -161,7 +161,7 @@ class Job:
         try:
             asyncio.get_running_loop()
         except RuntimeError:
-            seen = yield from self._tail()
+            seen = yield from self._tail(poll_s)
         if seen is not None:
             yield from self._poll(poll_s, seen)
         if successor := self._went_on_as(poll_s):  # parked: the job goes on as another Ray job
@@ -173,14 +173,23 @@ class Job:
         successor = chain.went_on_as(self._client(), self.submission_id, poll_s)
         return Job(successor, self.address, self.spec) if successor else None
 
-    def _tail(self) -> Generator[str, None, int | None]:
-        """Stream the logs; returns None when the job ended, else how many characters were yielded."""
+    def _tail(self, poll_s: float) -> Generator[str, None, int | None]:
+        """Stream the logs; returns None when the stream ended with the job, else how many characters
+        were yielded: the rest is polled. Ray 2.60 closed the stream 5-7 s after a job ended
+        (`tidal submit` waited that long at the end of every job), so the job of a quiet stream is
+        asked for its status every `poll_s`; once it has ended, the rest is read at once."""
         client, seen = self._client(), 0
-        loop, stream = asyncio.new_event_loop(), None
+        loop, stream, ahead = asyncio.new_event_loop(), None, None
         try:
             stream = client.tail_job_logs(self.submission_id)
             while True:
-                chunk = loop.run_until_complete(stream.__anext__())
+                ahead = ahead or loop.create_task(stream.__anext__())
+                loop.run_until_complete(asyncio.wait({ahead}, timeout=poll_s))
+                if not ahead.done():
+                    if str(client.get_job_status(self.submission_id).value) in TERMINAL:
+                        return seen
+                    continue
+                chunk, ahead = ahead.result(), None
                 seen += len(chunk)
                 yield chunk
         except StopAsyncIteration:  # the server closed the stream: the job ended
@@ -188,8 +197,11 @@ class Job:
         except Exception:  # noqa: BLE001 - no websocket (a proxy, an old server): poll from where the stream stopped
             return seen
         finally:
-            if stream is not None:
-                with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception):
+                if ahead is not None and not ahead.done():
+                    ahead.cancel()
+                    loop.run_until_complete(asyncio.wait({ahead}))
+                if stream is not None:
                     loop.run_until_complete(stream.aclose())
             loop.close()
 
