@@ -82,43 +82,37 @@ def test_finished_job_restart_and_retention_on_s3(tmp_path, bucket, capsys):
     assert "checkpoint_000000012/tidal-state.json" in fs.files_under(store, f"{root}/{aside[0]}")
 
 
-def test_a_load_failure_that_is_not_corruption_is_retried_not_condemned(tmp_path, bucket):
-    """The model's load raises once (as an out-of-memory or a network error would): the attempt
-    fails, Ray restarts the group, and the same checkpoint loads."""
+def test_a_corrupt_checkpoint_is_quarantined_and_a_failed_load_of_the_one_before_is_retried(tmp_path, bucket):
+    """Two faults in one resume. The newest checkpoint's model file is garbage of the right size
+    (bit rot): it is quarantined and the next attempt resumes from the checkpoint before it. That
+    load then raises once (as an out-of-memory or a network error would): nothing is wrong with
+    that checkpoint, so it is not condemned; Ray restarts the group and the same checkpoint loads."""
     flag = tmp_path / "fail-next-load"
-    spec = tiny_spec(tmp_path, name="flaky", **{"train.steps": 16, "checkpoint.every_steps": 8,
-                                                "checkpoint.storage": f"{bucket}/runs",
-                                                "model.builder": "tests.custom_model:build_flaky_load"})
+    spec = tiny_spec(tmp_path, name="rotten", **{"train.steps": 16, "checkpoint.every_steps": 6,
+                                                 "checkpoint.storage": f"{bucket}/runs", "failure.max_restarts": 3,
+                                                 "model.builder": "tests.custom_model:build_flaky_load"})
     spec = spec.with_overrides({"worker_env": {"TIDAL_TEST_LOAD_FAULT": str(flag)}})
-    tidal.run(spec.with_overrides({"train.stop_at": 8}))
-    flag.write_text("once")
-    result = tidal.run(spec)
-
-    assert not flag.exists(), "the injected failure happened"
+    tidal.run(spec.with_overrides({"train.stop_at": 12}))
     run = RunDir(spec.checkpoint.storage, spec.name)
-    assert not names(run, QUARANTINE_FILE)
-    assert sorted(metric_history(spec, result.mlflow_run_id, "loss")) == list(range(1, 17))
-    assert metric_history(spec, result.mlflow_run_id, "restarts")[16] >= 1
-    assert metric_history(spec, result.mlflow_run_id, "steps_lost")[16] == 0, "resumed from step 8 again"
-
-
-def test_a_corrupt_checkpoint_is_quarantined_and_the_one_before_is_used(tmp_path, bucket):
-    spec = tiny_spec(tmp_path, name="rotten", **{"train.steps": 16, "train.stop_at": 12,
-                                                 "checkpoint.every_steps": 6, "checkpoint.storage": f"{bucket}/runs"})
-    tidal.run(spec)
-    run = RunDir(spec.checkpoint.storage, spec.name)
-    newest = run.checkpoints()[0]
-    victim = max((rel for rel, size in fs.files_under(run.fs, newest).items() if rel.endswith(".pt")),
-                 key=lambda rel: fs.files_under(run.fs, newest)[rel])
+    newest, before = run.checkpoints()[:2]
+    # The model's file: DeepSpeed reads it before it loads the model (FlakyLoad), so this attempt
+    # fails on the garbage alone and the injected failure waits for the checkpoint before it.
+    victim = next(rel for rel in fs.files_under(run.fs, newest) if rel.endswith("model_states.pt"))
     size = fs.files_under(run.fs, newest)[victim]
     with run.fs.open_output_stream(f"{newest}/{victim}") as f:  # same size, garbage inside: bit rot
         f.write(b"\0" * size)
+    flag.write_text("once")
 
-    result = tidal.run(spec.with_overrides({"train.stop_at": None}))
+    result = tidal.run(spec)
 
     marker = fs.read_json(run.fs, f"{newest}/{QUARANTINE_FILE}")
     assert marker is not None and "does not unpickle" in marker["error"] and victim.rsplit("/", 1)[-1] in marker["error"]
+    assert not flag.exists(), "the injected failure happened"
+    assert names(run, QUARANTINE_FILE) == [f"{newest.rsplit('/', 1)[-1]}/{QUARANTINE_FILE}"], "only the corrupt one"
+    assert before.endswith(checkpoint_dir_name(6))
     assert sorted(metric_history(spec, result.mlflow_run_id, "loss")) == list(range(1, 17))
+    assert metric_history(spec, result.mlflow_run_id, "restarts")[16] >= 2, "both faults failed an attempt"
+    assert metric_history(spec, result.mlflow_run_id, "steps_lost")[16] == 6, "resumed from step 6, not from scratch"
 
 
 @pytest.mark.extended  # outside the suite's budget (pyproject.toml): background writes run in test_async_checkpoint
