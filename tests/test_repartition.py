@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -173,33 +172,21 @@ WIDE = 1500  # a model whose optimizer state is large beside an archive's two en
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory) -> Callable[[int], dict[int, Path]]:
-    """ZeRO checkpoints of tests.zero_checkpoint's model at a stage: 2 ranks (narrow), 1 rank (wide)."""
-    made: dict[int, dict[int, Path]] = {}
+def saved(tmp_path_factory) -> Callable[[int, int], Path]:
+    """A ZeRO checkpoint of tests.zero_checkpoint's model at a stage and world size: 2 ranks
+    (narrow) or 1 rank (wide), each made when a test first asks (the suite's grows need the wide one only)."""
+    made: dict[tuple[int, int], Path] = {}
 
-    def at(stage: int) -> dict[int, Path]:
-        if stage not in made:
-            made[stage] = _save(tmp_path_factory.mktemp(f"saved{stage}"), stage)
-        return made[stage]
+    def at(stage: int, old: int) -> Path:
+        if (stage, old) not in made:
+            width, world = {2: ("13", 2), 1: (str(WIDE), 1)}[old]
+            folder = tmp_path_factory.mktemp(f"saved{stage}") / f"w{old}"
+            run_ranks("tests.zero_checkpoint", [str(folder), str(stage), width], world, {})
+            (folder / "global_step2").is_dir() or pytest.fail(f"no checkpoint saved at {old} rank(s)")
+            made[stage, old] = folder
+        return made[stage, old]
 
     return at
-
-
-def _save(root: Path, stage: int) -> dict[int, Path]:
-    jobs = {2: ("13", 2), 1: (str(WIDE), 1)}
-
-    def save(old: int) -> None:
-        width, world = jobs[old]
-        run_ranks("tests.zero_checkpoint", [str(root / f"w{old}"), str(stage), width], world, {})
-
-    threads = [threading.Thread(target=save, args=(old,)) for old in jobs]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for old in jobs:
-        (root / f"w{old}" / "global_step2").is_dir() or pytest.fail(f"no checkpoint saved at {old} rank(s)")
-    return {old: root / f"w{old}" for old in jobs}
 
 
 @pytest.mark.slow
@@ -212,11 +199,11 @@ def _save(root: Path, stage: int) -> dict[int, Path]:
     pytest.param(3, 2, 1, "s3", marks=pytest.mark.extended), (3, 1, 2, "local"),
 ])
 def test_a_direct_resize_loads_what_deepspeeds_universal_path_loads(saved, stage, old, new, where, tmp_path, request):
-    saved = saved(stage)
+    checkpoint = saved(stage, old)
     if where == "s3":
         # As Tidal's saves into an object store lay a file out: every tensor in one block (one record).
         packed = tmp_path / "packed"
-        pafs.copy_files(str(saved[old]), str(packed))
+        pafs.copy_files(str(checkpoint), str(packed))
         for path in (packed / "global_step2").glob("*optim_states.pt"):
             torch.save(Buffers().take(path.name, torch.load(path, weights_only=False)), path)
         store, base = fs.resolve(f"{request.getfixturevalue('bucket')}/runs/job/checkpoint_000000002")
@@ -224,7 +211,7 @@ def test_a_direct_resize_loads_what_deepspeeds_universal_path_loads(saved, stage
         uri = f"s3://{base}"
     else:
         uri = str(tmp_path / "runs" / "job" / "checkpoint_000000002")
-        pafs.copy_files(str(saved[old]), uri)
+        pafs.copy_files(str(checkpoint), uri)
     width = "13" if old == 2 else str(WIDE)
     out = [json.loads(line) for line in run_ranks("tests.repartition_check", [uri, str(old), str(stage), width], new,
                                                   {fetch.CACHE_ENV: str(tmp_path / "node")})]
@@ -236,7 +223,7 @@ def test_a_direct_resize_loads_what_deepspeeds_universal_path_loads(saved, stage
         assert got["steps_direct"] == got["steps_universal"] == [4.0] * len(got["steps_direct"]), rank
         assert got["reread"] == {}, "a second load on the node reads its copies, nothing from storage"
     if old == 1:  # a grow: each rank reads about half of the one partition, not all of it
-        optim = (saved[1] / "global_step2" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").stat().st_size
+        optim = (checkpoint / "global_step2" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").stat().st_size
         state = sum(4 * 3 * n for n in (7 * WIDE + WIDE, WIDE * 5 + 5))  # fp32, exp_avg, exp_avg_sq of a and b
         reads = [got["read"].get("global_step2/zero_pp_rank_0_mp_rank_00_optim_states.pt", 0) for got in out]
         print(f"grow 1 -> 2: the partition file {optim:,} bytes ({state:,} of optimizer state); each rank read {reads}")

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -129,14 +130,18 @@ def spread(found: Found, world: int) -> list[BaseException]:
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory) -> dict[int, Path]:
-    root = tmp_path_factory.mktemp("zero")
-    threads = [threading.Thread(target=save_checkpoint, args=(root / f"s{stage}", stage)) for stage in (2, 3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return {stage: root / f"s{stage}" for stage in (2, 3)}
+def checkpoints(tmp_path_factory) -> Callable[[int], Path]:
+    """A 2-rank checkpoint of a ZeRO stage, made when a test first asks for that stage (two
+    processes, about 9 s): the suite's tests use stage 3 only, the extended one stage 2 too."""
+    root, made = tmp_path_factory.mktemp("zero"), {}
+
+    def at(stage: int) -> Path:
+        if stage not in made:
+            save_checkpoint(root / f"s{stage}", stage)
+            made[stage] = root / f"s{stage}"
+        return made[stage]
+
+    return at
 
 
 @pytest.mark.slow
@@ -149,10 +154,10 @@ def test_ranks_converting_together_make_what_deepspeed_makes_alone(checkpoints, 
     if where == "s3":
         bucket = request.getfixturevalue("bucket")
         store, base = fs.resolve(f"{bucket}/runs/job/checkpoint_000000002")
-        pafs.copy_files(str(checkpoints[stage]), base, destination_filesystem=store)
+        pafs.copy_files(str(checkpoints(stage)), base, destination_filesystem=store)
     else:
         store, base = pafs.LocalFileSystem(), str(tmp_path / "runs" / "job" / "checkpoint_000000002")
-        shutil.copytree(checkpoints[stage], base)
+        shutil.copytree(checkpoints(stage), base)
     found = found_at(store, base, stage)
 
     universal.prepare(found, "global_step2")
@@ -185,8 +190,8 @@ def test_ranks_converting_together_make_what_deepspeed_makes_alone(checkpoints, 
 def test_a_bundle_naming_another_ranks_parameter_is_refused(checkpoints, tmp_path, monkeypatch):
     monkeypatch.setenv(fetch.CACHE_ENV, str(tmp_path / "cache"))
     base = str(tmp_path / "runs" / "job" / "checkpoint_000000002")
-    shutil.copytree(checkpoints[2], base)
-    found = found_at(pafs.LocalFileSystem(), base, 2)
+    shutil.copytree(checkpoints(3), base)
+    found = found_at(pafs.LocalFileSystem(), base, 3)
     real = universal_spread._Convert._send
 
     def planted(self) -> None:  # rank 1 sends rank 0 a fragment of a parameter rank 1 merges
