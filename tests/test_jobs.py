@@ -64,15 +64,12 @@ def test_submit_follow_status_logs_list(head, tmp_path, capsys, monkeypatch):
 
 def test_submit_exits_by_the_outcome_no_wait_returns_at_once_and_stop_stops(head, tmp_path, capsys, monkeypatch):
     """Like `ray job submit`: exit 0 only if the job SUCCEEDED (following by default, and exit 0 for
-    a success: the test above); --no-wait returns at once; `tidal stop` stops that job as it trains."""
+    a success: the test above); --no-wait returns at once; `tidal stop` stops that job as it trains.
+    The job that FAILED is a second submission of the running one, which its entrypoint refuses (a
+    job that fails in training exits 1 the same way: the exit follows the Jobs API's status)."""
     from tidal.launch.jobs import Job
 
     monkeypatch.chdir(ROOT)
-    _, broken = spec_file(tmp_path, "broken", **{"train.steps": 8, "failure.max_restarts": 0,
-                                                 "model.builder": "tests.custom_model:build_failing"})
-    assert main(["submit", str(broken), "--address", head]) == 1
-    assert capsys.readouterr().out.rstrip().endswith("FAILED")
-
     _, path = spec_file(tmp_path, "to-stop", **{"train.steps": 5000, "checkpoint.every_steps": 1000})
     assert main(["submit", str(path), "--address", head, "--no-wait"]) == 0
     out = capsys.readouterr().out
@@ -82,6 +79,10 @@ def test_submit_exits_by_the_outcome_no_wait_returns_at_once_and_stop_stops(head
     while not job.progress() and time.time() < deadline:
         time.sleep(1)
     assert job.progress()["step"] >= 1, "job never started training"
+
+    assert main(["submit", str(path), "--address", head]) == 1
+    out = capsys.readouterr().out
+    assert "already running" in out and out.rstrip().endswith("FAILED"), out[-3000:]
     assert main(["stop", job.submission_id, "--address", head]) == 0
     assert job.wait(timeout=120) == "STOPPED"  # and the head is free for the next test
 
