@@ -26,7 +26,7 @@ def names(run: RunDir, pattern: str = "") -> list[str]:
     return sorted(rel for rel in fs.files_under(run.fs, run.path) if pattern in rel)
 
 
-# ZeRO-3 only: tests/test_reshard.py runs stage 2 on a local path (and test_user_code_e2e stage 3),
+# ZeRO-3 only: tests/test_stream_resume.py resizes stage 2 on a local path (and test_user_code_e2e stage 3),
 # and the storage code is the same for both stages; the stage-3 layout (partitioned parameters) is
 # the harder one.
 @pytest.mark.extended  # outside the suite's budget (pyproject.toml): ZeRO-3 resizes run in test_user_code_e2e, S3 restores in test_restore_e2e
@@ -112,7 +112,8 @@ def test_a_corrupt_checkpoint_is_quarantined_and_a_failed_load_of_the_one_before
     assert before.endswith(checkpoint_dir_name(6))
     assert sorted(metric_history(spec, result.mlflow_run_id, "loss")) == list(range(1, 17))
     assert metric_history(spec, result.mlflow_run_id, "restarts")[16] >= 2, "both faults failed an attempt"
-    assert metric_history(spec, result.mlflow_run_id, "steps_lost")[16] == 6, "resumed from step 6, not from scratch"
+    # Each resume went back to step 6 (a rank that loaded may say so in the attempt its peer failed)
+    assert metric_history(spec, result.mlflow_run_id, "max_steps_lost")[16] == 6, "resumed from step 6, not from scratch"
 
 
 @pytest.mark.extended  # outside the suite's budget (pyproject.toml): background writes run in test_async_checkpoint
