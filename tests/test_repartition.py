@@ -193,7 +193,7 @@ def saved(tmp_path_factory) -> Callable[[int, int], Path]:
 @pytest.mark.parametrize("stage,old,new,where", [
     # The suite runs the grows (each rank reads part of a partition); the shrinks are `extended`
     # (outside the suite's budget, pyproject.toml): in the suite they resize whole jobs against stored
-    # losses (test_reshard: ZeRO-2 2 -> 1 -> 2; test_user_code_e2e: ZeRO-3 2 -> 1 -> 2).
+    # losses (test_stream_resume: ZeRO-2 2 -> 1 -> 2; test_user_code_e2e: ZeRO-3 2 -> 1 -> 2).
     pytest.param(2, 2, 1, "local", marks=pytest.mark.extended), (2, 1, 2, "s3"),  # s3: one record a file
     # ZeRO-3: sub-groups cut differently at each size (3 at one rank, 2 at two), every parameter sliced
     pytest.param(3, 2, 1, "s3", marks=pytest.mark.extended), (3, 1, 2, "local"),

@@ -60,7 +60,7 @@ def test_a_manifest_name_outside_its_checkpoint_is_never_used_and_the_job_ends_w
     assert condemned is not None and UNSAFE in condemned["error"]
 
 
-@pytest.mark.extended  # outside the suite's budget (pyproject.toml): the first-save check and safe_globals are unit-tested (test_safe_globals); resizes run in test_reshard
+@pytest.mark.extended  # outside the suite's budget (pyproject.toml): the first-save check and safe_globals are unit-tested (test_safe_globals); resizes run in test_stream_resume
 def test_a_state_that_will_not_load_fails_at_the_first_save_until_its_types_are_allowed(tmp_path):
     common = {"train.steps": 18, "checkpoint.every_steps": 6, "model.builder": "tests.extra_state_model:build",
               "failure.max_restarts": 0}

@@ -47,7 +47,7 @@ def test_zero_stage_trains_and_tracks(tmp_path, stage):
     assert last.state["fingerprint"] == spec.resume_fingerprint() and last.state["attempt"]
 
 
-@pytest.mark.extended  # outside the suite's budget (pyproject.toml): test_reshard compares 1 and 2 workers with a stored 2-worker run
+@pytest.mark.extended  # outside the suite's budget (pyproject.toml): test_stream_resume compares 1 and 2 workers with a stored 2-worker run
 def test_one_and_two_workers_agree(tmp_path):
     """Data parallelism changes who computes what, not the result: same seed, same global batch."""
     losses = {}
