@@ -116,7 +116,7 @@ REFERENCES: dict[str, Callable[[Path], JobSpec]] = {
         "model.builder": "tests.oom_model:build", "train.micro_batch": 4, "train.steps": 8, "train.log_every": 1,
         "checkpoint.every_steps": 4}),
     "admission-sharing-low-alone": _admission_alone,
-    "chaos-undisturbed": lambda tmp: chaos_spec(tmp, "undisturbed", 200, 20),  # tests/test_chaos.py's
+    "chaos-undisturbed": lambda tmp: chaos_spec(tmp, "undisturbed", 120, 10),  # tests/test_chaos.py's
     "stream-undisturbed": _stream_steady,
     "user-code-steady": _user_code_steady,
 }

@@ -10,11 +10,13 @@ from tests.golden import reference_losses
 from tidal.testing.chaos import chaos_spec, run_chaos
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local")]
+# The faults land in steps 29-95, a slice of 24 steps each, each replaying at most a checkpoint interval.
+STEPS, EVERY = 120, 10
 
 
 def test_three_faults_survived_with_exact_losses(tmp_path):
-    expected = reference_losses("chaos-undisturbed", chaos_spec(tmp_path, "undisturbed", 200, 20))
-    r = run_chaos(tmp_path, faults=3, steps=200, every=20, seed=0, expected=expected)
+    expected = reference_losses("chaos-undisturbed", chaos_spec(tmp_path, "undisturbed", STEPS, EVERY))
+    r = run_chaos(tmp_path, faults=3, steps=STEPS, every=EVERY, seed=0, expected=expected)
     assert len(r["faults_injected"]) == 3
     assert r["restarts"] >= 3
     assert r["steps_done"], "every step done and logged exactly once"
