@@ -34,7 +34,7 @@ from tidal.worker import fetch, universal
 pytestmark = [pytest.mark.slow]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def recorded_s3(tmp_path_factory) -> Iterator[str]:
     """moto's S3 server with its request recorder (every request's method, URL and headers)."""
     folder = tmp_path_factory.mktemp("moto-rec")
@@ -42,10 +42,13 @@ def recorded_s3(tmp_path_factory) -> Iterator[str]:
         yield endpoint
 
 
-@pytest.fixture(scope="module")
-def ray_here(recorded_s3) -> Iterator[None]:
+@pytest.fixture
+def ray_here(recorded_s3, _ray_session) -> Iterator[None]:
+    """For one test, a Ray instance whose workers find the recording S3 server (the session's shared
+    one is stopped first: its workers name the session's server; the next `ray_local` starts it again)."""
     import ray
 
+    _ray_session.stop()
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
     yield
     ray.shutdown()
@@ -161,7 +164,7 @@ def converters(me: psutil.Process) -> list[psutil.Process]:
     return found
 
 
-def test_a_conversion_killed_half_way_is_made_again_and_loads(tmp_path, ray_here):
+def test_a_conversion_killed_half_way_is_made_again_and_loads(tmp_path, ray_local):
     """1 worker to step 6, then 2 workers: rank 0 converts while rank 1 waits on storage; the
     conversion is killed; the attempt fails, the next converts again, and training goes on with
     the losses of a run that never resized. Nothing is quarantined, nothing is left running."""
