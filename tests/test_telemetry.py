@@ -75,7 +75,9 @@ def test_run_leaves_metrics_artifacts_and_tables(tmp_path, capsys):
     assert main(["runs", "--uri", spec.tracking.uri]) == 0
     out = capsys.readouterr().out
     assert "telemetry" in out and "10/10" in out and run_id in out
-    other = tidal.run(spec.with_overrides({"name": "telemetry-b", "train.lr": 5e-3})).mlflow_run_id
+    # A second run to compare with, on one worker (a cheaper start; the table shows what differs)
+    other = tidal.run(spec.with_overrides({"name": "telemetry-b", "train.lr": 5e-3, "scaling.min_workers": 1,
+                                           "scaling.max_workers": 1})).mlflow_run_id
     assert main(["runs", "compare", run_id, other, "--uri", spec.tracking.uri]) == 0
     table = capsys.readouterr().out
     assert "train.lr" in table and "0.005" in table and "final loss" in table and "model.d_model" not in table

@@ -27,10 +27,12 @@ _import_muon_uncompiled()
 import deepspeed
 from tidal.spec.deepspeed import ds_config
 from tidal.spec.job import JobSpec
+from tidal.worker.device import skip_cpu_shm_allreduce
 from tidal.worker.models import build_model
 spec = JobSpec(name="start", model={"n_layer": 2, "n_head": 2, "d_model": 32, "vocab_size": 64, "seq_len": 8},
                train={"steps": 5, "micro_batch": 2, "global_batch": 2, "lr": 1e-2, "warmup_steps": 1}, parallelism={"zero_stage": 2},
                scaling={"min_workers": 1, "max_workers": 1})
+skip_cpu_shm_allreduce()  # as build_engine does
 deepspeed.init_distributed(dist_backend="gloo")
 model = build_model(spec.model)
 engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config(spec, 1, on_gpu=False))
