@@ -25,20 +25,19 @@ def write_artifacts(spec: JobSpec, frame: Any, summary: dict[str, Any], out: Pat
 
 
 def _plots(frame: Any, out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display on cluster nodes
-    import matplotlib.pyplot as plt
+    # Figures without pyplot (matplotlib's advice for code that only writes files): no global
+    # figure state shared with the tracker's other threads, no backend to choose.
+    from matplotlib.figure import Figure
 
     for name, cols, ylabel in (("loss.png", ["loss"], "loss"),
                                ("throughput.png", ["tokens_per_s"], "tokens/s")):
         present = [c for c in cols if c in frame]
         if not present:
             continue
-        fig, ax = plt.subplots(figsize=(6, 3.5))
+        fig = Figure(figsize=(6, 3.5))
+        ax = fig.subplots()
         for col in present:
             ax.plot(frame["step"], frame[col], label=col)
         ax.set(xlabel="step", ylabel=ylabel, title=ylabel)
         fig.tight_layout()
         fig.savefig(out / name, dpi=100)
-        plt.close(fig)
