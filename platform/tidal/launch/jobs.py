@@ -175,9 +175,10 @@ class Job:
 
     def _tail(self, poll_s: float) -> Generator[str, None, int | None]:
         """Stream the logs; returns None when the stream ended with the job, else how many characters
-        were yielded: the rest is polled. Ray 2.60 closed the stream 5-7 s after a job ended
-        (`tidal submit` waited that long at the end of every job), so the job of a quiet stream is
-        asked for its status every `poll_s`; once it has ended, the rest is read at once."""
+        were yielded: the rest is polled. Ray 2.60 closes the stream about 5 s after a job ended
+        (`tidal submit` waited that long at the end of every job: benchmarks/follow_end.py), so the
+        job of a quiet stream is asked for its status every `poll_s`; once it has ended, the rest is
+        read at once."""
         client, seen = self._client(), 0
         loop, stream, ahead = asyncio.new_event_loop(), None, None
         try:
