@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import json
 import os
 import secrets
 import tempfile
 import time
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -25,7 +24,8 @@ from tidal.admission.naming import QUEUE_JOB_VAR
 from tidal.admission.quotas import cluster_quotas, resolve_scheduling
 from tidal.admission.view import queue_record, queue_rows
 from tidal.errors import ClusterError, TidalError
-from tidal.launch import chain
+from tidal.launch import chain, job_logs
+from tidal.launch.chain import TERMINAL
 from tidal.launch.connect import warn_plain_token
 from tidal.launch.result import RunResult
 from tidal.launch.submission import (
@@ -44,7 +44,6 @@ from tidal.spec.secrets import refuse_credentials
 ALWAYS_EXCLUDE = [".git", ".venv", "venv", "__pycache__", "*.egg-info", ".ipynb_checkpoints",
                   "tidal-runs", "mlruns", "mlartifacts", "mlflow.db", "*.db-journal", ".pytest_cache", ".ruff_cache"]
 T = TypeVar("T")
-TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 # `tidal list/status --output json` hold these always; progress fields are null before the first step is in MLflow.
 JOB_FIELDS = ("id", "name", "status", "team", "priority", "start_time")
 PROGRESS_FIELDS = ("step", "steps", "loss", "tokens_per_s", "world_size")
@@ -157,13 +156,13 @@ class Job:
         own; inside a running loop (a Jupyter kernel) that cannot be had, and the logs are polled
         every `poll_s` seconds instead, as they are if the stream breaks off.
         """
-        seen: int | None = 0
+        client, seen = self._client(), 0
         try:
             asyncio.get_running_loop()
         except RuntimeError:
-            seen = yield from self._tail(poll_s)
+            seen = yield from job_logs.stream(client, self.submission_id, poll_s)
         if seen is not None:
-            yield from self._poll(poll_s, seen)
+            yield from job_logs.poll(client, self.submission_id, poll_s, seen)
         if successor := self._went_on_as(poll_s):  # parked: the job goes on as another Ray job
             yield from successor.follow(poll_s)
         elif note := self._failure_note():  # nothing was printed: say why it never started
@@ -172,51 +171,6 @@ class Job:
     def _went_on_as(self, poll_s: float) -> Job | None:
         successor = chain.went_on_as(self._client(), self.submission_id, poll_s)
         return Job(successor, self.address, self.spec) if successor else None
-
-    def _tail(self, poll_s: float) -> Generator[str, None, int | None]:
-        """Stream the logs; returns None when the stream ended with the job, else how many characters
-        were yielded: the rest is polled. Ray 2.60 closes the stream about 5 s after a job ended
-        (`tidal submit` waited that long at the end of every job: benchmarks/follow_end.py), so the
-        job of a quiet stream is asked for its status every `poll_s`; once it has ended, the rest is
-        read at once."""
-        client, seen = self._client(), 0
-        loop, stream, ahead = asyncio.new_event_loop(), None, None
-        try:
-            stream = client.tail_job_logs(self.submission_id)
-            while True:
-                ahead = ahead or loop.create_task(stream.__anext__())
-                loop.run_until_complete(asyncio.wait({ahead}, timeout=poll_s))
-                if not ahead.done():
-                    if str(client.get_job_status(self.submission_id).value) in TERMINAL:
-                        return seen
-                    continue
-                chunk, ahead = ahead.result(), None
-                seen += len(chunk)
-                yield chunk
-        except StopAsyncIteration:  # the server closed the stream: the job ended
-            return None
-        except Exception:  # noqa: BLE001 - no websocket (a proxy, an old server): poll from where the stream stopped
-            return seen
-        finally:
-            with contextlib.suppress(Exception):
-                if ahead is not None and not ahead.done():
-                    ahead.cancel()
-                    loop.run_until_complete(asyncio.wait({ahead}))
-                if stream is not None:
-                    loop.run_until_complete(stream.aclose())
-            loop.close()
-
-    def _poll(self, poll_s: float, seen: int) -> Iterator[str]:
-        client = self._client()
-        while True:
-            state = str(client.get_job_status(self.submission_id).value)  # before the logs: none missed
-            text = client.get_job_logs(self.submission_id)
-            if len(text) > seen:
-                yield text[seen:]
-                seen = len(text)
-            if state in TERMINAL:
-                return
-            time.sleep(poll_s)
 
     def wait(self, timeout: float | None = None, poll_s: float = 1.0) -> str:
         """Block until the job ends (or `timeout` seconds pass); returns its final status."""
