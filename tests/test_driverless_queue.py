@@ -20,12 +20,13 @@ import yaml
 from tests.conftest import ROOT, one_worker_spec
 from tidal.admission.queue_doc import load_queue
 from tidal.launch.jobs import Job, connect, list_jobs, submit
-from tidal.testing.heads import ray_head
+from tidal.testing.heads import ray_head, wait_accepting_jobs
 from tidal.testing.processes import wait_for
 from tidal.testing.runs import job_run_id, metric_history
 
 pytestmark = pytest.mark.slow
 SCALE = float(os.environ.get("TIDAL_TEST_TIMEOUT_SCALE", "1"))
+PIN_S = 15  # how long the head keeps an upload whatever holds it (Ray's default: 600)
 
 
 def held(gcs: str, package: str) -> bool:
@@ -47,20 +48,29 @@ def test_waiting_jobs_hold_no_driver_and_start_by_themselves_or_never_once_stopp
     monkeypatch.setenv("TIDAL_QUEUE", queue)  # Job.status() and `tidal list` read the cluster's queue here
     hold = tmp_path / "hold"  # the first job's steps are slow until the waiting jobs were checked
     hold.touch()
-    first, second, third = (one_worker_spec(tmp_path, "first", 30, 0.3, hold), one_worker_spec(tmp_path, "second", 6, 0.0),
+    # 60 held steps: the first job still runs when the package check below comes
+    first, second, third = (one_worker_spec(tmp_path, "first", 60, 0.3, hold), one_worker_spec(tmp_path, "second", 6, 0.0),
                             one_worker_spec(tmp_path, "third", 6, 0.0))
-    # Ray keeps a fresh upload for 10 minutes whatever holds it; 10 s here, so that a parked job's
+    # Ray keeps a fresh upload for 10 minutes whatever holds it; PIN_S here, so that a parked job's
     # package outlives the driver that held it only through admission's pin (admission/parking.py).
     env = {"TIDAL_QUOTAS": str(quotas), "TIDAL_QUEUE": queue, "TIDAL_PARK_AFTER_S": "1",
-           "RAY_RUNTIME_ENV_TEMPORARY_REFERENCE_EXPIRATION_S": "10"}
+           "RAY_RUNTIME_ENV_TEMPORARY_REFERENCE_EXPIRATION_S": str(PIN_S)}
     (tmp_path / "head").mkdir()
     with ray_head(tmp_path / "head", 2, env) as head:
+        # A first submission that waited for the head's agent lost its package to that short hold
+        # once on CI (the job failed before its driver ran): the agent is up before any upload.
+        wait_accepting_jobs(head.address)
         def send(spec) -> Job:
             return submit(spec, head.address, working_dir=ROOT, submission_id=f"{spec.name}-{secrets.token_hex(3)}")
 
         jobs = {"first": send(first)}
+
+        def seen() -> str:  # what a timed-out wait reports: each job's state and the end of its logs
+            return "\n".join(f"{n}: {load_queue(queue).get(j.submission_id)}; Ray: {j.status()}\n{j.logs()[-2000:]}"
+                              for n, j in jobs.items())
+
         wait_for("first RUNNING", lambda: (e := load_queue(queue).get(jobs["first"].submission_id))
-                 and e.state == "RUNNING", timeout=120 * SCALE)
+                 and e.state == "RUNNING", timeout=120 * SCALE, context=seen)
         jobs["second"], jobs["third"] = send(second), send(third)
         sent_at = time.time()
         client = connect(head.address)
@@ -71,17 +81,18 @@ def test_waiting_jobs_hold_no_driver_and_start_by_themselves_or_never_once_stopp
                        and str(client.get_job_status(jobs[n].submission_id).value) == "SUCCEEDED"
                        for n in ("second", "third"))
 
-        wait_for("second and third parked, their drivers ended", parked, timeout=120 * SCALE, every=0.5)
-        # Past Ray's own hold on the upload, and with no driver holding it, the package is kept.
-        package = client.get_job_info(jobs["second"].submission_id).runtime_env["working_dir"]
-        time.sleep(max(0.0, 12 - (time.time() - sent_at)))
-        assert held(head.gcs, package), "a parked job's package outlives its driver"
+        wait_for("second and third parked, their drivers ended", parked, timeout=120 * SCALE, every=0.5, context=seen)
         assert jobs["second"].status() == "QUEUED" and jobs["third"].status() == "QUEUED"
         assert "waits in the cluster's queue" in jobs["second"].logs()
         assert jobs["third"].stop(), "a parked job can be stopped"
         assert jobs["third"].status() == "STOPPED"
         rows = {r["name"]: r["status"] for r in list_jobs(head.address)}
-        assert rows["third"] == "STOPPED" and rows["second"] in ("QUEUED", "RUNNING"), rows
+        assert rows == {"first": "RUNNING", "second": "QUEUED", "third": "STOPPED"}, rows
+        # Past Ray's own hold on the upload, and with no driver holding it, the package is kept.
+        package = client.get_job_info(jobs["second"].submission_id).runtime_env["working_dir"]
+        time.sleep(max(0.0, PIN_S + 2 - (time.time() - sent_at)))
+        assert jobs["first"].status() == "RUNNING", "the slot is still taken: no successor holds the package"
+        assert held(head.gcs, package), "a parked job's package outlives its driver"
         hold.unlink()
 
         # Following the first id (as `tidal submit` and `tidal logs --follow` do) waits through the
@@ -92,7 +103,7 @@ def test_waiting_jobs_hold_no_driver_and_start_by_themselves_or_never_once_stopp
         assert jobs["first"].wait(timeout=60 * SCALE) == "SUCCEEDED", jobs["first"].logs()[-3000:]
         logs = jobs["second"].logs()
         assert "waits in the cluster's queue" in logs and "finished in" in logs, "the logs follow it to its end"
-        wait_for("the queue empty", lambda: not load_queue(queue).entries, timeout=60 * SCALE)
+        wait_for("the queue empty", lambda: not load_queue(queue).entries, timeout=60 * SCALE, context=seen)
         ran = {j.submission_id for j in client.list_jobs() if (j.metadata or {}).get("tidal.job") == "second"}
         assert len(ran) == 2 and all(s.startswith(jobs["second"].submission_id) for s in ran), ran
         assert {r["name"]: r["status"] for r in list_jobs(head.address)} == {

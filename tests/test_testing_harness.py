@@ -73,6 +73,13 @@ def test_a_wait_that_never_ends_names_what_it_waited_for():
     assert wait_for("a value", lambda: 42, timeout=1) == 42
 
 
+def test_a_timed_out_wait_says_what_its_context_showed_and_a_broken_context_hides_nothing():
+    with pytest.raises(TimeoutError, match="first RUNNING; then:\nfirst: FAILED, package deleted"):
+        wait_for("first RUNNING", lambda: None, timeout=0.1, every=0.05, context=lambda: "first: FAILED, package deleted")
+    with pytest.raises(TimeoutError, match=r"waiting for the answer; its context could not be read \(KeyError"):
+        wait_for("the answer", lambda: None, timeout=0.1, every=0.05, context=lambda: {}["job"])
+
+
 def test_patched_env_puts_back_set_and_unset_variables(monkeypatch):
     monkeypatch.setenv("TIDAL_TEST_A", "before")
     monkeypatch.delenv("TIDAL_TEST_B", raising=False)

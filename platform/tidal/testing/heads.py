@@ -114,3 +114,31 @@ def wait_for_jobs_api(address: str, proc, log: Path, timeout: float = 300) -> No
             return False
 
     wait_for_server(answers, proc, log, f"the Jobs API at {address}", timeout)
+
+
+def wait_accepting_jobs(address: str, timeout: float = 120) -> None:
+    """Until the head's Jobs API has run a no-op job (no working dir): its node agent has registered
+    and a job supervisor has started once.
+
+    For a head that keeps an upload only briefly (RAY_RUNTIME_ENV_TEMPORARY_REFERENCE_EXPIRATION_S,
+    600 s by default): a first submission that waits for the agent (`submit` retries until it has
+    registered) can find its package deleted before its runtime env downloads it, and the job fails
+    ("Failed to download runtime_env file package"). Seen once on CI with a 10 s hold."""
+    from tidal.launch.chain import TERMINAL
+    from tidal.launch.jobs import connect, retry_submission
+
+    client, sid = connect(address), f"tidal-warmup-{secrets.token_hex(3)}"
+
+    def accepted() -> bool:
+        try:
+            client.submit_job(entrypoint="true", submission_id=sid)
+        except Exception as e:  # noqa: BLE001 - Ray's HTTP errors: only "no agent yet" is waited out
+            if "already exists" in str(e):
+                return True  # an attempt whose answer was lost was accepted
+            if retry_submission(str(e)):
+                return False
+            raise
+        return True
+
+    wait_for(f"the head at {address} to accept a job", accepted, timeout, every=1.0)
+    wait_for("the no-op job to end", lambda: str(client.get_job_status(sid).value) in TERMINAL, timeout)

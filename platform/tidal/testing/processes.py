@@ -43,16 +43,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_for(what: str, check: Callable[[], T], timeout: float, every: float = 0.2) -> T:
-    """`check()`'s first truthy value; TimeoutError naming `what` if none comes within `timeout` s."""
+def wait_for(what: str, check: Callable[[], T], timeout: float, every: float = 0.2,
+             context: Callable[[], str] | None = None) -> T:
+    """`check()`'s first truthy value; TimeoutError naming `what` if none comes within `timeout` s,
+    with what `context()` says then (a job's logs, a queue's state): a wait that failed on CI once
+    must say why without a rerun."""
     deadline = time.monotonic() + timeout
     while True:
         value = check()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}{_said(context)}")
         time.sleep(every)
+
+
+def _said(context: Callable[[], str] | None) -> str:
+    if context is None:
+        return ""
+    try:
+        return f"; then:\n{context()}"
+    except Exception as e:  # noqa: BLE001 - the timeout is the error; a context that fails must not hide it
+        return f"; its context could not be read ({type(e).__name__}: {e})"
 
 
 def listens(port: int) -> bool:
