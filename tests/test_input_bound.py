@@ -55,6 +55,7 @@ def test_a_job_with_a_slow_data_source_is_reported_input_bound(tmp_path, capfd):
         "model.builder": "tests.custom_model:build", "data.dataset": "tests.slow_data:dataset",
         "data.dataset_args": {"n": 256, "vocab": 64, "seq_len": 16, "sleep_s": 0.004},
         "data.input_bound_intervals": 3, "train.steps": 12, "train.log_every": 2, "checkpoint.every_steps": 12,
+        "scaling.min_workers": 1, "scaling.max_workers": 1,  # one rank waits as two would: a worker's start less
     })
     result = tidal.run(spec)
     out = capfd.readouterr().out
