@@ -60,6 +60,7 @@ def test_waiting_jobs_hold_no_driver_and_start_by_themselves_or_never_once_stopp
         # A first submission that waited for the head's agent lost its package to that short hold
         # once on CI (the job failed before its driver ran): the agent is up before any upload.
         wait_accepting_jobs(head.address)
+
         def send(spec) -> Job:
             return submit(spec, head.address, working_dir=ROOT, submission_id=f"{spec.name}-{secrets.token_hex(3)}")
 

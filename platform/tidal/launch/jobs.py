@@ -292,25 +292,31 @@ def submit(spec: JobSpec, address: str | None = None, working_dir: str | os.Path
         # An id chosen here (Ray's own form), so that a submission retried after a dropped connection
         # is recognised if the first attempt was accepted.
         sid = submission_id or f"raysubmit_{secrets.token_hex(8)}"
-        deadline, tried = time.time() + AGENT_WAIT_S, False
-        while True:
-            try:
-                client.submit_job(
-                    entrypoint=f"python -m tidal.launch.entrypoint {payload}",
-                    runtime_env={"working_dir": str(package), "env_vars": env},
-                    submission_id=sid,
-                    metadata={"tidal.job": spec.name, "tidal.steps": str(spec.train.steps)},
-                )
-                break
-            except Exception as e:  # noqa: BLE001 - translate Ray's HTTP errors into a message that says what to do
-                if tried and "already exists" in str(e):
-                    break  # the attempt whose answer was lost was accepted
-                if retry_submission(str(e)) and time.time() < deadline:
-                    tried = True
-                    time.sleep(2)
-                    continue
-                raise _friendly(e, address or os.environ.get("RAY_ADDRESS", ""), auth_token()) from None
+        try:
+            submit_accepted(client, AGENT_WAIT_S, entrypoint=f"python -m tidal.launch.entrypoint {payload}",
+                            runtime_env={"working_dir": str(package), "env_vars": env}, submission_id=sid,
+                            metadata={"tidal.job": spec.name, "tidal.steps": str(spec.train.steps)})
+        except Exception as e:  # noqa: BLE001 - translate Ray's HTTP errors into a message that says what to do
+            raise _friendly(e, address or os.environ.get("RAY_ADDRESS", ""), auth_token()) from None
     return Job(sid, client.get_address(), spec)
+
+
+def submit_accepted(client: Any, wait_s: float, **job: Any) -> None:
+    """`client.submit_job(**job)` (a `submission_id` among them), tried again every 2 s for up to
+    `wait_s` while `retry_submission` says nothing was accepted; Ray's error otherwise. A retry
+    told that the id already exists had its earlier attempt accepted (its answer was lost)."""
+    deadline, tried = time.time() + wait_s, False
+    while True:
+        try:
+            client.submit_job(**job)
+            return
+        except Exception as e:
+            if tried and "already exists" in str(e):
+                return
+            if not (retry_submission(str(e)) and time.time() < deadline):
+                raise
+            tried = True
+            time.sleep(2)
 
 
 def retry_submission(error: str) -> bool:

@@ -125,20 +125,8 @@ def wait_accepting_jobs(address: str, timeout: float = 120) -> None:
     registered) can find its package deleted before its runtime env downloads it, and the job fails
     ("Failed to download runtime_env file package"). Seen once on CI with a 10 s hold."""
     from tidal.launch.chain import TERMINAL
-    from tidal.launch.jobs import connect, retry_submission
+    from tidal.launch.jobs import connect, submit_accepted
 
     client, sid = connect(address), f"tidal-warmup-{secrets.token_hex(3)}"
-
-    def accepted() -> bool:
-        try:
-            client.submit_job(entrypoint="true", submission_id=sid)
-        except Exception as e:  # noqa: BLE001 - Ray's HTTP errors: only "no agent yet" is waited out
-            if "already exists" in str(e):
-                return True  # an attempt whose answer was lost was accepted
-            if retry_submission(str(e)):
-                return False
-            raise
-        return True
-
-    wait_for(f"the head at {address} to accept a job", accepted, timeout, every=1.0)
+    submit_accepted(client, timeout, entrypoint="true", submission_id=sid)
     wait_for("the no-op job to end", lambda: str(client.get_job_status(sid).value) in TERMINAL, timeout)
