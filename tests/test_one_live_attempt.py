@@ -17,7 +17,6 @@ import yaml
 
 from tests.conftest import ROOT, tiny_spec
 from tests.slow_step import slow_env
-from tidal.errors import ClusterError
 from tidal.launch.jobs import Job, submit
 from tidal.storage import QUARANTINE_FILE, RunDir, check_complete
 from tidal.testing.runs import job_run_id, metric_history, wait_for_step
@@ -49,19 +48,6 @@ def on_the_head(head_tmp: Path, cluster_env: dict[str, str], *args: str, ttl: st
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
-def submit_when_the_agent_answers(spec, head: str, timeout: float = 120) -> Job:
-    """A head's Jobs API answers before its agent takes submissions on a loaded machine ("No available
-    agent to submit job, please try again later", or a dropped connection): ask again, as Ray says."""
-    deadline = time.time() + timeout
-    while True:
-        try:
-            return submit(spec, head, ROOT)
-        except ClusterError as e:
-            if not ("No available agent" in str(e) or "Connection aborted" in str(e)) or time.time() > deadline:
-                raise
-            time.sleep(2)
-
-
 def assert_every_step_once_and_no_checkpoint_lost(spec) -> None:
     losses = metric_history(spec, job_run_id(spec), "loss")  # raises if a step was logged twice
     assert sorted(losses) == list(range(1, STEPS + 1))
@@ -75,7 +61,7 @@ def assert_every_step_once_and_no_checkpoint_lost(spec) -> None:
 
 def test_a_second_start_through_every_face_is_refused_and_the_first_finishes(head, head_tmp, cluster_env, tmp_path):
     spec, path = cluster_spec(tmp_path, "twice", cluster_env, step_s=0.3)
-    first = submit_when_the_agent_answers(spec, head)
+    first = submit(spec, head, ROOT)  # retries while the head's agent registers (launch/jobs.py)
     wait_for_step(spec, 3, timeout=300)
 
     tidal_submit = on_the_head(head_tmp, cluster_env, "submit", str(path), "--address", head)

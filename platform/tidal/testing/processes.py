@@ -111,15 +111,17 @@ def descendants(pid: int) -> list[psutil.Process]:
 
 def stop_session(proc: subprocess.Popen, grace_s: float = 30, also: list[psutil.Process] | None = None) -> None:
     """SIGTERM the process group `proc` leads (started with start_new_session=True), SIGKILL what of
-    it lingers after `grace_s`, and SIGKILL `also` (processes it started in sessions of their own,
-    found beforehand with `descendants`). A process that already exited is fine."""
+    it lingers after `grace_s` (0: SIGKILL at once, no SIGTERM), and SIGKILL `also` (processes it
+    started in sessions of their own, found beforehand with `descendants`). A process that already
+    exited is fine."""
     also = [*(also or []), *descendants(proc.pid)]
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=grace_s)
-    with contextlib.suppress(TimeoutError):  # the rest of the group a moment to follow its leader
-        wait_for("the process group to end", lambda: not _group_alive(proc.pid), 1.0, every=0.1)
+    if grace_s > 0:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=grace_s)
+        with contextlib.suppress(TimeoutError):  # the rest of the group a moment to follow its leader
+            wait_for("the process group to end", lambda: not _group_alive(proc.pid), 1.0, every=0.1)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)  # anything of that session still alive
     for p in also:
