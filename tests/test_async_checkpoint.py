@@ -25,9 +25,9 @@ def test_worker_killed_during_a_background_write_resumes_from_the_previous_check
     # the undisturbed run's losses, stored (tests/golden.py regenerates them)
     expected = reference_losses("async-checkpoint-undisturbed", tiny_spec(tmp_path, name="undisturbed", **LONG))
 
-    # Every background write pauses 3 s between a rank's data files and its manifest, as slow
+    # Step 20's background writes pause 3 s between a rank's data files and its manifest, as slow
     # storage would: the kill lands while checkpoint 20's files are there and its manifests are not.
-    spec = tiny_spec(tmp_path, name="killed-mid-write", **LONG, worker_env={WRITE_DELAY_ENV: "3"})
+    spec = tiny_spec(tmp_path, name="killed-mid-write", **LONG, worker_env={WRITE_DELAY_ENV: "3:20"})
     run = RunDir(spec.checkpoint.storage, spec.name)
     seen: dict[str, object] = {}
 

@@ -22,6 +22,7 @@ from tidal.worker.snapshot import (
     SnapshotEngine,
     StorageWriter,
     write_checkpoint,
+    write_delay,
 )
 
 
@@ -223,3 +224,13 @@ def test_the_checkpoint_is_incomplete_until_its_commit_wait_returns(tmp_path: Pa
 
     assert seen == {"files": sorted([STATE_FILE, "mp_rank_00_model_states.pt"]), "complete": False}
     assert check_complete(pafs.LocalFileSystem(), str(dest)) == (None, {"step": 6, "world_size": 1})
+
+
+@pytest.mark.parametrize(("value", "rank", "step", "pause"), [
+    ("", 0, 20, 0.0), ("3", 1, 20, 3.0), ("3@0", 1, 20, 0.0), ("3@0", 0, 10, 3.0),
+    ("3:20", 1, 20, 3.0), ("3:20", 1, 10, 0.0), ("3@0:20", 0, 20, 3.0), ("3@0:20", 1, 20, 0.0),
+])
+def test_the_injected_write_pause_is_for_the_ranks_and_steps_named(value: str, rank: int, step: int, pause: float):
+    """What a fault-injection test asks for (TIDAL_CHECKPOINT_WRITE_DELAY_S): only the write its kill
+    waits for pauses, not every checkpoint of the run."""
+    assert write_delay(value, rank, step) == pause

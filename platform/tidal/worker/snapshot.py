@@ -59,7 +59,8 @@ log = logging.getLogger("tidal")
 
 # Fault-injection for tests and benchmarks: seconds the background write pauses after a
 # rank's data files and before its manifest, as a slow store would, so a kill lands mid-write
-# ("S@R": on rank R only, so a kill lands after the other ranks finished; see `write_delay`).
+# ("S@R": on rank R only, so a kill lands after the other ranks finished; "S:N": only the writes
+# of step N, where a test's kill lands; see `write_delay`).
 WRITE_DELAY_ENV = "TIDAL_CHECKPOINT_WRITE_DELAY_S"
 
 
@@ -289,7 +290,7 @@ def write_checkpoint(local: Path, taken: dict[str, Any], storage: pafs.FileSyste
             files[rel] = _write(storage, f"{dest}/{rel}", lambda f, p=p: f.write(p.read_bytes()))
     if fs.is_local(storage):
         _fsync_dirs(dest, files)
-    if delay := write_delay(os.environ.get(WRITE_DELAY_ENV, ""), rank):
+    if delay := write_delay(os.environ.get(WRITE_DELAY_ENV, ""), rank, step):
         time.sleep(delay)
     if before_manifest is not None:
         before_manifest()
@@ -300,10 +301,12 @@ def write_checkpoint(local: Path, taken: dict[str, Any], storage: pafs.FileSyste
     return files
 
 
-def write_delay(value: str, rank: int) -> float:
-    """The fault-injected pause for `rank`: "3" pauses every rank 3 s, "3@0" only rank 0."""
+def write_delay(value: str, rank: int, step: int) -> float:
+    """The fault-injected pause for `rank`'s write of `step`: "3" pauses every write 3 s, "3@0"
+    only rank 0's, "3:20" only those of step 20, "3@0:20" rank 0's of step 20."""
+    value, _, at_step = value.partition(":")
     seconds, _, only = value.partition("@")
-    if not seconds or (only and int(only) != rank):
+    if not seconds or (only and int(only) != rank) or (at_step and int(at_step) != step):
         return 0.0
     return float(seconds)
 
