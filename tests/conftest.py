@@ -4,6 +4,7 @@ each test gets its own storage folder and MLflow SQLite file."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from collections.abc import Iterator
@@ -40,8 +41,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     when `-m` names them (`-m extended`, `-m "slow or extended"`): the README's `python -m pytest -q`
     and `.ci/run` run the same suite. They are slow tests too, so `-m "not slow"` never takes one.
 
-    Then the modules that use `ray_local` move, whole and in their order, to the end of the run: one
-    after another they share one local Ray instance, which no other module's own ray.init meets."""
+    Then the modules that use conftest's `head` move, whole and in their order, after the others,
+    and those that use `ray_local` to the end of the run: one after another, each group shares one
+    Ray (a head, a local instance), which no other module's Ray meets."""
     extended = [item for item in items if item.get_closest_marker("extended")]
     for item in extended:
         if not item.get_closest_marker("slow"):
@@ -49,8 +51,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if extended and "extended" not in (config.getoption("markexpr") or ""):
         config.hook.pytest_deselected(items=extended)
         items[:] = [item for item in items if not item.get_closest_marker("extended")]
-    sharing = {item.module for item in items if "ray_local" in getattr(item, "fixturenames", ())}
-    items.sort(key=lambda item: getattr(item, "module", None) in sharing)  # stable: order kept within each part
+    on_head = {item.module for item in items if _uses_shared_head(item)}
+    on_local = {item.module for item in items if "ray_local" in getattr(item, "fixturenames", ())}
+    # stable: the order is kept within each group
+    items.sort(key=lambda item: 2 if getattr(item, "module", None) in on_local else
+               1 if getattr(item, "module", None) in on_head else 0)
+
+
+def _uses_shared_head(item: pytest.Item) -> bool:
+    """Asks for conftest's `head`, not a `head` of its module's own (test_secrets_e2e's)."""
+    return "head" in getattr(item, "fixturenames", ()) and not hasattr(getattr(item, "module", None), "head")
 
 
 @pytest.fixture(autouse=True)
@@ -134,11 +144,13 @@ def ray_local(_ray_session, s3_server) -> Iterator[None]:
 
 @pytest.fixture(scope="module", autouse=True)
 def _no_shared_ray_here(request: pytest.FixtureRequest) -> None:
-    """A module that does not use `ray_local` never finds this process connected to it."""
-    module = request.module
-    if not any(getattr(i, "module", None) is module and "ray_local" in getattr(i, "fixturenames", ())
-               for i in request.session.items):
+    """A module that does not use `ray_local` never finds this process connected to it, and one that
+    does not use the shared `head` never finds that head running."""
+    mine = [i for i in request.session.items if getattr(i, "module", None) is request.module]
+    if not any("ray_local" in getattr(i, "fixturenames", ()) for i in mine):
         _shared_ray.stop()
+    if not any(_uses_shared_head(i) for i in mine):
+        _shared_head.stop()
 
 
 @pytest.fixture(scope="session")
@@ -186,24 +198,53 @@ def cluster_env(tmp_path_factory, s3_server) -> Iterator[dict[str, str]]:
         yield {"MLFLOW_TRACKING_URI": uri, "TIDAL_STORAGE": f"s3://{bucket}/tidal"}
 
 
-@pytest.fixture(scope="module")
-def head_tmp(tmp_path_factory) -> Path:
-    """`head`'s folder: its log, and under ray/ its temp dir (where `ray start` records its address)."""
-    return tmp_path_factory.mktemp("head")
+class _SharedHead:
+    """The session's one Ray head for the modules that only submit to it (`head`): started by the
+    first, kept for the next (they run one after another, `pytest_collection_modifyitems`), stopped
+    before any other module. A head left running while a later module starts a Ray of its own
+    (test_elastic's raylets) makes that module's Ray Train find two clusters on this machine and
+    say so into its console every second (seen when test_one_live_attempt ran before test_elastic)."""
+
+    def __init__(self) -> None:
+        self.stack: contextlib.ExitStack | None = None
+        self.address, self.tmp = "", Path()
+
+    def start(self, tmp: Path, env: dict[str, str]) -> str:
+        with contextlib.ExitStack() as stack:
+            head = stack.enter_context(ray_head(tmp, 2, env, ray_tmp=tmp / "ray", auth_mode_in_client=False))
+            self.address, self.tmp, self.stack = head.address, tmp, stack.pop_all()
+        return self.address
+
+    def stop(self) -> None:
+        if self.stack is not None:
+            stack, self.stack, self.address = self.stack, None, ""
+            stack.close()
+
+
+_shared_head = _SharedHead()
+
+
+@pytest.fixture(scope="session")
+def _head_session() -> Iterator[_SharedHead]:
+    yield _shared_head
+    _shared_head.stop()
 
 
 @pytest.fixture(scope="module")
-def head(head_tmp, cluster_env) -> Iterator[str]:
+def head(cluster_env, _head_session, tmp_path_factory) -> str:
     """A Ray head on 127.0.0.1 with its dashboard and token auth (tidal.testing.heads), its nodes'
-    environment naming the cluster's tracking server and storage; yields the Jobs API address.
-    One per module, not per session: a head left running while a later module starts a Ray of its own
-    (test_elastic's raylets) makes that module's Ray Train find two clusters on this machine and say so
-    into its console every second (seen when test_one_live_attempt ran before test_elastic).
+    environment naming the cluster's tracking server and storage; the Jobs API address. The
+    session's shared one (`_SharedHead`).
     The head's environment is the cluster's Python environment: `python` and `tidal` from this venv
     (first on PATH, above). This process holds the token but not RAY_AUTH_MODE=token: Tidal's
     clients must send it by themselves, as they do on a laptop."""
-    with ray_head(head_tmp, 2, cluster_env, ray_tmp=head_tmp / "ray", auth_mode_in_client=False) as h:
-        yield h.address
+    return _head_session.address or _head_session.start(tmp_path_factory.mktemp("head"), cluster_env)
+
+
+@pytest.fixture(scope="module")
+def head_tmp(head) -> Path:
+    """`head`'s folder: its log, and under ray/ its temp dir (where `ray start` records its address)."""
+    return _shared_head.tmp
 
 
 @pytest.fixture

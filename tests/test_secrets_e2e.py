@@ -53,13 +53,14 @@ def node_secrets(tmp_path_factory) -> Iterator[dict[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def head(head_tmp, cluster_env, node_secrets) -> Iterator[str]:
+def head(tmp_path_factory, cluster_env, node_secrets) -> Iterator[str]:
     """conftest's head, but the nodes' MLFLOW_TRACKING_URI holds a user and password, as a cluster's
     may (`http://user:password@host:5000`; the tracking server here runs without auth and ignores
     them): a job run through the Jobs API tracks there, and the password must show nowhere."""
     uri = cluster_env["MLFLOW_TRACKING_URI"].replace("http://", f"http://tidal-jobs:{node_secrets['uri_password']}@", 1)
     assert node_secrets["uri_password"] in uri
-    with ray_head(head_tmp, 2, {**cluster_env, "MLFLOW_TRACKING_URI": uri}, ray_tmp=head_tmp / "ray",
+    tmp = tmp_path_factory.mktemp("head")  # short: Ray's socket paths under it stay below 108 bytes
+    with ray_head(tmp, 2, {**cluster_env, "MLFLOW_TRACKING_URI": uri}, ray_tmp=tmp / "ray",
                   auth_mode_in_client=False) as h:
         yield h.address
 
