@@ -15,7 +15,6 @@ import pytest
 
 from tests.slow_step import slow_env
 from tidal.spec.job import JobSpec
-from tidal.testing.heads import NO_DRAIN_ON_SIGTERM as NO_DRAIN_ON_SIGTERM
 from tidal.testing.heads import ray_head
 from tidal.testing.processes import free_port as free_port
 from tidal.testing.processes import restore_env as restore_env

@@ -25,9 +25,6 @@ from tidal.testing.processes import (
     wait_for_server,
 )
 
-# On SIGTERM a `ray start --block` head first drains itself through its GCS, which the teardown's
-# signal to the whole session has just stopped, and waits out the 30 s default.
-NO_DRAIN_ON_SIGTERM = {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
 KEEP_LOGS_ENV = "TIDAL_KEEP_TEST_CLUSTER_LOGS"  # =1 keeps a test head's Ray temp dir for reading
 
 
@@ -51,7 +48,7 @@ def ray_head(tmp: Path, num_cpus: int, env: Mapping[str, str], *, args: Sequence
     token by itself). `connect`: this process is its Ray driver (`ray.init`) until the end.
     `port` and `token`: those of a head that was lost, for one started again in its place."""
     token, port, dash = token or secrets.token_hex(16), port or free_port(), free_port()
-    full = {**os.environ, **NO_DRAIN_ON_SIGTERM, **env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
+    full = {**os.environ, **env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
     full.pop("RAY_ADDRESS", None)
     log = tmp / "head.log"
     # Ray's own folder short: its socket paths must stay under 107 bytes (pytest's tmp paths do not)
