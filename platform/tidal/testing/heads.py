@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 import shutil
 import sys
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from tidal.ray_private import reload_auth_token
 from tidal.testing.processes import (
-    free_port,
+    free_ports,
     patched_env,
     start_in_session,
     stop_session,
@@ -47,7 +48,11 @@ def ray_head(tmp: Path, num_cpus: int, env: Mapping[str, str], *, args: Sequence
     RAY_AUTH_MODE=token unless `auth_mode_in_client` is False (a test that the client sends the
     token by itself). `connect`: this process is its Ray driver (`ray.init`) until the end.
     `port` and `token`: those of a head that was lost, for one started again in its place."""
-    token, port, dash = token or secrets.token_hex(16), port or free_port(), free_port()
+    token = token or secrets.token_hex(16)
+    # the ports given (`port`, any `--...-port=N` in `args`) are free now too: never drawn again
+    given = {port} | {int(a.rpartition("=")[2]) for a in args if re.fullmatch(r"--[\w-]*port=\d+", a)}
+    drawn = free_ports(4, exclude=given)
+    port, dash, client_port, agent_port = port or drawn[0], *drawn[1:]
     full = {**os.environ, **env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
     full.pop("RAY_ADDRESS", None)
     log = tmp / "head.log"
@@ -58,10 +63,10 @@ def ray_head(tmp: Path, num_cpus: int, env: Mapping[str, str], *, args: Sequence
         [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={port}",
          f"--node-ip-address={node_ip}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
          f"--num-cpus={num_cpus}", f"--temp-dir={ray_tmp}", "--disable-usage-stats",
-         f"--ray-client-server-port={free_port()}",
+         f"--ray-client-server-port={client_port}",
          # the agent's default port (52365) is taken by any other head on this machine: its agent then
          # dies and every submission fails with "No available agent to submit job"
-         f"--dashboard-agent-listen-port={free_port()}", *args],
+         f"--dashboard-agent-listen-port={agent_port}", *args],
         log, env=full)
     client = {"RAY_AUTH_TOKEN": token} | ({"RAY_AUTH_MODE": "token"} if auth_mode_in_client else {})
     head = Head(f"http://127.0.0.1:{dash}", f"{node_ip}:{port}", tmp, ray_tmp, token)

@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import TypeVar
 
@@ -41,6 +41,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_ports(n: int, exclude: Collection[int] = ()) -> list[int]:
+    """`n` distinct free ports on 127.0.0.1, none in `exclude`, for one process's several listeners.
+
+    Held open together while drawn: a port is free again once its draw closes it, so draws one at
+    a time can repeat (a head's agent then dies on "port ... used by other components")."""
+    with contextlib.ExitStack() as stack:
+        ports: list[int] = []
+        while len(ports) < n:
+            s = stack.enter_context(socket.socket())
+            s.bind(("127.0.0.1", 0))
+            if (port := s.getsockname()[1]) not in exclude:
+                ports.append(port)
+        return ports
 
 
 def wait_for(what: str, check: Callable[[], T], timeout: float, every: float = 0.2,
