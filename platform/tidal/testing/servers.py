@@ -130,8 +130,10 @@ class MlflowServer:
         return self.uri
 
     def stop(self) -> None:
+        """At once (SIGKILL): nothing of a test server is kept and SQLite survives a kill, while
+        its graceful stop took 2.0-2.4 s (3 stops measured on 2026-11-29; 0.03-0.06 s killed)."""
         if self.proc is not None:
-            stop_session(self.proc)
+            stop_session(self.proc, grace_s=0)
             self.proc = None
 
     def crash(self) -> None:
