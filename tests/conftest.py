@@ -89,6 +89,10 @@ def tiny_spec(tmp: Path, name: str = "tiny", **overrides: Any) -> JobSpec:
     return base.with_overrides(overrides) if overrides else base
 
 
+# One worker where the claim holds at any world size: a worker's start (about 12 s of CPU) less.
+ONE_WORKER = {"scaling.min_workers": 1, "scaling.max_workers": 1}
+
+
 def one_worker_spec(tmp: Path, name: str, steps: int, step_s: float, hold: Path | None = None) -> JobSpec:
     """A one-worker job in a folder of its own under `tmp`, each step at least `step_s` long
     (tests/slow_step.py; only while the file `hold` exists, if given), a checkpoint every 5 steps:

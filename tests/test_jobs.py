@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import ROOT, tiny_spec
+from tests.conftest import ONE_WORKER, ROOT, tiny_spec
 from tests.helpers import driver_in
 from tidal.cli import main
 from tidal.errors import TidalError
@@ -33,7 +33,7 @@ def test_submit_follow_status_logs_list(head, tmp_path, capsys, monkeypatch):
     from tidal.launch.jobs import Job
 
     monkeypatch.chdir(ROOT)
-    _, path = spec_file(tmp_path, "submitted")
+    _, path = spec_file(tmp_path, "submitted", **ONE_WORKER)
     assert main(["submit", str(path), "--address", head]) == 0  # follows by default, like `ray job submit`
     out = capsys.readouterr().out
     job_id = out.split("submitted 'submitted' as ")[1].split()[0]
@@ -70,7 +70,7 @@ def test_submit_exits_by_the_outcome_no_wait_returns_at_once_and_stop_stops(head
     from tidal.launch.jobs import Job
 
     monkeypatch.chdir(ROOT)
-    _, path = spec_file(tmp_path, "to-stop", **{"train.steps": 5000, "checkpoint.every_steps": 1000})
+    _, path = spec_file(tmp_path, "to-stop", **{"train.steps": 5000, "checkpoint.every_steps": 1000, **ONE_WORKER})
     assert main(["submit", str(path), "--address", head, "--no-wait"]) == 0
     out = capsys.readouterr().out
     assert "[tidal] step" not in out

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import ROOT, tiny_spec
+from tests.conftest import ONE_WORKER, ROOT, tiny_spec
 from tests.slow_step import slow_env
 from tidal.launch.jobs import Job, submit
 from tidal.storage import QUARANTINE_FILE, RunDir, check_complete
@@ -31,7 +31,8 @@ def cluster_spec(tmp: Path, name: str, cluster_env: dict[str, str], step_s: floa
     hold = tmp / f"{name}.hold"
     hold.touch()
     spec = tiny_spec(tmp, name=name, **{
-        "train.steps": STEPS, "checkpoint.every_steps": 10, "train.log_every": 1,
+        "train.steps": STEPS, "checkpoint.every_steps": 10, "train.log_every": 1, **ONE_WORKER,
+        "train.global_batch": 8,  # two micro-batches a step, as two workers of 16 had
         "train.step_fn": "tests.slow_step:step", "worker_env": slow_env(step_s, hold),
         "checkpoint.storage": storage or cluster_env["TIDAL_STORAGE"],
         "tracking.uri": cluster_env["MLFLOW_TRACKING_URI"]})

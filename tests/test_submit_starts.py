@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import ROOT, tiny_spec
+from tests.conftest import ONE_WORKER, ROOT, tiny_spec
 from tidal.cli import main
 from tidal.launch.jobs import Job, connect, submit
 
@@ -25,7 +25,7 @@ def test_ten_jobs_from_one_folder_all_start(head, tmp_path, monkeypatch, capsys)
     a few steps; the other nine find the job complete and end at once, which keeps this cheap while
     each still starts its entrypoint."""
     monkeypatch.chdir(ROOT)
-    spec = tiny_spec(tmp_path, name="ten", **{"train.steps": 4, "checkpoint.every_steps": 4})
+    spec = tiny_spec(tmp_path, name="ten", **{"train.steps": 4, "checkpoint.every_steps": 4, **ONE_WORKER})
     path = tmp_path / "ten.yaml"
     path.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
     first = submit(spec, head, ROOT)
