@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import tiny_spec
+from tests.conftest import ONE_WORKER, tiny_spec
 from tidal.cli import main
 from tidal.launch.sweep import _fingerprint, _trial_base
 from tidal.launch.sweep_state import SWEEP_FILE, SweepState, new_trials, plan_trials
@@ -35,7 +35,8 @@ class Planted:
 @pytest.mark.usefixtures("ray_local")
 def test_a_planted_tuner_pickle_never_runs_and_the_sweep_resumes(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # MLflow puts a SQLite store's artifacts under ./mlruns
-    spec = tiny_spec(tmp_path, name="rs", **{"train.steps": 4, "checkpoint.every_steps": 4, "train.log_every": 2})
+    spec = tiny_spec(tmp_path, name="rs", **{"train.steps": 4, "checkpoint.every_steps": 4, "train.log_every": 2,
+                                                   **ONE_WORKER})
     path = tmp_path / "rs.yaml"
     path.write_text(yaml.safe_dump({k: v for k, v in spec.model_dump(mode="json").items() if k != "sweep"}))
     # An interrupted sweep: trial 0 completed, trial 1 was running when it stopped.
