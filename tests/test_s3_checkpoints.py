@@ -1,7 +1,7 @@
 """Checkpoints on object storage (a real S3 API: moto's server on 127.0.0.1), as on a cluster whose
 on-prem and cloud nodes share nothing else: resizes resume from the newest checkpoint with nothing
 quarantined, --restart sets the run aside, a finished job is not run again, retention holds, and
-only a checkpoint proven corrupt is ever condemned."""
+only a checkpoint proven corrupt or unsafe is ever condemned."""
 
 from __future__ import annotations
 
@@ -11,7 +11,15 @@ import tidal
 from tests.conftest import metric_history, tiny_spec
 from tests.golden import reference_losses
 from tidal import fs
-from tidal.storage import QUARANTINE_FILE, RunDir, check_complete, checkpoint_dir_name
+from tidal.storage import (
+    QUARANTINE_FILE,
+    UNSAFE,
+    RunDir,
+    check_complete,
+    checkpoint_dir_name,
+    manifest_name,
+)
+from tidal.worker import fetch
 from tidal.worker.snapshot import WRITE_DELAY_ENV
 
 # The S3 server's address must be in the environment before this module's Ray instance starts.
@@ -82,38 +90,54 @@ def test_finished_job_restart_and_retention_on_s3(tmp_path, bucket, capsys):
     assert "checkpoint_000000012/tidal-state.json" in fs.files_under(store, f"{root}/{aside[0]}")
 
 
-def test_a_corrupt_checkpoint_is_quarantined_and_a_failed_load_of_the_one_before_is_retried(tmp_path, bucket):
-    """Two faults in one resume. The newest checkpoint's model file is garbage of the right size
-    (bit rot): it is quarantined and the next attempt resumes from the checkpoint before it. That
-    load then raises once (as an out-of-memory or a network error would): nothing is wrong with
-    that checkpoint, so it is not condemned; Ray restarts the group and the same checkpoint loads."""
-    flag = tmp_path / "fail-next-load"
-    spec = tiny_spec(tmp_path, name="rotten", **{"train.steps": 16, "checkpoint.every_steps": 6,
+def test_an_unsafe_manifest_a_corrupt_file_and_a_failed_load_cost_one_resume_and_condemn_only_the_bad(tmp_path,
+                                                                                                      bucket):
+    """Three faults of what storage holds, met by one resume from the newest checkpoint back:
+    - step 12's manifest names a file outside its checkpoint (what a writer of one object under the
+      run's prefix can do: on S3 `global_step12/../../x` is the key `<run>/x`, which exists, so the
+      checkpoint counted as complete): condemned before anything loads, nothing written outside the
+      restore cache;
+    - step 8's model file is garbage of the right size (bit rot): quarantined when it does not
+      unpickle, and Ray restarts the group;
+    - step 4's load raises once (as an out-of-memory or a network error would): nothing is wrong
+      with it, so it is not condemned; Ray restarts the group and the same checkpoint loads."""
+    flag, cache = tmp_path / "fail-next-load", tmp_path / "cache"
+    spec = tiny_spec(tmp_path, name="rotten", **{"train.steps": 16, "checkpoint.every_steps": 4,
                                                  "checkpoint.storage": f"{bucket}/runs", "failure.max_restarts": 3,
                                                  "model.builder": "tests.custom_model:build_flaky_load"})
-    spec = spec.with_overrides({"worker_env": {"TIDAL_TEST_LOAD_FAULT": str(flag)}})
+    spec = spec.with_overrides({"worker_env": {"TIDAL_TEST_LOAD_FAULT": str(flag), fetch.CACHE_ENV: str(cache)}})
     tidal.run(spec.with_overrides({"train.stop_at": 12}))
     run = RunDir(spec.checkpoint.storage, spec.name)
-    newest, before = run.checkpoints()[:2]
+    twelve, eight, four = run.checkpoints()[:3]
+    with run.fs.open_output_stream(f"{run.path}/x") as f:
+        f.write(b"abc")
+    manifest = fs.read_json(run.fs, f"{twelve}/{manifest_name(1)}")
+    manifest["files"] = {"global_step12/../../x": 3, **manifest["files"]}
+    fs.write_json(run.fs, f"{twelve}/{manifest_name(1)}", manifest)
     # The model's file: DeepSpeed reads it before it loads the model (FlakyLoad), so this attempt
     # fails on the garbage alone and the injected failure waits for the checkpoint before it.
-    victim = next(rel for rel in fs.files_under(run.fs, newest) if rel.endswith("model_states.pt"))
-    size = fs.files_under(run.fs, newest)[victim]
-    with run.fs.open_output_stream(f"{newest}/{victim}") as f:  # same size, garbage inside: bit rot
+    victim = next(rel for rel in fs.files_under(run.fs, eight) if rel.endswith("model_states.pt"))
+    size = fs.files_under(run.fs, eight)[victim]
+    with run.fs.open_output_stream(f"{eight}/{victim}") as f:  # same size, garbage inside: bit rot
         f.write(b"\0" * size)
     flag.write_text("once")
 
     result = tidal.run(spec)
 
-    marker = fs.read_json(run.fs, f"{newest}/{QUARANTINE_FILE}")
+    assert result.error is None, result.error
+    condemned = fs.read_json(run.fs, f"{twelve}/{QUARANTINE_FILE}")
+    assert condemned is not None and UNSAFE in condemned["error"], condemned
+    marker = fs.read_json(run.fs, f"{eight}/{QUARANTINE_FILE}")
     assert marker is not None and "does not unpickle" in marker["error"] and victim.rsplit("/", 1)[-1] in marker["error"]
     assert not flag.exists(), "the injected failure happened"
-    assert names(run, QUARANTINE_FILE) == [f"{newest.rsplit('/', 1)[-1]}/{QUARANTINE_FILE}"], "only the corrupt one"
-    assert before.endswith(checkpoint_dir_name(6))
+    assert four.endswith(checkpoint_dir_name(4))
+    assert names(run, QUARANTINE_FILE) == [f"{p.rsplit('/', 1)[-1]}/{QUARANTINE_FILE}" for p in (eight, twelve)], \
+        "only the two bad ones"
+    assert not list(cache.rglob("x")), "nothing written outside its folder"
     assert sorted(metric_history(spec, result.mlflow_run_id, "loss")) == list(range(1, 17))
-    assert metric_history(spec, result.mlflow_run_id, "restarts")[16] >= 2, "both faults failed an attempt"
-    # Each resume went back to step 6 (a rank that loaded may say so in the attempt its peer failed)
-    assert metric_history(spec, result.mlflow_run_id, "max_steps_lost")[16] == 6, "resumed from step 6, not from scratch"
+    assert metric_history(spec, result.mlflow_run_id, "restarts")[16] >= 2, "both load faults failed an attempt"
+    # Each resume went back to step 4 (a rank that loaded may say so in the attempt its peer failed)
+    assert metric_history(spec, result.mlflow_run_id, "max_steps_lost")[16] == 8, "resumed from step 4, not from scratch"
 
 
 @pytest.mark.extended  # outside the suite's budget (pyproject.toml): background writes run in test_async_checkpoint
