@@ -100,7 +100,7 @@ def one_worker_spec(tmp: Path, name: str, steps: int, step_s: float, hold: Path 
     folder = tmp / name
     folder.mkdir()
     return tiny_spec(folder, name=name, **{
-        "scaling.min_workers": 1, "scaling.max_workers": 1, "scaling.cpus_per_worker": 1, "train.steps": steps,
+        **ONE_WORKER, "scaling.cpus_per_worker": 1, "train.steps": steps,
         "train.micro_batch": 4, "train.global_batch": 8, "checkpoint.every_steps": 5,
         "train.step_fn": "tests.slow_step:step", "worker_env": slow_env(step_s, hold)})
 

@@ -9,7 +9,7 @@ import math
 import pytest
 
 import tidal
-from tests.conftest import metric_history, tiny_spec
+from tests.conftest import ONE_WORKER, metric_history, tiny_spec
 from tests.golden import reference_losses
 from tests.helpers import run_killing_a_worker
 from tidal.eval_best import best_checkpoint
@@ -45,7 +45,7 @@ def test_eval_loss_is_logged_once_per_eval_step_across_a_restart(tmp_path):
 
 def test_best_checkpoint_survives_retention_and_early_stopping_ends_the_job(tmp_path, capfd):
     # one worker: retention and early stopping are the driver's decisions, the same at any size
-    good = tiny_spec(tmp_path, name="best", **{"scaling.min_workers": 1, "scaling.max_workers": 1,
+    good = tiny_spec(tmp_path, name="best", **{**ONE_WORKER,
                                                "train.steps": 16, "checkpoint.every_steps": 4, "checkpoint.keep": 1,
                                                "checkpoint.keep_best": {"metric": "eval_loss"},
                                                "eval": {"every_steps": 4, "batches": 2}})

@@ -9,7 +9,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 import tidal
-from tests.conftest import metric_history, tiny_spec
+from tests.conftest import ONE_WORKER, metric_history, tiny_spec
 from tidal.tracking.findings import INPUT_BOUND_TAG, summary_lines
 from tidal.worker.input_bound import InputWatch, Interval, PhaseTotals, input_bound, wait_share
 
@@ -55,7 +55,7 @@ def test_a_job_with_a_slow_data_source_is_reported_input_bound(tmp_path, capfd):
         "model.builder": "tests.custom_model:build", "data.dataset": "tests.slow_data:dataset",
         "data.dataset_args": {"n": 256, "vocab": 64, "seq_len": 16, "sleep_s": 0.004},
         "data.input_bound_intervals": 3, "train.steps": 12, "train.log_every": 2, "checkpoint.every_steps": 12,
-        "scaling.min_workers": 1, "scaling.max_workers": 1,  # one rank waits as two would: a worker's start less
+        **ONE_WORKER,  # one rank waits as two would
     })
     result = tidal.run(spec)
     out = capfd.readouterr().out

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import tiny_spec
+from tests.conftest import ONE_WORKER, tiny_spec
 from tidal.cli import main
 from tidal.errors import TidalError
 from tidal.launch.result import RunResult
@@ -164,7 +164,7 @@ def test_no_sink_of_a_job_holds_its_credentials(tmp_path, bucket) -> None:
     try:
         tracking = f"http://tidal:{TRACKING_SECRET}@127.0.0.1:{server.port}"
         spec = tiny_spec(tmp_path, name="creds", **{
-            "train.steps": 8, "checkpoint.every_steps": 4, "scaling.min_workers": 1, "scaling.max_workers": 1,
+            "train.steps": 8, "checkpoint.every_steps": 4, **ONE_WORKER,
             "checkpoint.storage": f"s3://AKIATEST:{STORAGE_SECRET}@{bucket[len('s3://'):]}/runs", "tracking.uri": tracking})
         job = tmp_path / "job.yaml"
         job.write_text(json.dumps(spec.model_dump(mode="json")))  # JSON is YAML

@@ -38,9 +38,7 @@ def venv_tool(name: str) -> str:
 
 def free_port() -> int:
     """A TCP port nobody listens on now, on 127.0.0.1 (what every test server binds)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 def free_ports(n: int, exclude: Collection[int] = ()) -> list[int]:
