@@ -18,7 +18,7 @@ it. The faults:
 - node: a worker node removed (the job shrinks to 1 worker), and returned some seconds later
   (it grows back to 2 when Ray Train next looks);
 - resize restore: a node removed and the surviving worker killed while it restores the 2-worker
-  checkpoint at 1 worker: inside the direct ZeRO-1/2 resize (tidal.worker.repartition: once its
+  checkpoint at 1 worker: inside the direct ZeRO-1/2 resize (tidal.worker.checkpoint.repartition: once its
   byte-range copy has begun in the node's restore cache), or inside the universal conversion of a
   checkpoint that still converts;
 - driver: SIGKILL of the `tidal run` process, then the same command again (it resumes);
@@ -57,8 +57,8 @@ from tidal.storage import RunDir, check_complete
 from tidal.testing.clusters import raylet_cluster
 from tidal.testing.processes import our_processes
 from tidal.testing.servers import MlflowServer, moto_s3
-from tidal.worker.fetch import CACHE_ENV, PREFIX
-from tidal.worker.repartition import COPIES
+from tidal.worker.checkpoint.fetch import CACHE_ENV, PREFIX
+from tidal.worker.checkpoint.repartition import COPIES
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "reliability.md"
 SECTION = "Combined faults"
@@ -105,7 +105,7 @@ def restore_cache(trace: Path) -> Path:
 
 
 def _copies(cache: Path) -> set[Path]:
-    """The folders of the direct resizes' copies in `cache` (tidal.worker.repartition)."""
+    """The folders of the direct resizes' copies in `cache` (tidal.worker.checkpoint.repartition)."""
     return set(cache.glob(f"{PREFIX}*/{COPIES}*"))
 
 
@@ -115,7 +115,7 @@ def _resizing(cache: Path, before: set[Path]) -> bool:
 
 
 def _converting(run: RunDir) -> bool:
-    """Rank 0's status for a resize's universal conversion says it is under way (tidal.worker.universal)."""
+    """Rank 0's status for a resize's universal conversion says it is under way (tidal.worker.checkpoint.universal)."""
     from tidal import fs
 
     for folder in run.checkpoints()[:2]:

@@ -145,7 +145,7 @@ class Trainer:
         """Train `steps` steps; returns the wall time, device work included."""
         sync(self.device)
         t0 = time.perf_counter()
-        saves = sys.modules.get("tidal.worker.checkpoint")  # once saves began: the loop's wait for a live write (CPU)
+        saves = sys.modules.get("tidal.worker.checkpoint.save")  # once saves began: the loop's wait for a live write (CPU)
         for _ in range(steps):
             self.step += 1
             for tokens, targets in self.batches.for_step(self.step):
@@ -188,7 +188,7 @@ def build(args: argparse.Namespace, storage: Path, device: torch.device) -> tupl
 
 # --- checkpoints ----------------------------------------------------------------------------
 def tidal_checkpoint_module(storage: Path, name: str) -> Any:
-    """`tidal.worker.checkpoint` with `ray.train` standing in as Ray Train does for a local storage
+    """`tidal.worker.checkpoint.save` with `ray.train` standing in as Ray Train does for a local storage
     path: `report` runs the `checkpoint_upload_fn` (in one background thread for ASYNC, as Ray's
     upload thread pool does; inline for SYNC) and then deletes the reported local folder."""
     import enum
@@ -226,17 +226,17 @@ def tidal_checkpoint_module(storage: Path, name: str) -> Any:
     train = types.SimpleNamespace(report=report, Checkpoint=Checkpoint, CheckpointUploadMode=Mode,
                                   get_context=lambda: types.SimpleNamespace(get_storage=lambda: where))
     try:
-        import ray.train  # noqa: F401 - checkpoint.py imports it; without Ray, a stand-in module
+        import ray.train  # noqa: F401 - checkpoint/save.py imports it; without Ray, a stand-in module
     except ImportError:
         stub = types.ModuleType("ray")
         stub.train = types.ModuleType("ray.train")  # type: ignore[attr-defined]
         sys.modules.setdefault("ray", stub)
         sys.modules.setdefault("ray.train", stub.train)  # type: ignore[attr-defined]
-    from tidal.worker import checkpoint
+    from tidal.worker.checkpoint import save
 
-    checkpoint.ray = types.SimpleNamespace(train=train)
-    checkpoint.flush = lambda: uploads.submit(lambda: None).result()  # wait for the writes in flight
-    return checkpoint
+    save.ray = types.SimpleNamespace(train=train)
+    save.flush = lambda: uploads.submit(lambda: None).result()  # wait for the writes in flight
+    return save
 
 
 def check_written(run: Path, weights: dict[str, torch.Tensor]) -> None:

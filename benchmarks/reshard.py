@@ -1,6 +1,6 @@
 """How long a resize's universal conversion takes, and its peak local disk: DeepSpeed's
 `ds_to_universal` with one extract and one merge worker (Tidal's conversion before issue #35)
-against Tidal's conversion now (tidal.worker.universal: only the listed files, parallel workers
+against Tidal's conversion now (tidal.worker.checkpoint.universal: only the listed files, parallel workers
 sized to the CPUs and memory), alternating, every pair reported.
 
     python -m benchmarks.reshard --pairs 4 --width 4096 --layers 8     # ~134M params, ~2.1 GB
@@ -78,7 +78,7 @@ def build(folder: Path, width: int, layers: int) -> int:
 
 
 def disk_bytes(st: os.stat_result) -> int:
-    """What a file holds on disk: a sparse copy (tidal.worker.share, .repartition) only its data."""
+    """What a file holds on disk: a sparse copy (tidal.worker.checkpoint.share, .repartition) only its data."""
     return min(st.st_size, st.st_blocks * 512)
 
 
@@ -124,9 +124,9 @@ def old_way(ckpt: Path, work: Path) -> tuple[float, int]:
 
 
 def new_way(ckpt: Path, work: Path) -> tuple[float, int]:
-    """Tidal's conversion (tidal.worker.universal._convert): listed files, parallel workers, published."""
+    """Tidal's conversion (tidal.worker.checkpoint.universal._convert): listed files, parallel workers, published."""
     from tidal.storage import Found, check_complete
-    from tidal.worker import fetch, universal
+    from tidal.worker.checkpoint import fetch, universal
 
     os.environ[fetch.CACHE_ENV] = str(work / "cache")
     _, state = check_complete(pafs.LocalFileSystem(), str(ckpt))

@@ -6,11 +6,11 @@
     python -m benchmarks.resize_cost measure --rounds 4 --d-model 1024 --layers 8 --zero-stage 3
 
 `paper`: 7B and 70B, ZeRO-2 and ZeRO-3, 8-GPU nodes, 8 -> 16 -> 8 nodes, from the same functions a
-restore runs: `tidal.worker.fetch.rank_files` picks each rank's files of a listing laid out as
-DeepSpeed writes it, `tidal.worker.share.partition` a ZeRO-3 rank's share of each universal file,
-`tidal.worker.universal_spread.share` and `.owners` each rank's part of the conversion (its old
+restore runs: `tidal.worker.checkpoint.fetch.rank_files` picks each rank's files of a listing laid out as
+DeepSpeed writes it, `tidal.worker.checkpoint.share.partition` a ZeRO-3 rank's share of each universal file,
+`tidal.worker.checkpoint.universal_spread.share` and `.owners` each rank's part of the conversion (its old
 partitions, the parameters it merges); requests are those of
-`tidal.worker.restore` (rank 0 lists and verifies once, each rank asks for its own files). Bandwidths
+`tidal.worker.checkpoint.restore` (rank 0 lists and verifies once, each rank asks for its own files). Bandwidths
 are stated, not measured; the conversion's own compute is left out (it adds to the resize time).
 
 `measure`: rounds alternate a same-size resume (2 -> 2), a shrink (2 -> 1) and a grow (1 -> 2) of one
@@ -35,7 +35,7 @@ from pathlib import Path
 from benchmarks.common import history, in_turn, latest_run_id, tidal_run, write_spec
 from benchmarks.reshard import DiskPeak, disk_bytes
 from tidal.spec.job import JobSpec
-from tidal.worker import fetch, repartition, repartition_zero3, share, universal_spread
+from tidal.worker.checkpoint import fetch, repartition, repartition_zero3, share, universal_spread
 
 GB = 1e9
 
@@ -163,14 +163,14 @@ def zero3_share_bytes(listing: dict[str, int], world: int, rank: int) -> int:
     for rel, size in listing.items():
         if share.sliced(rel):
             lo, hi = share.partition(size // 4, world, rank)
-            out += 4 * (hi - lo) + 2048  # the archive's directory and pickle (tidal.worker.share.layout)
+            out += 4 * (hi - lo) + 2048  # the archive's directory and pickle (tidal.worker.checkpoint.share.layout)
         else:
             out += size
     return out
 
 
 # A direct ZeRO-1/2 resize reads, per old partition file it touches, its size, both ends (share.EDGE
-# each) and one range per partitioned tensor (fp32 master, exp_avg, exp_avg_sq): tidal.worker.repartition.
+# each) and one range per partitioned tensor (fp32 master, exp_avg, exp_avg_sq): tidal.worker.checkpoint.repartition.
 DIRECT_REQUESTS_PER_FILE = 1 + 2 + 3
 
 
@@ -184,7 +184,7 @@ def _direct(nodes: list[int], requests: int, new_nodes: int, node_bps: float, st
 
 def direct_row(m: Model, old_world: int, new_nodes: int, gpus: int, ckpt: dict[str, int],
                node_bps: float, store_bps: float, verify: int) -> dict[str, float]:
-    """A ZeRO-2 resize by byte range (tidal.worker.repartition.pieces): each rank reads its new
+    """A ZeRO-2 resize by byte range (tidal.worker.checkpoint.repartition.pieces): each rank reads its new
     partition's slices of the old partitions (12 bytes an element) and the archives' ends; each node
     the bf16 module once. No conversion: what a node reads is what it holds after, on disk too."""
     n, new_world = sum(m.tensors().values()), new_nodes * gpus
@@ -205,7 +205,7 @@ SUB_GROUP = 10**9  # DeepSpeed's ZeRO-3 sub_group_size, which Tidal leaves as it
 
 def zero3_direct_row(m: Model, old_world: int, new_nodes: int, gpus: int, ckpt: dict[str, int],
                      node_bps: float, store_bps: float, verify: int) -> dict[str, float]:
-    """A ZeRO-3 resize by byte range (tidal.worker.repartition_zero3.pieces, sub-groups cut by
+    """A ZeRO-3 resize by byte range (tidal.worker.checkpoint.repartition_zero3.pieces, sub-groups cut by
     `layout` at each size): each rank reads its new partitions' slices of the old ones (fp32 master,
     exp_avg, exp_avg_sq: a record each, 12 bytes an element) and the ends of each old file it
     touches; each node old rank 0's model states once. A read per run of slices end to end
@@ -236,7 +236,7 @@ def paper_row(m: Model, stage: int, old_nodes: int, new_nodes: int, gpus: int, n
     tag = {rel.removeprefix("global_step1/"): size for rel, size in ckpt.items()}
     # Same-size restart: each node reads its ranks' files (fetch.rank_files), once per node.
     same = max(node_bytes([fetch.rank_files(tag, node * gpus + g) for g in range(gpus)]) for node in range(old_nodes))
-    # Requests (tidal.worker.restore): rank 0 lists the run, reads the state file and each rank's
+    # Requests (tidal.worker.checkpoint.restore): rank 0 lists the run, reads the state file and each rank's
     # manifest, asks about each listed file; each rank then asks for and reads each of its files.
     verify = 2 + old_world + len(ckpt)
     same_requests = verify + 2 * sum(len(fetch.rank_files(tag, r)) for r in range(old_world))

@@ -3,7 +3,7 @@
 
 The checkpoint under URI (a folder or s3:// prefix holding `global_step2`, written by
 tests.zero_checkpoint at OLD_WORLD ranks) is loaded into one engine by Tidal's direct repartition
-(tidal.worker.repartition, ZeRO-3: repartition_zero3) and into another through DeepSpeed's universal path (Tidal's spread
+(tidal.worker.checkpoint.repartition, ZeRO-3: repartition_zero3) and into another through DeepSpeed's universal path (Tidal's spread
 conversion, then DeepSpeed's universal loader). Prints one JSON line: what differs between the
 two engines' states (module, fp32 master partition, optimizer state), the losses of two more
 steps of each and Adam's step count in every partition after them, the bytes the direct load
@@ -21,7 +21,7 @@ import torch.distributed as dist
 from tests.zero_checkpoint import engine, join_group, train
 from tidal import fs
 from tidal.storage import Found
-from tidal.worker import repartition, repartition_zero3, restore, universal
+from tidal.worker.checkpoint import repartition, repartition_zero3, restore, universal
 
 TAG = "global_step2"
 

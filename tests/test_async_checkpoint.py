@@ -14,7 +14,7 @@ from tests.conftest import metric_history, tiny_spec
 from tests.golden import reference_losses
 from tests.helpers import kill, our_processes
 from tidal.storage import STATE_FILE, RunDir, check_complete, checkpoint_dir_name
-from tidal.worker.snapshot import WRITE_DELAY_ENV
+from tidal.worker.checkpoint.snapshot import WRITE_DELAY_ENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local")]
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from tidal.storage import STATE_FILE, check_complete, manifest_name
-from tidal.worker.host_buffers import Buffers
-from tidal.worker.snapshot import (
+from tidal.worker.checkpoint.host_buffers import Buffers
+from tidal.worker.checkpoint.snapshot import (
     COPY,
     LIVE,
     WRITE_DELAY_ENV,
@@ -197,7 +197,7 @@ def test_writes_held_by_rays_report_queue_are_measured_and_named(tmp_path: Path)
     assert held >= 0.25, "four saves at once through a queue emptied every 0.3 s wait for about a poll"
     assert _ray_hand_over(StorageWriter(), tmp_path / "fast", saves=4, poll_s=0.001) < 0.1
 
-    from tidal.worker.checkpoint import ray_backlog
+    from tidal.worker.checkpoint.save import ray_backlog
 
     note = ray_backlog(held, every_steps=2, interval_s="1")
     assert note is not None and "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S = 1 s" in note

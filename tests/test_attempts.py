@@ -5,7 +5,7 @@ grow's universal conversion counted them as a rank (`shape '[N]' is invalid for 
 2N`) and failed on every restart.
 
 Rank 0's pause (TIDAL_CHECKPOINT_WRITE_DELAY_S) comes right before its write waits for the event
-log (`before_manifest`, tidal.worker.snapshot), so the kill leaves the checkpoint as a crash during
+log (`before_manifest`, tidal.worker.checkpoint.snapshot), so the kill leaves the checkpoint as a crash during
 that wait would: every file written, no manifest. That a manifest never precedes the events of the
 steps before it is test_async_checkpoint_unit's; so this is also "a crash during the event-log
 wait, then a resize": the steps whose events may be missing are after the resume point, trained
@@ -32,7 +32,7 @@ from tidal.storage import (
     listed_files,
     manifest_name,
 )
-from tidal.worker.snapshot import WRITE_DELAY_ENV
+from tidal.worker.checkpoint.snapshot import WRITE_DELAY_ENV
 
 # The S3 server's address must be in the environment before this module's Ray instance starts.
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("s3_server", "ray_local")]

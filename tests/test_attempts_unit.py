@@ -26,8 +26,8 @@ from tidal.storage import (
     manifest_name,
     stale_checkpoints,
 )
-from tidal.worker.host_buffers import Buffers
-from tidal.worker.snapshot import COPY, SnapshotEngine, write_checkpoint
+from tidal.worker.checkpoint.host_buffers import Buffers
+from tidal.worker.checkpoint.snapshot import COPY, SnapshotEngine, write_checkpoint
 
 
 @pytest.fixture(params=STORAGES)

@@ -22,6 +22,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("tidal", "tidal.__main__", "tidal.cli", "tidal.testing"),
     ("tidal.launch", "tidal.exporter"),
     ("tidal.worker", "tidal.eval_best", "tidal.job_end"),
+    ("tidal.worker.checkpoint",),
     ("tidal.tracking",),
     ("tidal.storage", "tidal.lease", "tidal.cluster", "tidal.admission"),
     ("tidal.fs", "tidal.exclusive", "tidal.errors", "tidal.output", "tidal.version", "tidal.ray_private", "tidal.redact",

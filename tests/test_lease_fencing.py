@@ -20,8 +20,8 @@ from tidal.tracking.buffer import MetricsBuffer
 from tidal.tracking.emitter import Emitter
 from tidal.tracking.tracker import Tracker
 from tidal.worker import plan
+from tidal.worker.checkpoint.snapshot import write_checkpoint
 from tidal.worker.logsync import LogSync
-from tidal.worker.snapshot import write_checkpoint
 
 STEP = {"loss": 1.0, "tokens_per_s": 1.0, "samples_per_s": 1.0, "mfu": 0.1, "world_size": 2}
 

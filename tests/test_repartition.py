@@ -1,4 +1,4 @@
-"""A ZeRO-1/2 resize without a universal conversion (tidal.worker.repartition): the plan alone
+"""A ZeRO-1/2 resize without a universal conversion (tidal.worker.checkpoint.repartition): the plan alone
 against DeepSpeed's own partitioning, which checkpoints it takes, then real checkpoints saved by a
 DeepSpeed group and loaded at another size by real ranks (processes on gloo), on a folder and on
 the S3 test server, compared with DeepSpeed's universal path. No Ray."""
@@ -20,10 +20,10 @@ from tests.conftest import tiny_spec
 from tidal import fs
 from tidal.storage import Found
 from tidal.testing.processes import free_port
-from tidal.worker import fetch, share
-from tidal.worker import repartition_zero3 as zero3
-from tidal.worker.host_buffers import Buffers
-from tidal.worker.repartition import direct, merged, partition_size, pieces
+from tidal.worker.checkpoint import fetch, share
+from tidal.worker.checkpoint import repartition_zero3 as zero3
+from tidal.worker.checkpoint.host_buffers import Buffers
+from tidal.worker.checkpoint.repartition import direct, merged, partition_size, pieces
 
 ROOT = Path(__file__).resolve().parents[1]
 TAG = "global_step8"

@@ -40,5 +40,5 @@ def test_resume_across_world_sizes(tmp_path, stage):
     assert [world[s] for s in (6, 7, 12, 13, 18)] == [2, 1, 1, 2, 2]
     for step in range(1, 19):  # 1 and 2 workers agree to float tolerance (see test_train)
         assert got[step] == pytest.approx(expected[step], rel=1e-4), step
-    # ZeRO-1/2 resize by byte range (tidal.worker.repartition): no universal conversion is made
+    # ZeRO-1/2 resize by byte range (tidal.worker.checkpoint.repartition): no universal conversion is made
     assert not list((tmp_path / "runs" / f"resized{stage}").glob("checkpoint_*/global_step*_universal*"))

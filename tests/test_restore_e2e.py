@@ -29,7 +29,7 @@ from tests.helpers import run_killing_a_worker
 from tests.slow_step import slow_env
 from tidal import fs
 from tidal.storage import QUARANTINE_FILE, RunDir, checkpoint_dir_name, listed_files
-from tidal.worker import fetch, universal
+from tidal.worker.checkpoint import fetch, universal
 
 pytestmark = [pytest.mark.slow]
 
@@ -157,7 +157,7 @@ def converters(me: psutil.Process) -> list[psutil.Process]:
     found = []
     for p in me.children(recursive=True):
         try:
-            if "tidal.worker.universal" in " ".join(p.cmdline()):
+            if "tidal.worker.checkpoint.universal" in " ".join(p.cmdline()):
                 found.append(p)
         except psutil.Error:
             pass

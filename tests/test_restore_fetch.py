@@ -18,7 +18,7 @@ from tests.conftest import ROOT, free_port
 from tidal import fs
 from tidal.errors import CheckpointError
 from tidal.storage import QUARANTINE_FILE, STATE_FILE, Found, manifest_name
-from tidal.worker import fetch, restore, universal
+from tidal.worker.checkpoint import fetch, restore, universal
 
 LISTED = {
     "mp_rank_00_model_states.pt": 10,
@@ -76,7 +76,7 @@ def s3_checkpoint(bucket: str, files: dict[str, bytes]) -> Found:
 RANK_FETCH = """
 import json, sys, time
 from tidal import fs
-from tidal.worker import fetch
+from tidal.worker.checkpoint import fetch
 store, root = fs.resolve(sys.argv[1])
 files = json.loads(sys.argv[2])
 with fetch.NodeCache(root, name="job") as cache:

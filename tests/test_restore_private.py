@@ -16,7 +16,7 @@ import torch
 from tests.fakes import evil
 from tidal import fs
 from tidal.storage import Found
-from tidal.worker import fetch, restore, safe_load, universal
+from tidal.worker.checkpoint import fetch, restore, safe_load, universal
 
 
 class UnsafeLoader:

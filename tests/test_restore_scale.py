@@ -16,7 +16,7 @@ import torch
 
 from tests.fakes import Counting
 from tidal.storage import STATE_FILE, RunDir, manifest_name
-from tidal.worker import fetch, restore
+from tidal.worker.checkpoint import fetch, restore
 
 
 def zero2_checkpoint(root: Path, world: int) -> str:

@@ -18,7 +18,7 @@ from tests.extra_state_model import NUMPY_SCALAR
 from tidal import fs
 from tidal.errors import TidalError
 from tidal.storage import QUARANTINE_FILE, UNSAFE, RunDir, checkpoint_dir_name, manifest_name
-from tidal.worker import fetch
+from tidal.worker.checkpoint import fetch
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local")]
 

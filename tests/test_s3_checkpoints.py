@@ -19,8 +19,8 @@ from tidal.storage import (
     checkpoint_dir_name,
     manifest_name,
 )
-from tidal.worker import fetch
-from tidal.worker.snapshot import WRITE_DELAY_ENV
+from tidal.worker.checkpoint import fetch
+from tidal.worker.checkpoint.snapshot import WRITE_DELAY_ENV
 
 # The S3 server's address must be in the environment before this module's Ray instance starts.
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("s3_server", "ray_local")]

@@ -14,7 +14,7 @@ import torch
 from tests.extra_state_model import NUMPY_SCALAR, Scaled
 from tidal.errors import CheckpointError, SpecError
 from tidal.spec.job import JobSpec
-from tidal.worker import safe_load
+from tidal.worker.checkpoint import safe_load
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""Loading a checkpoint never runs code (tidal.worker.safe_load): a pickle planted in a checkpoint
+"""Loading a checkpoint never runs code (tidal.worker.checkpoint.safe_load): a pickle planted in a checkpoint
 folder on a real S3 API never runs. Unlisted, it is never opened: resume and export work and the
 checkpoint is not condemned. Replacing a listed file (same size, so only unpickling can tell), the
 load refuses it with a clear error, the checkpoint is quarantined as damaged, and the job goes on
@@ -18,7 +18,12 @@ import torch
 
 from tests.conftest import tiny_spec
 from tidal.errors import CheckpointError
-from tidal.worker.safe_load import UnsafeCheckpointFile, allowed_globals, check_files, safe_load
+from tidal.worker.checkpoint.safe_load import (
+    UnsafeCheckpointFile,
+    allowed_globals,
+    check_files,
+    safe_load,
+)
 
 
 class RunsCode:
@@ -63,7 +68,7 @@ def test_what_deepspeed_saves_loads() -> None:
 
 
 def test_the_damage_check_counts_a_refused_pickle_as_damage(tmp_path) -> None:
-    from tidal.worker.restore import file_damage
+    from tidal.worker.checkpoint.restore import file_damage
 
     marker = tmp_path / "ran"
     damage = file_damage(io.BytesIO(evil_bytes(marker)))

@@ -24,7 +24,7 @@ from tidal.storage import (
     listed_files,
     manifest_name,
 )
-from tidal.worker import fetch, universal
+from tidal.worker.checkpoint import fetch, universal
 
 BAD = ["global_step8/../../x", "/etc/passwd", "global_step8/./a.pt", "", "global_step8//a.pt", "..",
        "C:/x", "global_step8\\..\\..\\x"]

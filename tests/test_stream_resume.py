@@ -65,7 +65,7 @@ def test_a_streamed_job_resized_2_1_2_trains_the_windows_of_an_undisturbed_run(t
     assert sorted(got) == list(range(1, STEPS + 1))
     for step in range(1, STEPS + 1):  # the model and optimizer state through both resizes too
         assert got[step] == pytest.approx(expected[step], rel=1e-4), step
-    # ZeRO-1/2 resize by byte range (tidal.worker.repartition): no universal conversion is made
+    # ZeRO-1/2 resize by byte range (tidal.worker.checkpoint.repartition): no universal conversion is made
     assert spec.parallelism.zero_stage == 2
     assert not list((tmp_path / "runs" / "resized").glob("checkpoint_*/global_step*_universal*"))
 

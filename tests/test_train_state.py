@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from tidal.worker.checkpoint import Provenance, TrainState
+from tidal.worker.checkpoint.save import Provenance, TrainState
 
 # A state file as checkpoints written before TrainState shrank carry it.
 OLD = {"step": 40, "samples_seen": 1280, "tokens_seen": 81920, "world_size": 2, "zero_stage": 2,

@@ -1,4 +1,4 @@
-"""A resize's conversion spread over every rank (tidal.worker.universal_spread): the plan alone,
+"""A resize's conversion spread over every rank (tidal.worker.checkpoint.universal_spread): the plan alone,
 then real ZeRO-2 and ZeRO-3 checkpoints saved by a two-process DeepSpeed group, converted by
 simulated ranks together (threads, each with its own converter process, meeting through real
 storage: a folder and the S3 test server) into exactly what DeepSpeed's converter makes alone
@@ -23,8 +23,8 @@ from tidal import fs
 from tidal.errors import CheckpointError
 from tidal.storage import Found
 from tidal.testing.processes import free_port
-from tidal.worker import fetch, universal, universal_spread
-from tidal.worker.universal_spread import owned_files, owners, share
+from tidal.worker.checkpoint import fetch, universal, universal_spread
+from tidal.worker.checkpoint.universal_spread import owned_files, owners, share
 
 ROOT = Path(__file__).resolve().parents[1]
 Z2 = {"global_step8/mp_rank_00_model_states.pt": 10,
@@ -146,7 +146,7 @@ def checkpoints(tmp_path_factory) -> Callable[[int], Path]:
 
 @pytest.mark.slow
 # ZeRO-2 at 3 ranks is `extended` (outside the suite's budget, pyproject.toml): since resizes of ZeRO-1/2/3
-# go by byte range (worker/repartition.py), a conversion is made for what those cannot load, and ZeRO-3 is the harder layout.
+# go by byte range (worker/checkpoint/repartition.py), a conversion is made for what those cannot load, and ZeRO-3 is the harder layout.
 @pytest.mark.parametrize("stage,world,where", [pytest.param(2, 3, "local", marks=pytest.mark.extended), (3, 2, "s3")])
 def test_ranks_converting_together_make_what_deepspeed_makes_alone(checkpoints, stage, world, where, tmp_path,
                                                                    request, monkeypatch, capfd):

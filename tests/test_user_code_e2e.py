@@ -86,5 +86,5 @@ def test_resizes_across_zero3_keep_the_losses_and_passthrough_keys_reach_the_eng
     assert [world[s] for s in (20, 21, 40, 41, 60)] == [2, 1, 1, 2, 2]
     for step in expected:  # ZeRO-3 at 1 or 2 workers against ZeRO-2 at 2: equal to float tolerance
         assert got[step] == pytest.approx(expected[step], rel=1e-4), step
-    # Each new rank read its slices of the old partitions (tidal.worker.repartition_zero3): nothing converted
+    # Each new rank read its slices of the old partitions (tidal.worker.checkpoint.repartition_zero3): nothing converted
     assert not list((tmp_path / "runs" / "resized").glob("checkpoint_*/global_step*_universal*"))

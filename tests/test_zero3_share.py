@@ -20,7 +20,7 @@ import torch
 from tests.fakes import Counting
 from tidal import fs
 from tidal.storage import Found
-from tidal.worker import fetch, restore, share, universal
+from tidal.worker.checkpoint import fetch, restore, share, universal
 
 PARAMS = {"tok.weight": (1024, 512), "blocks.0.w": (512, 512), "blocks.0.b": (7,), "ln_f.bias": (1,)}
 

@@ -67,7 +67,7 @@ def main(out: str, stage: int, rank: int, world: int, port: int, width: int = 13
     join_group(rank, world, port)
     saver = engine(stage, width=width)
     train(saver, rank)
-    # what Tidal saves beside the state (tidal.worker.checkpoint): DeepSpeed converts nothing without it
+    # what Tidal saves beside the state (tidal.worker.checkpoint.save): DeepSpeed converts nothing without it
     saver.save_checkpoint(out, tag="global_step2",
                            client_state={"universal_checkpoint_info": {"universal_checkpoint_version": 0.4}})
 

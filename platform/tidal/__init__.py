@@ -9,6 +9,7 @@ layer and any below it:
     tidal (this SDK), tidal.cli           the user's entry points (and tidal.testing, for tests)
     tidal.launch, tidal.exporter          the driver: submit, run, sweep, export
     tidal.worker, tidal.eval_best         what runs in Ray Train's workers
+    tidal.worker.checkpoint               their checkpoints: save, restore, resize (below the loop)
     tidal.tracking                        the job's event log, ledger and MLflow writer
     tidal.storage, tidal.lease,           checkpoints in storage and the job's one live attempt;
       tidal.cluster, tidal.admission      clusters, sites and bursts; the team queue (quotas,

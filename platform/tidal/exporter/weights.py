@@ -22,7 +22,7 @@ from tidal import fs
 from tidal.errors import CheckpointError
 from tidal.spec.job import JobSpec
 from tidal.storage import check_complete, listed_files
-from tidal.worker.safe_load import allow, check_files, safe_load
+from tidal.worker.checkpoint.safe_load import allow, check_files, safe_load
 
 
 @contextlib.contextmanager
@@ -31,7 +31,7 @@ def consolidated(filesystem: pafs.FileSystem, path: str, step: int, spec: JobSpe
     the checkpoint folder `path`. Only the files of the step's DeepSpeed folder that the
     checkpoint's manifests list are read (a save that died may have left others there, which
     `zero_to_fp32` would count as ranks), through a temporary folder removed on exit."""
-    step_tag = f"global_step{step}"  # tidal.worker.checkpoint.tag, which would import Ray
+    step_tag = f"global_step{step}"  # tidal.worker.checkpoint.save.tag, which would import Ray
     allow(spec.checkpoint.safe_globals)  # the types the job's state may hold, for the weights-only loads here
     listed = listed_files(filesystem, path)
     if not listed:

@@ -277,7 +277,7 @@ FORWARDED_CHATTER = (
     # The raylet's notice of a worker process that died, with its ids and a pointer to its logs:
     # Tidal's own line names the rank that failed, why, and the restart (tracking/console.py).
     "A worker died or was killed while executing a task by an unexpected system error",
-    # A resize's conversion progress, should a Tidal older or newer than worker/universal.py print it
+    # A resize's conversion progress, should a Tidal older or newer than worker/checkpoint/universal.py print it
     # (that module keeps it in the log unless TIDAL_DEBUG=1); `[tidal] resize: converted ...` says it.
     "Resharding: ",
     # Ray Train's PlacementGroupCleaner where the State API is not served (no dashboard): every second.

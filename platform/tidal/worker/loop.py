@@ -20,7 +20,8 @@ import torch
 from tidal.admission.directive import resize_to
 from tidal.ray_private import HEALTH_CHECK_INTERVAL
 from tidal.spec.secrets import with_carried_spec
-from tidal.worker import checkpoint, plan
+from tidal.worker import plan
+from tidal.worker.checkpoint import save
 from tidal.worker.device import seed_step
 from tidal.worker.engine import is_pipeline
 from tidal.worker.logsync import Agreed
@@ -90,9 +91,9 @@ def _agree(s: Session, times: dict[str, float], may_check: bool, due_checkpoint:
     each since the last log step, whether to ask Ray now if a node of this group is being
     drained or reclaimed (its check is a barrier of its own), and whether a newer start of the
     job took its lease (rank 0 looks at most once a second, and afresh before a checkpoint)."""
-    # Checkpoint writes that optimizer steps waited for (checkpoint.before_update) count as
+    # Checkpoint writes that optimizer steps waited for (save.before_update) count as
     # blocked too; read once here, so this rank's figure and rank 0's metric agree.
-    s.gate_s = checkpoint.gate_waited()
+    s.gate_s = save.gate_waited()
     agreed = s.sync.exchange(s.loss_sum.item(), s.loss_n, times.get("busy_s"),
                              may_check and time.time() >= s.preemption_rearm_at, s.blocked_s + s.gate_s,
                              s.directive.target if s.directive is not None else s.telemetry.target,
@@ -154,12 +155,12 @@ def _save(s: Session, p: plan.StepPlan, metrics: dict[str, Any]) -> None:
     with s.watchdog.phase("save"):
         # A preemption warning's deadline cannot wait for a background write. (The last step's
         # may run in the background: Ray waits for it before the worker exits.)
-        saved = checkpoint.save(s.engine, s.state, s.written_by, metrics, s.batches.save_position,
+        saved = save.save(s.engine, s.state, s.written_by, metrics, s.batches.save_position,
                                 background=p.background, before_commit=before_commit)
     s.blocked_s += saved["checkpoint_blocked_s"]  # reaches the next log step's collective
     if s.rank == 0:
         s.events.checkpointed(p.step, saved)
-        if not s.backlog_said and (note := checkpoint.ray_backlog(
+        if not s.backlog_said and (note := save.ray_backlog(
                 saved["checkpoint_ray_held_s"], s.spec.checkpoint.every_steps, os.environ.get(HEALTH_CHECK_INTERVAL))):
             s.events.say(note, p.step)
             s.backlog_said = True  # once per worker group: the cause does not change
@@ -182,7 +183,7 @@ def _train_step(engine: Any, clock: PhaseClock, step_fn: Callable[[Any, Any], to
             loss = step_fn(engine, batch)
             engine.backward(loss)
         with clock.phase("optimizer_s"):
-            checkpoint.before_update(engine)  # a checkpoint written from the live state (CPU) ends first
+            save.before_update(engine)  # a checkpoint written from the live state (CPU) ends first
             engine.step()  # DeepSpeed steps the optimizer only at the accumulation boundary
         total += loss.detach().float().cpu()
         n += 1

@@ -26,7 +26,8 @@ from tidal.spec import secrets
 from tidal.spec.compile import compile_note, warmup_steps
 from tidal.spec.job import JobSpec
 from tidal.tracking.emitter import Emitter
-from tidal.worker import checkpoint, microbatch, repartition, restore
+from tidal.worker import microbatch
+from tidal.worker.checkpoint import repartition, restore, save
 from tidal.worker.data import Batches
 from tidal.worker.device import torch_device
 from tidal.worker.engine import build_engine, data_parallel_rank, param_count
@@ -46,8 +47,8 @@ class Session:
     device: torch.device
     events: Emitter
     engine: Any
-    state: checkpoint.TrainState
-    written_by: checkpoint.Provenance
+    state: save.TrainState
+    written_by: save.Provenance
     batches: Any  # Batches or StreamBatches
     evaluator: Any  # tidal.worker.evaluate.Evaluator, or None without spec.eval
     watchdog: StepWatchdog
@@ -61,7 +62,7 @@ class Session:
     sync: LogSync = field(default_factory=LogSync)
     loss_sum: torch.Tensor = field(default_factory=lambda: torch.zeros(1))
     loss_n: int = 0
-    blocked_s: float = 0.0  # this rank's seconds in checkpoint.save since the last log step
+    blocked_s: float = 0.0  # this rank's seconds in save.save since the last log step
     gate_s: float = 0.0  # this rank's optimizer waits for checkpoint writes, read at the last log step
     preemption_rearm_at: float = 0.0  # when to ask Ray about preemption again (time.time()); inf: never
     backlog_said: bool = False  # the Ray backlog note is said once per worker group
@@ -101,14 +102,14 @@ def open_session(config: dict[str, Any]) -> Session:
     # rank 0's event log, each rank's manifests, the first save's clearing (tidal/lease.py).
     lease = LeaseCheck.from_config(spec.checkpoint.storage, spec.name, config.get("lease"))
     events = Emitter(spec.checkpoint.storage, spec.name, fence=lease)
-    checkpoint.fence_writes(lease)
+    save.fence_writes(lease)
     device = torch_device()
     if rank == 0:
         abort_dead_uploads(spec, events)
 
     found = restore.agree_on_resume_point(spec)  # rank 0 decides; every rank loads the same one
     reshard = bool(found) and restore.needs_reshard(found.state, world)
-    direct = reshard and repartition.direct(spec, found, checkpoint.tag(found.step), world)
+    direct = reshard and repartition.direct(spec, found, save.tag(found.step), world)
     # train.micro_batch auto: the size this job chose, or searched now (a collective); a number from here on.
     spec = microbatch.choose(spec, world, device, rank, events.say,
                              lambda sp, eng: _batches(sp, config, eng, rank, world, device))
@@ -116,7 +117,7 @@ def open_session(config: dict[str, Any]) -> Session:
     engine = build_engine(spec, world, device, load_universal=reshard and not direct, resize=reshard)
     if rank == 0 and spec.parallelism.compile is not None:
         events.say(compile_note(spec.parallelism.compile))
-    state = checkpoint.TrainState()
+    state = save.TrainState()
     if found:
         state = restore.restore(engine, found, reshard, direct)
         if rank == 0:
@@ -128,7 +129,7 @@ def open_session(config: dict[str, Any]) -> Session:
     seat = config.get("admission") or {}  # admission/seat.py: the job's key and the size it was launched for
     return Session(
         spec, rank, world, device, events, engine, state,
-        checkpoint.Provenance(world, spec.parallelism.zero_stage, spec.resume_fingerprint(),
+        save.Provenance(world, spec.parallelism.zero_stage, spec.resume_fingerprint(),
                               sum(not p.requires_grad for p in engine.module.parameters())),
         batches, _evaluator(spec, rank, world, device, batches),
         StepWatchdog(spec.failure.step_timeout_s, rank, events, spec.failure.phase_timeout_s),

@@ -172,7 +172,7 @@ class SafeLoadEngine:
     model and optimizer states through its `load`: weights-only here, the rest delegated.
 
     `served`: states already in memory by file name (loaded weights-only, or built from such:
-    a direct ZeRO-3 resize's, tidal.worker.repartition_zero3), returned for those names; with
+    a direct ZeRO-3 resize's, tidal.worker.checkpoint.repartition_zero3), returned for those names; with
     it, DeepSpeed reads no file, and a name it does not hold is refused."""
 
     def __init__(self, inner: Any, served: dict[str, Any] | None = None) -> None:

@@ -1,9 +1,9 @@
 """A ZeRO-3 resize without a universal conversion: each new rank reads, by byte range, the slices
 of the old ranks' parameter partitions that make up its new ones, and nothing else.
 
-Why by hand: as for ZeRO-1/2 (tidal.worker.repartition), DeepSpeed resizes ZeRO-3 only through
+Why by hand: as for ZeRO-1/2 (tidal.worker.checkpoint.repartition), DeepSpeed resizes ZeRO-3 only through
 its universal format, a conversion that reads and writes the whole state (spread over the ranks
-here, tidal.worker.universal_spread, with several times a node's share on its disk at once).
+here, tidal.worker.checkpoint.universal_spread, with several times a node's share on its disk at once).
 
 What makes it exact (DeepSpeed's `stage3.py` and `partition_parameters.py`, checked against
 0.19.8): every parameter is partitioned alone, padded to a multiple of the world: rank r holds its
@@ -39,8 +39,8 @@ import torch.distributed as dist
 from tidal import fs
 from tidal.errors import CheckpointError
 from tidal.storage import Found
-from tidal.worker import fetch, safe_load
-from tidal.worker.repartition import COPIES, optim_name, shaped, sparse_copy
+from tidal.worker.checkpoint import fetch, safe_load
+from tidal.worker.checkpoint.repartition import COPIES, optim_name, shaped, sparse_copy
 
 log = logging.getLogger("tidal")
 

@@ -5,7 +5,7 @@ A save has two halves:
 1. **Snapshot** (the training thread waits): DeepSpeed's `save_checkpoint` runs as usual, but
    with `SnapshotEngine` as its checkpoint engine, which records each state dict DeepSpeed hands
    it instead of serializing it to a file. On a GPU, or into an object store, it copies every
-   tensor into one host block per file (page-locked on a GPU: DMA; see tidal.worker.host_buffers),
+   tensor into one host block per file (page-locked on a GPU: DMA; see tidal.worker.checkpoint.host_buffers),
    kept and reused by the next save, so a save after the first pays a copy, not page faults. On CPU into a filesystem a copy
    costs about as much as the write into the page cache it would spare, so the engine keeps the
    live tensors instead ("live" mode) and the next optimizer step, the first thing that changes
@@ -52,8 +52,8 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
 
 from tidal import fs
 from tidal.errors import CheckpointError
-from tidal.worker.host_buffers import Buffers, rebuilt, tensors_in
-from tidal.worker.safe_load import check_saveable, safe_load
+from tidal.worker.checkpoint.host_buffers import Buffers, rebuilt, tensors_in
+from tidal.worker.checkpoint.safe_load import check_saveable, safe_load
 
 log = logging.getLogger("tidal")
 
@@ -85,7 +85,7 @@ def snapshot_mode(background: bool, device_type: str, pipeline: bool, local_stor
 
 class SnapshotEngine(CheckpointEngine):
     """A DeepSpeed checkpoint engine that records what DeepSpeed would save, for a writer
-    (`mode`: see `snapshot_mode`). Loading is weights-only (tidal.worker.safe_load)."""
+    (`mode`: see `snapshot_mode`). Loading is weights-only (tidal.worker.checkpoint.safe_load)."""
 
     def __init__(self, root: Path, buffers: Buffers, mode: str, mutable: set[int] | None = None) -> None:
         super().__init__()
@@ -319,7 +319,7 @@ def _without_crc32() -> Iterator[None]:
     resume, and computing them was 2/3 of a save's CPU here: 31.6 vs 11.0 ms for 32 MB (median
     of 8, one thread), taken from a training core while the write overlaps the next step. What
     proves a checkpoint damaged stays: sizes against the manifest, and unpickling
-    (tidal.worker.restore). The option is process-wide and read when a torch.save starts: a
+    (tidal.worker.checkpoint.restore). The option is process-wide and read when a torch.save starts: a
     torch.save of the user's in another thread meanwhile writes no CRCs either, which torch.load
     does not mind."""
     before = torch.serialization.get_crc32_options()

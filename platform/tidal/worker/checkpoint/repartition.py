@@ -13,16 +13,16 @@ multiple of 2 x world; rank r holds `[r*P, (r+1)*P)` of that flat vector (P = pa
 world). So a new partition is a concatenation of slices of old ones (`pieces`, pure). Each slice
 of the fp32 master weights and of every optimizer state shaped like them (Adam's moments, SGD's
 momentum) is one byte range of an old rank's file: torch.save archives are stored uncompressed
-(tidal.worker.share). A rank copies those ranges and the archive's small records into a sparse
+(tidal.worker.checkpoint.share). A rank copies those ranges and the archive's small records into a sparse
 local file of the original's layout, loads it weights-only (never trusting storage), cuts its
 slices, and hands DeepSpeed's own loader the state DeepSpeed would have saved at the new size.
 
 The model states file (the module, the LR scheduler, the step counters) does not depend on the
 world size for ZeRO-1/2 and is loaded by DeepSpeed as at any resume, from the node's copy.
-ZeRO-3 resizes the same way, parameter by parameter (tidal.worker.repartition_zero3). Checkpoints
+ZeRO-3 resizes the same way, parameter by parameter (tidal.worker.checkpoint.repartition_zero3). Checkpoints
 this does not cover (pipeline or tensor parallel files, bf16 with ZeRO-1, which uses DeepSpeed's
 BF16 optimizer, NVMe offload, round-robin gradients, elastic checkpoints, ZeRO-3 with frozen
-parameters) resize through the universal conversion (tidal.worker.universal_spread) as before.
+parameters) resize through the universal conversion (tidal.worker.checkpoint.universal_spread) as before.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ from tidal.errors import CheckpointError
 from tidal.spec.deepspeed import ds_config
 from tidal.spec.job import JobSpec
 from tidal.storage import Found
-from tidal.worker import fetch, safe_load
-from tidal.worker.share import Edges, _data_start, meta_tree, write_sparse
+from tidal.worker.checkpoint import fetch, safe_load
+from tidal.worker.checkpoint.share import Edges, _data_start, meta_tree, write_sparse
 
 log = logging.getLogger("tidal")
 COPIES = ".repartition-"  # a new rank's sparse copies, in the node cache: `{COPIES}{world}-{rank}/`
@@ -228,12 +228,12 @@ def _ranges(f: Any, size: int, find: Find) -> list[tuple[int, int]]:
     pkl = [i for i in infos if i.filename.endswith("/data.pkl")]
     if len(pkl) != 1:
         raise CheckpointError("an optimizer partition without one pickle: not a torch.save archive")
-    # Read by offset, not `archive.read`: Tidal's saves write no CRC (tidal.worker.snapshot), which zipfile would reject.
+    # Read by offset, not `archive.read`: Tidal's saves write no CRC (tidal.worker.checkpoint.snapshot), which zipfile would reject.
     f.seek(_data_start(f, pkl[0]))
     tree, keys = _meta_tree(f.read(pkl[0].compress_size))
     prefix = pkl[0].filename[:-len("data.pkl")]
     # A record may hold several tensors: Tidal's saves into an object store put every tensor of a
-    # file in one host block (tidal.worker.snapshot). Of a record holding a partitioned tensor, each
+    # file in one host block (tidal.worker.checkpoint.snapshot). Of a record holding a partitioned tensor, each
     # tensor's bytes are copied (a partitioned one's wanted slices, any other whole), nothing else.
     partitioned = {id(t): wanted for t, wanted in find(tree)}
     parts: dict[str, list[tuple[int, int]]] = {}  # record name -> the byte ranges of it to copy
@@ -278,7 +278,7 @@ def _extent(t: torch.Tensor) -> int:
 
 def _meta_tree(pkl: bytes) -> tuple[Any, dict[int, str]]:
     """The archive's object with its tensors on the meta device and its storages' record keys
-    (tidal.worker.share.meta_tree), the pickle read weights-only under Tidal's allow-list."""
+    (tidal.worker.checkpoint.share.meta_tree), the pickle read weights-only under Tidal's allow-list."""
     with safe_load.allowed():
         try:
             return meta_tree(pkl)

@@ -23,7 +23,7 @@ Nothing read from storage is trusted: a bundle is loaded weights-only by the wor
 child, whose DeepSpeed code unpickles without weights-only), its names must be fragments of
 parameters this rank owns, and each fragment is written anew before the child reads it.
 
-Ranks meet through storage, not a collective (see tidal.worker.universal for why); a rank that
+Ranks meet through storage, not a collective (see tidal.worker.checkpoint.universal for why); a rank that
 dies ends the whole group (Ray Train restarts it), and the next attempt starts a new work folder:
 `universal.prepare` deleted the old output and names this attempt's work id in the status file.
 Checkpoints that are not plain data-parallel (tensor or pipeline parallel files) convert on
@@ -51,8 +51,8 @@ import pyarrow.fs as pafs
 from tidal import fs
 from tidal.errors import CheckpointError
 from tidal.storage import Found
-from tidal.worker import safe_load, universal
-from tidal.worker.fetch import NodeCache
+from tidal.worker.checkpoint import safe_load, universal
+from tidal.worker.checkpoint.fetch import NodeCache
 
 OPTIM_RE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 MODEL_RE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")

@@ -2,23 +2,23 @@
 
 Resizing: DeepSpeed ZeRO checkpoints only load at the world size that wrote them. A plain
 data-parallel ZeRO checkpoint is read by each new rank directly, only the byte ranges of the old
-partitions that make up its new one (tidal.worker.repartition; ZeRO-3 parameter by parameter,
-tidal.worker.repartition_zero3). For the others the new group
+partitions that make up its new one (tidal.worker.checkpoint.repartition; ZeRO-3 parameter by parameter,
+tidal.worker.checkpoint.repartition_zero3). For the others the new group
 converts once to DeepSpeed's universal format, which keeps the optimizer state, each rank its
-share (tidal.worker.universal_spread; tensor- or pipeline-parallel checkpoints on rank 0 alone,
-tidal.worker.universal), and publishes it in storage beside the original as
+share (tidal.worker.checkpoint.universal_spread; tensor- or pipeline-parallel checkpoints on rank 0 alone,
+tidal.worker.checkpoint.universal), and publishes it in storage beside the original as
 `global_stepN_universal` (a marker written last makes it count), outside any collective.
 
 Rank 0 lists and verifies the checkpoint once and hands every rank the list of its files, so a
 rank's storage requests grow with its own files, not with the world. Each rank reads only the
-files it loads (a ZeRO-3 rank only its slice of each universal parameter file, tidal.worker.share),
+files it loads (a ZeRO-3 rank only its slice of each universal parameter file, tidal.worker.checkpoint.share),
 and only files the manifests list, into a private cache its node shares and keeps for the next
-restart (tidal.worker.fetch), on every filesystem: DeepSpeed reads those checked copies, never
+restart (tidal.worker.checkpoint.fetch), on every filesystem: DeepSpeed reads those checked copies, never
 storage.
 
 A checkpoint that fails to load is quarantined only when it is proven corrupt (a size that
 differs from its manifest, a file that does not unpickle, or one whose pickle names a type outside
-the allow-list of tidal.worker.safe_load, which is refused rather than run); any other failure fails the attempt
+the allow-list of tidal.worker.checkpoint.safe_load, which is refused rather than run); any other failure fails the attempt
 and Ray's restart tries the same checkpoint again. Too little local disk is the node's fault:
 a clear error, and the checkpoint is kept.
 """
@@ -47,7 +47,7 @@ from tidal.storage import (
     find_resume_point,
     quarantine,
 )
-from tidal.worker import (
+from tidal.worker.checkpoint import (
     fetch,
     repartition,
     repartition_zero3,
@@ -55,7 +55,7 @@ from tidal.worker import (
     universal,
     universal_spread,
 )
-from tidal.worker.checkpoint import TrainState, tag
+from tidal.worker.checkpoint.save import TrainState, tag
 
 log = logging.getLogger("tidal")
 T = TypeVar("T")
@@ -96,11 +96,11 @@ def agree_on_resume_point(spec: JobSpec) -> Found | None:
 
 def restore(engine: Any, found: Found, reshard: bool, direct: bool = False) -> TrainState:
     """Load `found` into `engine`, resizing it first if it was written at another world size:
-    `direct`, each rank reading its new partition by byte range (tidal.worker.repartition),
+    `direct`, each rank reading its new partition by byte range (tidal.worker.checkpoint.repartition),
     else through a universal conversion.
 
     DeepSpeed reads a private copy of exactly this rank's listed files, checked weights-only
-    there (tidal.worker.fetch): never the storage folder, whatever the filesystem."""
+    there (tidal.worker.checkpoint.fetch): never the storage folder, whatever the filesystem."""
     state = TrainState.from_saved(found.state)
     step_tag = tag(state.step)
     if reshard and direct:
@@ -174,7 +174,7 @@ def tag_files(found: Found, step_tag: str) -> dict[str, int]:
 
 
 def rank_files(engine: Any, listed: dict[str, int], step_tag: str) -> dict[str, int]:
-    """Of `listed` (a tag folder's files), those this rank's engine loads (tidal.worker.fetch.rank_files)."""
+    """Of `listed` (a tag folder's files), those this rank's engine loads (tidal.worker.checkpoint.fetch.rank_files)."""
     if step_tag.endswith("_universal"):  # DeepSpeed reads the old rank 0's model states whatever the rank
         return fetch.rank_files(listed, 0, _held_params(engine))
     return fetch.rank_files(listed, _dp_rank(engine))
@@ -190,7 +190,7 @@ def _dp_rank(engine: Any) -> int:
 
 def _zero3_share(engine: Any) -> tuple[int, int] | None:
     """(data-parallel world, rank) of a ZeRO-3 engine, whose universal loader keeps only this
-    rank's slice of each parameter's optimizer files (tidal.worker.share); None otherwise."""
+    rank's slice of each parameter's optimizer files (tidal.worker.checkpoint.share); None otherwise."""
     stage = getattr(engine, "zero_optimization_stage", None)
     if stage is None or stage() != 3:
         return None
@@ -280,7 +280,7 @@ def file_damage(f: Any) -> str | None:
 
     The zip archive's CRCs are checked where it has them, entry by entry in chunks (torch.save
     writes one per entry by default, which catches flipped bits inside tensors too; Tidal's own
-    saves write none, see tidal.worker.snapshot._without_crc32), then the pickle is unpickled
+    saves write none, see tidal.worker.checkpoint.snapshot._without_crc32), then the pickle is unpickled
     weights-only onto the meta device, which reads the records' headers, not the tensors' bytes.
     A read error propagates rather than counting as damage; a missing class (a library upgrade)
     or a lack of memory is no proof either."""

@@ -1,7 +1,7 @@
 """Convert a checkpoint to DeepSpeed's universal form for a resize, outside any collective.
 
 This module holds the converter's process, its heartbeat and its waits, and converts on rank 0
-alone: what tidal.worker.universal_spread (which spreads a plain data-parallel checkpoint's
+alone: what tidal.worker.checkpoint.universal_spread (which spreads a plain data-parallel checkpoint's
 conversion over every rank) falls back to for tensor- or pipeline-parallel checkpoints.
 
 Rank 0 converts while the other ranks wait by polling storage, not inside a collective: a
@@ -55,8 +55,8 @@ import pyarrow.fs as pafs
 from tidal import fs
 from tidal.errors import CheckpointError
 from tidal.storage import Found, listed_files
-from tidal.worker import safe_load
-from tidal.worker.fetch import LocalDiskFull, NodeCache
+from tidal.worker.checkpoint import safe_load
+from tidal.worker.checkpoint.fetch import LocalDiskFull, NodeCache
 
 log = logging.getLogger("tidal")
 
@@ -103,7 +103,7 @@ def prepare(found: Found, step_tag: str) -> None:
     attempt's."""
     fs.delete_file(found.fs, f"{found.path}/{marker(step_tag)}")
     fs.delete_dir(found.fs, f"{found.path}/{step_tag}_universal")  # an earlier attempt's half, its work folder too
-    # `work` names this attempt's conversion: a spread one (tidal.worker.universal_spread) keeps
+    # `work` names this attempt's conversion: a spread one (tidal.worker.checkpoint.universal_spread) keeps
     # its ranks' exchanges under it, apart from a killed attempt's.
     fs.write_json(found.fs, f"{found.path}/{status_name(step_tag)}",
                   {"state": "pending", "beats": 0, "work": uuid.uuid4().hex})
@@ -220,7 +220,7 @@ def _convert(found: Found, step_tag: str, out_tag: str) -> None:
         status.stage = f"fetching {len(files)} files, {total / 2**20:.0f} MiB"
         _say("Resharding: converting %s of %s (%d files, %.0f MiB) to universal form", step_tag, found.name,
              len(files), total / 2**20)
-        # Private copies, on every filesystem (tidal.worker.fetch): what is checked is what is read.
+        # Private copies, on every filesystem (tidal.worker.checkpoint.fetch): what is checked is what is read.
         cache.fetch(found.fs, found.path, files)
         # ds_to_universal unpickles with weights_only=False: each copy is first read weights-only
         # (its pickle, not its tensors), so a planted one is refused here instead of run there.
@@ -286,7 +286,7 @@ def run_converter(src: str, dst: str, files: dict[str, int], status: Any, module
     partitions = [size for rel, size in files.items() if "optim_states" in rel]
     n = workers(max(1, len(os.sched_getaffinity(0)) // ranks_here), max(1, len(partitions)),
                 max(partitions, default=1), psutil.virtual_memory().available // ranks_here)
-    here = str(Path(__file__).resolve().parents[2])  # the folder holding the tidal package
+    here = str(Path(__file__).resolve().parents[3])  # the folder holding the tidal package
     env = {**os.environ, "PYTHONWARNINGS": "ignore",
            "PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)}
     cmd = [sys.executable, "-m", module, str(os.getpid()), *child, "--input_folder", src,

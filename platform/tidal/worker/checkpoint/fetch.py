@@ -53,7 +53,7 @@ import pyarrow.fs as pafs
 
 from tidal import fs
 from tidal.errors import CheckpointError
-from tidal.worker.share import NotSliceable, fetch_share, sliced
+from tidal.worker.checkpoint.share import NotSliceable, fetch_share, sliced
 
 log = logging.getLogger("tidal")
 
@@ -155,7 +155,7 @@ class NodeCache:
 
     def fetch_share(self, storage: pafs.FileSystem, src: str, rel: str, size: int, into: str,
                     share: tuple[int, int], got: Fetched) -> None:
-        """Make `into/rel` this rank's sparse copy of `src/rel` (tidal.worker.share.fetch_share),
+        """Make `into/rel` this rank's sparse copy of `src/rel` (tidal.worker.checkpoint.share.fetch_share),
         unless an earlier restore of the same rank and world made it; a file that cannot be
         sliced is fetched whole into the node's copy and linked."""
         dst = _link_path(into, rel)  # a link to the node's whole copy, when the file could not be sliced
@@ -298,7 +298,7 @@ def tag_folder(storage: pafs.FileSystem, root: str, tag: str, files: dict[str, i
     was fetched). `identity` names the checkpoint's content (see the module's docstring).
 
     `share` (world, rank): a ZeRO-3 rank's load of a universal folder, which slices each
-    parameter's optimizer files by rank: those are read by byte range (tidal.worker.share) into
+    parameter's optimizer files by rank: those are read by byte range (tidal.worker.checkpoint.share) into
     a folder of this rank's own, beside links to the node's whole copies of the rest."""
     with NodeCache(f"{root}/{tag}#{identity}", name=f"{name}-{tag}") as cache:
         whole = {rel: size for rel, size in files.items() if share is None or not sliced(rel)}

@@ -1,12 +1,12 @@
-"""Save a DeepSpeed checkpoint through Ray Train (restoring it: tidal.worker.restore).
+"""Save a DeepSpeed checkpoint through Ray Train (restoring it: tidal.worker.checkpoint.restore).
 
 Every rank snapshots its DeepSpeed state in memory and hands it to `ray.train.report`, whose
 upload thread writes it straight into the checkpoint's folder in storage (all ranks' files in
-one folder), then a manifest of the rank's files, last (see tidal.worker.snapshot). Training
+one folder), then a manifest of the rank's files, last (see tidal.worker.checkpoint.snapshot). Training
 waits only for the snapshot unless the save must be synchronous. Rank 0 also writes
 `tidal-state.json`: the `TrainState` (what a resume restores) beside the checkpoint's own
 `Provenance` and attempt id (who wrote it: the world size, ZeRO stage and spec fingerprint that
-`tidal.storage` and `tidal.worker.restore` check). The MLflow run id is the job's, in
+`tidal.storage` and `tidal.worker.checkpoint.restore` check). The MLflow run id is the job's, in
 `tidal-job.json`, not any checkpoint's. `tidal.storage` decides from those files which
 checkpoint is complete.
 """
@@ -34,8 +34,7 @@ from tidal.storage import (
     checkpoint_dir_name,
     clear_stale,
 )
-from tidal.worker.engine import is_pipeline
-from tidal.worker.snapshot import SnapshotEngine, StorageWriter, snapshot_mode
+from tidal.worker.checkpoint.snapshot import SnapshotEngine, StorageWriter, snapshot_mode
 
 log = logging.getLogger("tidal")
 
@@ -66,7 +65,7 @@ class Provenance:
     zero_stage: int
     fingerprint: dict[str, Any] = field(default_factory=dict)
     # Parameters the optimizer does not train: ZeRO-3 saves their fragments per rank, which only
-    # a universal conversion cuts at another size (tidal.worker.repartition.direct); None: unknown.
+    # a universal conversion cuts at another size (tidal.worker.checkpoint.repartition.direct); None: unknown.
     frozen_params: int | None = None
 
 
@@ -80,7 +79,7 @@ def save(engine: Any, state: TrainState, written_by: Provenance, metrics: dict[s
     """Save on every rank and report to Ray Train (a collective: all ranks call it together).
 
     `background`: training waits only for a snapshot of the state in memory, and the write into
-    storage happens in Ray Train's upload thread (see tidal.worker.snapshot); otherwise this call
+    storage happens in Ray Train's upload thread (see tidal.worker.checkpoint.snapshot); otherwise this call
     returns once the checkpoint is written (the preemption path does that).
     Either way the files go straight into storage, once, and the manifest last.
     `metrics` go with the checkpoint to Ray (and so to Ray Tune in a sweep);
@@ -98,7 +97,10 @@ def save(engine: Any, state: TrainState, written_by: Provenance, metrics: dict[s
     storage = ray.train.get_context().get_storage()
     attempt = _attempt(storage.storage_filesystem, storage.experiment_fs_path, state.step)
     saved_state = {**asdict(state), **asdict(written_by), "attempt": attempt}
-    mode = snapshot_mode(background, engine.device.type, is_pipeline(engine), fs.is_local(storage.storage_filesystem))
+    # A pipeline engine is one with `train_batch` (tidal.worker.engine.is_pipeline; this package
+    # sits below the rest of the worker and does not import it).
+    pipeline = hasattr(engine, "train_batch")
+    mode = snapshot_mode(background, engine.device.type, pipeline, fs.is_local(storage.storage_filesystem))
     mutable = {b.untyped_storage().data_ptr() for b in engine.module.buffers()}
     snap = SnapshotEngine(local, writer.buffers, mode, mutable)
     zipfile_format = getattr(engine.checkpoint_engine, "zipfile_serialization", True)
