@@ -22,6 +22,7 @@ from tests.zero_checkpoint import engine, join_group, train
 from tidal import fs
 from tidal.storage import Found
 from tidal.worker.checkpoint import repartition, repartition_zero3, restore, universal
+from tidal.worker.checkpoint.route import Convert, Load, Route
 
 TAG = "global_step2"
 
@@ -58,7 +59,7 @@ def main(uri: str, old_world: int, stage: int, rank: int, world: int, port: int,
         universal.prepare(found, TAG)
     dist.barrier()
     converted = engine(stage, load_universal=True, width=width)
-    restore.restore(converted, found, reshard=True)
+    restore.restore(converted, found, Route(Load.UNIVERSAL_ZERO3 if stage == 3 else Load.UNIVERSAL, Convert.SPREAD))
 
     a, b = state_of(direct), state_of(converted)
     differ = sorted(k for k in a.keys() | b.keys() if k not in a or k not in b or not torch.equal(a[k], b[k]))

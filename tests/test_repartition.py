@@ -1,5 +1,5 @@
 """A ZeRO-1/2 resize without a universal conversion (tidal.worker.checkpoint.repartition): the plan alone
-against DeepSpeed's own partitioning, which checkpoints it takes, then real checkpoints saved by a
+against DeepSpeed's own partitioning (which checkpoints it takes: tests/test_route.py), then real checkpoints saved by a
 DeepSpeed group and loaded at another size by real ranks (processes on gloo), on a folder and on
 the S3 test server, compared with DeepSpeed's universal path. No Ray."""
 
@@ -16,14 +16,12 @@ import pyarrow.fs as pafs
 import pytest
 import torch
 
-from tests.conftest import tiny_spec
 from tidal import fs
-from tidal.storage import Found
 from tidal.testing.processes import free_port
 from tidal.worker.checkpoint import fetch, share
 from tidal.worker.checkpoint import repartition_zero3 as zero3
 from tidal.worker.checkpoint.host_buffers import Buffers
-from tidal.worker.checkpoint.repartition import direct, merged, partition_size, pieces
+from tidal.worker.checkpoint.repartition import merged, partition_size, pieces
 
 ROOT = Path(__file__).resolve().parents[1]
 TAG = "global_step8"
@@ -112,45 +110,6 @@ def test_a_zero3_rank_that_holds_only_padding_of_a_sub_group_gets_zeros_and_its_
 
 def test_byte_ranges_that_touch_are_read_as_one():
     assert merged([(5, 9), (0, 5), (12, 12), (11, 14), (13, 20), (30, 31)]) == [(0, 9), (11, 20), (30, 31)]
-
-
-def listing(old: int, prefix: str = "", zero3: bool = False) -> dict[str, int]:
-    models = ([f"{TAG}/zero_pp_rank_{d}_mp_rank_00_model_states.pt" for d in range(old)] if zero3
-              else [f"{TAG}/mp_rank_00_model_states.pt"])
-    return {**dict.fromkeys(models, 10),
-            **{f"{TAG}/{prefix}zero_pp_rank_{d}_mp_rank_00_optim_states.pt": 100 for d in range(old)},
-            "manifest-0.json": 1, "state.json": 1}
-
-
-@pytest.mark.parametrize("case,expected", [
-    ({}, True),
-    ({"prefix": "bf16_", "overrides": {"parallelism.precision": "bf16"}}, True),  # ZeRO-2 in bf16: the same optimizer
-    ({"stage": 1}, True),
-    ({"stage": 1, "prefix": "bf16_", "overrides": {"parallelism.precision": "bf16"}}, False),  # DeepSpeed's BF16 optimizer
-    ({"stage": 3}, False),  # ZeRO-1/2's files
-    ({"stage": 3, "zero3": True, "frozen": 0}, True),
-    ({"stage": 3, "zero3": True, "frozen": 0, "overrides": {"checkpoint.resize": "universal"}}, False),  # asked for
-    ({"overrides": {"checkpoint.resize": "universal"}}, False),
-    ({"stage": 3, "zero3": True}, False),  # saved before Tidal recorded frozen parameters
-    ({"stage": 3, "zero3": True, "frozen": 2}, False),  # their fragments: per rank, in the model states
-    ({"stage": 3, "zero3": True, "frozen": 0, "drop": f"{TAG}/zero_pp_rank_1_mp_rank_00_model_states.pt"}, False),
-    ({"stage": 3, "zero3": True, "frozen": 0,
-      "overrides": {"parallelism.offload_params": "nvme", "parallelism.nvme_path": "/local_nvme"}}, False),
-    ({"extra": {f"{TAG}/zero_pp_rank_0_mp_rank_01_optim_states.pt": 100}}, False),  # tensor parallel
-    ({"extra": {f"{TAG}/layer_01-model_states.pt": 5}}, False),  # pipeline
-    ({"drop": f"{TAG}/zero_pp_rank_1_mp_rank_00_optim_states.pt"}, False),  # a partition missing
-    ({"overrides": {"parallelism.deepspeed": {"zero_optimization": {"round_robin_gradients": True}}}}, False),
-    ({"files": None}, False),
-])
-def test_only_plain_data_parallel_zero_checkpoints_resize_directly(tmp_path, case, expected):
-    stage = case.get("stage", 2)
-    files = {**listing(2, case.get("prefix", ""), case.get("zero3", False)), **case.get("extra", {})}
-    files.pop(case.get("drop", ""), None)
-    spec = tiny_spec(tmp_path, **{"parallelism.zero_stage": stage, **case.get("overrides", {})})
-    state = {"step": 8, "world_size": 2, "zero_stage": stage,
-             **({"frozen_params": case["frozen"]} if "frozen" in case else {})}
-    found = Found("/x", pafs.LocalFileSystem(), state, case.get("files", files))
-    assert direct(spec, found, TAG, 1) is expected
 
 
 def run_ranks(module: str, args: list[str], world: int, env: dict[str, str]) -> list[str]:

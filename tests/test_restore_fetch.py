@@ -19,6 +19,7 @@ from tidal import fs
 from tidal.errors import CheckpointError
 from tidal.storage import QUARANTINE_FILE, STATE_FILE, Found, manifest_name
 from tidal.worker.checkpoint import fetch, restore, universal
+from tidal.worker.checkpoint.route import Load, Route
 
 LISTED = {
     "mp_rank_00_model_states.pt": 10,
@@ -213,7 +214,7 @@ def test_too_little_local_disk_is_a_clear_error_and_the_checkpoint_is_kept(bucke
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         with pytest.raises(fetch.LocalDiskFull) as e:
-            restore.restore(Engine(), found, reshard=False)
+            restore.restore(Engine(), found, Route(Load.AS_SAVED))
     finally:
         dist.destroy_process_group()
     assert "8,000 bytes" in str(e.value) and str(tmp_path / "cache") in str(e.value) and "kept" in str(e.value)

@@ -17,6 +17,7 @@ from tests.fakes import evil
 from tidal import fs
 from tidal.storage import Found
 from tidal.worker.checkpoint import fetch, restore, safe_load, universal
+from tidal.worker.checkpoint.route import Convert, Load, Route
 
 
 class UnsafeLoader:
@@ -62,7 +63,7 @@ def test_a_pickle_planted_in_a_published_universal_folder_never_runs(tmp_path, g
     (planted / "exp_avg.pt.bak").write_bytes(evil(marker))
 
     engine = UnsafeLoader()
-    restore.restore(engine, found, reshard=True)
+    restore.restore(engine, found, Route(Load.UNIVERSAL, Convert.SPREAD))
 
     assert not marker.exists(), "the planted pickle ran"
     assert sorted(engine.read) == ["mp_rank_00_model_states.pt", "zero/optimizer_state.pt", "zero/w/exp_avg.pt",
@@ -85,7 +86,7 @@ def test_a_listed_file_swapped_after_the_check_is_never_loaded(tmp_path, group, 
 
     monkeypatch.setattr(safe_load, "check_files", check_then_swap)
     engine = UnsafeLoader()
-    restore.restore(engine, found, reshard=True)
+    restore.restore(engine, found, Route(Load.UNIVERSAL, Convert.SPREAD))
 
     assert not marker.exists(), "the swapped file was loaded"
     assert torch.equal(engine.read["zero/w/fp32.pt"]["param"], torch.full((3,), 2.0)), "the checked bytes were read"
@@ -103,7 +104,7 @@ def test_a_checkpoint_on_a_local_filesystem_is_loaded_from_a_private_copy(tmp_pa
                   files={"global_step8/mp_rank_00_model_states.pt": size})
 
     engine = UnsafeLoader()
-    restore.restore(engine, found, reshard=False)
+    restore.restore(engine, found, Route(Load.AS_SAVED))
     assert list(engine.read) == ["mp_rank_00_model_states.pt"] and not (tmp_path / "ran").exists()
     folders = os.listdir(tmp_path / "cache")
     assert len(folders) == 1 and (os.stat(tmp_path / "cache" / folders[0]).st_mode & 0o077) == 0, "private"

@@ -17,6 +17,7 @@ import torch
 from tests.fakes import Counting
 from tidal.storage import STATE_FILE, RunDir, manifest_name
 from tidal.worker.checkpoint import fetch, restore
+from tidal.worker.checkpoint.route import Load, Route
 
 
 def zero2_checkpoint(root: Path, world: int) -> str:
@@ -58,7 +59,7 @@ def requests(world: int, ranks: list[int], tmp: Path, monkeypatch) -> tuple[Coun
     for rank in ranks:
         monkeypatch.setattr(restore, "_dp_rank", lambda engine, r=rank: r)
         monkeypatch.setenv(fetch.CACHE_ENV, str(tmp / f"cache-{world}-{rank}"))  # a node each
-        restore.restore(Engine(), found, reshard=False)
+        restore.restore(Engine(), found, Route(Load.AS_SAVED))
         per_rank[rank], handler.calls = handler.calls, Counter()
     return planning, per_rank
 

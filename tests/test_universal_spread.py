@@ -45,13 +45,6 @@ def test_each_rank_fetches_its_partitions_and_the_model_states_and_only_names_th
     assert share(z3, "global_step8", 0, 2).model_states == "global_step8/zero_pp_rank_0_mp_rank_00_model_states.pt"
 
 
-def test_tensor_or_pipeline_parallel_checkpoints_are_left_to_rank_0():
-    tp = {**Z2, "global_step8/zero_pp_rank_0_mp_rank_01_optim_states.pt": 100}
-    assert share(tp, "global_step8", 0, 2) is None
-    assert share({**Z2, "global_step8/layer_01-model_states.pt": 5}, "global_step8", 0, 2) is None
-    assert share({"global_step8/mp_rank_00_model_states.pt": 10}, "global_step8", 0, 2) is None, "stage 0: nothing to split"
-
-
 def test_parameters_go_largest_first_to_the_least_loaded_rank():
     sizes = {"emb": 1000, "w1": 600, "w2": 500, "b1": 10, "b2": 10}
     assert owners(sizes, 2) == {"emb": 0, "w1": 1, "w2": 1, "b1": 0, "b2": 0}

@@ -21,6 +21,7 @@ from tests.fakes import Counting
 from tidal import fs
 from tidal.storage import Found
 from tidal.worker.checkpoint import fetch, restore, share, universal
+from tidal.worker.checkpoint.route import Convert, Load, Route
 
 PARAMS = {"tok.weight": (1024, 512), "blocks.0.w": (512, 512), "blocks.0.b": (7,), "ln_f.bias": (1,)}
 
@@ -119,11 +120,11 @@ def test_a_zero3_rank_reads_its_share_and_loads_what_the_whole_file_gives(tmp_pa
     tensor_bytes = sum(t.numel() * 4 for t in saved.values())
     reads = []
     for rank in range(world):
-        monkeypatch.setattr(restore, "_zero3_share", lambda engine, r=rank: (world, r))
+        monkeypatch.setattr(restore, "_dp_share", lambda engine, r=rank: (world, r))
         monkeypatch.setenv(fetch.CACHE_ENV, str(tmp_path / f"node-{rank}"))
         engine = Zero3Loader(world, rank)
         handler.read_bytes = 0
-        restore.restore(engine, found, reshard=True)
+        restore.restore(engine, found, Route(Load.UNIVERSAL_ZERO3, Convert.SPREAD))
         reads.append(handler.read_bytes)
         for key, whole in saved.items():
             per = math.ceil(whole.numel() / world)

@@ -15,6 +15,7 @@ from tidal.spec.deepspeed import ds_config
 from tidal.spec.job import JobSpec
 from tidal.spec.schedule import DEEPSPEED_SCHEDULES, lr_factor
 from tidal.spec.user_refs import resize_refusal
+from tidal.worker.checkpoint.route import Route
 from tidal.worker.device import arch_list_for_deepspeed, skip_cpu_shm_allreduce
 from tidal.worker.models import build_model, gpt
 
@@ -22,20 +23,19 @@ from tidal.worker.models import build_model, gpt
 logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
 
 
-def build_engine(spec: JobSpec, world_size: int, device: torch.device, load_universal: bool = False,
-                 resize: bool = False) -> Any:
-    """A DeepSpeed engine over the spec's model, on the process group Ray Train set up; `resize`:
-    it will load a checkpoint written at another world size (`load_universal`: a universal one)."""
+def build_engine(spec: JobSpec, world_size: int, device: torch.device, route: Route | None = None) -> Any:
+    """A DeepSpeed engine over the spec's model, on the process group Ray Train set up, ready for
+    the way `route` loads the checkpoint it resumes from (tidal.worker.checkpoint.route; None: none)."""
     if device.type == "cpu":
         skip_cpu_shm_allreduce()  # before the communication backend comes up
     deepspeed.init_distributed()  # adopts the process group Ray Train created
     torch.manual_seed(spec.train.seed)  # identical initial weights on every rank and restart
     ckpt = _checkpoint_fn() if spec.parallelism.activation_checkpointing else None
     model = _pipeline(spec) if spec.parallelism.pipeline_stages > 1 else build_model(spec.model, ckpt)
-    if (resize or load_universal) and (why := resize_refusal(spec, world_size)):
+    if route is not None and route.resized and (why := resize_refusal(spec, world_size)):
         raise CheckpointError(why)
     params = [p for p in model.parameters() if p.requires_grad]
-    config = ds_config(spec, world_size, on_gpu=device.type == "cuda", load_universal=load_universal,
+    config = ds_config(spec, world_size, on_gpu=device.type == "cuda", load_universal=bool(route and route.universal),
                        trainable_params=sum(p.numel() for p in params))
     if device.type == "cuda":
         arch_list_for_deepspeed()  # before FusedAdam's JIT build

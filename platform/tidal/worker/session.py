@@ -2,7 +2,7 @@
 
 Setup in the order it must happen: the spec's environment (its secrets read from this node), the job's event log, rank 0's
 abort of dead uploads (before this attempt writes anything), the resume point every rank
-agrees on, the engine (built for a universal load when the world size changed), the restore,
+agrees on and how it loads, the engine (built for that load), the restore,
 then data, evaluator, watchdog and telemetry. What changes from step to step lives here too
 (the loss accumulated since the last log step, the seconds checkpoints blocked this rank, when
 to ask Ray about preemption again), so the loop itself holds no state but the step.
@@ -27,7 +27,7 @@ from tidal.spec.compile import compile_note, warmup_steps
 from tidal.spec.job import JobSpec
 from tidal.tracking.emitter import Emitter
 from tidal.worker import microbatch
-from tidal.worker.checkpoint import repartition, restore, save
+from tidal.worker.checkpoint import restore, save
 from tidal.worker.data import Batches
 from tidal.worker.device import torch_device
 from tidal.worker.engine import build_engine, data_parallel_rank, param_count
@@ -107,19 +107,17 @@ def open_session(config: dict[str, Any]) -> Session:
     if rank == 0:
         abort_dead_uploads(spec, events)
 
-    found = restore.agree_on_resume_point(spec)  # rank 0 decides; every rank loads the same one
-    reshard = bool(found) and restore.needs_reshard(found.state, world)
-    direct = reshard and repartition.direct(spec, found, save.tag(found.step), world)
+    found, route = restore.agree_on_resume_point(spec)  # rank 0 decides which and how; every rank loads that
     # train.micro_batch auto: the size this job chose, or searched now (a collective); a number from here on.
     spec = microbatch.choose(spec, world, device, rank, events.say,
                              lambda sp, eng: _batches(sp, config, eng, rank, world, device))
     telemetry = Telemetry(spec, events, device, found)  # Prometheus, stragglers, site, cost; from here on
-    engine = build_engine(spec, world, device, load_universal=reshard and not direct, resize=reshard)
+    engine = build_engine(spec, world, device, route)
     if rank == 0 and spec.parallelism.compile is not None:
         events.say(compile_note(spec.parallelism.compile))
     state = save.TrainState()
     if found:
-        state = restore.restore(engine, found, reshard, direct)
+        state = restore.restore(engine, found, route)
         if rank == 0:
             events.resumed(found.name, state.step, int(found.state["world_size"]), world)
     batches = _batches(spec, config, engine, rank, world, device)

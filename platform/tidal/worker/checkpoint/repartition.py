@@ -30,7 +30,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import re
 import shutil
 import zipfile
 from collections.abc import Callable
@@ -42,18 +41,14 @@ import torch
 
 from tidal import fs
 from tidal.errors import CheckpointError
-from tidal.spec.deepspeed import ds_config
-from tidal.spec.job import JobSpec
 from tidal.storage import Found
 from tidal.worker.checkpoint import fetch, safe_load
+from tidal.worker.checkpoint.route import MODEL_STATES, OPTIM
 from tidal.worker.checkpoint.share import Edges, _data_start, meta_tree, write_sparse
 
 log = logging.getLogger("tidal")
 COPIES = ".repartition-"  # a new rank's sparse copies, in the node cache: `{COPIES}{world}-{rank}/`
 
-MODEL_STATES = "mp_rank_00_model_states.pt"
-ZERO3_MODEL_STATES = re.compile(r"zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt")
-OPTIM = re.compile(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt")
 ALIGNMENT = 2  # DeepSpeed's nccl_start_alignment_factor: a group's end is padded to 2 x world elements
 OPTIMIZER_STATE = "optimizer_state_dict"  # the key DeepSpeed saves a ZeRO optimizer's state under
 FP32 = "single_partition_of_fp32_groups"
@@ -86,37 +81,6 @@ def pieces(numel: int, old_world: int, new_world: int, rank: int) -> list[Piece]
         start, end = max(lo, d * old_p), min(hi, (d + 1) * old_p)
         out.append(Piece(d, start - d * old_p, end - d * old_p, start - rank * new_p))
     return out
-
-
-def direct(spec: JobSpec, found: Found, step_tag: str, world: int) -> bool:
-    """Whether `found` (written at another world size) resizes to `world` here rather than
-    through a universal conversion: a plain data-parallel ZeRO checkpoint of this job's stage,
-    loaded by DeepSpeed's ZeRO optimizer in the layout `pieces` (ZeRO-1/2) or
-    `repartition_zero3.pieces` assumes; for ZeRO-3, written by a save that recorded no frozen
-    parameters (their fragments are per rank, in the model states)."""
-    stage, p = int(found.state["zero_stage"]), spec.parallelism
-    if spec.checkpoint.resize == "universal" or found.files is None or stage not in (1, 2, 3):
-        return False
-    if p.zero_stage != stage or p.pipeline_stages > 1:
-        return False
-    if stage == 1 and p.precision == "bf16":
-        return False  # DeepSpeed's BF16 optimizer, another checkpoint layout
-    if stage == 3 and found.state.get("frozen_params") != 0:
-        return False  # frozen parameters, or a checkpoint from before Tidal recorded them
-    zero = ds_config(spec, world, on_gpu=False)["zero_optimization"]
-    if zero.get("round_robin_gradients") or zero.get("elastic_checkpoint"):
-        return False
-    if "nvme" in ((zero.get("offload_optimizer") or {}).get("device"), (zero.get("offload_param") or {}).get("device")):
-        return False
-    prefix = f"{step_tag}/"
-    names = {rel[len(prefix):] for rel in found.files if rel.startswith(prefix)}
-    old = int(found.state["world_size"])
-    optim = {m.group(2) for n in names if (m := OPTIM.fullmatch(n))}
-    ranks = {str(d) for d in range(old)}
-    if stage == 3:
-        models = {m.group(1) for n in names if (m := ZERO3_MODEL_STATES.fullmatch(n))}
-        return optim == ranks and models == ranks and len(names) == 2 * old
-    return MODEL_STATES in names and optim == ranks and len(names) == old + 1
 
 
 def optim_name(names: dict[str, int], old: int) -> str:

@@ -22,7 +22,7 @@ so nothing is written twice. The model states are old rank 0's with the new worl
 weights (placeholders; the parameters are restored from the fp32 partitions), only the steps,
 the LR scheduler and the client state, the same on every rank. Frozen parameters are saved as
 per-rank fragments of the model states; a checkpoint that may hold some (its `frozen_params` not
-0) resizes through the universal conversion (`repartition.direct`).
+0) resizes through the universal conversion (`route.by_range`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Restore a checkpoint at any world size: agree on the resume point, convert, load, condemn only proven damage.
 
-Resizing: DeepSpeed ZeRO checkpoints only load at the world size that wrote them. A plain
+Resizing: DeepSpeed ZeRO checkpoints only load at the world size that wrote them; which way one
+loads here is decided once, on rank 0 (tidal.worker.checkpoint.route). A plain
 data-parallel ZeRO checkpoint is read by each new rank directly, only the byte ranges of the old
 partitions that make up its new one (tidal.worker.checkpoint.repartition; ZeRO-3 parameter by parameter,
 tidal.worker.checkpoint.repartition_zero3). For the others the new group
@@ -51,25 +52,23 @@ from tidal.worker.checkpoint import (
     fetch,
     repartition,
     repartition_zero3,
+    route,
     safe_load,
     universal,
     universal_spread,
 )
+from tidal.worker.checkpoint.route import Convert, Load, Route
 from tidal.worker.checkpoint.save import TrainState, tag
 
 log = logging.getLogger("tidal")
 T = TypeVar("T")
 CHUNK = 8 * 2**20  # a damage check holds at most this much of a file at once
 
-def needs_reshard(state: dict[str, Any], world_size: int) -> bool:
-    """ZeRO 1-3 partition optimizer state by rank; stage 0 keeps it whole, so it loads anywhere."""
-    return int(state["world_size"]) != world_size and int(state["zero_stage"]) > 0
-
-
-def agree_on_resume_point(spec: JobSpec) -> Found | None:
-    """Rank 0 picks the newest complete checkpoint and every rank takes that one, with its list
-    of files: rank 0 lists and verifies the checkpoint once, and no other rank reads a manifest,
-    so a rank's storage requests grow with its own files, not with the world.
+def agree_on_resume_point(spec: JobSpec) -> tuple[Found, Route] | tuple[None, None]:
+    """Rank 0 picks the newest complete checkpoint and how it loads (`route.decide`, once), and
+    every rank takes both, with the checkpoint's list of files: rank 0 lists and verifies the
+    checkpoint once, and no other rank reads a manifest, so a rank's storage requests grow with
+    its own files, not with the world.
 
     Ranks must never pick their own: one that lists storage a moment later could see a
     checkpoint another rank did not, and they would load different steps.
@@ -77,48 +76,46 @@ def agree_on_resume_point(spec: JobSpec) -> Found | None:
     # Before any load here, and any save after: the types this job's state may hold.
     safe_load.allow(spec.checkpoint.safe_globals)
 
-    def pick() -> tuple[str, dict[str, Any], dict[str, int] | None] | None:
+    def pick() -> tuple[str, dict[str, Any], dict[str, int] | None, Route] | None:
         found = find_resume_point(spec)
         if found is None:
             return None
         step_tag = tag(found.step)
-        world = dist.get_world_size()
-        if (needs_reshard(found.state, world) and not repartition.direct(spec, found, step_tag, world)
-                and not universal.ready(found, step_tag)):
+        chosen = route.decide(route.Layout.of(found.state, found.files, step_tag), spec, dist.get_world_size())
+        if chosen.universal and not universal.ready(found, step_tag):
             universal.prepare(found, step_tag)  # before the others can read a stale status or marker
-        return found.path, found.state, found.files
+        return found.path, found.state, found.files, chosen
 
-    chosen = _on_rank0(pick)
-    if chosen is None:
-        return None
-    return Found(chosen[0], RunDir(spec.checkpoint.storage, spec.name).fs, chosen[1], chosen[2])
+    picked = _on_rank0(pick)
+    if picked is None:
+        return None, None
+    return Found(picked[0], RunDir(spec.checkpoint.storage, spec.name).fs, picked[1], picked[2]), picked[3]
 
 
-def restore(engine: Any, found: Found, reshard: bool, direct: bool = False) -> TrainState:
-    """Load `found` into `engine`, resizing it first if it was written at another world size:
-    `direct`, each rank reading its new partition by byte range (tidal.worker.checkpoint.repartition),
-    else through a universal conversion.
+def restore(engine: Any, found: Found, how: Route) -> TrainState:
+    """Load `found` into `engine` the way rank 0 chose (`how`, tidal.worker.checkpoint.route): as
+    saved, by byte range at the new size, or from a universal conversion made first.
 
     DeepSpeed reads a private copy of exactly this rank's listed files, checked weights-only
     there (tidal.worker.checkpoint.fetch): never the storage folder, whatever the filesystem."""
     state = TrainState.from_saved(found.state)
     step_tag = tag(state.step)
-    if reshard and direct:
+    if how.load in (Load.RANGE_ZERO12, Load.RANGE_ZERO3):
         listed = tag_files(found, step_tag)
         try:
-            by_range = repartition_zero3 if int(found.state["zero_stage"]) == 3 else repartition
+            by_range = repartition_zero3 if how.load is Load.RANGE_ZERO3 else repartition
             by_range.restore(engine, found, step_tag, listed, _identity(found, found.files or {}))
         except fetch.LocalDiskFull:
             raise
         except Exception as e:
             raise _load_failed(found, listed, step_tag, e) from e
         return state
-    if reshard:
-        step_tag, listed, identity = _converted(found, step_tag)
+    if how.universal:
+        step_tag, listed, identity = _converted(found, step_tag, how.convert)
     else:
         listed, identity = tag_files(found, step_tag), _identity(found, found.files or {})
     files = rank_files(engine, listed, step_tag)
-    share = _zero3_share(engine) if step_tag.endswith("_universal") else None
+    share = _dp_share(engine) if how.load is Load.UNIVERSAL_ZERO3 else None
     with fetch.tag_folder(found.fs, found.path, step_tag, files, found.name, identity, share) as (load_dir, _):
         try:
             # DeepSpeed's universal loader unpickles with weights_only=False, its other loads go
@@ -144,12 +141,16 @@ def _identity(found: Found, listed: dict[str, int], extra: str = "") -> str:
     return hashlib.sha1(blob.encode()).hexdigest()
 
 
-def _converted(found: Found, step_tag: str) -> tuple[str, dict[str, int], str]:
-    """The universal tag of `step_tag`, its files (relative to it -> size) and identity; rank 0
-    verifies the published conversion once and hands its list to every rank. A conversion that
-    fails on checkpoint files proven corrupt quarantines the checkpoint (rank 0, which read them)."""
+def _converted(found: Found, step_tag: str, convert: Convert | None) -> tuple[str, dict[str, int], str]:
+    """The universal tag of `step_tag`, converted `convert`'s way if not yet, its files (relative
+    to it -> size) and identity; rank 0 verifies the published conversion once and hands its list
+    to every rank. A conversion that fails on checkpoint files proven corrupt quarantines the
+    checkpoint (rank 0, which read them)."""
     try:
-        out_tag = universal_spread.ensure(found, step_tag, dist.get_rank(), dist.get_world_size())
+        if convert is Convert.SPREAD:
+            out_tag = universal_spread.ensure(found, step_tag, dist.get_rank(), dist.get_world_size())
+        else:
+            out_tag = universal.ensure(found, step_tag, dist.get_rank())
     except fetch.LocalDiskFull:
         raise
     except CheckpointError as e:
@@ -188,12 +189,9 @@ def _dp_rank(engine: Any) -> int:
     return dist.get_rank(group=group) if group is not None else dist.get_rank()
 
 
-def _zero3_share(engine: Any) -> tuple[int, int] | None:
+def _dp_share(engine: Any) -> tuple[int, int]:
     """(data-parallel world, rank) of a ZeRO-3 engine, whose universal loader keeps only this
-    rank's slice of each parameter's optimizer files (tidal.worker.checkpoint.share); None otherwise."""
-    stage = getattr(engine, "zero_optimization_stage", None)
-    if stage is None or stage() != 3:
-        return None
+    rank's slice of each parameter's optimizer files (tidal.worker.checkpoint.share)."""
     group = getattr(engine.optimizer, "dp_process_group", None)
     return dist.get_world_size(group=group), _dp_rank(engine)
 

@@ -59,13 +59,13 @@ class TrainState:
 class Provenance:
     """Who wrote a checkpoint, saved beside its TrainState and never restored into it:
     `tidal.storage.check_complete` reads `world_size`, `check_compatible` the `fingerprint`,
-    `restore.needs_reshard` `world_size` and `zero_stage`."""
+    `route.Layout` `world_size`, `zero_stage` and `frozen_params`."""
 
     world_size: int
     zero_stage: int
     fingerprint: dict[str, Any] = field(default_factory=dict)
     # Parameters the optimizer does not train: ZeRO-3 saves their fragments per rank, which only
-    # a universal conversion cuts at another size (tidal.worker.checkpoint.repartition.direct); None: unknown.
+    # a universal conversion cuts at another size (tidal.worker.checkpoint.route.by_range); None: unknown.
     frozen_params: int | None = None
 
 

@@ -27,7 +27,7 @@ Ranks meet through storage, not a collective (see tidal.worker.checkpoint.univer
 dies ends the whole group (Ray Train restarts it), and the next attempt starts a new work folder:
 `universal.prepare` deleted the old output and names this attempt's work id in the status file.
 Checkpoints that are not plain data-parallel (tensor or pipeline parallel files) convert on
-rank 0 alone, as before (`universal.ensure`).
+rank 0 alone (`universal.ensure`): `route.decide` chooses, once.
 """
 
 from __future__ import annotations
@@ -53,9 +53,8 @@ from tidal.errors import CheckpointError
 from tidal.storage import Found
 from tidal.worker.checkpoint import safe_load, universal
 from tidal.worker.checkpoint.fetch import NodeCache
+from tidal.worker.checkpoint.route import ANY_MODEL, ANY_OPTIM
 
-OPTIM_RE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
-MODEL_RE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
 FRAGMENT_RE = re.compile(r"^([^/]+)/(\d+)/(fp32|exp_avg|exp_avg_sq|step)\.(\d+)$")
 _LOCAL = pafs.LocalFileSystem()
 WORK = "tidal-work"  # under the output folder: removed with it, never listed by its marker
@@ -77,17 +76,15 @@ def extractor(partition: int, partitions: int, world: int) -> int:
     return partition * world // partitions
 
 
-def share(files: dict[str, int], step_tag: str, rank: int, world: int) -> Share | None:
-    """Rank `rank`'s share of the listed `files` of `step_tag`; None when the checkpoint is not
-    plain data-parallel (more than one model-parallel rank, pipeline layer files)."""
+def share(files: dict[str, int], step_tag: str, rank: int, world: int) -> Share:
+    """Rank `rank`'s share of the listed `files` of `step_tag`, a plain data-parallel checkpoint
+    (`route.plain_data_parallel`: `route.decide` sends any other to rank 0's conversion)."""
     fetch: dict[str, int] = {}
     model: str | None = None
     optims: dict[str, int] = {}
     for rel, size in sorted(files.items()):
         name = rel.removeprefix(f"{step_tag}/")
-        optim, states = OPTIM_RE.match(name), MODEL_RE.match(name)
-        if "/" in name or name.startswith("layer_") or any(m and m[2] != "00" for m in (optim, states)):
-            return None
+        optim, states = ANY_OPTIM.match(name), ANY_MODEL.match(name)
         if optim:
             optims[rel] = int(optim[1])
             continue
@@ -95,7 +92,7 @@ def share(files: dict[str, int], step_tag: str, rank: int, world: int) -> Share 
         if states and (model is None or int(states[1] or 0) == 0):
             model = rel
     if not model or not optims:
-        return None
+        raise CheckpointError(f"{step_tag} lists no model states or no optimizer partition: nothing to spread")
     holders = []
     for rel, partition in optims.items():
         if extractor(partition, len(optims), world) == rank:
@@ -139,14 +136,13 @@ def owned_files(dst: str, own: dict[str, int], rank: int) -> list[str]:
 
 
 def ensure(found: Found, step_tag: str, rank: int, world: int) -> str:
-    """The universal tag of `step_tag`, converted by every rank together if need be."""
+    """The universal tag of `step_tag` (a plain data-parallel checkpoint: `route.decide` sends
+    any other to `universal.ensure`), converted by every rank together if need be."""
     out_tag = f"{step_tag}_universal"
     if fs.exists(found.fs, f"{found.path}/{universal.marker(step_tag)}"):
         return out_tag  # rank 0 verified it before any rank read it (restore.agree_on_resume_point)
     files = universal.step_files(found, step_tag)
     mine = share(files, step_tag, rank, world)
-    if mine is None:
-        return universal.ensure(found, step_tag, rank)
     status = fs.read_json(found.fs, f"{found.path}/{universal.status_name(step_tag)}") or {}
     work = status.get("work")
     if not isinstance(work, str) or not re.fullmatch(r"[0-9a-f]{32}", work):
@@ -329,7 +325,7 @@ class _Convert:
 
 
 def _is_partition(rel: str) -> bool:
-    return OPTIM_RE.match(rel.rsplit("/", 1)[-1]) is not None
+    return ANY_OPTIM.match(rel.rsplit("/", 1)[-1]) is not None
 
 
 def _patch(d: Any, plan: dict[str, Any], ctl: Path) -> None:

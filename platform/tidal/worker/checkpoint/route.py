@@ -1,0 +1,138 @@
+"""Which way a checkpoint loads into a worker group: one pure decision of the checkpoint's layout and the spec.
+
+A checkpoint loads one of six ways, and `decide` picks it once, on rank 0, before the engine is
+built (`restore.agree_on_resume_point` hands the `Route` to every rank with the checkpoint):
+- as saved: DeepSpeed's own load of each rank's files, at the world size that wrote them (or a
+  ZeRO stage 0 checkpoint, whole on every rank, at any size);
+- by byte range, ZeRO-1/2 (tidal.worker.checkpoint.repartition) or ZeRO-3
+  (tidal.worker.checkpoint.repartition_zero3): each new rank reads the slices of the old
+  partitions that make up its new one, nothing converted;
+- through DeepSpeed's universal format, for what a by-range load does not cover, converted once
+  and published: spread over every rank (tidal.worker.checkpoint.universal_spread) for a plain
+  data-parallel checkpoint, else on rank 0 alone (tidal.worker.checkpoint.universal); a ZeRO-3
+  engine then reads only its slice of each universal file (tidal.worker.checkpoint.share).
+
+Nothing here reads storage, imports torch or asks the engine: the layout is what rank 0 read in
+the checkpoint's state file and listing, the rest is the spec and the new world size.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from tidal.spec.deepspeed import ds_config
+from tidal.spec.job import JobSpec
+
+# File names in a DeepSpeed tag folder, relative to it (checked against 0.19.8).
+MODEL_STATES = "mp_rank_00_model_states.pt"  # ZeRO-1/2's, one for every rank
+ZERO3_MODEL_STATES = re.compile(r"zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt")
+OPTIM = re.compile(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt")
+# Any model-parallel rank: a tensor-parallel checkpoint's files carry mp_rank 01 and up.
+ANY_OPTIM = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+ANY_MODEL = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
+
+
+class Load(enum.Enum):
+    AS_SAVED = "as saved"
+    RANGE_ZERO12 = "by byte range (ZeRO-1/2)"
+    RANGE_ZERO3 = "by byte range (ZeRO-3)"
+    UNIVERSAL = "universal"
+    UNIVERSAL_ZERO3 = "universal, each rank its slice of each file"
+
+
+class Convert(enum.Enum):
+    SPREAD = "spread over the ranks"
+    RANK0 = "on rank 0"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What rank 0 knows of a checkpoint before loading it: who wrote it (its state file) and the
+    names its manifests list in its tag folder (None: no listing was read)."""
+
+    world_size: int
+    zero_stage: int
+    frozen_params: int | None
+    names: frozenset[str] | None
+
+    @classmethod
+    def of(cls, state: dict[str, Any], files: dict[str, int] | None, step_tag: str) -> Layout:
+        """From a checkpoint's saved state and its listing (paths relative to the run folder)."""
+        prefix = f"{step_tag}/"
+        names = None if files is None else frozenset(rel[len(prefix):] for rel in files if rel.startswith(prefix))
+        frozen = state.get("frozen_params")
+        return cls(int(state["world_size"]), int(state["zero_stage"]), None if frozen is None else int(frozen), names)
+
+
+@dataclass(frozen=True)
+class Route:
+    """How this group loads the checkpoint: `load`, after a universal conversion made `convert`'s way (or none)."""
+
+    load: Load
+    convert: Convert | None = None
+
+    @property
+    def resized(self) -> bool:
+        """Loaded at another world size than the one that wrote it."""
+        return self.load is not Load.AS_SAVED
+
+    @property
+    def universal(self) -> bool:
+        """Loaded from a universal conversion (DeepSpeed's `checkpoint.load_universal`)."""
+        return self.convert is not None
+
+
+def decide(layout: Layout, spec: JobSpec, world: int) -> Route:
+    """The one way `layout` loads into a group of `world` ranks running `spec`."""
+    if layout.world_size == world or layout.zero_stage == 0:
+        return Route(Load.AS_SAVED)  # ZeRO 1-3 partition by rank; stage 0 keeps the state whole
+    if by_range(layout, spec, world):
+        return Route(Load.RANGE_ZERO3 if layout.zero_stage == 3 else Load.RANGE_ZERO12)
+    load = Load.UNIVERSAL_ZERO3 if spec.parallelism.zero_stage == 3 else Load.UNIVERSAL
+    spread = layout.names is not None and plain_data_parallel(layout.names)
+    return Route(load, Convert.SPREAD if spread else Convert.RANK0)
+
+
+def by_range(layout: Layout, spec: JobSpec, world: int) -> bool:
+    """Whether a checkpoint written at another world size loads by byte range: a plain
+    data-parallel ZeRO checkpoint of this job's stage, loaded by DeepSpeed's ZeRO optimizer in
+    the layout `repartition.pieces` (ZeRO-1/2) or `repartition_zero3.pieces` assumes; for ZeRO-3,
+    written by a save that recorded no frozen parameters (their fragments are per rank, in the
+    model states). `checkpoint.resize: universal` asks for the conversion instead."""
+    stage, p = layout.zero_stage, spec.parallelism
+    if spec.checkpoint.resize == "universal" or layout.names is None or stage not in (1, 2, 3):
+        return False
+    if p.zero_stage != stage or p.pipeline_stages > 1:
+        return False
+    if stage == 1 and p.precision == "bf16":
+        return False  # DeepSpeed's BF16 optimizer, another checkpoint layout
+    if stage == 3 and layout.frozen_params != 0:
+        return False  # frozen parameters, or a checkpoint from before Tidal recorded them
+    zero = ds_config(spec, world, on_gpu=False)["zero_optimization"]
+    if zero.get("round_robin_gradients") or zero.get("elastic_checkpoint"):
+        return False
+    if "nvme" in ((zero.get("offload_optimizer") or {}).get("device"), (zero.get("offload_param") or {}).get("device")):
+        return False
+    names, old = layout.names, layout.world_size
+    optim = {m.group(2) for n in names if (m := OPTIM.fullmatch(n))}
+    ranks = {str(d) for d in range(old)}
+    if stage == 3:
+        models = {m.group(1) for n in names if (m := ZERO3_MODEL_STATES.fullmatch(n))}
+        return optim == ranks and models == ranks and len(names) == 2 * old
+    return MODEL_STATES in names and optim == ranks and len(names) == old + 1
+
+
+def plain_data_parallel(names: frozenset[str]) -> bool:
+    """Whether a tag folder's files are a plain data-parallel checkpoint's (one model-parallel rank,
+    no pipeline layer files, model states and optimizer partitions): what a spread conversion splits."""
+    model = optims = False
+    for name in names:
+        optim, states = ANY_OPTIM.match(name), ANY_MODEL.match(name)
+        if "/" in name or name.startswith("layer_") or any(m and m[2] != "00" for m in (optim, states)):
+            return False
+        optims |= optim is not None
+        model |= states is not None
+    return model and optims
