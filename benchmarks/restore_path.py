@@ -5,7 +5,7 @@ older checkout's `platform/` to measure it the same way). A static walk, not a p
 every module of the `tidal` package under PLATFORM_DIR with `ast`, resolves each call in a function
 to a function of the package (a name defined in the module or imported from another, `module.f`
 for an imported module, `self.f` in a class, a class's `__init__`, and `__enter__`/`__exit__` of a
-`with`), and walks depth-first from the worker's `restore` function, each function once, calls in
+`with`; a package function passed as a value, as called), and walks depth-first from the worker's `restore` function, each function once, calls in
 source order. Exceptions are not followed (raising one is no step of the path).
 
 Printed, for the whole walk (every path a restore can take, same size or resized):
@@ -100,7 +100,15 @@ def callees(mods: dict[str, Module], m: Module, fn: ast.AST, cls: str | None) ->
                 aliases[node.targets[0].id] = picked
     withs = {id(item.context_expr) for node in ast.walk(fn) if isinstance(node, ast.With | ast.AsyncWith)
              for item in node.items}
+    # A function named without being called here (`cut_for=repartition_zero3.cut`) is called by
+    # whoever receives it: counted as a call from here.
+    calls = {id(node.func) for node in ast.walk(fn) if isinstance(node, ast.Call)}
     for node in ast.walk(fn):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and id(node) not in calls \
+                and node.value.id in m.modules and isinstance(node.ctx, ast.Load):
+            mod = mods[m.modules[node.value.id]]
+            if node.attr in mod.functions:
+                target(mod.name, node.attr, node, False)
         if not isinstance(node, ast.Call):
             continue
         f, entering = node.func, id(node) in withs

@@ -49,11 +49,11 @@ def main(uri: str, old_world: int, stage: int, rank: int, world: int, port: int,
     found = Found(base, store, {"step": 2, "world_size": old_world, "zero_stage": stage, "attempt": "a"}, files)
     listed = restore.tag_files(found, TAG)
 
-    by_range = repartition_zero3 if stage == 3 else repartition
+    cut = repartition_zero3.cut if stage == 3 else repartition.zero12
     direct = engine(stage, width=width)
-    got = by_range.restore(direct, found, TAG, listed, "check")
+    got = repartition.restore(direct, found, TAG, listed, "check", cut)
     dist.barrier()  # every rank's first load done: the node's copies are all there
-    again = by_range.restore(engine(stage, width=width), found, TAG, listed, "check")
+    again = repartition.restore(engine(stage, width=width), found, TAG, listed, "check", cut)
 
     if rank == 0:
         universal.prepare(found, TAG)

@@ -19,7 +19,9 @@ slices, and hands DeepSpeed's own loader the state DeepSpeed would have saved at
 
 The model states file (the module, the LR scheduler, the step counters) does not depend on the
 world size for ZeRO-1/2 and is loaded by DeepSpeed as at any resume, from the node's copy.
-ZeRO-3 resizes the same way, parameter by parameter (tidal.worker.checkpoint.repartition_zero3). Checkpoints
+ZeRO-3 resizes the same way, parameter by parameter (tidal.worker.checkpoint.repartition_zero3),
+through the same skeleton (`restore`, fetching and copying; each family's `Cut` says what to
+cut and how DeepSpeed loads it). Checkpoints
 this does not cover (pipeline or tensor parallel files, bf16 with ZeRO-1, which uses DeepSpeed's
 BF16 optimizer, NVMe offload, round-robin gradients, elastic checkpoints, ZeRO-3 with frozen
 parameters) resize through the universal conversion (tidal.worker.checkpoint.universal_spread) as before.
@@ -91,38 +93,73 @@ def optim_name(names: dict[str, int], old: int) -> str:
     raise CheckpointError(f"the checkpoint lists no optimizer partition of rank {old}")
 
 
-def restore(engine: Any, found: Found, step_tag: str, listed: dict[str, int], identity: str) -> fetch.Fetched:
-    """Load `found` (its tag folder's files: `listed`) into `engine` at this group's size; returns
-    what this rank took from storage (bytes read, for a sparse copy)."""
+# What of a saved optimizer state's tree (meta tensors) a sparse copy holds: each partitioned
+# tensor with the element ranges of it wanted; every other tensor is copied whole.
+Find = Callable[[Any], list[tuple[torch.Tensor, list[tuple[int, int]]]]]
+
+
+@dataclass(frozen=True)
+class Cut:
+    """One ZeRO family's part of a resize by byte range, for one new rank (`zero12` here,
+    `repartition_zero3.cut`): what `restore`, the skeleton both share, fetches and how it loads."""
+
+    world: int
+    rank: int
+    model_states: str  # the old model states file every new rank reads whole (tag-relative)
+    olds: list[int]  # the old ranks whose partitions hold this rank's slices
+    wanted: Callable[[int], Find]  # old rank d -> what of its saved state's partitioned tensors to copy
+    # (engine, the node copy's folder, step tag, old rank -> its saved state): the state assembled
+    # for this rank and handed to DeepSpeed's own loader
+    load: Callable[[Any, str, str, dict[int, dict[str, Any]]], None]
+
+
+def restore(engine: Any, found: Found, step_tag: str, listed: dict[str, int], identity: str,
+            cut_for: Callable[[Any, int], Cut]) -> fetch.Fetched:
+    """Load `found` (its tag folder's files: `listed`) into `engine` at this group's size, cut by
+    `cut_for(engine, old world)` (`zero12`, or `repartition_zero3.cut`); returns what this rank
+    took from storage (bytes read, for its sparse copies)."""
+    old_world = int(found.state["world_size"])
+    cut = cut_for(engine, old_world)
+    with fetch.NodeCache(f"{found.path}/{step_tag}#{identity}", name=f"{found.name}-{step_tag}") as cache:
+        got = cache.fetch(found.fs, found.path, {f"{step_tag}/{cut.model_states}": listed[cut.model_states]})
+        here = cache.path(f"{COPIES}{cut.world}-{cut.rank}")
+        saved = {}
+        for d in cut.olds or [0]:  # a rank that holds only padding still needs the optimizer's settings
+            rel = optim_name(listed, d)
+            saved[d] = sparse_copy(found, step_tag, rel, listed[rel], here, got, cut.wanted(d))
+        log.info("Restore: %s/%s (pid %d), resized %d -> %d by byte range: %s",
+                 found.name, step_tag, os.getpid(), old_world, cut.world, got.line())
+        cut.load(engine, cache.dir, step_tag, saved)
+    return got
+
+
+def zero12(engine: Any, old_world: int) -> Cut:
+    """ZeRO-1/2's cut: each param group's flat partition, `pieces` of the old ones. DeepSpeed
+    loads the model states from the node's copy, and the optimizer the state assembled here."""
     opt = _zero_optimizer(engine)
     group = opt.dp_process_group
     world, rank = torch.distributed.get_world_size(group=group), torch.distributed.get_rank(group=group)
-    old_world = int(found.state["world_size"])
     numels = [group_numel(opt, i) for i in range(len(opt.single_partition_of_fp32_groups))]
     plan = [pieces(n, old_world, world, rank) for n in numels]
-    olds = sorted({p.old for group_pieces in plan for p in group_pieces})
-    with fetch.NodeCache(f"{found.path}/{step_tag}#{identity}", name=f"{found.name}-{step_tag}") as cache:
-        got = cache.fetch(found.fs, found.path, {f"{step_tag}/{MODEL_STATES}": listed[MODEL_STATES]})
-        here = cache.path(f"{COPIES}{world}-{rank}")
-        saved = {}
-        for d in olds or [0]:  # a rank that holds only padding still needs the optimizer's settings
-            rel = optim_name(listed, d)
-            wanted = {i: (p.lo, p.hi) for i, group_pieces in enumerate(plan) for p in group_pieces if p.old == d}
-            saved[d] = sparse_copy(found, step_tag, rel, listed[rel], here, got, lambda tree, wanted=wanted: [
-                (t, [wanted.get(i, (0, 0))]) for i, t in _partitioned_tensors(tree, numels, old_world)])
-        log.info("Restore: %s/%s (pid %d), resized %d -> %d by byte range: %s",
-                 found.name, step_tag, os.getpid(), old_world, world, got.line())
+
+    def wanted(d: int) -> Find:
+        ranges = {i: (p.lo, p.hi) for i, group_pieces in enumerate(plan) for p in group_pieces if p.old == d}
+        return lambda tree: [(t, [ranges.get(i, (0, 0))]) for i, t in _partitioned_tensors(tree, numels, old_world)]
+
+    def load(engine: Any, folder: str, step_tag: str, saved: dict[int, dict[str, Any]]) -> None:
         state = _assemble(opt, saved, plan, numels, old_world, world, rank)
-        safe_load.check_files(fs.join_local(cache.dir, step_tag), [MODEL_STATES])
+        safe_load.check_files(fs.join_local(folder, step_tag), [MODEL_STATES])
         with safe_load.safe_loading(engine):  # the model states: weights-only
-            load_path, _ = engine.load_checkpoint(cache.dir, tag=step_tag, load_optimizer_states=False,
+            load_path, _ = engine.load_checkpoint(folder, tag=step_tag, load_optimizer_states=False,
                                                   load_lr_scheduler_states=True)
         if load_path is None:
             raise CheckpointError(f"DeepSpeed found nothing to load under tag {step_tag}")
         # What DeepSpeed's `_load_zero_checkpoint` does with the list it reads, a rank reading its own entry only.
         opt.load_state_dict([state if r == rank else None for r in range(world)], load_optimizer_states=True,
                             load_from_fp32_weights=engine.zero_load_from_fp32_weights())
-    return got
+
+    olds = sorted({p.old for group_pieces in plan for p in group_pieces})
+    return Cut(world, rank, MODEL_STATES, olds, wanted, load)
 
 
 def group_numel(opt: Any, i: int) -> int:
@@ -143,11 +180,6 @@ def _zero_optimizer(engine: Any) -> Any:
 def shaped(t: Any, n: int) -> bool:
     """A flat tensor of `n` elements: a partition, or optimizer state shaped like one."""
     return isinstance(t, torch.Tensor) and t.dim() == 1 and t.numel() == n
-
-
-# What of a saved optimizer state's tree (meta tensors) a sparse copy holds: each partitioned
-# tensor with the element ranges of it wanted; every other tensor is copied whole.
-Find = Callable[[Any], list[tuple[torch.Tensor, list[tuple[int, int]]]]]
 
 
 def sparse_copy(found: Found, step_tag: str, rel: str, size: int, here: str, got: fetch.Fetched,

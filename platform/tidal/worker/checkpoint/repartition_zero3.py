@@ -15,7 +15,8 @@ end (`layout`). Partitions shrink as ranks are added, so the sub-groups themselv
 world: a new sub-group is built parameter by parameter, each new partition a concatenation of
 slices of old ones (`pieces`, pure), each slice one byte range of an old rank's file.
 
-DeepSpeed's own loader then takes the state it would have saved at the new size:
+The fetching and copying are ZeRO-1/2's (`repartition.restore`, the skeleton both share; `cut`
+is ZeRO-3's part). DeepSpeed's own loader then takes the state it would have saved at the new size:
 `engine.load_checkpoint` reads the model and optimizer states through the engine's checkpoint
 engine, which here serves this rank's, assembled in memory (`safe_load.safe_loading`'s `served`),
 so nothing is written twice. The model states are old rank 0's with the new world size: under ZeRO-3 they hold no
@@ -38,9 +39,8 @@ import torch.distributed as dist
 
 from tidal import fs
 from tidal.errors import CheckpointError
-from tidal.storage import Found
-from tidal.worker.checkpoint import fetch, safe_load
-from tidal.worker.checkpoint.repartition import COPIES, optim_name, shaped, sparse_copy
+from tidal.worker.checkpoint import safe_load
+from tidal.worker.checkpoint.repartition import COPIES, Cut, Find, shaped
 
 log = logging.getLogger("tidal")
 
@@ -106,13 +106,13 @@ def pieces(numels: list[int], old: list[Slot], new: list[Slot], old_world: int, 
     return out
 
 
-def restore(engine: Any, found: Found, step_tag: str, listed: dict[str, int], identity: str) -> fetch.Fetched:
-    """Load `found` (its tag folder's files: `listed`) into the ZeRO-3 `engine` at this group's size;
-    returns what this rank took from storage (bytes read, for its sparse copies)."""
+def cut(engine: Any, old_world: int) -> Cut:
+    """ZeRO-3's cut for `repartition.restore`: every parameter's partition, `pieces` of the old
+    ones, in sub-groups cut anew at this size. DeepSpeed's loader takes the states assembled here,
+    served from memory (`safe_load.safe_loading`'s `served`)."""
     opt = _zero3_optimizer(engine)
     group = opt.dp_process_group
     world, rank = dist.get_world_size(group=group), dist.get_rank(group=group)
-    old_world = int(found.state["world_size"])
     groups, owners = _param_groups(opt)
     numels = [n for g in groups for n in g]
     old, old_sizes = layout(groups, old_world, opt.sub_group_size)
@@ -121,31 +121,26 @@ def restore(engine: Any, found: Found, step_tag: str, listed: dict[str, int], id
         raise CheckpointError(f"DeepSpeed cut this engine's ZeRO-3 sub-groups as {opt.fp16_partitioned_groups_flat_numel}"
                               f", not as Tidal plans ({new_sizes}): not the layout a direct resize reads")
     plan = pieces(numels, old, new, old_world, world, rank)
-    with fetch.NodeCache(f"{found.path}/{step_tag}#{identity}", name=f"{found.name}-{step_tag}") as cache:
-        first = f"{step_tag}/{model_states(0)}"
-        got = cache.fetch(found.fs, found.path, {first: listed[model_states(0)]})
-        here = cache.path(f"{COPIES}{world}-{rank}")
-        saved = {}
-        for d in sorted({p.old for p in plan}) or [0]:  # a rank of padding only still needs the settings
-            wanted: dict[int, list[tuple[int, int]]] = {}
-            for p in plan:
-                if p.old == d:
-                    wanted.setdefault(p.group, []).append((p.lo, p.hi))
-            rel = optim_name(listed, d)
-            saved[d] = sparse_copy(found, step_tag, rel, listed[rel], here, got,
-                                   lambda tree, wanted=wanted: _partitioned(tree, wanted, old_sizes))
-        log.info("Restore: %s/%s (pid %d), resized %d -> %d by byte range: %s",
-                 found.name, step_tag, os.getpid(), old_world, world, got.line())
+
+    def wanted(d: int) -> Find:
+        ranges: dict[int, list[tuple[int, int]]] = {}
+        for p in plan:
+            if p.old == d:
+                ranges.setdefault(p.group, []).append((p.lo, p.hi))
+        return lambda tree: _partitioned(tree, ranges, old_sizes)
+
+    def load(engine: Any, folder: str, step_tag: str, saved: dict[int, dict[str, Any]]) -> None:
         state = _assemble(saved, plan, new_sizes, owners, world)
-        served = _served_folder(here, step_tag, rank)
-        states = {model_states(rank): _model_states(fs.join_local(cache.dir, first), world),
+        served = _served_folder(fs.join_local(folder, f"{COPIES}{world}-{rank}"), step_tag, rank)
+        states = {model_states(rank): _model_states(fs.join_local(folder, f"{step_tag}/{model_states(0)}"), world),
                   **{name: {ZERO_STATE: state} for name in _optim_names(rank)}}
         with safe_load.safe_loading(engine, served=states):
             load_path, _ = engine.load_checkpoint(served, tag=step_tag, load_optimizer_states=True,
                                                   load_lr_scheduler_states=True)
         if load_path is None:
             raise CheckpointError(f"DeepSpeed found nothing to load under tag {step_tag}")
-    return got
+
+    return Cut(world, rank, model_states(0), sorted({p.old for p in plan}), wanted, load)
 
 
 def _zero3_optimizer(engine: Any) -> Any:

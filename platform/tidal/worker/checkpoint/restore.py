@@ -103,8 +103,8 @@ def restore(engine: Any, found: Found, how: Route) -> TrainState:
     if how.load in (Load.RANGE_ZERO12, Load.RANGE_ZERO3):
         listed = tag_files(found, step_tag)
         try:
-            by_range = repartition_zero3 if how.load is Load.RANGE_ZERO3 else repartition
-            by_range.restore(engine, found, step_tag, listed, _identity(found, found.files or {}))
+            cut = repartition_zero3.cut if how.load is Load.RANGE_ZERO3 else repartition.zero12
+            repartition.restore(engine, found, step_tag, listed, _identity(found, found.files or {}), cut)
         except fetch.LocalDiskFull:
             raise
         except Exception as e:
