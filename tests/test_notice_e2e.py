@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 import sys
 import threading
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ import pytest
 
 import tidal
 from tests.conftest import ROOT, metric_history, tiny_spec
+from tests.helpers import prestop_command
 from tests.slow_step import slow_env
 from tidal.testing.clusters import add_worker_node, raylet_cluster
 from tidal.testing.metadata import metadata_server
@@ -29,6 +31,7 @@ from tidal.testing.processes import start_in_session, stop_session, wait_for
 pytestmark = pytest.mark.slow
 
 DEADLINE_S = 12  # the notice's lead (AWS gives 120 s; shorter here to keep the test short)
+POD_IP = "127.0.0.2"  # a simulated pod's own address (loopback): the preStop finds its node by it
 
 
 @pytest.fixture(scope="module")
@@ -122,3 +125,39 @@ def test_aws_spot_notice_saves_at_the_step_reached_then_the_job_shrinks_and_grow
     sizes = [r["world"] for r in records(trace)]
     assert [s for i, s in enumerate(sizes) if i == 0 or s != sizes[i - 1]][-3:] == [2, 1, 2], sizes
     assert n >= 20
+    for node in list(cluster.worker_nodes):  # the next test starts from an empty cluster
+        cluster.remove_node(node)
+
+
+def test_kubernetes_prestop_run_as_the_pod_runs_it_saves_at_the_step_reached(cluster, tmp_path, capfd):
+    """The first worker group's preStop from cluster_configs/kuberay/raycluster.yaml, run as the
+    kubelet runs it (exec, the container's environment: KubeRay's RAY_ADDRESS and MY_POD_IP, token
+    auth) on the raylet of a simulated pod at its own address; only its deadline is shortened (105 s
+    there). Kubernetes then stops the pod: the raylet goes."""
+    for node in list(cluster.worker_nodes):
+        cluster.remove_node(node)
+    pod = cluster.add_node(num_cpus=1, node_ip_address=POD_IP)
+    add_worker_node(cluster)
+    spec, hold, trace = warned_job(tmp_path, "evicted")
+    command = prestop_command()
+    command[command.index("--deadline-s") + 1] = str(DEADLINE_S)
+    env = {**node_env(), "RAY_ADDRESS": cluster.gcs_address, "MY_POD_IP": POD_IP}
+    t, out = run_in_background(spec)
+    wait_for("20 steps at 2 workers",
+             lambda: any(r["step"] >= 20 and r["world"] == 2 for r in records(trace)), timeout=300)
+    stop = subprocess.run(command, env=env, capture_output=True, text=True, timeout=DEADLINE_S + 60)
+    assert stop.returncode == 0, stop.stdout + stop.stderr
+    assert f"drained node {pod.node_id}" in stop.stdout, stop.stdout
+    cluster.remove_node(pod)  # the preStop returned: Kubernetes stops the pod
+    wait_for("the group at 1 worker", lambda: any(r["world"] == 1 for r in records(trace)), timeout=180)
+    add_worker_node(cluster)  # the pod's replacement
+    wait_for("the group back at 2", lambda: records(trace)[-1]["world"] == 2, timeout=240)
+    hold.unlink()
+    t.join(400)
+    assert not t.is_alive(), "job did not finish"
+    if "error" in out:
+        raise out["error"]
+    assert_saved_at_the_step_reached_and_resumed_there(capfd.readouterr().out, trace)
+    assert sorted(metric_history(spec, out["result"].mlflow_run_id, "loss")) == list(range(1, 301))
+    for node in list(cluster.worker_nodes):
+        cluster.remove_node(node)

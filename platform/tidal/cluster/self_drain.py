@@ -16,6 +16,8 @@ from collections.abc import Callable
 from tidal import ray_private
 from tidal.errors import ClusterError
 
+POD_IP_ENV = "MY_POD_IP"  # KubeRay's downward-API variable in every Ray container
+
 
 def gcs_address(address: str | None) -> str:
     """The cluster's GCS address: `--address`, else RAY_ADDRESS (host:port, as `ray start` takes)."""
@@ -27,13 +29,14 @@ def gcs_address(address: str | None) -> str:
 
 
 def this_node_id(address: str, node_id: str | None = None, ip: str | None = None, timeout_s: float = 30.0) -> str:
-    """This node's Ray id: `node_id` when given, else the one alive node at this host's address
-    (waited for up to `timeout_s`: the watcher may start before its raylet has registered)."""
+    """This node's Ray id: `node_id` when given, else the one alive node at this host's address (a
+    KubeRay pod's MY_POD_IP, which KubeRay sets from the pod's status), waited for up to `timeout_s`:
+    the watcher may start before its raylet has registered."""
     if node_id:
         return node_id
     import ray.util
 
-    ip = ip or ray.util.get_node_ip_address()
+    ip = ip or os.environ.get(POD_IP_ENV) or ray.util.get_node_ip_address()
     deadline = time.time() + timeout_s
     while True:
         nodes = [n for n, at in ray_private.alive_nodes(address).items() if at == ip]
