@@ -201,3 +201,21 @@ def write_sources(tmp: Path) -> dict[str, str]:
     parquet = tmp / "docs.parquet"
     pq.write_table(pa.table({"text": TEXT}), parquet)
     return {"jsonl": str(jsonl), "parquet": str(parquet)}
+
+
+def cluster_spec(path: Path) -> dict:
+    """The RayCluster spec of a KubeRay manifest: a RayCluster's own, or a RayJob's rayClusterSpec."""
+    import yaml
+
+    doc = yaml.safe_load(path.read_text())
+    return doc["spec"] if doc["kind"] == "RayCluster" else doc["spec"]["rayClusterSpec"]
+
+
+def prestop_command(path: Path | None = None) -> list[str]:
+    """The first worker group's preStop command in cluster_configs/kuberay/raycluster.yaml (or
+    `path`), as the pod runs it."""
+    from tests.conftest import ROOT
+
+    spec = cluster_spec(path or ROOT / "cluster_configs" / "kuberay" / "raycluster.yaml")
+    ray = spec["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
+    return [str(w) for w in ray["lifecycle"]["preStop"]["exec"]["command"]]

@@ -41,6 +41,7 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("ray.train.v2._internal.execution.context", "TrainRunContext"),
     ("ray._raylet", "AuthenticationTokenLoader"),
     ("ray._raylet", "Config"),
+    ("ray._raylet", "GcsClient"),
 )
 
 # Ray Train V2's settings read from the environment (ray.train.v2._internal.constants, 2.60):
@@ -203,3 +204,29 @@ def package_exists(uri: str) -> bool:
     from ray._private.runtime_env.packaging import package_exists as exists
 
     return bool(exists(uri))
+
+
+def drain_node(gcs_address: str, node_id: str, reason: str, deadline_ms: int) -> tuple[bool, str]:
+    """Ask the GCS to drain `node_id` (hex) for preemption, the node going at `deadline_ms` (epoch
+    ms): (accepted, Ray's reason for refusing). What Ray's autoscaler v2 does before it takes a
+    node away, and what Ray Train's preemption watcher reads (`ray.train.get_preemption_info()`).
+    Ray 2.60: the GCS's DrainNode RPC is reached only through `ray._raylet.GcsClient` (its own
+    `ray drain-node` is a hidden developer command that needs a connected driver to find the node)."""
+    from ray._raylet import GcsClient
+    from ray.core.generated import autoscaler_pb2
+
+    accepted, why = GcsClient(address=gcs_address).drain_node(
+        node_id, autoscaler_pb2.DrainNodeReason.DRAIN_NODE_REASON_PREEMPTION, reason, int(deadline_ms))
+    return bool(accepted), str(why or "")
+
+
+def alive_nodes(gcs_address: str) -> dict[str, str]:
+    """{node id (hex): its address} of the cluster's alive nodes, read from the GCS without
+    connecting a driver (a node's watcher must not start a Ray worker process of its own).
+    Ray 2.60: `ray.nodes()` needs `ray.init`; `GcsClient.get_all_node_info` is private."""
+    from ray._raylet import GcsClient
+    from ray.core.generated import gcs_pb2
+
+    infos = GcsClient(address=gcs_address).get_all_node_info(timeout=10)
+    return {info.node_id.hex(): info.node_manager_address for info in infos.values()
+            if info.state == gcs_pb2.GcsNodeInfo.GcsNodeState.ALIVE}

@@ -34,6 +34,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                     "autoscaler (pending_launches, pending_nodes, resource_demand, pg_demand, request_demand; null "
                     "without an autoscaler) and workers (job_id, node_id, site, workers: Ray Train workers there)")
     s.set_defaults(func=status_command)
+    from tidal.cluster.node_cli import register_node_commands
+
+    register_node_commands(sub)
     c.set_defaults(func=lambda _args: c.print_help() or 0)
     return c
 

@@ -36,6 +36,7 @@ from tidal.cluster.exposure import (
     service_type_problems,
 )
 from tidal.cluster.kueue import KUEUE_KINDS, kueue_problems, label, quantity
+from tidal.cluster.prestop import prestop_problems
 from tidal.cluster.prices import PRICE_LABEL, price_problems
 from tidal.cluster.shell import (
     flags_of,
@@ -118,6 +119,7 @@ def kuberay_group_problems(where: str, group: dict[str, Any], is_head: bool, wit
                                                 c.get("env") or [])
     if is_head:
         return problems
+    problems += prestop_problems(where, pod)
     low, high = group.get("minReplicas", 0), group.get("maxReplicas")
     problems += bounds_problems(where, low, high, "minReplicas", "maxReplicas")
     if high is None:

@@ -1,0 +1,163 @@
+"""A warned node loss on real Ray, one raylet per simulated node (`ray.cluster_utils.Cluster`): the
+node's cloud announces its interruption in its metadata service (served on 127.0.0.1 as AWS documents
+it, tidal/testing/metadata.py), the node's `tidal cluster watch-notices` drains it in Ray with the
+notice's deadline, the job saves at the step reached, the node goes, the job resumes at the smaller
+size from that checkpoint with no step trained twice, then grows back when a node returns.
+
+Before the watcher, the notice was ignored: the node just went, and the job lost the steps since
+its last periodic checkpoint (tests/test_elastic.py's node loss)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import tidal
+from tests.conftest import ROOT, metric_history, tiny_spec
+from tests.helpers import prestop_command
+from tests.slow_step import slow_env
+from tidal.testing.clusters import add_worker_node, raylet_cluster
+from tidal.testing.metadata import metadata_server
+from tidal.testing.processes import start_in_session, stop_session, wait_for
+
+pytestmark = pytest.mark.slow
+
+DEADLINE_S = 12  # the notice's lead (AWS gives 120 s; shorter here to keep the test short)
+POD_IP = "127.0.0.2"  # a simulated pod's own address (loopback): the preStop finds its node by it
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator:
+    with raylet_cluster() as c:
+        yield c
+
+
+def records(trace: Path) -> list[dict]:
+    """Every log step rank 0 trained, in every life of the job (worker/metrics.trace_loss)."""
+    return [json.loads(line) for line in trace.read_text().splitlines()] if trace.exists() else []
+
+
+def node_env() -> dict[str, str]:
+    """A node's environment for Tidal's commands: this checkout's package, and Ray's token auth
+    (the cluster configs start the watcher with RAY_AUTH_MODE=token)."""
+    path = os.pathsep.join([str(ROOT / "platform"), str(ROOT), os.environ.get("PYTHONPATH", "")])
+    return {**os.environ, "PYTHONPATH": path, "RAY_AUTH_MODE": "token"}
+
+
+def run_in_background(spec) -> tuple[threading.Thread, dict]:
+    out: dict = {}
+
+    def target() -> None:
+        try:
+            out["result"] = tidal.run(spec)
+        except BaseException as e:  # noqa: BLE001 - surfaced by the test
+            out["error"] = e
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    return t, out
+
+
+def warned_job(tmp: Path, name: str) -> tuple:
+    """A 1-2 worker elastic job, each step held to ~0.1 s per micro-batch until `hold` is removed
+    (the job must still train when the node returns); a periodic checkpoint only every 100 steps, so
+    that a save at another step is the emergency one."""
+    hold, trace = tmp / "hold", tmp / "loss.trace"
+    hold.touch()
+    spec = tiny_spec(tmp, name=name, **{
+        "train.steps": 300, "checkpoint.every_steps": 100, "scaling.min_workers": 1, "scaling.max_workers": 2,
+        "scaling.elastic_check_s": 2, "train.step_fn": "tests.slow_step:step",
+    }, worker_env={**slow_env(0.05, hold), "TIDAL_LOSS_TRACE": str(trace)})
+    return spec, hold, trace
+
+
+def assert_saved_at_the_step_reached_and_resumed_there(out: str, trace: Path) -> int:
+    """The emergency checkpoint's step N; the group at 2 trained up to N and no further, and the
+    group at 1 started at N + 1: no step lost, none trained twice."""
+    said = re.findall(r"preemption warning: saving an emergency checkpoint at step (\d+)", out)
+    assert len(said) == 1, f"one emergency checkpoint, not {said}"
+    n = int(said[0])
+    recs = records(trace)
+    first_small = next(i for i, r in enumerate(recs) if r["world"] == 1)
+    assert max(r["step"] for r in recs[:first_small]) == n, "no step trained past the save on the warned group"
+    assert recs[first_small]["step"] == n + 1, f"resumed at {recs[first_small]['step']}, saved at {n}"
+    assert n % 100, "the save was the emergency one, not a periodic checkpoint"
+    return n
+
+
+def test_aws_spot_notice_saves_at_the_step_reached_then_the_job_shrinks_and_grows_back(cluster, tmp_path, capfd):
+    a, _b = add_worker_node(cluster), add_worker_node(cluster)
+    spec, hold, trace = warned_job(tmp_path, "noticed")
+    with metadata_server("aws") as md:
+        watcher = start_in_session(
+            [sys.executable, "-m", "tidal", "cluster", "watch-notices", "--endpoint", md.url, "--poll-s", "0.5",
+             "--address", cluster.gcs_address, "--node-id", a.node_id], tmp_path / "watcher.log", env=node_env())
+        try:
+            t, out = run_in_background(spec)
+            wait_for("20 steps at 2 workers",
+                     lambda: any(r["step"] >= 20 and r["world"] == 2 for r in records(trace)), timeout=300)
+            md.aws_interrupt(in_s=DEADLINE_S)
+            wait_for("the group at 1 worker", lambda: any(r["world"] == 1 for r in records(trace)), timeout=180,
+                     context=lambda: (tmp_path / "watcher.log").read_text())
+            cluster.remove_node(a)  # the deadline passed: the cloud takes the instance
+            add_worker_node(cluster)  # capacity returns
+            wait_for("the group back at 2", lambda: records(trace)[-1]["world"] == 2, timeout=240)
+            hold.unlink()
+            t.join(400)
+            assert not t.is_alive(), "job did not finish"
+            if "error" in out:
+                raise out["error"]
+        finally:
+            stop_session(watcher, grace_s=5)
+    log = (tmp_path / "watcher.log").read_text()
+    assert "drained this Ray node" in log and log.count("drained this Ray node") == 1, log
+    n = assert_saved_at_the_step_reached_and_resumed_there(capfd.readouterr().out, trace)
+    loss = metric_history(spec, out["result"].mlflow_run_id, "loss")
+    assert sorted(loss) == list(range(1, 301)), "every step done, each logged once"
+    sizes = [r["world"] for r in records(trace)]
+    assert [s for i, s in enumerate(sizes) if i == 0 or s != sizes[i - 1]][-3:] == [2, 1, 2], sizes
+    assert n >= 20
+    for node in list(cluster.worker_nodes):  # the next test starts from an empty cluster
+        cluster.remove_node(node)
+
+
+def test_kubernetes_prestop_run_as_the_pod_runs_it_saves_at_the_step_reached(cluster, tmp_path, capfd):
+    """The first worker group's preStop from cluster_configs/kuberay/raycluster.yaml, run as the
+    kubelet runs it (exec, the container's environment: KubeRay's RAY_ADDRESS and MY_POD_IP, token
+    auth) on the raylet of a simulated pod at its own address; only its deadline is shortened (105 s
+    there). Kubernetes then stops the pod: the raylet goes."""
+    for node in list(cluster.worker_nodes):
+        cluster.remove_node(node)
+    pod = cluster.add_node(num_cpus=1, node_ip_address=POD_IP)
+    add_worker_node(cluster)
+    spec, hold, trace = warned_job(tmp_path, "evicted")
+    command = prestop_command()
+    command[command.index("--deadline-s") + 1] = str(DEADLINE_S)
+    env = {**node_env(), "RAY_ADDRESS": cluster.gcs_address, "MY_POD_IP": POD_IP}
+    t, out = run_in_background(spec)
+    wait_for("20 steps at 2 workers",
+             lambda: any(r["step"] >= 20 and r["world"] == 2 for r in records(trace)), timeout=300)
+    stop = subprocess.run(command, env=env, capture_output=True, text=True, timeout=DEADLINE_S + 60)
+    assert stop.returncode == 0, stop.stdout + stop.stderr
+    assert f"drained node {pod.node_id}" in stop.stdout, stop.stdout
+    cluster.remove_node(pod)  # the preStop returned: Kubernetes stops the pod
+    wait_for("the group at 1 worker", lambda: any(r["world"] == 1 for r in records(trace)), timeout=180)
+    add_worker_node(cluster)  # the pod's replacement
+    wait_for("the group back at 2", lambda: records(trace)[-1]["world"] == 2, timeout=240)
+    hold.unlink()
+    t.join(400)
+    assert not t.is_alive(), "job did not finish"
+    if "error" in out:
+        raise out["error"]
+    assert_saved_at_the_step_reached_and_resumed_there(capfd.readouterr().out, trace)
+    assert sorted(metric_history(spec, out["result"].mlflow_run_id, "loss")) == list(range(1, 301))
+    for node in list(cluster.worker_nodes):
+        cluster.remove_node(node)
