@@ -113,13 +113,17 @@ class Cut:
     load: Callable[[Any, str, str, dict[int, dict[str, Any]]], None]
 
 
-def restore(engine: Any, found: Found, step_tag: str, listed: dict[str, int], identity: str,
-            cut_for: Callable[[Any, int], Cut]) -> fetch.Fetched:
-    """Load `found` (its tag folder's files: `listed`) into `engine` at this group's size, cut by
-    `cut_for(engine, old world)` (`zero12`, or `repartition_zero3.cut`); returns what this rank
-    took from storage (bytes read, for its sparse copies)."""
+def reads(cut: Cut, listed: dict[str, int]) -> dict[str, int]:
+    """The files of `listed` (the tag folder's) a rank of `cut` reads: the model states and its old partitions."""
+    names = [cut.model_states, *(optim_name(listed, d) for d in cut.olds or [0])]
+    return {rel: listed[rel] for rel in names}
+
+
+def restore(engine: Any, found: Found, step_tag: str, listed: dict[str, int], identity: str, cut: Cut) -> fetch.Fetched:
+    """Load `found` (its tag folder's files: `listed`) into `engine` at this group's size, as `cut`
+    says (`zero12(engine, old world)`, or `repartition_zero3.cut`); returns what this rank took
+    from storage (bytes read, for its sparse copies)."""
     old_world = int(found.state["world_size"])
-    cut = cut_for(engine, old_world)
     with fetch.NodeCache(f"{found.path}/{step_tag}#{identity}", name=f"{found.name}-{step_tag}") as cache:
         got = cache.fetch(found.fs, found.path, {f"{step_tag}/{cut.model_states}": listed[cut.model_states]})
         here = cache.path(f"{COPIES}{cut.world}-{cut.rank}")
