@@ -9,7 +9,8 @@
 restore runs: `tidal.worker.checkpoint.fetch.rank_files` picks each rank's files of a listing laid out as
 DeepSpeed writes it, `tidal.worker.checkpoint.share.partition` a ZeRO-3 rank's share of each universal file,
 `tidal.worker.checkpoint.universal_spread.share` and `.owners` each rank's part of the conversion (its old
-partitions, the parameters it merges); requests are those of
+partitions, the parameters it merges; `rank0`: the same conversion on rank 0 alone, as
+`tidal.worker.checkpoint.universal` makes it for what is not plain data-parallel); requests are those of
 `tidal.worker.checkpoint.restore` (rank 0 lists and verifies once, each rank asks for its own files). Bandwidths
 are stated, not measured; the conversion's own compute is left out (it adds to the resize time).
 
@@ -35,7 +36,14 @@ from pathlib import Path
 from benchmarks.common import history, in_turn, latest_run_id, tidal_run, write_spec
 from benchmarks.reshard import DiskPeak, disk_bytes
 from tidal.spec.job import JobSpec
-from tidal.worker.checkpoint import fetch, repartition, repartition_zero3, share, universal_spread
+from tidal.worker.checkpoint import (
+    fetch,
+    repartition,
+    repartition_zero3,
+    share,
+    universal,
+    universal_spread,
+)
 
 GB = 1e9
 
@@ -260,6 +268,24 @@ def paper_row(m: Model, stage: int, old_nodes: int, new_nodes: int, gpus: int, n
         per_node = [node_bytes([fetch.rank_files(uni, 0, held_params(m, new_world, node * gpus + g))
                                 for g in range(gpus)]) for node in range(new_nodes)]
     load = max(per_node)
+    if via == "rank0":
+        # The conversion on rank 0 alone (universal._convert): node 0 fetches every listed file, holds
+        # the copy, DeepSpeed's fragments and the output at once (universal.conversion_disk), and
+        # uploads the output; every other node waits, then each reads its share of the output.
+        out = sum(uni.values())
+        disk0 = universal.conversion_disk(state)
+        convert_requests = 2 * len(ckpt) + len(uni)
+        if stage == 3:
+            sliced_files = sum(share.sliced(rel) for rel in uni)
+            per_rank = shares * sliced_files + 2 * (len(uni) - sliced_files)
+        else:
+            per_rank = 2 * max(len(fetch.rank_files(uni, 0, held_params(m, new_world, r))) for r in range(0, new_world, gpus))
+        aggregate = min(store_bps, node_bps * new_nodes)
+        resize_s = (state + out) / node_bps + max(load / node_bps, load * new_nodes / aggregate)
+        return {**row, "resize_gb_node0": (state + load) / GB, "resize_gb_node": (state + load) / GB,
+                "disk_gb_node0": (disk0 + load) / GB, "disk_gb_node": (disk0 + load) / GB,
+                "disk_over_held": (disk0 + load) / load,
+                "resize_requests": verify + convert_requests + per_rank * new_world, "resize_s": resize_s}
     # The conversion, spread (universal_spread): each rank fetches its share (old partitions d with
     # d * new_world // partitions == rank, and the model states once per node), sends the fragments of parameters
     # others own (about its partitions' bytes times their share), receives its own parameters'
@@ -307,7 +333,7 @@ def paper_row(m: Model, stage: int, old_nodes: int, new_nodes: int, gpus: int, n
 
 def paper(args: argparse.Namespace) -> None:
     shares = requests_per_share()
-    cases = [(stage, via, old, new) for stage, via in ((2, "by_range"), (3, "by_range"), (3, "universal"))
+    cases = [(stage, via, old, new) for stage, via in ((2, "by_range"), (3, "by_range"), (3, "universal"), (3, "rank0"))
              for old, new in ((8, 16), (16, 8))]
     rows = [(paper_row(m, stage, old, new, args.gpus, args.node_gbps, args.store_gbps, shares, via), old, new)
             for m in MODELS for stage, via, old, new in cases]

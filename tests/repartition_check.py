@@ -51,9 +51,10 @@ def main(uri: str, old_world: int, stage: int, rank: int, world: int, port: int,
 
     cut = repartition_zero3.cut if stage == 3 else repartition.zero12
     direct = engine(stage, width=width)
-    got = repartition.restore(direct, found, TAG, listed, "check", cut)
+    got = repartition.restore(direct, found, TAG, listed, "check", cut(direct, old_world))
     dist.barrier()  # every rank's first load done: the node's copies are all there
-    again = repartition.restore(engine(stage, width=width), found, TAG, listed, "check", cut)
+    again_engine = engine(stage, width=width)
+    again = repartition.restore(again_engine, found, TAG, listed, "check", cut(again_engine, old_world))
 
     if rank == 0:
         universal.prepare(found, TAG)

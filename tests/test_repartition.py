@@ -17,11 +17,13 @@ import pytest
 import torch
 
 from tidal import fs
+from tidal.errors import CheckpointError
+from tidal.storage import Found
 from tidal.testing.processes import free_port
 from tidal.worker.checkpoint import fetch, share
 from tidal.worker.checkpoint import repartition_zero3 as zero3
 from tidal.worker.checkpoint.host_buffers import Buffers
-from tidal.worker.checkpoint.repartition import merged, partition_size, pieces
+from tidal.worker.checkpoint.repartition import merged, partition_size, pieces, sparse_copy
 
 ROOT = Path(__file__).resolve().parents[1]
 TAG = "global_step8"
@@ -110,6 +112,38 @@ def test_a_zero3_rank_that_holds_only_padding_of_a_sub_group_gets_zeros_and_its_
 
 def test_byte_ranges_that_touch_are_read_as_one():
     assert merged([(5, 9), (0, 5), (12, 12), (11, 14), (13, 20), (30, 31)]) == [(0, 9), (11, 20), (30, 31)]
+
+
+def test_a_reused_sparse_copy_is_checked_and_holds_what_this_plan_reads(tmp_path):
+    """A rank's sparse copy of an old ZeRO-3 partition, kept on its node for the next restart, is
+    taken again only for the plan it was cut for: a restart whose plan reads other slices (another
+    sub_group_size: new sub-groups, the old layout unchanged) gets those bytes, not the holes of the
+    earlier copy read as zeros; and a layout that does not match the file is refused on a reused
+    copy as on a new one."""
+    tag, rel = "global_step8", "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    fp32 = [torch.arange(8.0) + 1, torch.arange(8.0) + 101]
+    torch.save({"optimizer_state_dict": {
+        zero3.FP32: fp32,
+        zero3.ZERO_STATE: {"state": {k: {"step": torch.tensor(5.0), "exp_avg": t * 2} for k, t in enumerate(fp32)},
+                           "param_groups": [{"lr": 0.1, "params": [0, 1]}]}}}, tmp_path / "old.pt")
+    run = tmp_path / "run"
+    (run / tag).mkdir(parents=True)
+    (tmp_path / "old.pt").rename(run / tag / rel)
+    size = (run / tag / rel).stat().st_size
+    found = Found(str(run), pafs.LocalFileSystem(), {"step": 8, "world_size": 1, "zero_stage": 3}, {f"{tag}/{rel}": size})
+    here = str(tmp_path / "cache" / ".repartition-2-0")
+
+    def copy(wanted: dict[int, list[tuple[int, int]]], sizes: list[int]) -> dict:
+        return sparse_copy(found, tag, rel, size, here, fetch.Fetched(),
+                           lambda tree: zero3._partitioned(tree, wanted, sizes))
+
+    first = copy({0: [(0, 4)], 1: [(0, 4)]}, [8, 8])
+    assert first[zero3.FP32][0][:4].tolist() == [1.0, 2.0, 3.0, 4.0]
+    again = copy({0: [(4, 8)], 1: [(4, 8)]}, [8, 8])  # this node's copy, for another plan
+    assert again[zero3.FP32][0][4:].tolist() == [5.0, 6.0, 7.0, 8.0], "the earlier copy's holes, read as zeros"
+    assert again[zero3.ZERO_STATE]["state"][1]["exp_avg"][4:].tolist() == [210.0, 212.0, 214.0, 216.0]
+    with pytest.raises(CheckpointError, match="sub_group_size"):
+        copy({0: [(4, 8)], 1: [(4, 8)]}, [10, 6])  # the reused copy, read with a layout it was not saved in
 
 
 def run_ranks(module: str, args: list[str], world: int, env: dict[str, str]) -> list[str]:

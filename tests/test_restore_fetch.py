@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import pyarrow.fs as pafs
@@ -188,6 +191,42 @@ def test_a_cache_in_use_by_another_rank_is_kept(tmp_path):
         holder.kill()
         holder.wait()
     assert fetch.sweep(str(tmp_path)) == [cache.dir]
+
+
+def test_another_users_cache_folder_in_a_shared_temp_dir_is_left_alone(tmp_path):
+    """The restore cache's default root is the temp dir every user of a node shares: a cache folder
+    there that another Unix user made (0700, theirs) is neither a failure of this user's restore nor
+    this user's to remove, whoever runs the sweep (a plain user, whom its lock file refuses; root,
+    whom nothing refuses). Real users: a forked process drops to another uid (needs root)."""
+    if os.geteuid() != 0:
+        pytest.skip("making another user's folder, and becoming another user, needs root")
+    shared = Path(tempfile.mkdtemp(dir="/tmp"))  # under /tmp: pytest's own folders are root's only
+    try:
+        shared.chmod(0o1777)  # as /tmp is
+        theirs = shared / f"{fetch.PREFIX}job-0123456789abcdef"
+        theirs.mkdir(mode=0o700)
+        for f in (theirs / fetch.INUSE, theirs / "copy.pt"):
+            f.write_bytes(b"theirs")
+            os.chown(f, 4242, 4242)
+        os.chown(theirs, 4242, 4242)
+        pid = os.fork()
+        if pid == 0:  # another user of the node, restoring with the default cache root
+            code = 1
+            try:
+                os.setgid(4343)
+                os.setuid(4343)
+                with fetch.NodeCache("my/checkpoint", name="mine", root=str(shared)):
+                    code = 0
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, "a plain user's restore failed on another user's folder"
+        assert fetch.sweep(str(shared)) == [], "root swept another user's folder"
+        assert (theirs / "copy.pt").read_bytes() == b"theirs"
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
 
 
 @pytest.mark.slow

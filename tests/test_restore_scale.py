@@ -12,9 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow.fs as pafs
+import pytest
 import torch
 
 from tests.fakes import Counting
+from tidal.errors import CheckpointError
 from tidal.storage import STATE_FILE, RunDir, manifest_name
 from tidal.worker.checkpoint import fetch, restore
 from tidal.worker.checkpoint.route import Load, Route
@@ -76,3 +78,39 @@ def test_each_ranks_restore_requests_grow_with_its_own_files_not_the_world(tmp_p
     assert big_plan["info"] - small_plan["info"] <= 2 * (64 - 8)
     print(f"per-rank restore requests: {dict(big[1])} at 8 and 64 ranks; rank 0's listing: {dict(small_plan)} "
           f"at 8 ranks, {dict(big_plan)} at 64")
+
+
+class FailingEngine(Engine):
+    def load_checkpoint(self, load_dir: str, tag: str, **_: Any) -> tuple[str, dict]:
+        raise RuntimeError("out of memory")  # a failure that proves nothing about the checkpoint
+
+
+def failed_load_requests(world: int, rank: int, tmp: Path, monkeypatch) -> Counter:
+    """Rank `rank`'s storage requests for a load that fails (DeepSpeed's load raises), the damage
+    check included, of a `world`-rank checkpoint whose files are intact."""
+    zero2_checkpoint(tmp / f"w{world}", world)
+    handler = Counting()
+    run = RunDir(str(tmp / f"w{world}"), "job")
+    run.fs = pafs.PyFileSystem(handler)
+    found = run.latest_complete()
+    assert found is not None
+    monkeypatch.setattr(restore, "_dp_rank", lambda engine: rank)
+    monkeypatch.setattr(restore, "_checks_listing", lambda: rank == 0, raising=False)
+    monkeypatch.setenv(fetch.CACHE_ENV, str(tmp / f"cache-{world}-{rank}"))
+    handler.calls = Counter()
+    with pytest.raises(CheckpointError, match="intact"):
+        restore.restore(FailingEngine(), found, Route(Load.AS_SAVED))
+    return handler.calls
+
+
+def test_a_failed_load_checks_what_the_rank_read_and_the_listing_once(tmp_path, group, monkeypatch):
+    """A failed load proves nothing until the files are checked: each rank checks the files it read,
+    and only rank 0 the whole listing (every old rank's manifest), so a failed load's requests per
+    rank do not grow with the old world (at 512 ranks, every rank reading every manifest on every
+    restart was about 1.3 million requests)."""
+    small, big = (failed_load_requests(world, 5, tmp_path, monkeypatch) for world in (8, 64))
+    assert small == big, (small, big)
+    assert sum(big.values()) <= 4 * 2 * 2, f"a rank's load and check of its 2 files: {big}"
+    first = failed_load_requests(64, 0, tmp_path / "rank0", monkeypatch)
+    assert first["read"] >= 64, f"rank 0 checks every manifest, once: {first}"
+    print(f"a failed load's requests, rank 5 of 8 and of 64: {dict(small)}, {dict(big)}; rank 0 of 64: {dict(first)}")

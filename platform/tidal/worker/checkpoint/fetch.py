@@ -44,6 +44,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -280,13 +281,28 @@ def _remove_if_unused(folder: str) -> bool:
 
 
 def sweep(root: str, keep: str = "") -> list[str]:
-    """Remove cache folders under `root` that no process holds (left by killed processes)."""
+    """Remove this user's cache folders under `root` that no process holds (left by killed processes).
+
+    The default root is the temp dir every user of the node shares: another user's folder there
+    (private to them: its lock file refuses this user) is theirs, and so is a link named like a
+    cache folder, which is not followed; neither fails this restore, and root removes neither."""
     gone = []
     with contextlib.suppress(FileNotFoundError):
         for entry in os.listdir(root):
             path = os.path.join(root, entry)
-            if entry.startswith(PREFIX) and path != keep and os.path.isdir(path) and _remove_if_unused(path):
-                gone.append(path)
+            if not entry.startswith(PREFIX) or path == keep:
+                continue
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                continue
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+                continue
+            try:
+                if _remove_if_unused(path):
+                    gone.append(path)
+            except PermissionError as e:  # ours, but made unreadable: left, said, never a failed restore
+                log.warning("could not sweep the restore cache folder %s (%s)", path, e)
     return gone
 
 

@@ -29,6 +29,8 @@ parameters) resize through the universal conversion (tidal.worker.checkpoint.uni
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import math
 import os
@@ -113,13 +115,17 @@ class Cut:
     load: Callable[[Any, str, str, dict[int, dict[str, Any]]], None]
 
 
-def restore(engine: Any, found: Found, step_tag: str, listed: dict[str, int], identity: str,
-            cut_for: Callable[[Any, int], Cut]) -> fetch.Fetched:
-    """Load `found` (its tag folder's files: `listed`) into `engine` at this group's size, cut by
-    `cut_for(engine, old world)` (`zero12`, or `repartition_zero3.cut`); returns what this rank
-    took from storage (bytes read, for its sparse copies)."""
+def reads(cut: Cut, listed: dict[str, int]) -> dict[str, int]:
+    """The files of `listed` (the tag folder's) a rank of `cut` reads: the model states and its old partitions."""
+    names = [cut.model_states, *(optim_name(listed, d) for d in cut.olds or [0])]
+    return {rel: listed[rel] for rel in names}
+
+
+def restore(engine: Any, found: Found, step_tag: str, listed: dict[str, int], identity: str, cut: Cut) -> fetch.Fetched:
+    """Load `found` (its tag folder's files: `listed`) into `engine` at this group's size, as `cut`
+    says (`zero12(engine, old world)`, or `repartition_zero3.cut`); returns what this rank took
+    from storage (bytes read, for its sparse copies)."""
     old_world = int(found.state["world_size"])
-    cut = cut_for(engine, old_world)
     with fetch.NodeCache(f"{found.path}/{step_tag}#{identity}", name=f"{found.name}-{step_tag}") as cache:
         got = cache.fetch(found.fs, found.path, {f"{step_tag}/{cut.model_states}": listed[cut.model_states]})
         here = cache.path(f"{COPIES}{cut.world}-{cut.rank}")
@@ -186,15 +192,40 @@ def sparse_copy(found: Found, step_tag: str, rel: str, size: int, here: str, got
                 find: Find) -> dict[str, Any]:
     """An old rank's saved optimizer state, from a sparse local copy of its file `rel` that holds
     of each partitioned tensor only the elements `find` wants; loaded weights-only and
-    memory-mapped, so the holes are never read."""
+    memory-mapped, so the holes are never read.
+
+    The copy stays on the node for the next restart at this size and rank, beside what it holds
+    (`<copy>.wanted`: the element ranges `find` asked for). It is taken again only when the
+    restart's `find` asks for the same, its layout checks run on it as on a new copy: a plan that
+    reads other slices (another `sub_group_size`) would read the earlier copy's holes as zeros."""
     key = f"{step_tag}/{rel}"
     dst, where = fs.join_local(here, key), fs.join_in(found.fs, found.path, key)
-    # reused: this node's copy, from an earlier attempt at this size and rank
-    got.took(key, size, fetch.write_once(dst, size, where, lambda part: _copy_ranges(found.fs, where, part, size, find)))
-    loaded = safe_load.safe_load(dst, mmap=True)
-    if not isinstance(loaded, dict) or not isinstance(loaded.get(OPTIMIZER_STATE), dict):
-        raise CheckpointError(f"{rel} holds no ZeRO optimizer state")
-    return loaded[OPTIMIZER_STATE]
+    mark = f"{dst}.wanted"
+    for _ in range(2):
+        read = fetch.write_once(dst, size, where, lambda part: _copy_ranges(found.fs, where, part, size, find))
+        loaded = safe_load.safe_load(dst, mmap=True)
+        if not isinstance(loaded, dict) or not isinstance(loaded.get(OPTIMIZER_STATE), dict):
+            raise CheckpointError(f"{rel} holds no ZeRO optimizer state")
+        wanted = json.dumps([ranges for _, ranges in find(loaded)])  # the layout checks, on every load
+        if read is not None:
+            with open(mark, "w") as f:
+                f.write(wanted)
+        elif _read_text(mark) != wanted:  # this node's copy, cut for another plan: made again
+            for stale in (mark, dst):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(stale)
+            continue
+        got.took(key, size, read)  # None: this node's copy, from an earlier attempt at this size and rank
+        return loaded[OPTIMIZER_STATE]
+    raise CheckpointError(f"the sparse copy of {rel} was cut for another plan twice in a row")
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
 
 
 def _copy_ranges(storage: pafs.FileSystem, src: str, dst: str, size: int, find: Find) -> int:

@@ -34,6 +34,7 @@ import zipfile
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import pyarrow.fs as pafs
 import torch
 import torch.distributed as dist
 
@@ -42,6 +43,7 @@ from tidal.errors import CheckpointError
 from tidal.spec.job import JobSpec
 from tidal.storage import (
     DAMAGED,
+    TRUNCATED,
     Found,
     RunDir,
     check_complete,
@@ -102,13 +104,16 @@ def restore(engine: Any, found: Found, how: Route) -> TrainState:
     step_tag = tag(state.step)
     if how.load in (Load.RANGE_ZERO12, Load.RANGE_ZERO3):
         listed = tag_files(found, step_tag)
+        read: dict[str, int] = {}  # what this rank reads: what a failure has it check
         try:
-            cut = repartition_zero3.cut if how.load is Load.RANGE_ZERO3 else repartition.zero12
+            cut_for = repartition_zero3.cut if how.load is Load.RANGE_ZERO3 else repartition.zero12
+            cut = cut_for(engine, int(found.state["world_size"]))
+            read = repartition.reads(cut, listed)
             repartition.restore(engine, found, step_tag, listed, _identity(found, found.files or {}), cut)
         except fetch.LocalDiskFull:
             raise
         except Exception as e:
-            raise _load_failed(found, listed, step_tag, e) from e
+            raise _load_failed(found, read, step_tag, e) from e
         return state
     if how.universal:
         step_tag, listed, identity = _converted(found, step_tag, how.convert)
@@ -242,6 +247,12 @@ def _load_failed(found: Found, files: dict[str, int], step_tag: str, error: Base
                            "resumes from the checkpoint before it")
 
 
+def _checks_listing() -> bool:
+    """Whether this rank checks the whole listing after a failed load (rank 0, once); every other
+    rank checks the files it read, so its requests do not grow with the world that wrote them."""
+    return dist.get_rank() == 0
+
+
 def _safe_corruption(found: Found, files: dict[str, int], step_tag: str) -> str | None:
     try:
         return _corruption(found, files, step_tag)
@@ -253,12 +264,16 @@ def _safe_corruption(found: Found, files: dict[str, int], step_tag: str) -> str 
 def _corruption(found: Found, files: dict[str, int], step_tag: str) -> str | None:
     """What proves the checkpoint's files damaged: a size that differs from its manifest, an
     unsafe name, or one of `files` (those this rank read, all listed) whose bytes in storage do
-    not unpickle. None when none holds: a read error, a missing import or a lack of memory says
+    not unpickle. Rank 0 checks the whole listing (every manifest, or the conversion's marker)
+    once; every other rank the sizes of the files it read. None when none holds: a read error, a missing import or a lack of memory says
     nothing about the checkpoint, so it is not condemned for them. Storage is read, not a local
     copy: a copy damaged on this node proves nothing about the checkpoint. Each file is streamed
     (its archive's entries checked in chunks, its pickle read without the tensors' bytes), never
     read whole into memory."""
-    if step_tag.endswith("_universal"):
+    if not _checks_listing():
+        if (problem := _sizes_differ(found, files, step_tag)) is not None:
+            return problem
+    elif step_tag.endswith("_universal"):
         if not fs.published(found.fs, f"{found.path}/{step_tag}", f"{found.path}/{universal_marker(step_tag)}"):
             return "its files differ from the conversion's manifest"
     else:
@@ -270,6 +285,18 @@ def _corruption(found: Found, files: dict[str, int], step_tag: str) -> str | Non
             damage = file_damage(f)
         if damage is not None:
             return f"{rel} {damage}"
+    return None
+
+
+def _sizes_differ(found: Found, files: dict[str, int], step_tag: str) -> str | None:
+    """A file of `files` (those this rank read, relative to the tag folder -> listed size) that
+    storage holds at another size, or not at all: one request per file."""
+    names = sorted(files)
+    infos = found.fs.get_file_info([fs.join(f"{found.path}/{step_tag}", rel) for rel in names])
+    for info, rel in zip(infos, names, strict=True):
+        if info.type != pafs.FileType.File or info.size != files[rel]:
+            got = "missing" if info.type != pafs.FileType.File else f"{info.size} bytes"
+            return f"{step_tag}/{rel} is {got}, expected {files[rel]} bytes {TRUNCATED}"
     return None
 
 

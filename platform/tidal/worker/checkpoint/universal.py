@@ -262,20 +262,6 @@ def _free(folder: str) -> int:
     return shutil.disk_usage(folder).free
 
 
-def _input(found: Found, cache: NodeCache, files: dict[str, int], step_tag: str) -> str:
-    """A local folder with exactly the listed files of `step_tag`: downloaded, or on a local
-    filesystem links to them (whatever else sits in the folder stays out of the conversion)."""
-    if not fs.is_local(found.fs):
-        cache.fetch(found.fs, found.path, files)
-    else:
-        for rel in files:
-            link = Path(cache.path(rel))
-            link.parent.mkdir(parents=True, exist_ok=True)
-            if not link.is_symlink():
-                link.symlink_to(f"{found.path}/{rel}")
-    return cache.path(step_tag)
-
-
 def run_converter(src: str, dst: str, files: dict[str, int], status: Any, module: str = __name__,
                   child: Any = (), on_poll: Callable[[], None] | None = None, ranks_here: int = 1) -> None:
     """Run `ds_to_universal` with parallel workers in its own process group; log its stages.
