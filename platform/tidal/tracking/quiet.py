@@ -108,14 +108,18 @@ class PeerLost(logging.Filter):
     torch's and DeepSpeed's insides; Tidal's own line names the rank and the error, beside the rank
     that failed first (`worker rank 1 failed: RuntimeError: ... Connection closed by peer ...`, from
     the exception Ray Train hands the controller). Any other error keeps its traceback: it is that
-    failure's report."""
+    failure's report.
+
+    The peer's loss is looked for in every exception of the traceback, not its last line only: the
+    collective's error is often not the last one (a `finally` that runs another collective, a wrapper
+    that re-raises, a message of several lines), and a rank whose first error was a lost peer failed
+    because of that peer. Frame and code lines are indented; exception lines are not."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
         if not message.startswith("Error in training function"):
             return True
-        last = message.rstrip().splitlines()[-1]
-        return not PEER_LOST.search(last)
+        return not any(PEER_LOST.search(line) for line in message.splitlines()[1:] if not line.startswith(" "))
 
 
 class UserMistake(logging.Filter):
