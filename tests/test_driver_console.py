@@ -224,3 +224,61 @@ def test_a_worker_group_that_did_not_start_in_time_is_one_tidal_line_a_minute(mo
         now[0] = t
         assert not _records("tidal-test-start-waits", lambda log: (log.addFilter(waits), _start_timeout(log, 3)))
     assert len(lines) == 3 and "a group of 3" in lines[0], lines
+
+
+# A rank's record when its peer was SIGKILLed mid-all_reduce (torch 2.13's gloo, captured on this machine),
+# as Ray Train logs it in that rank: "Error in training function:" and the traceback, first frames cut.
+SURVIVOR = """Error in training function:
+Traceback (most recent call last):
+  File "/work/main/.venv/lib/python3.11/site-packages/torch/distributed/c10d_logger.py", line 83, in wrapper
+    return func(*args, **kwargs)
+           ^^^^^^^^^^^^^^^^^^^^^
+  File "/work/main/.venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", line 3252, in all_reduce
+    work.wait()
+RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer \
+[127.0.0.1]:6847. This is typically caused by a remote worker crashing. Check the logs of the remote worker before \
+reporting an error. GLHF! \U0001f3d6\ufe0f
+"""
+# The same collective's error, then another in a `finally` that ran one more collective (or a wrapper that
+# re-raised): the last exception does not name the peer.
+CHAINED = SURVIVOR.rstrip() + """
+
+During handling of the above exception, another exception occurred:
+
+Traceback (most recent call last):
+  File "/work/wt/platform/tidal/worker/loop.py", line 60, in train_loop
+    s.events.drain()
+RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:218] Read error \
+[127.0.0.1]:6847: Connection reset by peer
+During the above, the barrier of rank 0 was aborted
+"""
+USERS = """Error in training function:
+Traceback (most recent call last):
+  File "/job/model.py", line 3, in forward
+    raise ValueError("Connection closed by peer is not a shape")  # a frame's code line: not an error line
+ValueError: bad head
+"""
+
+
+def test_a_survivors_traceback_for_a_lost_peer_is_dropped_unless_tidal_debug(monkeypatch):
+    """The rank whose peer was killed mid-collective: its traceback, behind Ray's `(RayTrainWorker pid=...)`
+    prefix, beside Tidal's own `worker rank N failed` line, is dropped where Ray logs it, whichever of its
+    exceptions names the lost peer; a traceback that names none is the failure's report and stays."""
+    from tidal.ray_private import TRAIN_USER_ERROR_LOGGER
+    from tidal.tracking.quiet import quiet_libraries
+
+    def says(message: str) -> list[str]:
+        return [r.getMessage() for r in _records(TRAIN_USER_ERROR_LOGGER, lambda log: log.error(message))]
+
+    saved = list(logging.getLogger(TRAIN_USER_ERROR_LOGGER).filters)
+    try:
+        logging.getLogger(TRAIN_USER_ERROR_LOGGER).filters[:] = []
+        monkeypatch.setenv("TIDAL_DEBUG", "1")
+        quiet_libraries()
+        assert says(SURVIVOR) == [SURVIVOR] and says(CHAINED) == [CHAINED], "TIDAL_DEBUG=1: as Ray logs it"
+        monkeypatch.delenv("TIDAL_DEBUG")
+        quiet_libraries()
+        assert says(SURVIVOR) == [] and says(CHAINED) == []
+        assert says(USERS) == [USERS]
+    finally:
+        logging.getLogger(TRAIN_USER_ERROR_LOGGER).filters[:] = saved

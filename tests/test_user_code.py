@@ -125,7 +125,7 @@ def test_the_step_function_must_return_a_scalar_loss():
     model = torch.nn.Linear(16, 4)
     loss = step(model, (torch.randn(3, 16), torch.tensor([0, 1, 2])))
     assert loss.shape == () and loss.requires_grad
-    with pytest.raises(TidalError, match="train.step_fn 'jobs.mlp_classifier:step' returned"):
+    with pytest.raises(TidalError, match="train.step_fn: 'jobs.mlp_classifier:step' returned"):
         step(lambda x: x.sum(dim=1).detach().unsqueeze(1).repeat(1, 4), (torch.randn(3, 16), torch.tensor([0, 1, 2])))
 
 

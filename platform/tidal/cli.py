@@ -201,7 +201,12 @@ def _spec(args: argparse.Namespace) -> JobSpec:
 
 
 def _validate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from tidal.spec.user_refs import check_calls
+
     spec = _spec(args)
+    print_notes(check_calls(spec, Path.cwd()))  # the user's functions against the spec's arguments, as `run` checks
     print(f"# {args.spec}: valid")
     print(yaml.safe_dump(spec.redacted(), sort_keys=False).rstrip())
     if args.deepspeed:

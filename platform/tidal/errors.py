@@ -25,6 +25,25 @@ class SpecError(TidalError):
         super().__init__("\n".join(lines))
 
 
+class UserCodeError(SpecError):
+    """The user's own code (a `module:function` the spec names), or what it returned, failed on a
+    worker. `frames`: the traceback's frames in the user's files, formatted (none when the call
+    itself failed: its arguments); `first_step`: it failed before the worker's first step returned a
+    loss, so a restart would run the same code on the same inputs and fail the same way: the job is
+    not restarted (tidal/launch/recovery.py). One line as a string: Ray Train logs a worker's
+    error as its traceback, whose last line is then this error's (tidal/tracking/quiet.py reads it)."""
+
+    def __init__(self, field: str, message: str, frames: str = "", first_step: bool = True) -> None:
+        super().__init__([(field, message)])
+        self.field, self.message, self.frames, self.first_step = field, message, frames, first_step
+
+    def __str__(self) -> str:
+        return redact_text(f"{self.field}: {' '.join(self.message.split())}")
+
+    def __reduce__(self) -> tuple[type, tuple[str, str, str, bool]]:  # carried from a worker to the controller
+        return (type(self), (self.field, self.message, self.frames, self.first_step))
+
+
 class UsageError(TidalError):
     """A command line that cannot work as given (the CLI exits 2, as argparse does)."""
 

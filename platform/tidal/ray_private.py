@@ -118,6 +118,13 @@ def walk_working_dir(root: Path, excludes: list[str], visit: Callable[[Path], No
     _dir_travel(root, [_get_excludes(root, excludes)], visit, include_gitignore=True)
 
 
+def worker_error(e: BaseException) -> BaseException:
+    """The exception a worker's training function raised, from what Ray Train's controller holds for
+    that rank. Ray 2.60 wraps it, with its traceback as text, in `UserExceptionWithTraceback`, whose
+    `_base_exc` has no public accessor; anything else is returned as it is."""
+    return getattr(e, "_base_exc", e)
+
+
 def log_deduplicators() -> list[Any]:
     """Ray's driver-side log deduplicators (stdout, stderr) if Ray is imported, else []. Ray 2.60
     reads RAY_DEDUP_LOGS_SKIP_REGEX once at import; a process that imported Ray already can only

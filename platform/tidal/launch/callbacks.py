@@ -10,7 +10,8 @@ from typing import Any
 from ray.train import UserCallback
 
 from tidal.eval_best import spared
-from tidal.ray_private import recompute_reserved_resources
+from tidal.launch.recovery import not_retried
+from tidal.ray_private import recompute_reserved_resources, worker_error
 from tidal.spec.job import JobSpec
 from tidal.storage import RunDir
 from tidal.tracking.emitter import Emitter
@@ -33,6 +34,9 @@ class FailureNotifier(UserCallback):
         quiet_controller()
 
     def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
+        mistake = not_retried({r: worker_error(e) for r, e in worker_exceptions.items()})
+        if mistake is not None:  # before the event: no restart to count or announce
+            raise mistake  # an error Ray Train's controller did not expect: it ends the run, retrying nothing
         events = Emitter(self.storage, self.name)
         events.failed({r: _last_line(e) for r, e in worker_exceptions.items()})
         events.drain(timeout_s=10.0)  # a storage outage must not hold up Ray's restart

@@ -31,8 +31,10 @@ import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
+from tidal.errors import UserCodeError
 from tidal.ray_private import HEALTH_CHECK_INTERVAL, WORKER_GROUP_START_TIMEOUT
 from tidal.spec.job import JobSpec
+from tidal.tracking.quiet import PEER_LOST
 
 START_TIMEOUT = WORKER_GROUP_START_TIMEOUT
 POLL_INTERVAL = HEALTH_CHECK_INTERVAL
@@ -59,3 +61,29 @@ def recovery_settings(spec: JobSpec) -> Iterator[None]:
     finally:
         for k in added:
             os.environ.pop(k, None)
+
+
+def not_retried(failures: Mapping[int, BaseException]) -> UserCodeError | None:
+    """The user's mistake that ends the job without a restart, from the errors of the ranks that
+    failed (by rank): a UserCodeError raised before the rank's first step (tidal/worker/user_code.py),
+    on every rank that failed but those whose collective lost that rank (gloo's and NCCL's "peer"
+    errors). None: Ray Train's failure policy decides, as for any other failure.
+
+    "Every rank that failed", not every rank: the controller sees the ranks that failed by its poll,
+    and the others follow within moments with the same error, or wait in a collective until the
+    group is stopped. A rank that failed any other way (a lost node, a device error) leaves the
+    decision to Ray: a restart may cure that."""
+    mistakes = [e for _, e in sorted(failures.items()) if isinstance(e, UserCodeError) and e.first_step]
+    others = [e for e in failures.values() if not (isinstance(e, UserCodeError) and e.first_step)]
+    if not mistakes or any(not PEER_LOST.search(str(e)) for e in others):
+        return None
+    return mistakes[0]
+
+
+def mistake_message(name: str, e: UserCodeError) -> str:
+    """What the driver says when `not_retried` ended job `name`: the user's error and frames once,
+    and what to do (a restart from a checkpoint would run the same code on the same inputs)."""
+    frames = f"\n{e.frames.rstrip()}" if e.frames else ""
+    return (f"job {name!r} failed before its first step, in your code: {e.field}: {e.message}{frames}\n"
+            f"Not restarted: a restart runs the same code on the same inputs. Fix {e.field} (or the code it "
+            "names), then run the same command again.")

@@ -8,22 +8,24 @@ from __future__ import annotations
 import logging
 import os
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tidal import eval_best, job_end
 from tidal.admission import seat as admission
 from tidal.admission.relaunch import WAIT_VAR
 from tidal.cluster import burst
-from tidal.errors import SpecError, TidalError
+from tidal.errors import SpecError, TidalError, UserCodeError
 from tidal.launch.connect import connect_ray
 from tidal.launch.console_pump import ConsolePump
-from tidal.launch.recovery import recovery_settings
+from tidal.launch.recovery import mistake_message, recovery_settings
 from tidal.launch.result import RunResult
 from tidal.lease import Lease, driver_command, submission_id
-from tidal.output import print_record
+from tidal.output import print_notes, print_record
 from tidal.ray_private import cancel_reservation, train_requester
 from tidal.redact import redact_uri
 from tidal.spec.job import JobSpec
+from tidal.spec.user_refs import check_calls
 from tidal.storage import JOB_FILE, Found, RunDir, find_resume_point
 from tidal.tracking.buffer import BUFFER_DIR, MetricsBuffer
 from tidal.version import __version__
@@ -53,6 +55,8 @@ def run(spec: JobSpec, restart: bool = False, mlflow_tags: dict[str, str] | None
     t0 = time.time()
     wait = wait or os.environ.get(WAIT_VAR) == "1"
     spec = spec.resolved()
+    # The user's functions against the arguments the spec gives them, before anything starts.
+    print_notes(check_calls(spec, Path.cwd()))
     # Before anything reads or writes the job's folder, MLflow run or seat in the queue.
     lease = Lease(spec.checkpoint.storage, spec.name, face=driver_command())
     lease.acquire(wait=wait)
@@ -127,6 +131,8 @@ def _train(spec: JobSpec, run_dir: RunDir, job: dict[str, Any], tags: dict[str, 
         if ok:
             _say_if_stopped_early(spec, run_dir)
     except ray.train.TrainingFailedError as e:
+        if isinstance(mistake := getattr(e, "controller_failure", None), UserCodeError):  # launch/recovery.py
+            raise TidalError(mistake_message(spec.name, mistake)) from e
         # A controller error ends the run at once, with no worker restarts spent.
         how = ("in Ray Train's controller" if isinstance(e, ray.train.ControllerError)
                else f"after {spec.failure.max_restarts} restart(s)")

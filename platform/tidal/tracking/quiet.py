@@ -17,6 +17,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, TextIO
 
+from tidal.errors import UserCodeError
 from tidal.ray_private import (
     AUTH_TOKEN_SETUP_LOGGER,
     PLACEMENT_GROUP_CLEANER_LOGGER,
@@ -89,6 +90,12 @@ def quiet_libraries() -> None:
     errors = logging.getLogger(TRAIN_USER_ERROR_LOGGER)
     if not any(isinstance(f, PeerLost) for f in errors.filters):
         errors.addFilter(PeerLost())
+    _add_once(errors, UserMistake)
+
+
+def _add_once(logger: logging.Logger, kind: type[logging.Filter]) -> None:
+    if not any(isinstance(f, kind) for f in logger.filters):
+        logger.addFilter(kind())
 
 
 # gloo's and NCCL's words for a collective whose peer's process or node went away.
@@ -101,14 +108,31 @@ class PeerLost(logging.Filter):
     torch's and DeepSpeed's insides; Tidal's own line names the rank and the error, beside the rank
     that failed first (`worker rank 1 failed: RuntimeError: ... Connection closed by peer ...`, from
     the exception Ray Train hands the controller). Any other error keeps its traceback: it is that
-    failure's report."""
+    failure's report.
+
+    The peer's loss is looked for in every exception of the traceback, not its last line only: the
+    collective's error is often not the last one (a `finally` that runs another collective, a wrapper
+    that re-raises, a message of several lines), and a rank whose first error was a lost peer failed
+    because of that peer. Frame and code lines are indented; exception lines are not."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
         if not message.startswith("Error in training function"):
             return True
-        last = message.rstrip().splitlines()[-1]
-        return not PEER_LOST.search(last)
+        return not any(PEER_LOST.search(line) for line in message.splitlines()[1:] if not line.startswith(" "))
+
+
+class UserMistake(logging.Filter):
+    """A user's mistake before the first step (tidal.errors.UserCodeError), which ends the job without a
+    restart (launch/recovery.py) and which the driver reports once, with the user's own frames: Ray
+    Train's "Error in training function:" in each worker, its traceback through Tidal's insides, and
+    its controller's "Error in control loop iteration" when Tidal's callback raises it to end the run.
+    The worker's record carries no exception: Ray logs it while handling the error, so it is the one
+    this thread handles now (if Ray stops logging it there, the record shows again, as before)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else sys.exc_info()[1]
+        return not (isinstance(error, UserCodeError) and error.first_step)
 
 
 def _quiet_ray_train_reports() -> None:
@@ -174,6 +198,7 @@ def _quiet_train_controller() -> None:
     controller = logging.getLogger(TRAIN_CONTROLLER_LOGGER)
     if not any(isinstance(f, StartWaits) for f in controller.filters):
         controller.addFilter(StartWaits())
+    _add_once(controller, UserMistake)
 
 
 class StartWaits(logging.Filter):

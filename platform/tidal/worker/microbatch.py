@@ -146,7 +146,7 @@ class Prober:
         self.world, self.device, self.make_batches = world, device, make_batches
         self.engine: Any = None
         self.batches: Any = None
-        self.step_fn = step_function(spec)
+        self.step_fn = step_function(spec, first_loss=False)  # throwaway steps: not the first step
 
     def __call__(self, tried: JobSpec) -> None:
         if self.engine is None:

@@ -11,7 +11,6 @@ from typing import Any
 
 from torch import nn
 
-from tidal.errors import SpecError
 from tidal.spec.job import ModelSpec
 from tidal.worker.models.gpt import GPT
 
@@ -29,11 +28,14 @@ def build_model(model: ModelSpec, checkpoint_fn: Callable[..., Any] | None = Non
 
 
 def _user_model(model: ModelSpec) -> nn.Module:
-    from tidal.worker.user_code import load_ref
+    from tidal.worker.user_code import calling, load_ref, mistake
 
-    built = load_ref("model.builder", model.builder or "")(model, **model.builder_args)
+    ref = model.builder or ""
+    build = load_ref("model.builder", ref)
+    with calling("model.builder", ref, f"called with the model spec and model.builder_args {model.builder_args}"):
+        built = build(model, **model.builder_args)
     if not isinstance(built, nn.Module):
-        raise SpecError([("model.builder", f"{model.builder!r} returned {type(built).__name__}, not a torch nn.Module")])
+        raise mistake("model.builder", f"{ref!r} returned {type(built).__name__}, not a torch nn.Module")
     return built
 
 
