@@ -129,6 +129,7 @@ def test_aws_spot_notice_saves_at_the_step_reached_then_the_job_shrinks_and_grow
         cluster.remove_node(node)
 
 
+@pytest.mark.extended  # outside the suite's budget (pyproject.toml): the same drain as the test above, from the pod's command (its form: tests/test_prestop.py)
 def test_kubernetes_prestop_run_as_the_pod_runs_it_saves_at_the_step_reached(cluster, tmp_path, capfd):
     """The first worker group's preStop from cluster_configs/kuberay/raycluster.yaml, run as the
     kubelet runs it (exec, the container's environment: KubeRay's RAY_ADDRESS and MY_POD_IP, token

@@ -140,3 +140,30 @@ def test_azure_withdrawn_event_then_a_real_one_each_drain_once(watching):
     watching.polls(4)
     assert len(watching.drains) == 2
     assert abs(watching.drains[1][0] - (time.time() + 300)) < 3
+
+
+def test_a_drain_that_fails_is_asked_again_at_the_next_poll():
+    """The GCS unreachable a moment, then a refusal: the watcher asks again until Ray accepts, then
+    no more."""
+    calls: list[float] = []
+
+    def flaky(deadline_s: float, reason: str) -> tuple[bool, str]:
+        calls.append(deadline_s)
+        if len(calls) == 1:
+            raise ConnectionError("GCS unreachable")
+        return len(calls) > 2, "refused"
+
+    said: list[str] = []
+    stop = threading.Event()
+    with metadata_server("aws") as md:
+        t = threading.Thread(target=watch, args=(reader_for("aws", Metadata(md.url), POLL_S), flaky, said.append,
+                                                 POLL_S, stop), daemon=True)
+        t.start()
+        md.aws_interrupt(in_s=60)
+        wait_for("a drain accepted", lambda: len(calls) >= 3, timeout=10)
+        seen = len(md.requests)
+        wait_for("more reads", lambda: len(md.requests) >= seen + 6, timeout=10)
+        stop.set()
+        t.join(5)
+    assert len(calls) == 3, "asked until accepted, then no more"
+    assert any("GCS unreachable" in s for s in said) and any("refused" in s for s in said)

@@ -14,6 +14,7 @@ Kubernetes nodes, not Ray's); urllib from the standard library is all it needs.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 import urllib.error
@@ -188,7 +189,10 @@ def watch(reader: Any, drain: Callable[[float, str], tuple[bool, str]], say: Cal
                 say(f"{n.source}: advice without a deadline, no drain; an interruption that follows drains the node")
         due, answered = decide(notices, acted, now)
         if due is not None:
-            accepted, why = drain(due.deadline_s, due.reason)
+            try:
+                accepted, why = drain(due.deadline_s, due.reason)
+            except Exception as e:  # noqa: BLE001 - the GCS unreachable a moment: ask again at the next poll
+                accepted, why = False, f"{type(e).__name__}: {e}"
             if accepted:
                 acted.update(n.key for n in answered)
                 acks.update({n.event_id: due.deadline_s for n in answered if n.event_id})
@@ -199,15 +203,13 @@ def watch(reader: Any, drain: Callable[[float, str], tuple[bool, str]], say: Cal
             if now >= at and hasattr(reader, "ack"):
                 reader.ack(event_id)
                 del acks[event_id]
-        if not isinstance(reader, GceReader):  # GCE's read already waited for a change
-            stop.wait(poll_s)
+        # GCE's read waits for a change itself (about poll_s); a read that answered at once does not.
+        stop.wait(max(0.0, poll_s - (time.time() - now)))
 
 
 def run_watcher(address: str | None, node_id: str | None, cloud: str, endpoint: str | None, poll_s: float,
                 say: Callable[[str], None], stop: threading.Event | None = None) -> int:
     """The command: find the cloud (or none: say so once, exit 0), this node, then watch."""
-    import os
-
     from tidal.cluster.self_drain import drainer, gcs_address, this_node_id
 
     meta = Metadata(endpoint or os.environ.get(ENDPOINT_ENV) or IMDS)

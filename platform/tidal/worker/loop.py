@@ -21,6 +21,7 @@ from tidal.admission.directive import resize_to
 from tidal.ray_private import HEALTH_CHECK_INTERVAL
 from tidal.spec.secrets import with_carried_spec
 from tidal.worker import plan
+from tidal.worker import warning as short_warning
 from tidal.worker.checkpoint import save
 from tidal.worker.device import seed_step
 from tidal.worker.engine import is_pipeline
@@ -118,9 +119,14 @@ def finish_step(s: Session, p: plan.StepPlan, agreed: Agreed, times: dict[str, f
     if s.rank == 0:
         if p.emergency:
             s.events.say(f"preemption warning: saving an emergency checkpoint at step {p.step}", p.step)
+            if note := short_warning.before_save(_left_s(warning), s.last_save_s):
+                s.events.say(note, p.step)
         s.events.metrics(metrics)  # written in the background: tracking never blocks a step
     if p.checkpoint:
+        t0 = time.time()
         _save(s, p, metrics)
+        if p.emergency and s.rank == 0 and (note := short_warning.after_save(_left_s(warning, t0), time.time() - t0)):
+            s.events.say(note, p.step)
     if p.drain:
         # The wait ends by itself at the deadline; the drain phase only keeps the step timeout off it.
         with s.watchdog.phase("drain", max(0.0, s.preemption_rearm_at - time.time()) + RECLAIM_MARGIN_S):
@@ -158,6 +164,8 @@ def _save(s: Session, p: plan.StepPlan, metrics: dict[str, Any]) -> None:
         saved = save.save(s.engine, s.state, s.written_by, metrics, s.batches.save_position,
                                 background=p.background, before_commit=before_commit)
     s.blocked_s += saved["checkpoint_blocked_s"]  # reaches the next log step's collective
+    if not p.background:  # a synchronous save's whole time: what an emergency one will take
+        s.last_save_s = saved["checkpoint_blocked_s"]
     if s.rank == 0:
         s.events.checkpointed(p.step, saved)
         if not s.backlog_said and (note := save.ray_backlog(
@@ -187,6 +195,12 @@ def _train_step(engine: Any, clock: PhaseClock, step_fn: Callable[[Any, Any], to
             engine.step()  # DeepSpeed steps the optimizer only at the accumulation boundary
         total += loss.detach().float().cpu()
         n += 1
+
+
+def _left_s(warning: Any, now: float | None = None) -> float | None:
+    """Seconds from `now` to the warning's deadline (None: the drain named none)."""
+    deadline_ms = getattr(warning, "deadline_ms", None)
+    return deadline_ms / 1000 - (now or time.time()) if deadline_ms else None
 
 
 RECLAIM_MARGIN_S = 30.0  # how long past a drain's deadline Ray is given to tear the group down

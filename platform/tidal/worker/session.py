@@ -66,6 +66,7 @@ class Session:
     gate_s: float = 0.0  # this rank's optimizer waits for checkpoint writes, read at the last log step
     preemption_rearm_at: float = 0.0  # when to ask Ray about preemption again (time.time()); inf: never
     backlog_said: bool = False  # the Ray backlog note is said once per worker group
+    last_save_s: float | None = None  # this group's last synchronous save, in s: can a warning's deadline fit one?
     directive: Directive | None = None  # rank 0's poll of the cluster's admission, under admission
     launched_max: int | None = None  # the size admission launched this group for (None: no admission)
     lease: LeaseCheck | None = None  # whether this attempt's driver still owns the job (tidal/lease.py)
