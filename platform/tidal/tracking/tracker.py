@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
+from tidal.goodput.report import final_metrics, line, rows
 from tidal.lease import LeaseCheck
 from tidal.redact import redact_text, redact_uri
 from tidal.spec.job import JobSpec
@@ -83,10 +85,16 @@ class Tracker:
             self.thread.join()
         self.writer.stop_system_metrics()  # its last samples go with the final flush
         left = self.flush(force=True)
-        run_id, latest = self.ledger.run_id, dict(self.ledger.latest)
+        goodput = None
+        if self.current():
+            state = self.ledger.finish_goodput(time.time())
+            if (said := line(state)) is not None:
+                print(f"[tidal] {said}", flush=True)
+            goodput = (final_metrics(state), rows(state))
+        run_id, latest = self.ledger.run_id, {**self.ledger.latest, **(goodput[0] if goodput else {})}
         if run_id and self.current():
             summary = {"job": self.spec.name, "status": "FINISHED" if ok else "FAILED", "wall_s": wall_s, **latest}
-            self.writer.finish(run_id, ok, summary)
+            self.writer.finish(run_id, ok, summary, goodput)
         return run_id, latest, left
 
     def current(self) -> bool:

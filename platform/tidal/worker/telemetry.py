@@ -193,7 +193,10 @@ class Telemetry:
         local: dict[str, float] = {}
         if busy_s is not None:  # a sampled step in this interval (the same on every rank)
             s, median = spread(busy_s), statistics.median_low(busy_s)
-            extra |= {"straggler_ratio": s.ratio, "straggler_rank": float(s.slowest_rank)}
+            # How long the median rank waited for the slowest in the sampled step: the goodput
+            # account's straggler wait per step (tidal/goodput).
+            extra |= {"straggler_ratio": s.ratio, "straggler_rank": float(s.slowest_rank),
+                      "straggler_wait_s": max(0.0, max(busy_s) - median)}
             local["rank_slowness"] = busy_s[self.rank] / median if median > 0 else 1.0
             if self.rank == 0:
                 self._warn(s, busy_s, median, int(metrics["step"]))
