@@ -194,3 +194,40 @@ def test_the_trackers_ledger_keeps_the_account_across_its_own_restart(mlflow_uri
     assert state.seconds["queue"] == 1.0, "the launch waited 1 s for admission"
     assert math.fsum(state.seconds.values()) == pytest.approx(time.time() - t0, abs=0.5)
     assert sorted(metric_history(spec, run_id, "goodput")) == [1, 2, 3]
+
+
+def test_the_sdks_result_gives_the_account_and_its_summary_names_it():
+    from tidal.launch.result import RunResult
+
+    events, end, _ = CASES["a kill, a restore and replayed steps"]
+    m = {"loss": 1.0, **final_metrics(account(events, end))}
+    r = RunResult("job", "run", "sqlite:///x.db", "/tmp/runs", m, 70.0)
+    assert r.goodput["goodput"] == pytest.approx(30 / 70) and r.goodput["goodput_replayed_s"] == pytest.approx(12)
+    assert "  goodput         42.9% of 1m10s; lost most to start-up 34.3%, replays 17.1%, restores 4.3%" in (
+        r.summary().splitlines())
+    assert RunResult("job", "run", "sqlite:///x.db", "/tmp/runs", {"loss": 1.0}).goodput == {}
+
+
+def test_tidal_runs_shows_each_runs_goodput_and_each_teams(tmp_path, capsys):
+    from mlflow.entities import Metric
+    from mlflow.tracking import MlflowClient
+
+    from tidal.cli import main
+    from tidal.testing.runs import prepared_store
+    from tidal.tracking.runs import list_runs, run_records
+
+    uri = prepared_store(tmp_path / "mlflow.db")
+    c = MlflowClient(uri)
+    exp = c.create_experiment("tidal", artifact_location=str(tmp_path / "artifacts"))
+    for name, team, g, wall in (("a", "vision", 0.9, 3600.0), ("b", "vision", 0.5, 1200.0), ("c", "nlp", 0.8, 7200.0)):
+        run = c.create_run(exp, run_name=name, tags={"tidal.job": name, "tidal.team": team})
+        c.log_batch(run.info.run_id, metrics=[Metric(k, v, 0, 10) for k, v in {
+            "goodput": g, "goodput_wall_s": wall, "goodput_productive_worker_hours": 2 * g * wall / 3600,
+            "goodput_startup_worker_hours": 2 * (1 - g) * wall / 3600}.items()])
+    assert sorted(r["goodput"] for r in list_runs(uri)) == ["50.0%", "80.0%", "90.0%"]
+    assert {r["job"]: r["goodput_worker_hours"] for r in run_records(uri)}["a"] == pytest.approx(2.0)
+    assert main(["runs", "--uri", uri, "--by-team"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["team", "runs", "wall", "hours", "worker-hours", "goodput"]
+    assert lines[1].split() == ["nlp", "1", "2.00", "4.00", "80.0%"]
+    assert lines[2].split() == ["vision", "2", "1.33", "2.67", "80.0%"]  # (0.9 x 1 h + 0.5 x 1/3 h) / 4/3 h

@@ -69,6 +69,17 @@ def line(state: State) -> str | None:
     return head + (": lost " + ", ".join(parts) if parts else "")
 
 
+def brief(metrics: dict[str, float], most: int = 3) -> str | None:
+    """The SDK summary's line from a run's final metrics: '42.9% of 1m10s; lost most to start-up
+    34.3%, replays 17.1%, restores 4.3%'; None for a run with no account."""
+    g, wall = metrics.get("goodput"), metrics.get("goodput_wall_s")
+    if g is None or not wall:
+        return None
+    lost = sorted(((metrics.get(f"goodput_{b}_s", 0.0), b) for b in BUCKETS if b != "productive"), reverse=True)
+    top = [f"{LABELS[b].split(' (')[0]} {100 * s / wall:.1f}%" for s, b in lost[:most] if s / wall >= SHOWN_FROM]
+    return f"{100 * g:.1f}% of {_hms(wall)}" + ("; lost most to " + ", ".join(top) if top else "")
+
+
 def _hms(seconds: float) -> str:
     s = int(round(seconds))
     h, m = divmod(s // 60, 60)

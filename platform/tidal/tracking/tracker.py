@@ -26,6 +26,7 @@ from tidal.spec.job import JobSpec
 from tidal.storage import JOB_FILE, RunDir
 from tidal.tracking.buffer import MetricsBuffer
 from tidal.tracking.console import Console
+from tidal.tracking.goodput_gauges import GoodputGauges
 from tidal.tracking.ledger import Ledger
 from tidal.tracking.quiet import quiet_libraries
 from tidal.tracking.writer import RunWriter
@@ -47,6 +48,7 @@ class Tracker:
         run_id = self._start((run_dir.read_json(JOB_FILE) or {}).get("mlflow_run_id"))
         self.ledger = Ledger(MetricsBuffer(run_dir.fs, run_dir.path), run_dir, self.writer, run_id,
                              subscribers=[Console(spec.train.steps)], retry_s=retry_s)
+        self.gauges = GoodputGauges(spec.name, (tags or {}).get("tidal.team", ""))
         if system_metrics:
             self.writer.start_system_metrics(run_id)
         self.stopped = threading.Event()
@@ -75,6 +77,7 @@ class Tracker:
         if not self.current():
             return 0
         self.ledger.poll(force)
+        self.gauges.update(self.ledger.goodput)
         return self.ledger.flush(force) + self.ledger.untaken
 
     def close(self, ok: bool, wall_s: float) -> tuple[str | None, dict[str, float], int]:
@@ -88,6 +91,7 @@ class Tracker:
         goodput = None
         if self.current():
             state = self.ledger.finish_goodput(time.time())
+            self.gauges.update(state, force=True)
             if (said := line(state)) is not None:
                 print(f"[tidal] {said}", flush=True)
             goodput = (final_metrics(state), rows(state))

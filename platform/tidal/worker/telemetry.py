@@ -107,9 +107,12 @@ def enabled() -> bool:
 
 def exported_names() -> set[str]:
     """Every name a Prometheus scrape shows for Tidal (Ray's prefix, and `_total` on counters)."""
-    from tidal.admission.gauges import QUEUE_GAUGES  # the cluster's admission exports the queue's
+    # The cluster's admission exports the queue's; the job's tracker its goodput.
+    from tidal.admission.gauges import QUEUE_GAUGES
+    from tidal.tracking.goodput_gauges import GOODPUT_GAUGES
 
-    return {f"ray_tidal_{k}" for k in (*GAUGES, *QUEUE_GAUGES)} | {f"ray_tidal_{k}_total" for k in COUNTERS}
+    return ({f"ray_tidal_{k}" for k in (*GAUGES, *QUEUE_GAUGES, *GOODPUT_GAUGES)}
+            | {f"ray_tidal_{k}_total" for k in COUNTERS})
 
 
 def _metric(name: str) -> Any:
