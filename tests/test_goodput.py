@@ -81,6 +81,12 @@ CASES = {
         {"startup": 10 + 8 + 5, "productive": 30, "checkpoint_stall": 2, "other": 1 + 1,
          "resize_preemption": 10 + 28 + 10},
     ),
+    "Ray's elastic regrowth: a group of another size, no failure": (
+        [launch(), ev("group_started", 10, 0, world=1), ev("metrics", 20, 10, step_time_s=1.0),
+         ev("group_started", 35, 8, world=2, setup_s=5, restore_s=2), ev("metrics", 45, 18, step_time_s=1.0)],
+        45,
+        {"startup": 10 + 5, "productive": 10 + 8, "replayed": 2, "resize_preemption": 8, "restore": 2},
+    ),
     "a relaunch: no driver between launches": (
         [launch(), ev("group_started", 10, 0, world=1), ev("metrics", 20, 10, step_time_s=1.0),
          launch(100), ev("group_started", 120, 10, world=1, restore_s=2), ev("metrics", 130, 20, step_time_s=1.0)],

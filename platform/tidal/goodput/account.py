@@ -30,7 +30,8 @@ Events (their `kind`, tracking/events.py) and the interval each one closes:
   a gap well over the job's interval between events (HANG_RATIO times it, and HANG_MIN_S more)
   is a hang, the rest of it.
 - `group_ending` (rank 0: admission's resize, a straggler's node out or back, a preemption's
-  drain): the time until the next group starts is resize_preemption.
+  drain): the time until the next group starts is resize_preemption; so is the gap before a group
+  of another size that follows a running one with no failure (Ray Train's elastic regrowth).
 - the job's end (`finish`): the last save's upload and the group's teardown are `other`.
 """
 
@@ -153,9 +154,13 @@ def _group_started(state: State, ts: float, entry: dict[str, Any], values: dict[
     span = _take(state, ts)
     restore_s, setup_s = float(values.get("restore_s", 0.0)), float(values.get("setup_s", 0.0))
     before = max(0.0, span - restore_s - setup_s)  # Ray starting the group, under the old state's workers
-    gap = "resize_preemption" if state.mode == "ending" and state.ending in RESIZE_REASONS else "startup"
+    world = int(values.get("world", state.world) or state.world)
+    # Ray Train's own elastic resize (a node came back) ends a running group with no failure: a resize too.
+    resized = state.mode == "running" and bool(state.world) and world != state.world
+    gap = ("resize_preemption" if resized or (state.mode == "ending" and state.ending in RESIZE_REASONS)
+           else "startup")
     _spend(state, before, [], gap)
-    state.world = int(values.get("world", state.world) or state.world)
+    state.world = world
     _spend(state, span - before, [("restore", restore_s)], "startup")
     state.mode, state.ending = "running", ""
     state.last_step = int(entry.get("step", 0))
