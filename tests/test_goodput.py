@@ -153,7 +153,7 @@ def test_the_summary_line_names_what_was_lost():
     s = account(events, end)
     assert line(s) == ("goodput 42.9% of 1m10s (0.0333 worker-hours): lost 34.3% to start-up (1 restart), "
                        "17.1% to replays (10 steps), 4.3% to restores, 1.4% to checkpoint stalls")
-    assert live_metrics(s) == {"goodput": pytest.approx(30 / 70), "goodput_wall_s": 70}
+    assert live_metrics(s) == {"goodput_so_far": pytest.approx(30 / 70), "goodput_so_far_wall_s": 70}
     assert live_metrics(account(events[1:], end)) == {}, "no launch in the log: no live figure"
     assert line(State()) is None and final_metrics(State()) == {}
 
@@ -199,7 +199,7 @@ def test_the_trackers_ledger_keeps_the_account_across_its_own_restart(mlflow_uri
     assert state.launches == 1 and state.restarts == 1 and state.replayed_steps == 1
     assert state.seconds["queue"] == 1.0, "the launch waited 1 s for admission"
     assert math.fsum(state.seconds.values()) == pytest.approx(time.time() - t0, abs=0.5)
-    assert sorted(metric_history(spec, run_id, "goodput")) == [1, 2, 3]
+    assert sorted(metric_history(spec, run_id, "goodput_so_far")) == [1, 2, 3]
 
 
 def test_the_sdks_result_gives_the_account_and_its_summary_names_it():

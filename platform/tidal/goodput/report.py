@@ -16,9 +16,10 @@ SHOWN_FROM = 0.001  # a lost bucket under 0.1% of the wall time is left out of t
 
 def live_metrics(state: State) -> dict[str, float]:
     """What each logged step carries to MLflow while the job runs: the goodput so far and its wall
-    time; nothing for a log with no launch in it (written before launches were recorded)."""
+    time (named apart from the final figures, which are logged at the last step once more);
+    nothing for a log with no launch in it (written before launches were recorded)."""
     g = state.goodput
-    return {} if g is None or not state.launches else {"goodput": g, "goodput_wall_s": state.wall}
+    return {} if g is None or not state.launches else {"goodput_so_far": g, "goodput_so_far_wall_s": state.wall}
 
 
 def final_metrics(state: State) -> dict[str, float]:

@@ -53,7 +53,7 @@ class RunResult:
         """Where the job's wall time went, since its first launch (docs/reliability.md): `goodput` (the
         productive share), `goodput_wall_s`, and per bucket `goodput_<bucket>_s`, `goodput_<bucket>_worker_hours`
         and, where nodes carry price labels, `goodput_<bucket>_cost`. Empty for a run with no account."""
-        return {k: v for k, v in self.metrics.items() if k.startswith("goodput")}
+        return {k: v for k, v in self.metrics.items() if k.startswith("goodput") and not k.startswith("goodput_so_far")}
 
     def latest(self) -> Found | None:
         from tidal.storage import RunDir  # pyarrow: not on the path of `tidal --help`

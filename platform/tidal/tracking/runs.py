@@ -57,7 +57,8 @@ def _row(run: Any) -> dict[str, Any]:
         "final loss": _num(m.get("loss"), "{:.4f}"), "tokens/s": _num(m.get("tokens_per_s"), "{:,.0f}"),
         "MFU": _num(m.get("mfu"), "{:.1%}"), "world": _num(m.get("world_size"), "{:.0f}"),
         "GPU-hours": f"{_gpu_hours(run):.2f}", "cloud": _num(m.get("gpu_hours_cloud"), "{:.2f}"),
-        "cost": _num(m.get("cost"), "{:,.2f}"), "goodput": _num(m.get("goodput"), "{:.1%}"), "run id": info.run_id,
+        "cost": _num(m.get("cost"), "{:,.2f}"), "goodput": _num(m.get("goodput", m.get("goodput_so_far")), "{:.1%}"),
+        "run id": info.run_id,
     }
 
 

@@ -140,6 +140,9 @@ class RunWriter:
         try:
             c = client(self.spec)
             step = max((m.step for m in c.get_metric_history(run_id, "world_size")), default=0)
+            # A launch that trained nothing (a finished job run again) has nothing new to log at that step.
+            if step in {m.step for m in c.get_metric_history(run_id, "goodput")}:
+                return
             now = int(time.time() * 1000)
             c.log_batch(run_id, metrics=[Metric(k, v, now, step) for k, v in metrics.items()], synchronous=True)
             c.log_table(run_id, {k: [r[k] for r in rows] for k in rows[0]}, "goodput.json")
