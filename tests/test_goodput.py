@@ -237,3 +237,42 @@ def test_tidal_runs_shows_each_runs_goodput_and_each_teams(tmp_path, capsys):
     assert lines[0].split() == ["team", "runs", "wall", "hours", "worker-hours", "goodput"]
     assert lines[1].split() == ["nlp", "1", "2.00", "4.00", "80.0%"]
     assert lines[2].split() == ["vision", "2", "1.33", "2.67", "80.0%"]  # (0.9 x 1 h + 0.5 x 1/3 h) / 4/3 h
+
+
+def test_the_trackers_close_ends_the_account_prints_it_and_stores_its_table(mlflow_uri, tmp_path, capsys):
+    """The tracker's close (the same code in its actor and in the driver) ends the account after the
+    run's usage and artifacts, prints the end summary's line, and gives MLflow the final figures
+    once and the table `goodput.json`."""
+    import json
+    import time
+    from pathlib import Path
+
+    from mlflow.tracking import MlflowClient
+
+    from tests.conftest import metric_history, tiny_spec
+    from tidal.storage import RunDir
+    from tidal.tracking.buffer import MetricsBuffer
+    from tidal.tracking.emitter import Emitter
+    from tidal.tracking.events import Launched
+    from tidal.tracking.tracker import Tracker
+
+    spec = tiny_spec(tmp_path, name="close", **{"tracking.uri": mlflow_uri})
+    run = RunDir(spec.checkpoint.storage, spec.name)
+    t0 = time.time() - 3
+    MetricsBuffer(run.fs, run.path).append({**Launched(0, {"t0": t0, "queue_s": 0.0}).entry(),
+                                            "ts": int(time.time() * 1000)})
+    events = Emitter(spec.checkpoint.storage, spec.name)
+    events.started(0, 1, 1.0, 0.0)
+    events.metrics({"step": 1, "loss": 2.0, "world_size": 1, "step_time_s": 0.01})
+    events.drain()
+    tracker = Tracker(spec, system_metrics=False, background=False)
+    run_id, latest, left = tracker.close(True, time.time() - t0)
+    assert left == 0 and latest["goodput_wall_s"] >= 3 and "goodput_startup_s" in latest
+    assert any(x.startswith("[tidal] goodput ") for x in capsys.readouterr().out.splitlines())
+    assert metric_history(spec, run_id, "goodput") == {1: pytest.approx(latest["goodput"])}
+    c = MlflowClient(mlflow_uri)
+    table = json.loads(Path(c.download_artifacts(run_id, "goodput.json", str(tmp_path))).read_text())
+    assert [r[0] for r in table["data"]] == [*BUCKETS, "total"]
+    # Running the finished job's tracker again (nothing trained since) logs nothing twice.
+    Tracker(spec, system_metrics=False, background=False).close(True, 0.0)
+    assert metric_history(spec, run_id, "goodput") == {1: pytest.approx(latest["goodput"])}

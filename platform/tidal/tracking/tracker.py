@@ -88,18 +88,25 @@ class Tracker:
             self.thread.join()
         self.writer.stop_system_metrics()  # its last samples go with the final flush
         left = self.flush(force=True)
-        goodput = None
-        if self.current():
+        run_id, latest = self.ledger.run_id, dict(self.ledger.latest)
+        closed: dict[str, float] = {}
+
+        def account() -> tuple[dict[str, float], list[dict[str, Any]]]:
+            """The goodput account, ended as late as the run's last writes allow (the usage and the
+            artifacts take seconds, and they are the job's time too)."""
             state = self.ledger.finish_goodput(time.time())
             self.gauges.update(state, force=True)
             if (said := line(state)) is not None:
                 print(f"[tidal] {said}", flush=True)
-            goodput = (final_metrics(state), rows(state))
-        run_id, latest = self.ledger.run_id, {**self.ledger.latest, **(goodput[0] if goodput else {})}
+            closed.update(final_metrics(state))
+            return closed, rows(state)
+
         if run_id and self.current():
             summary = {"job": self.spec.name, "status": "FINISHED" if ok else "FAILED", "wall_s": wall_s, **latest}
-            self.writer.finish(run_id, ok, summary, goodput)
-        return run_id, latest, left
+            self.writer.finish(run_id, ok, summary, account)
+        elif self.current():
+            account()
+        return run_id, {**latest, **closed}, left
 
     def current(self) -> bool:
         """Whether this tracker's driver still owns the job; says once when it stopped owning it."""

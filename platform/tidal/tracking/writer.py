@@ -24,6 +24,7 @@ import json
 import logging
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -96,15 +97,14 @@ class RunWriter:
         return run_id
 
     def finish(self, run_id: str, ok: bool, summary: dict[str, Any],
-               goodput: tuple[dict[str, float], list[dict[str, Any]]] | None = None) -> dict[str, float]:
-        """End of a launch: usage (GPU-hours, cost, scaling), the goodput account (its final
-        metrics and its table, tidal/goodput), artifacts, end status. Each part is tried alone, and
-        none turns a finished job into a failed one. Returns the usage."""
+               goodput: Callable[[], tuple[dict[str, float], list[dict[str, Any]]]] | None = None) -> dict[str, float]:
+        """End of a launch: usage (GPU-hours, cost, scaling), artifacts, the goodput account (its
+        final metrics and its table, tidal/goodput: `goodput()` ends it, after the rest, since they
+        take the job's time too), end status. Each part is tried alone, and none turns a finished
+        job into a failed one. Returns the usage."""
         from tidal.tracking.artifacts import write_artifacts
 
         used = self._log_usage(run_id)
-        if goodput is not None:
-            self._log_goodput(run_id, *goodput)
         try:
             with tempfile.TemporaryDirectory() as tmp:
                 frame = metrics_frame(self.spec.tracking.uri, run_id)
@@ -112,6 +112,8 @@ class RunWriter:
                 client(self.spec).log_artifacts(run_id, tmp)
         except Exception as e:  # noqa: BLE001 - artifacts are a convenience; the job's result stands
             print(f"[tidal] WARNING: could not store the run's artifacts in MLflow: {redact_text(str(e))}", flush=True)
+        if goodput is not None:
+            self._log_goodput(run_id, *goodput())
         _terminate(self.spec.tracking.uri, run_id, RunStatus.FINISHED if ok else RunStatus.FAILED)
         return used
 
