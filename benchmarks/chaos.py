@@ -64,6 +64,7 @@ exercised by `tests/test_elastic.py`; a frozen worker (SIGSTOP) by the watchdog 
 | kill to new progress, per fault (restart + reload + replay) | {r['recovery_s']} s |
 | effective training time (useful step time / wall time) | {r['useful_s']:.1f} s / {r['wall_s']:.1f} s = {r['useful_s'] / r['wall_s']:.1%} |
 {r['ledger_rows']}
+
 Wall time includes starting Ray, building the DeepSpeed engines and each restart (about 10-20 s on this machine),
 so the effective fraction is low for a short job on 2 cores; each restart costs that fixed time plus the replay
 of at most one checkpoint interval.
