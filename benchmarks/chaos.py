@@ -17,6 +17,7 @@ from typing import Any
 
 import ray
 
+from benchmarks import goodput_check
 from benchmarks.common import update_doc
 from tidal.testing.chaos import run_chaos, run_periodic
 
@@ -39,8 +40,10 @@ counted from its first step.
 | effective training time, first step to last (useful step time / wall time) | {r['useful_s']:.1f} s / {r['training_wall_s']:.1f} s = **{r['useful_s'] / r['training_wall_s']:.1%}** |
 | the same from `tidal.run` called (includes launch: Ray Train controller, workers, engines) | {r['useful_s']:.1f} s / {r['wall_s']:.1f} s = {r['useful_s'] / r['wall_s']:.1%} |
 
+{r['ledger_rows']}
 Useful step time is the sum of `step_time_s` over the steps in MLflow (each step once), so replayed steps,
-restarts, checkpoints and logging all count as lost time.
+restarts, checkpoints and logging all count as lost time. The platform's own account (docs/reliability.md,
+"Where the time went") is read from the job's MLflow run beside it.
 """
 
 
@@ -60,11 +63,24 @@ exercised by `tests/test_elastic.py`; a frozen worker (SIGSTOP) by the watchdog 
 | largest relative difference of any step's loss, in any life (replays included: {r['executions']} executions), vs an undisturbed run | {r['max_rel_loss_diff']:.2e} |
 | kill to new progress, per fault (restart + reload + replay) | {r['recovery_s']} s |
 | effective training time (useful step time / wall time) | {r['useful_s']:.1f} s / {r['wall_s']:.1f} s = {r['useful_s'] / r['wall_s']:.1%} |
+{r['ledger_rows']}
 
 Wall time includes starting Ray, building the DeepSpeed engines and each restart (about 10-20 s on this machine),
 so the effective fraction is low for a short job on 2 cores; each restart costs that fixed time plus the replay
 of at most one checkpoint interval.
 """
+
+
+def _ledger_rows(r: dict[str, Any]) -> str:
+    """The platform's goodput account beside this benchmark's, for each job it ran (the undisturbed one too)."""
+    out = ""
+    for name, run_id, uri, useful, wall in (("undisturbed", r.get("ref_run_id"), r.get("ref_uri"), r.get("ref_useful_s"),
+                                             r.get("ref_wall_s")),
+                                            ("under faults", r["run_id"], r["uri"], r["useful_s"], r["wall_s"])):
+        if run_id:
+            g = goodput_check.ledger(uri, run_id)
+            out += goodput_check.rows(name, g, goodput_check.agreement(g, useful, wall))
+    return out.rstrip("\n")
 
 
 def main() -> None:
@@ -75,6 +91,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fault-every-s", type=float, default=None,
                     help="kill a worker every this many seconds of wall time instead of --faults at spread steps")
+    ap.add_argument("--no-doc", action="store_true", help="print the report only (a short invocation)")
     args = ap.parse_args()
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
     try:
@@ -83,16 +100,19 @@ def main() -> None:
                 r = run_periodic(Path(d), args.fault_every_s, args.steps, args.every, args.seed)
             else:
                 r = run_chaos(Path(d), args.faults, args.steps, args.every, args.seed)
+            r["ledger_rows"] = _ledger_rows(r)  # while the runs' MLflow store is there
     finally:
         ray.shutdown()
     if args.fault_every_s:
         cmd = (f"python -m benchmarks.chaos --fault-every-s {args.fault_every_s:g} --steps {args.steps} "
                f"--every {args.every} --seed {args.seed}")
-        update_doc("Effective training time under a fault every 2 minutes", periodic_report(r, cmd))
+        if not args.no_doc:
+            update_doc("Effective training time under a fault every 2 minutes", periodic_report(r, cmd))
         print(periodic_report(r, cmd))
         return
     cmd = f"python -m benchmarks.chaos --faults {args.faults} --steps {args.steps} --every {args.every} --seed {args.seed}"
-    update_doc("Worker kills", report(r, cmd), DOC)
+    if not args.no_doc:
+        update_doc("Worker kills", report(r, cmd), DOC)
     print(report(r, cmd))
 
 

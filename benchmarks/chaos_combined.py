@@ -51,6 +51,7 @@ from typing import Any
 
 import psutil
 
+from benchmarks import goodput_check
 from benchmarks.common import Job, read_trace, update_doc, write_spec
 from tidal.spec.job import JobSpec
 from tidal.storage import RunDir, check_complete
@@ -328,7 +329,20 @@ def summarize(spec: JobSpec, ref: dict[str, Any], got: dict[str, Any], faults: l
         "useful_s": useful, "training_wall_s": training_wall, "wall_s": got["wall_s"], "steps": steps,
         "ref_useful_s": ref_useful, "ref_wall_s": ref_wall,
         "every": spec.checkpoint.every_steps, "zero": spec.parallelism.zero_stage,
+        "ledger_rows": _ledger_rows(client, spec, ref, got, useful, ref_useful),
     }
+
+
+def _ledger_rows(client: Any, spec: JobSpec, ref: dict[str, Any], got: dict[str, Any], useful: float,
+                 ref_useful: float) -> str:
+    """The platform's goodput account of each job beside this benchmark's (its step times over its wall
+    time from the first `tidal run` started to the last one's exit)."""
+    out = ""
+    for name, job, run, use in (("undisturbed", "undisturbed", ref, ref_useful), ("under faults", spec.name, got, useful)):
+        runs, _ = job_losses(client, spec.tracking.experiment, job)
+        g = goodput_check.ledger(spec.tracking.uri, runs[0].info.run_id) if runs else {}
+        out += goodput_check.rows(name, g, goodput_check.agreement(g, use, run["wall_s"]))
+    return out.rstrip("\n")
 
 
 def _median(xs: list[float]) -> float:
@@ -431,6 +445,7 @@ each write paused {WRITE_DELAY_S} s before its manifests) under these faults, in
 | effective training time, first step to last (useful step time / wall time) | {r['useful_s']:.1f} s / {r['training_wall_s']:.1f} s = **{eff:.1%}** |
 | the same from the first `tidal run` (includes launch) | {r['useful_s']:.1f} s / {r['wall_s']:.1f} s |
 | the undisturbed run's, for comparison (what logging and checkpoints every {r['every']} steps cost without a fault) | {r['ref_useful_s']:.1f} s / {r['ref_wall_s']:.1f} s = {r['ref_useful_s'] / max(r['ref_wall_s'], 1e-9):.1%} |
+{r['ledger_rows']}
 | restarts: count, median seconds from a life's last step to the next life's first, steps trained again | {len(gaps)}, **{_median(gaps):.1f} s** (each: {", ".join(f"{g:.0f}" for g in gaps)}), {sum(x["replayed"] for x in r["restarts"])} |
 
 At that median cost per restart, one fault an hour would leave {1 - _median(gaps) / 3600:.1%} of the time to training,

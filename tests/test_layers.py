@@ -26,7 +26,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("tidal.tracking",),
     ("tidal.storage", "tidal.lease", "tidal.cluster", "tidal.admission"),
     ("tidal.fs", "tidal.exclusive", "tidal.errors", "tidal.output", "tidal.version", "tidal.ray_private", "tidal.redact",
-     "tidal.ray_auth"),
+     "tidal.ray_auth", "tidal.goodput"),
 ]
 SPEC = "tidal.spec"
 ADAPTER = "tidal.ray_private"

@@ -15,7 +15,7 @@ layer and any below it:
       tidal.cluster, tidal.admission      clusters, sites and bursts; the team queue (quotas,
                                           decisions, its actor and seats)
     tidal.fs, tidal.exclusive, tidal.errors, tidal.output, tidal.version, tidal.ray_private,
-      tidal.redact, tidal.ray_auth
+      tidal.redact, tidal.ray_auth, tidal.goodput (the goodput account: pure, imports no Tidal)
     tidal.spec (beside all)               the job spec: imported by every layer, imports only the lowest
 
 `eval_best` (which checkpoints the best evaluation keeps) sits with the worker, which decides

@@ -168,11 +168,14 @@ def _parser() -> argparse.ArgumentParser:
 
     rn = sub.add_parser("runs", help="table of Tidal runs in MLflow; `runs compare RUN RUN ...` puts runs side by side",
                         description="Tidal runs in MLflow: job, status, steps, final loss, tokens/s, MFU, world size, "
-                        "GPU-hours (of them on cloud nodes), cost. `tidal runs compare RUN_ID RUN_ID ...` shows the params that differ and final metrics.")
+                        "GPU-hours (of them on cloud nodes), cost, goodput. `tidal runs compare RUN_ID RUN_ID ...` shows the params that differ and final metrics.")
     rn.add_argument("rest", nargs="*", metavar="compare RUN_ID", help="`compare` followed by two or more run ids")
     rn.add_argument("--uri", default=os.environ.get("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db"),
                     help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or sqlite:///mlflow.db)")
     rn.add_argument("--experiment", default=None, help="only this experiment")
+    rn.add_argument("--by-team", action="store_true",
+                    help="one row per team (the admission's team; '-' without one): runs, wall hours, worker-hours and "
+                    "goodput, the productive share of their wall time (docs/reliability.md)")
     add_output_flag(rn, "for `runs`, a list of objects with " + ", ".join(RECORD_FIELDS) + " (times in ms since "
                     "the epoch); for `runs compare`, an object with differing_params and runs, a list of objects "
                     "with run_id, job, status, params and metrics")
@@ -362,7 +365,16 @@ def _queue(args: argparse.Namespace) -> int:
 
 
 def _runs(args: argparse.Namespace) -> int:
-    from tidal.tracking.runs import COLUMNS, compare, compare_record, list_runs, run_records, table
+    from tidal.tracking.runs import (
+        COLUMNS,
+        TEAM_COLUMNS,
+        compare,
+        compare_record,
+        list_runs,
+        run_records,
+        table,
+        team_rows,
+    )
 
     if args.rest and args.rest[0] == "compare":
         if len(args.rest) < 3:
@@ -374,6 +386,13 @@ def _runs(args: argparse.Namespace) -> int:
         return 0
     if args.rest:
         raise UsageError(f"unknown runs action {args.rest[0]!r}: use `tidal runs` or `tidal runs compare RUN_ID RUN_ID`")
+    if args.by_team:
+        teams = team_rows(run_records(args.uri, args.experiment))
+        if args.output == "json":
+            print_json([dict(zip(TEAM_COLUMNS, row, strict=True)) for row in teams])
+        else:
+            print(table(list(TEAM_COLUMNS), teams) if teams else f"no runs with a goodput account in {args.uri}")
+        return 0
     if args.output == "json":
         print_json(run_records(args.uri, args.experiment))
         return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from tidal.goodput.report import brief
 from tidal.redact import redact_text
 from tidal.tracking.findings import summary_lines
 
@@ -46,6 +47,13 @@ class RunResult:
     @property
     def final_loss(self) -> float | None:
         return self.metrics.get("loss")
+
+    @property
+    def goodput(self) -> dict[str, float]:
+        """Where the job's wall time went, since its first launch (docs/reliability.md): `goodput` (the
+        productive share), `goodput_wall_s`, and per bucket `goodput_<bucket>_s`, `goodput_<bucket>_worker_hours`
+        and, where nodes carry price labels, `goodput_<bucket>_cost`. Empty for a run with no account."""
+        return {k: v for k, v in self.metrics.items() if k.startswith("goodput") and not k.startswith("goodput_so_far")}
 
     def latest(self) -> Found | None:
         from tidal.storage import RunDir  # pyarrow: not on the path of `tidal --help`
@@ -88,6 +96,8 @@ class RunResult:
         if "tokens_per_s" in m:
             lines.append(f"  throughput      {m['tokens_per_s']:,.0f} tokens/s, {m.get('samples_per_s', 0):,.1f} samples/s, "
                          f"MFU {100 * m.get('mfu', 0):.1f}% (last interval)")
+        if (said := brief(m)) is not None:
+            lines.append(f"  goodput         {said}")
         lines += summary_lines(m)  # where the time went; input-bound if it was
         lines += [f"  checkpoints     {self.run_dir}",
                   f"  MLflow run      {self.mlflow_run_id} in {self.tracking_uri}"]

@@ -28,6 +28,7 @@ from tidal.spec.job import JobSpec
 from tidal.spec.user_refs import check_calls
 from tidal.storage import JOB_FILE, Found, RunDir, find_resume_point
 from tidal.tracking.buffer import BUFFER_DIR, MetricsBuffer
+from tidal.tracking.events import Launched
 from tidal.version import __version__
 from tidal.worker import avoidance
 from tidal.worker.device import dist_backend
@@ -92,9 +93,11 @@ def _run_holding(spec: JobSpec, restart: bool, mlflow_tags: dict[str, str] | Non
 
     connect_ray()
     try:
+        asked = time.time()
         with admission.seat(spec) as seat:  # QUEUED here while the cluster's admission says wait
+            queued_s = time.time() - asked
             tags = {**_ray_tags(spec, run_dir), **(seat.tags() if seat else {}), **(mlflow_tags or {})}
-            return _train(spec, run_dir, job, tags, callbacks or [], seat, t0, lease)
+            return _train(spec, run_dir, job, tags, callbacks or [], seat, t0, lease, queued_s)
     except admission.Parked as p:  # waits with no driver; admission starts the next (admission/parking.py)
         print_record({"name": spec.name, "parked_as": p.successor})
         return RunResult(spec.name, "", spec.tracking.uri, spec.checkpoint.storage, wall_s=time.time() - t0,
@@ -102,7 +105,7 @@ def _run_holding(spec: JobSpec, restart: bool, mlflow_tags: dict[str, str] | Non
 
 
 def _train(spec: JobSpec, run_dir: RunDir, job: dict[str, Any], tags: dict[str, str], callbacks: list[Any],
-           seat: admission.Seat | None, t0: float, lease: Lease) -> RunResult:
+           seat: admission.Seat | None, t0: float, lease: Lease, queued_s: float = 0.0) -> RunResult:
     import ray
 
     from tidal.tracking.actor import start_tracker
@@ -116,6 +119,9 @@ def _train(spec: JobSpec, run_dir: RunDir, job: dict[str, Any], tags: dict[str, 
     run_dir.write_json(JOB_FILE, {"mlflow_run_id": job.get("mlflow_run_id"), "fingerprint": spec.fingerprint_hash(),
                                   "tracking_uri": redact_uri(spec.tracking.uri), "tidal_version": __version__,
                                   "ray_requester": train_requester(trainer)})
+    # The goodput account's first second is this launch's (tidal/goodput): written before any group starts.
+    MetricsBuffer(run_dir.fs, run_dir.path).append(
+        {**Launched(0, {"t0": t0, "queue_s": queued_s}).entry(), "ts": int(time.time() * 1000)})
     # The tracker opens the MLflow run while Ray starts the controller and the workers.
     tracker, _ = start_tracker(spec, tags, job_record(spec, None), lambda run_id: _announce(spec, run_id),
                                lease.config())

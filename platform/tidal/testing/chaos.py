@@ -47,10 +47,14 @@ def run_chaos(tmp: Path, faults: int, steps: int, every: int, seed: int,
     """Runs the job under faults and compares every execution of every step with `expected`
     (step -> loss of the undisturbed job: a test's stored reference), or with an undisturbed
     run made here first (the benchmark); returns what happened."""
+    ref: dict[str, Any] = {}
     if expected is None:
         reference = chaos_spec(tmp, "undisturbed", steps, every)
-        tidal.run(reference)
+        t_ref = time.time()
+        done = tidal.run(reference)
         expected = dict(traced(reference))
+        ref = {"ref_run_id": done.mlflow_run_id, "ref_wall_s": time.time() - t_ref, "ref_uri": reference.tracking.uri,
+               "ref_useful_s": sum(metric_history(reference, done.mlflow_run_id, "step_time_s").values())}
 
     spec = chaos_spec(tmp, "chaos", steps, every)
     rng = random.Random(seed)
@@ -91,6 +95,7 @@ def run_chaos(tmp: Path, faults: int, steps: int, every: int, seed: int,
         "max_rel_loss_diff": max(abs(v - expected[s]) / abs(expected[s]) for s, v in lives),
         "executions": len(lives),
         "useful_s": sum(step_time.values()), "wall_s": wall, "steps": steps,
+        "run_id": run_id, "uri": spec.tracking.uri, **ref,  # the platform's goodput account is in these runs
     }
 
 
@@ -140,7 +145,7 @@ def _periodic_summary(spec: JobSpec, run_id: str, kills: list[tuple[float, int]]
             "restarts": int(metric_history(spec, run_id, "restarts")[steps]),
             "steps_done": sorted(m.step for m in hist) == list(range(1, steps + 1)),
             "recovery_s": _recovery_seconds(spec, run_id, kills), "useful_s": useful,
-            "wall_s": wall, "training_wall_s": last - first}
+            "wall_s": wall, "training_wall_s": last - first, "run_id": run_id, "uri": spec.tracking.uri}
 
 
 def _workers_within(find: Any, timeout_s: float) -> list[Any]:

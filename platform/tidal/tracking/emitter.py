@@ -22,7 +22,16 @@ from tidal.lease import LeaseCheck
 from tidal.redact import redact_text
 from tidal.storage import RunDir
 from tidal.tracking.buffer import MetricsBuffer
-from tidal.tracking.events import CheckpointSaved, Event, Note, Resumed, StepMetrics, WorkersFailed
+from tidal.tracking.events import (
+    CheckpointSaved,
+    Event,
+    GroupEnding,
+    GroupStarted,
+    Note,
+    Resumed,
+    StepMetrics,
+    WorkersFailed,
+)
 
 log = logging.getLogger("tidal")
 NOT_METRICS = ("step", "preempted")
@@ -58,6 +67,12 @@ class Emitter:
 
     def resumed(self, checkpoint: str, step: int, old_world: int, world: int) -> None:
         self._emit(Resumed(step, checkpoint, old_world, world))
+
+    def started(self, step: int, world: int, setup_s: float, restore_s: float) -> None:
+        self._emit(GroupStarted(step, {"world": float(world), "setup_s": setup_s, "restore_s": restore_s}))
+
+    def ending(self, step: int, reason: str) -> None:
+        self._emit(GroupEnding(step, reason))
 
     def say(self, message: str, step: int = 0) -> None:
         self._emit(Note(step, message))

@@ -106,9 +106,39 @@ class TrackingBack(Event):
     sent: int
 
 
+@dataclass(frozen=True)
+class Launched(Event):
+    """A driver started the job (`values`: `t0`, when it was called; `queue_s`, how long it waited
+    for the cluster's admission). Written by the driver; the goodput account's first second."""
+
+    KIND: ClassVar[str] = "launched"
+    step: int
+    values: dict[str, float]
+
+
+@dataclass(frozen=True)
+class GroupStarted(Event):
+    """A worker group is set up and trains from `step` (`values`: `world`, `setup_s` since the
+    train function began, `restore_s` of it spent loading the checkpoint)."""
+
+    KIND: ClassVar[str] = "group_started"
+    step: int
+    values: dict[str, float]
+
+
+@dataclass(frozen=True)
+class GroupEnding(Event):
+    """The group stops training after `step` on purpose: `reason` is a resize, a straggler's node
+    out or back (`straggler`), a preemption's drain, or the job's end (`data`, `early_stop`)."""
+
+    KIND: ClassVar[str] = "group_ending"
+    step: int
+    reason: str
+
+
 KINDS: dict[str, type[Event]] = {cls.KIND: cls for cls in
                                  (StepMetrics, CheckpointSaved, Resumed, Note, WorkersFailed, Resized, TrackingDown,
-                                  TrackingBack)}
+                                  TrackingBack, Launched, GroupStarted, GroupEnding)}
 
 
 def parse(entry: Mapping[str, Any]) -> Event | None:

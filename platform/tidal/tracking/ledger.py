@@ -18,6 +18,8 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from tidal.goodput import account
+from tidal.goodput.report import live_metrics
 from tidal.redact import redact_text
 from tidal.tracking.buffer import MetricsBuffer
 from tidal.tracking.events import (
@@ -76,6 +78,9 @@ class Ledger:
         self.reported = int(self.mark.get("reported_step", 0))  # highest step trained, replays included
         self.world_size: int | None = self.mark.get("world_size")
         self.latest: dict[str, float] = dict(self.mark.get("latest", {}))
+        # Where the job's wall time went (tidal/goodput), kept in the mark: the events it came from
+        # are forgotten once handled, so the account is built as they are read, never re-read.
+        self.goodput = account.State.load(self.mark.get("goodput"))
         self.failed_since_resume = False
         self.pending: list[dict[str, Any]] = []
         self.known: set[str] = set()  # ids read and still in the buffer
@@ -99,6 +104,7 @@ class Ledger:
                 self.recovered = {e["id"] for e in new}
             for e in sorted(new, key=happened):
                 self.known.add(e["id"])
+                account.fold(self.goodput, {**e, "kind": kind_of(e)})
                 if not self._take(e):
                     self.unsaved.append(e)
             # Counters first: a handled event is forgotten only once a saved mark counts it, else
@@ -141,7 +147,8 @@ class Ledger:
         self.notify(dataclasses.replace(event, replay=not fresh))
         if fresh:
             self.high[kind] = event.step
-            values = {**event.values, **self.counters} if isinstance(event, StepMetrics) else event.values
+            values = ({**event.values, **self.counters, **live_metrics(self.goodput)} if isinstance(event, StepMetrics)
+                      else event.values)
             self.pending.append({**e, "values": values})
         return fresh
 
@@ -213,6 +220,13 @@ class Ledger:
                 self.down_since = None
             return len(self.pending)
 
+    def finish_goodput(self, now: float) -> account.State:
+        """Close the goodput account at the job's (this launch's) end and keep it in the mark."""
+        with self.lock:
+            account.finish(self.goodput, now)
+            self._save_mark()
+            return self.goodput
+
     def _sink_failed(self, e: Exception) -> None:
         """Wait before the next try, twice as long after each failure in a row (up to MAX_RETRY_S),
         and say once that the sink is down."""
@@ -252,7 +266,7 @@ class Ledger:
         """Record how far the sink holds the run, the counters and the latest values; False if
         storage refused (entries stay buffered, and a later ledger dedupes them against the sink)."""
         self.mark.update({"counters": self.counters, "reported_step": self.reported,
-                          "world_size": self.world_size, "latest": self.latest})
+                          "world_size": self.world_size, "latest": self.latest, "goodput": self.goodput.dump()})
         try:
             self.store.write_json(SENT_FILE, self.mark)
             return True

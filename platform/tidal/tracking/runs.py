@@ -10,10 +10,13 @@ from tidal.errors import TidalError
 if TYPE_CHECKING:
     from mlflow.tracking import MlflowClient
 
-COLUMNS = ("job", "status", "steps", "final loss", "tokens/s", "MFU", "world", "GPU-hours", "cloud", "cost", "run id")
+COLUMNS = ("job", "status", "steps", "final loss", "tokens/s", "MFU", "world", "GPU-hours", "cloud", "cost", "goodput",
+           "run id")
+TEAM_COLUMNS = ("team", "runs", "wall hours", "worker-hours", "goodput")
 # `tidal runs --output json`: one object per run, numbers unformatted; times in ms since the epoch.
 RECORD_FIELDS = ("run_id", "job", "experiment_id", "status", "step", "steps", "loss", "tokens_per_s", "mfu",
-                 "world_size", "gpu_hours", "gpu_hours_cloud", "cost", "scaling_efficiency", "start_time", "end_time")
+                 "world_size", "gpu_hours", "gpu_hours_cloud", "cost", "scaling_efficiency", "start_time", "end_time",
+                 "team", "goodput", "goodput_wall_s", "goodput_worker_hours")
 
 
 def _client(uri: str) -> MlflowClient:
@@ -54,7 +57,8 @@ def _row(run: Any) -> dict[str, Any]:
         "final loss": _num(m.get("loss"), "{:.4f}"), "tokens/s": _num(m.get("tokens_per_s"), "{:,.0f}"),
         "MFU": _num(m.get("mfu"), "{:.1%}"), "world": _num(m.get("world_size"), "{:.0f}"),
         "GPU-hours": f"{_gpu_hours(run):.2f}", "cloud": _num(m.get("gpu_hours_cloud"), "{:.2f}"),
-        "cost": _num(m.get("cost"), "{:,.2f}"), "run id": info.run_id,
+        "cost": _num(m.get("cost"), "{:,.2f}"), "goodput": _num(m.get("goodput", m.get("goodput_so_far")), "{:.1%}"),
+        "run id": info.run_id,
     }
 
 
@@ -68,7 +72,26 @@ def _record(run: Any) -> dict[str, Any]:
         "world_size": None if world is None else int(world), "gpu_hours": _gpu_hours(run),
         "gpu_hours_cloud": m.get("gpu_hours_cloud"), "cost": m.get("cost"), "scaling_efficiency": m.get("scaling_efficiency"),
         "start_time": info.start_time, "end_time": info.end_time,
+        "team": run.data.tags.get("tidal.team"), "goodput": m.get("goodput"), "goodput_wall_s": m.get("goodput_wall_s"),
+        "goodput_worker_hours": sum(v for k, v in m.items() if k.startswith("goodput_") and k.endswith("_worker_hours"))
+        if "goodput" in m else None,
     }
+
+
+def team_rows(records: list[dict[str, Any]]) -> list[list[str]]:
+    """`tidal runs --by-team`: per team (the admission's `tidal.team` tag; "-" without one), its runs
+    with a goodput account, their wall hours and worker-hours, and their goodput weighted by wall time."""
+    teams: dict[str, list[dict[str, Any]]] = {}
+    for r in records:
+        if r.get("goodput") is not None and r.get("goodput_wall_s"):
+            teams.setdefault(r.get("team") or "-", []).append(r)
+    out = []
+    for team, runs in sorted(teams.items()):
+        wall = sum(r["goodput_wall_s"] for r in runs)
+        good = sum(r["goodput"] * r["goodput_wall_s"] for r in runs)
+        out.append([team, str(len(runs)), f"{wall / 3600:.2f}", f"{sum(r['goodput_worker_hours'] or 0 for r in runs):.2f}",
+                    f"{good / wall:.1%}"])
+    return out
 
 
 def _gpu_hours(run: Any) -> float:

@@ -16,14 +16,17 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
+from tidal.goodput.report import final_metrics, line, rows
 from tidal.lease import LeaseCheck
 from tidal.redact import redact_text, redact_uri
 from tidal.spec.job import JobSpec
 from tidal.storage import JOB_FILE, RunDir
 from tidal.tracking.buffer import MetricsBuffer
 from tidal.tracking.console import Console
+from tidal.tracking.goodput_gauges import GoodputGauges
 from tidal.tracking.ledger import Ledger
 from tidal.tracking.quiet import quiet_libraries
 from tidal.tracking.writer import RunWriter
@@ -45,6 +48,7 @@ class Tracker:
         run_id = self._start((run_dir.read_json(JOB_FILE) or {}).get("mlflow_run_id"))
         self.ledger = Ledger(MetricsBuffer(run_dir.fs, run_dir.path), run_dir, self.writer, run_id,
                              subscribers=[Console(spec.train.steps)], retry_s=retry_s)
+        self.gauges = GoodputGauges(spec.name, (tags or {}).get("tidal.team", ""))
         if system_metrics:
             self.writer.start_system_metrics(run_id)
         self.stopped = threading.Event()
@@ -73,6 +77,7 @@ class Tracker:
         if not self.current():
             return 0
         self.ledger.poll(force)
+        self.gauges.update(self.ledger.goodput)
         return self.ledger.flush(force) + self.ledger.untaken
 
     def close(self, ok: bool, wall_s: float) -> tuple[str | None, dict[str, float], int]:
@@ -84,10 +89,24 @@ class Tracker:
         self.writer.stop_system_metrics()  # its last samples go with the final flush
         left = self.flush(force=True)
         run_id, latest = self.ledger.run_id, dict(self.ledger.latest)
+        closed: dict[str, float] = {}
+
+        def account() -> tuple[dict[str, float], list[dict[str, Any]]]:
+            """The goodput account, ended as late as the run's last writes allow (the usage and the
+            artifacts take seconds, and they are the job's time too)."""
+            state = self.ledger.finish_goodput(time.time())
+            self.gauges.update(state, force=True)
+            if (said := line(state)) is not None:
+                print(f"[tidal] {said}", flush=True)
+            closed.update(final_metrics(state))
+            return closed, rows(state)
+
         if run_id and self.current():
             summary = {"job": self.spec.name, "status": "FINISHED" if ok else "FAILED", "wall_s": wall_s, **latest}
-            self.writer.finish(run_id, ok, summary)
-        return run_id, latest, left
+            self.writer.finish(run_id, ok, summary, account)
+        elif self.current():
+            account()
+        return run_id, {**latest, **closed}, left
 
     def current(self) -> bool:
         """Whether this tracker's driver still owns the job; says once when it stopped owning it."""

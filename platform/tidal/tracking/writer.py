@@ -24,6 +24,7 @@ import json
 import logging
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -95,9 +96,12 @@ class RunWriter:
             print_record({**self.record, "mlflow_run_id": run_id})
         return run_id
 
-    def finish(self, run_id: str, ok: bool, summary: dict[str, Any]) -> dict[str, float]:
-        """End of a launch: usage (GPU-hours, cost, scaling), artifacts, end status. Each part is
-        tried alone, and none turns a finished job into a failed one. Returns the usage."""
+    def finish(self, run_id: str, ok: bool, summary: dict[str, Any],
+               goodput: Callable[[], tuple[dict[str, float], list[dict[str, Any]]]] | None = None) -> dict[str, float]:
+        """End of a launch: usage (GPU-hours, cost, scaling), artifacts, the goodput account (its
+        final metrics and its table, tidal/goodput: `goodput()` ends it, after the rest, since they
+        take the job's time too), end status. Each part is tried alone, and none turns a finished
+        job into a failed one. Returns the usage."""
         from tidal.tracking.artifacts import write_artifacts
 
         used = self._log_usage(run_id)
@@ -108,6 +112,8 @@ class RunWriter:
                 client(self.spec).log_artifacts(run_id, tmp)
         except Exception as e:  # noqa: BLE001 - artifacts are a convenience; the job's result stands
             print(f"[tidal] WARNING: could not store the run's artifacts in MLflow: {redact_text(str(e))}", flush=True)
+        if goodput is not None:
+            self._log_goodput(run_id, *goodput())
         _terminate(self.spec.tracking.uri, run_id, RunStatus.FINISHED if ok else RunStatus.FAILED)
         return used
 
@@ -128,6 +134,23 @@ class RunWriter:
             return {}
         print(f"[tidal] {describe(used, self.spec.scaling.gpus_per_worker)}", flush=True)
         return used
+
+    def _log_goodput(self, run_id: str, metrics: dict[str, float], rows: list[dict[str, Any]]) -> None:
+        """Every bucket as a metric at the run's last step, and the table `goodput.json`."""
+        if not metrics:
+            return
+        try:
+            c = client(self.spec)
+            step = max((m.step for m in c.get_metric_history(run_id, "world_size")), default=0)
+            # A launch that trained nothing (a finished job run again) has nothing new to log at that step.
+            if step in {m.step for m in c.get_metric_history(run_id, "goodput")}:
+                return
+            now = int(time.time() * 1000)
+            c.log_batch(run_id, metrics=[Metric(k, v, now, step) for k, v in metrics.items()], synchronous=True)
+            c.log_table(run_id, {k: [r[k] for r in rows] for k in rows[0]}, "goodput.json")
+        except Exception as e:  # noqa: BLE001 - accounting must not turn a finished job into a failed one
+            print(f"[tidal] WARNING: could not store the run's goodput account in MLflow: {redact_text(str(e))}",
+                  flush=True)
 
     # --- metrics --------------------------------------------------------------------------
     def send(self, run_id: str, entries: list[dict[str, Any]]) -> None:

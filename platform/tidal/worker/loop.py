@@ -65,7 +65,9 @@ def train_loop(config: dict[str, Any]) -> None:
         if step_plan.end == "resize" and s.rank == 0 and s.directive is not None:
             s.events.say(f"admission resizes this job to {resize} worker(s): checkpoint at step {step}, "
                          "then the group restarts at that size", step)
-        if finish_step(s, step_plan, agreed, times, warning) is not None:
+        if (end := finish_step(s, step_plan, agreed, times, warning)) is not None:
+            if s.rank == 0:  # the goodput account: the gap until the next group is this end's (tidal/goodput)
+                s.events.ending(step, end)
             break
     if s.directive is not None:
         s.directive.close()
@@ -112,9 +114,10 @@ def finish_step(s: Session, p: plan.StepPlan, agreed: Agreed, times: dict[str, f
         trace_loss(p.step, agreed.loss, s.world)
     metrics = _metrics(s, agreed, times, p)
     if p.evaluate:  # before the save: the checkpoint records this step's score and patience
+        t_eval = time.time()
         with s.watchdog.phase("eval"):
             eval_metrics, stop = s.evaluator.run(s.engine, s.state.evaluation, p.step)
-        metrics.update(eval_metrics)
+        metrics.update(eval_metrics, eval_s=time.time() - t_eval)  # the goodput account's evaluation
         p = plan.after_eval(p, stop)
     if s.rank == 0:
         if p.emergency:
@@ -128,6 +131,8 @@ def finish_step(s: Session, p: plan.StepPlan, agreed: Agreed, times: dict[str, f
         if p.emergency and s.rank == 0 and (note := short_warning.after_save(_left_s(warning, t0), time.time() - t0)):
             s.events.say(note, p.step)
     if p.drain:
+        if s.rank == 0:  # until the next group starts, time goes to the preemption (tidal/goodput)
+            s.events.ending(p.step, "preemption")
         # The wait ends by itself at the deadline; the drain phase only keeps the step timeout off it.
         with s.watchdog.phase("drain", max(0.0, s.preemption_rearm_at - time.time()) + RECLAIM_MARGIN_S):
             _wait_for_reclaim(warning.deadline_ms)

@@ -11,6 +11,7 @@ to ask Ray about preemption again), so the loop itself holds no state but the st
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -87,6 +88,7 @@ class Session:
 
 
 def open_session(config: dict[str, Any]) -> Session:
+    began = time.time()  # the group's setup, for the job's goodput account (tidal/goodput)
     spec = JobSpec.model_validate(config["spec"])
     os.environ.update(spec.worker_env)
     # The secrets' values exist only here, read from this node (spec/secrets.py): before any user code
@@ -108,7 +110,9 @@ def open_session(config: dict[str, Any]) -> Session:
     if rank == 0:
         abort_dead_uploads(spec, events)
 
+    t_found = time.time()
     found, route = restore.agree_on_resume_point(spec)  # rank 0 decides which and how; every rank loads that
+    restore_s = time.time() - t_found
     # train.micro_batch auto: the size this job chose, or searched now (a collective); a number from here on.
     spec = microbatch.choose(spec, world, device, rank, events.say,
                              lambda sp, eng: _batches(sp, config, eng, rank, world, device))
@@ -118,7 +122,9 @@ def open_session(config: dict[str, Any]) -> Session:
         events.say(compile_note(spec.parallelism.compile))
     state = save.TrainState()
     if found:
+        t_load = time.time()
         state = restore.restore(engine, found, route)
+        restore_s += time.time() - t_load
         if rank == 0:
             events.resumed(found.name, state.step, int(found.state["world_size"]), world)
     batches = _batches(spec, config, engine, rank, world, device)
@@ -126,7 +132,7 @@ def open_session(config: dict[str, Any]) -> Session:
             if config["spec"]["train"]["micro_batch"] == "auto" else None)
     t, s = spec.train, spec.scaling
     seat = config.get("admission") or {}  # admission/seat.py: the job's key and the size it was launched for
-    return Session(
+    session = Session(
         spec, rank, world, device, events, engine, state,
         save.Provenance(world, spec.parallelism.zero_stage, spec.resume_fingerprint(),
                               sum(not p.requires_grad for p in engine.module.parameters())),
@@ -142,6 +148,9 @@ def open_session(config: dict[str, Any]) -> Session:
         directive=Directive(seat["job"], world) if seat and rank == 0 else None,
         launched_max=seat.get("launched_max"), lease=lease, auto=auto,
     )
+    if rank == 0:
+        events.started(state.step, world, time.time() - began, restore_s)
+    return session
 
 
 def _batches(spec: JobSpec, config: dict[str, Any], engine: Any, rank: int, world: int,

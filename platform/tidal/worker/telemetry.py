@@ -107,9 +107,12 @@ def enabled() -> bool:
 
 def exported_names() -> set[str]:
     """Every name a Prometheus scrape shows for Tidal (Ray's prefix, and `_total` on counters)."""
-    from tidal.admission.gauges import QUEUE_GAUGES  # the cluster's admission exports the queue's
+    # The cluster's admission exports the queue's; the job's tracker its goodput.
+    from tidal.admission.gauges import QUEUE_GAUGES
+    from tidal.tracking.goodput_gauges import GOODPUT_GAUGES
 
-    return {f"ray_tidal_{k}" for k in (*GAUGES, *QUEUE_GAUGES)} | {f"ray_tidal_{k}_total" for k in COUNTERS}
+    return ({f"ray_tidal_{k}" for k in (*GAUGES, *QUEUE_GAUGES, *GOODPUT_GAUGES)}
+            | {f"ray_tidal_{k}_total" for k in COUNTERS})
 
 
 def _metric(name: str) -> Any:
@@ -193,7 +196,10 @@ class Telemetry:
         local: dict[str, float] = {}
         if busy_s is not None:  # a sampled step in this interval (the same on every rank)
             s, median = spread(busy_s), statistics.median_low(busy_s)
-            extra |= {"straggler_ratio": s.ratio, "straggler_rank": float(s.slowest_rank)}
+            # How long the median rank waited for the slowest in the sampled step: the goodput
+            # account's straggler wait per step (tidal/goodput).
+            extra |= {"straggler_ratio": s.ratio, "straggler_rank": float(s.slowest_rank),
+                      "straggler_wait_s": max(0.0, max(busy_s) - median)}
             local["rank_slowness"] = busy_s[self.rank] / median if median > 0 else 1.0
             if self.rank == 0:
                 self._warn(s, busy_s, median, int(metrics["step"]))

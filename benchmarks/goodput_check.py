@@ -1,0 +1,54 @@
+"""The platform's goodput account (tidal/goodput, read from the job's MLflow run) beside a benchmark's
+own external accounting: the chaos benchmarks report both, for every job they run, and whether they
+agree (the account's buckets sum to the benchmark's wall time within 1% of it; its effective time,
+the step time of first executions over its wall time, within 1 point of the benchmark's)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from tidal.goodput.account import BUCKETS
+
+AGREE_FRAC = 0.01  # of the wall time, and 1 point of effective time
+
+
+def ledger(uri: str, run_id: str) -> dict[str, float]:
+    """The run's final `goodput*` metrics: its account, as the job's tracker logged it at the end."""
+    from mlflow.tracking import MlflowClient
+
+    metrics = MlflowClient(uri).get_run(run_id).data.metrics
+    return {k: v for k, v in metrics.items() if k.startswith("goodput")}
+
+
+def agreement(g: dict[str, float], useful_s: float, wall_s: float) -> dict[str, Any]:
+    """How the account compares with the benchmark's `useful_s` (its sum of MLflow's step times) over
+    `wall_s` (its own clock, from the first launch to the job's end)."""
+    if not g or not wall_s:
+        return {"ok": False, "why": "no goodput account in the run"}
+    total = math.fsum(g.get(f"goodput_{b}_s", 0.0) for b in BUCKETS)
+    ours, theirs = g["goodput_step_s"] / g["goodput_wall_s"], useful_s / wall_s
+    out = {"sum_s": total, "wall_s": g["goodput_wall_s"], "bench_wall_s": wall_s,
+           "sum_off_frac": abs(total - wall_s) / wall_s, "effective": ours, "bench_effective": theirs,
+           "effective_off_points": 100 * (ours - theirs), "goodput": g["goodput"]}
+    out["sum_ok"], out["effective_ok"] = out["sum_off_frac"] <= AGREE_FRAC, abs(ours - theirs) <= AGREE_FRAC
+    out["ok"] = out["sum_ok"] and out["effective_ok"]
+    return out
+
+
+def rows(name: str, g: dict[str, float], a: dict[str, Any]) -> str:
+    """Markdown table rows (measure | value) for one job."""
+    if "sum_s" not in a:
+        return f"| {name}: the platform's goodput account | {a['why']} |\n"
+    wall = a["wall_s"] or 1.0
+    lost = sorted(((g.get(f"goodput_{b}_s", 0.0), b) for b in BUCKETS if b != "productive"), reverse=True)
+    parts = ", ".join(f"{b} {s:.1f} s ({s / wall:.1%})" for s, b in lost if s / wall >= 0.001)
+    return (f"| {name}: the platform's account, buckets summed / the benchmark's wall time | {a['sum_s']:.1f} s / "
+            f"{a['bench_wall_s']:.1f} s: off by **{a['sum_off_frac']:.2%}** of it "
+            f"({'within' if a['sum_ok'] else 'beyond'} 1%) |\n"
+            f"| {name}: effective time, the account's (first executions' step time / its wall) / the benchmark's "
+            f"| {a['effective']:.1%} / {a['bench_effective']:.1%}: **{a['effective_off_points']:+.2f} points** "
+            f"({'within' if a['effective_ok'] else 'beyond'} 1 point) |\n"
+            f"| {name}: goodput (productive / wall), and where the rest went | {a['goodput']:.1%}; "
+            f"{g.get('goodput_restarts', 0):.0f} restart(s), {g.get('goodput_replayed_steps', 0):.0f} step(s) replayed; "
+            f"{parts} |\n")

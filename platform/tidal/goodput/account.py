@@ -1,0 +1,280 @@
+"""The goodput account: every second of a job's wall time in exactly one bucket.
+
+Why by hand: neither Ray, DeepSpeed nor MLflow keeps a per-job account of where time went
+(Ray's metrics are per process and forget a restarted group; Google's goodput library is tied
+to its own TPU job records). This one is built from events Tidal already writes.
+
+The job's wall time runs from its first launch (the driver's start) to its end, across every
+restart, resize, preemption and relaunch. The account keeps a cursor: each event, at its time
+`ts`, hands out the interval from the cursor to `ts` among the buckets, by what the event says
+happened in it, and moves the cursor to `ts`. The shares of one interval are each clamped to
+what is left of it, and the last share takes the rest, so the buckets always sum to the time
+since the first launch (up to floating-point rounding). An event older than the cursor (read
+late) hands out nothing; an event read twice (a tracker that died before its mark was saved
+reads the log again) is skipped by its id.
+
+Events (their `kind`, tracking/events.py) and the interval each one closes:
+- `launched` (driver): queue wait (the admission's seat), then start-up (Ray, trainer). The time
+  between a job's launches, when no driver ran, is `other`.
+- `group_started` (rank 0, after its setup): the gap before the group's own setup (Ray starting
+  the group: start-up; after a resize or a preemption's drain: resize_preemption), its setup
+  (start-up: process, imports, engine, group formation) and its restore.
+- `metrics` (rank 0, at each log step): evaluation (`eval_s`), the steps since the last one
+  (`step_time_s` each) split into replayed (steps at or below the highest step logged before),
+  checkpoint stall (the optimizer's waits for a background write, `checkpoint_gate_s`), data
+  wait, straggler wait, the slowdown of steps right after a save (their step time over the
+  median of recent steps with no save before them: measured, not assumed zero) and productive;
+  what is left (the log step's collective, logging) is `other`.
+- `checkpoint` (rank 0, after a save): the save's stall.
+- `failure` (controller): the steps since the last event are lost with the group (replayed);
+  a gap well over the job's interval between events (HANG_RATIO times it, and HANG_MIN_S more)
+  is a hang, the rest of it.
+- `group_ending` (rank 0: admission's resize, a straggler's node out or back, a preemption's
+  drain): the time until the next group starts is resize_preemption; so is the gap before a group
+  of another size that follows a running one with no failure (Ray Train's elastic regrowth).
+- the job's end (`finish`): the last save's upload and the group's teardown are `other`.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+BUCKETS = ("productive", "replayed", "queue", "startup", "restore", "checkpoint_stall", "post_save_slowdown",
+           "data_wait", "eval", "straggler_wait", "hang", "resize_preemption", "other")
+HANG_RATIO = 3.0  # a gap before a failure longer than this many expected intervals...
+HANG_MIN_S = 5.0  # ...and this many seconds more than one is a hang
+BASELINE_KEEP = 20  # recent clean step times the post-save slowdown is measured against
+SEEN_KEEP = 512  # ids of the last events taken (a re-read log is skipped by them)
+RESIZE_REASONS = ("resize", "straggler", "preemption")  # a group_ending reason whose gap is resize_preemption
+
+
+def _zeros() -> dict[str, float]:
+    return dict.fromkeys(BUCKETS, 0.0)
+
+
+@dataclass
+class State:
+    """The account so far; JSON-serialisable (`asdict`, `State.load`): the tracker keeps it in its mark."""
+
+    start: float | None = None  # the first launch (s since the epoch)
+    cursor: float | None = None  # time up to which every second is in a bucket
+    end: float | None = None  # the job's end, once finished
+    seconds: dict[str, float] = field(default_factory=_zeros)
+    worker_s: dict[str, float] = field(default_factory=_zeros)  # seconds x workers held
+    cost: dict[str, float] = field(default_factory=_zeros)
+    unpriced: dict[str, float] = field(default_factory=_zeros)  # worker-seconds before any price was known
+    price: float | None = None  # per worker-hour, from the nodes' price labels (the latest group's)
+    priced: bool = False  # whether any price was ever known
+    world: int = 0  # workers held now (0 while no group runs)
+    mode: str = "new"  # new, launching, running, failed, ending, ended
+    ending: str = ""  # why the group is ending (a group_ending reason)
+    last_step: int = 0  # the last step logged by this group (its resume step at first)
+    reported: int = 0  # the highest step ever logged
+    step_time: float = 0.0  # the last interval's seconds per step
+    last_train: float = 0.0  # the last interval's training seconds (what a failure's gap is held against)
+    after_save: bool = False  # the last event of this group was a save
+    clean: list[float] = field(default_factory=list)  # recent step times with no save before them
+    restarts: int = 0
+    launches: int = 0
+    replayed_steps: int = 0
+    step_s: float = 0.0  # step time of first executions (what a benchmark counting step times sees)
+    seen: list[str] = field(default_factory=list)
+
+    @classmethod
+    def load(cls, data: dict[str, Any] | None) -> State:
+        if not data:
+            return cls()
+        names = set(cls.__dataclass_fields__)
+        state = cls(**{k: v for k, v in data.items() if k in names})
+        for d in (state.seconds, state.worker_s, state.cost, state.unpriced):
+            for b in BUCKETS:  # a bucket a later Tidal added
+                d.setdefault(b, 0.0)
+        return state
+
+    def dump(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @property
+    def wall(self) -> float:
+        return 0.0 if self.start is None or self.cursor is None else self.cursor - self.start
+
+    @property
+    def goodput(self) -> float | None:
+        """Productive seconds over the wall time so far; None before any time has passed."""
+        return self.seconds["productive"] / self.wall if self.wall > 0 else None
+
+
+def fold(state: State, entry: dict[str, Any]) -> State:
+    """Take one event log entry (`kind`, `ts` in ms, `step`, `values`, ...); returns `state`, changed."""
+    eid = entry.get("id")
+    if eid is not None:
+        if eid in state.seen:
+            return state
+        state.seen = [*state.seen[-(SEEN_KEEP - 1):], eid]
+    ts = float(entry.get("ts", 0)) / 1000
+    kind = entry.get("kind") or ("checkpoint" if "checkpoint_bytes" in entry.get("values", {}) else "metrics")
+    values = entry.get("values") or {}
+    if kind == "launched":
+        _launched(state, ts, float(values.get("t0", ts)), float(values.get("queue_s", 0.0)))
+        return state
+    if state.start is None:  # a log from before launches were recorded: the account starts here
+        state.start = state.cursor = ts
+    handler = {"group_started": _group_started, "metrics": _metrics, "checkpoint": _checkpoint,
+               "failure": _failure, "group_ending": _group_ending}.get(kind)
+    if handler is not None:
+        handler(state, ts, entry, values)
+    return state
+
+
+def finish(state: State, now: float) -> State:
+    """The job's end (or a launch's): the time since the last event is `other`."""
+    if state.start is None or state.mode == "ended":  # nothing ran since the last end (a finished job run again)
+        return state
+    _spend(state, _take(state, now), [], "other")
+    state.mode, state.end, state.world = "ended", state.cursor, 0
+    return state
+
+
+# --- one handler per kind ----------------------------------------------------------------
+def _launched(state: State, ts: float, t0: float, queue_s: float) -> None:
+    state.launches += 1
+    if state.start is None:
+        state.start = state.cursor = t0
+    else:  # a relaunch: no driver ran since the last event
+        _spend(state, _take(state, t0), [], "other")
+    state.world, state.mode = 0, "launching"
+    span = _take(state, ts)
+    _spend(state, span, [("queue", queue_s)], "startup")
+
+
+def _group_started(state: State, ts: float, entry: dict[str, Any], values: dict[str, Any]) -> None:
+    span = _take(state, ts)
+    restore_s, setup_s = float(values.get("restore_s", 0.0)), float(values.get("setup_s", 0.0))
+    before = max(0.0, span - restore_s - setup_s)  # Ray starting the group, under the old state's workers
+    world = int(values.get("world", state.world) or state.world)
+    # Ray Train's own elastic resize (a node came back) ends a running group with no failure: a resize too.
+    resized = state.mode == "running" and bool(state.world) and world != state.world
+    gap = ("resize_preemption" if resized or (state.mode == "ending" and state.ending in RESIZE_REASONS)
+           else "startup")
+    _spend(state, before, [], gap)
+    state.world = world
+    _spend(state, span - before, [("restore", restore_s)], "startup")
+    state.mode, state.ending = "running", ""
+    state.last_step = int(entry.get("step", 0))
+    state.after_save, state.clean = False, []
+
+
+def _metrics(state: State, ts: float, entry: dict[str, Any], v: dict[str, Any]) -> None:
+    span = _take(state, ts)
+    step = int(entry.get("step", 0))
+    if v.get("world_size"):
+        state.world = int(v["world_size"])
+    if v.get("cost_per_hour") is not None and state.world:
+        _set_price(state, float(v["cost_per_hour"]) / state.world)
+    n = max(0, step - state.last_step)
+    st = _num(v.get("step_time_s"))
+    warm = st is None  # every step of the interval was a warm-up step (compilation): start-up
+    st = st or 0.0
+    eval_s = min(_num(v.get("eval_s")) or 0.0, span)
+    train = min(n * st, span - eval_s)
+    replay_n = max(0, min(step, state.reported) - state.last_step)
+    replay = train * replay_n / n if n else 0.0
+    fresh = train - replay
+    baseline = statistics.median(state.clean) if state.clean else None
+    parts = {"checkpoint_stall": _num(v.get("checkpoint_gate_s")) or 0.0,  # the optimizer waited for a write
+             "data_wait": n * (_num(v.get("data_wait_s")) or 0.0),
+             "straggler_wait": n * (_num(v.get("straggler_wait_s")) or 0.0),
+             "post_save_slowdown": n * max(0.0, st - baseline) if state.after_save and baseline is not None else 0.0}
+    left = fresh
+    for name, want in parts.items():  # each out of the first executions' step time, never beyond it
+        parts[name] = min(max(0.0, want), left)
+        left -= parts[name]
+    rest = "startup" if warm or state.mode != "running" else "other"
+    _spend(state, span, [("eval", eval_s), ("replayed", replay), *parts.items(), ("productive", left)], rest)
+    state.step_s += fresh
+    state.replayed_steps += replay_n
+    state.reported = max(state.reported, step)
+    if n and not warm:
+        state.step_time, state.last_train = st, train
+        if not state.after_save:
+            state.clean = [*state.clean[-(BASELINE_KEEP - 1):], st]
+    state.last_step, state.after_save, state.mode = step, False, "running"
+
+
+def _checkpoint(state: State, ts: float, entry: dict[str, Any], values: dict[str, Any]) -> None:
+    _spend(state, _take(state, ts), [], "checkpoint_stall")
+    state.after_save = True
+
+
+def _failure(state: State, ts: float, entry: dict[str, Any], values: dict[str, Any]) -> None:
+    span = _take(state, ts)
+    if state.mode == "ending" and state.ending in RESIZE_REASONS:  # Ray ending a drained group
+        _spend(state, span, [], "resize_preemption")
+        return
+    state.restarts += 1
+    # The steps trained since the last event are lost with the group: they are trained again.
+    expected = max(state.last_train, state.step_time)
+    lost = min(span, expected) if state.mode == "running" else 0.0
+    hung = span > HANG_RATIO * expected and span - expected > HANG_MIN_S and state.mode == "running"
+    _spend(state, span, [("replayed", lost)], "hang" if hung else "other")
+    state.mode = "failed"
+
+
+def _group_ending(state: State, ts: float, entry: dict[str, Any], values: dict[str, Any]) -> None:
+    _spend(state, _take(state, ts), [], "other")
+    state.mode, state.ending = "ending", str(entry.get("reason", ""))
+
+
+# --- bookkeeping ------------------------------------------------------------------------
+def _take(state: State, ts: float) -> float:
+    """The seconds from the cursor to `ts` (none for an event older than the cursor); moves the cursor."""
+    if state.cursor is None:
+        state.start = state.cursor = ts
+        return 0.0
+    span = max(0.0, ts - state.cursor)
+    state.cursor = max(state.cursor, ts)
+    return span
+
+
+def _spend(state: State, span: float, shares: list[tuple[str, float]], rest: str) -> None:
+    """Hand out `span` seconds: each share in turn, clamped to what is left; the rest to `rest`."""
+    left = span
+    for bucket, want in shares:
+        got = min(max(0.0, want), left) if math.isfinite(want) else 0.0
+        _add(state, bucket, got)
+        left -= got
+    _add(state, rest, left)
+
+
+def _add(state: State, bucket: str, seconds: float) -> None:
+    if seconds <= 0:
+        return
+    state.seconds[bucket] += seconds
+    ws = seconds * state.world
+    state.worker_s[bucket] += ws
+    if state.price is None:
+        state.unpriced[bucket] += ws
+    else:
+        state.cost[bucket] += ws / 3600 * state.price
+
+
+def _set_price(state: State, per_worker_hour: float) -> None:
+    """The latest group's price; worker-seconds spent before any price was known take the first one."""
+    if not math.isfinite(per_worker_hour):
+        return
+    state.price, state.priced = per_worker_hour, True
+    for b, ws in state.unpriced.items():
+        state.cost[b] += ws / 3600 * per_worker_hour
+    state.unpriced = _zeros()
+
+
+def _num(v: Any) -> float | None:
+    """A finite number, or None (a missing value; NaN: a log interval of warm-up steps only)."""
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return f if math.isfinite(f) else None

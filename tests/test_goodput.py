@@ -1,0 +1,278 @@
+"""The goodput account (tidal/goodput): events in, buckets out, every second of the wall time in
+exactly one bucket. Tables of event sequences as the job's log holds them; on a real Ray job with
+a fault the same is checked by tests/test_goodput_e2e.py."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tidal.goodput.account import BUCKETS, State, finish, fold
+from tidal.goodput.report import final_metrics, line, live_metrics, rows
+
+T0 = 1_000_000.0
+
+
+def ev(kind: str, t: float, step: int = 0, **values: float | str) -> dict:
+    """An entry as the log holds it, at T0 + t seconds."""
+    extra = {k: values.pop(k) for k in ("reason",) if k in values}
+    return {"kind": kind, "ts": int(round((T0 + t) * 1000)), "step": step, "values": values,
+            "id": f"{step:012d}-{t}-{kind}", **extra}
+
+
+def account(events: list[dict], end: float | None) -> State:
+    s = State()
+    for e in events:
+        fold(s, e)
+    return finish(s, T0 + end) if end is not None else s
+
+
+def buckets(s: State) -> dict[str, float]:
+    return {b: round(v, 6) for b, v in s.seconds.items() if v}
+
+
+def launch(t: float = 0.0, queue_s: float = 0.0) -> dict:
+    return ev("launched", t + 10, t0=T0 + t, queue_s=queue_s)
+
+
+# Each case: events, the job's end (s after T0), the buckets expected (seconds; the rest are 0).
+CASES = {
+    "a clean run": (
+        [launch(queue_s=4), ev("group_started", 20, 0, world=2, setup_s=6, restore_s=0),
+         ev("metrics", 30, 10, step_time_s=0.9, data_wait_s=0.1, world_size=2),
+         ev("checkpoint", 31, 10),
+         ev("metrics", 41.5, 20, step_time_s=1.0, world_size=2, eval_s=0.5)],
+        45,
+        # launch: 4 queue + 6 start-up; Ray's 4 s + setup 6 s; 10 steps of 0.9 s (1 of it data wait) + 1 s other;
+        # the save 1 s; eval 0.5 s, 10 steps of 1.0 s (0.9 s each before the save: 1 s slower);
+        # 3.5 s of teardown.
+        {"queue": 4, "startup": 16, "productive": 8 + 9, "data_wait": 1, "other": 1 + 3.5,
+         "checkpoint_stall": 1, "eval": 0.5, "post_save_slowdown": 1},
+    ),
+    "a kill, a restore and replayed steps": (
+        [launch(), ev("group_started", 15, 0, world=2, setup_s=5),
+         ev("metrics", 25, 10, step_time_s=1.0), ev("checkpoint", 26, 10),
+         ev("metrics", 36, 20, step_time_s=1.0),
+         ev("failure", 38),  # 2 s after the last log step: the steps since are lost, no hang
+         ev("group_started", 50, 10, world=2, setup_s=7, restore_s=3),
+         ev("metrics", 60, 20, step_time_s=1.0),  # steps 11-20 again
+         ev("metrics", 70, 30, step_time_s=1.0)],
+        70,
+        {"startup": 10 + 5 + 2 + 7, "productive": 30, "checkpoint_stall": 1, "replayed": 2 + 10, "restore": 3},
+    ),
+    "a hang: a gap well over the step interval before the failure": (
+        [launch(), ev("group_started", 10, 0, world=1),
+         ev("metrics", 20, 10, step_time_s=1.0), ev("failure", 80),
+         ev("group_started", 90, 10, world=1, setup_s=5), ev("metrics", 100, 20, step_time_s=1.0)],
+        100,
+        {"startup": 10 + 10, "productive": 20, "replayed": 10, "hang": 50},
+    ),
+    "a resize by admission, and a preemption's drain": (
+        [launch(), ev("group_started", 10, 0, world=2),
+         ev("metrics", 20, 10, step_time_s=1.0), ev("checkpoint", 21, 10),
+         ev("group_ending", 22, 10, reason="resize"),
+         ev("group_started", 40, 10, world=4, setup_s=8),  # 10 s for Ray to regroup, 8 of setup
+         ev("metrics", 50, 20, step_time_s=1.0), ev("checkpoint", 51, 20),
+         ev("group_ending", 52, 20, reason="preemption"),
+         ev("failure", 80),  # the drained node goes at the deadline: not a hang
+         ev("group_started", 95, 20, world=2, setup_s=5), ev("metrics", 105, 30, step_time_s=1.0)],
+        105,
+        {"startup": 10 + 8 + 5, "productive": 30, "checkpoint_stall": 2, "other": 1 + 1,
+         "resize_preemption": 10 + 28 + 10},
+    ),
+    "Ray's elastic regrowth: a group of another size, no failure": (
+        [launch(), ev("group_started", 10, 0, world=1), ev("metrics", 20, 10, step_time_s=1.0),
+         ev("group_started", 35, 8, world=2, setup_s=5, restore_s=2), ev("metrics", 45, 18, step_time_s=1.0)],
+        45,
+        {"startup": 10 + 5, "productive": 10 + 8, "replayed": 2, "resize_preemption": 8, "restore": 2},
+    ),
+    "a relaunch: no driver between launches": (
+        [launch(), ev("group_started", 10, 0, world=1), ev("metrics", 20, 10, step_time_s=1.0),
+         launch(100), ev("group_started", 120, 10, world=1, restore_s=2), ev("metrics", 130, 20, step_time_s=1.0)],
+        130,
+        {"startup": 10 + 10 + 8, "productive": 20, "other": 80, "restore": 2},
+    ),
+    "stragglers, a background write the optimizer waited for, warm-up steps": (
+        [launch(), ev("group_started", 10, 0, world=2),
+         ev("metrics", 20, 10, step_time_s=math.nan),  # compile warm-up only: start-up
+         ev("metrics", 30, 20, step_time_s=1.0, straggler_wait_s=0.2, checkpoint_gate_s=0.5)],
+        30,
+        {"startup": 20, "productive": 7.5, "straggler_wait": 2, "checkpoint_stall": 0.5},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_every_second_is_in_exactly_one_bucket(name):
+    events, end, expected = CASES[name]
+    s = account(events, end)
+    assert buckets(s) == pytest.approx(expected)
+    assert math.fsum(s.seconds.values()) == pytest.approx(end, abs=1e-6) == s.wall
+
+
+def test_events_read_twice_or_late_add_no_time():
+    events, end, _ = CASES["a kill, a restore and replayed steps"]
+    once = account(events, end)
+    twice = State()
+    for e in events[:5] + events[:5] + events[5:]:  # a tracker that died before its mark: the log read again
+        fold(twice, e)
+    finish(twice, T0 + end)
+    assert twice.seconds == once.seconds and twice.replayed_steps == once.replayed_steps == 10
+    late = account(events + [ev("checkpoint", 5, 0)], None)  # older than the cursor: nothing to hand out
+    assert math.fsum(late.seconds.values()) == pytest.approx(70 - 0)
+
+
+def test_the_state_survives_the_mark_as_json():
+    import json
+
+    events, end, _ = CASES["a kill, a restore and replayed steps"]
+    s = State()
+    for e in events[:4]:
+        fold(s, e)
+    s = State.load(json.loads(json.dumps(s.dump())))  # a new tracker, from the mark
+    for e in events[4:]:
+        fold(s, e)
+    assert s.seconds == account(events, None).seconds
+
+
+def test_worker_hours_and_cost_follow_the_group_and_its_price():
+    # Price labels: the group of 2 costs 6/hour (3 per worker-hour), known only from its first log step.
+    s = account([launch(queue_s=10), ev("group_started", 10, 0, world=2),
+                 ev("metrics", 3610, 10, step_time_s=360.0, world_size=2, cost_per_hour=6.0)], 3610)
+    assert s.worker_s["queue"] == 0  # no workers held while queued
+    assert s.worker_s["productive"] == pytest.approx(2 * 3600)
+    assert s.cost["productive"] == pytest.approx(6.0)
+    m = final_metrics(s)
+    assert m["goodput_productive_worker_hours"] == pytest.approx(2.0) and m["goodput_productive_cost"] == 6.0
+    assert "goodput_queue_cost" in m and rows(s)[-1]["seconds"] == pytest.approx(3610)
+
+
+def test_the_summary_line_names_what_was_lost():
+    events, end, _ = CASES["a kill, a restore and replayed steps"]
+    s = account(events, end)
+    assert line(s) == ("goodput 42.9% of 1m10s (0.0333 worker-hours): lost 34.3% to start-up (1 restart), "
+                       "17.1% to replays (10 steps), 4.3% to restores, 1.4% to checkpoint stalls")
+    assert live_metrics(s) == {"goodput_so_far": pytest.approx(30 / 70), "goodput_so_far_wall_s": 70}
+    assert live_metrics(account(events[1:], end)) == {}, "no launch in the log: no live figure"
+    assert line(State()) is None and final_metrics(State()) == {}
+
+
+def test_a_log_from_before_launches_were_recorded_starts_at_its_first_event():
+    s = account([ev("group_started", 10, 0, world=1), ev("metrics", 20, 10, step_time_s=1.0)], 25)
+    assert s.wall == 15 and s.seconds["productive"] == 10 and set(BUCKETS) == set(s.seconds)
+
+
+def test_the_trackers_ledger_keeps_the_account_across_its_own_restart(mlflow_uri, tmp_path):
+    """The tracker's ledger folds the job's event log as it reads it, carries the goodput so far
+    on each step it sends to MLflow, and a new ledger (a restarted tracker) goes on from its mark."""
+    import time
+
+    from tests.conftest import metric_history
+    from tests.ledger_fakes import STEP, Server, ledger, setup
+    from tidal.tracking.emitter import Emitter
+    from tidal.tracking.events import Launched
+    from tidal.tracking.writer import RunWriter
+
+    spec, run, buffer = setup(tmp_path, mlflow_uri, name="goodput")
+    run_id = RunWriter(spec).start(None)
+    server = Server(spec)
+    t0 = time.time() - 5
+    buffer.append({**Launched(0, {"t0": t0, "queue_s": 1.0}).entry(), "ts": int(time.time() * 1000)})
+    events = Emitter(spec.checkpoint.storage, spec.name)
+    events.started(0, 2, 2.0, 0.0)
+    for s in (1, 2):
+        events.metrics({"step": s, **STEP, "step_time_s": 0.001})
+    events.drain()
+    first = ledger(spec, run, server, run_id)
+    first.poll()
+    assert first.flush() == 0
+    events.failed({1: "gone"}, 2)
+    events.started(1, 2, 1.0, 0.5)
+    events.metrics({"step": 2, **STEP, "step_time_s": 0.001})  # replayed
+    events.metrics({"step": 3, **STEP, "step_time_s": 0.001})
+    events.drain()
+    second = ledger(spec, run, server, run_id)
+    second.poll()
+    assert second.flush() == 0
+    state = second.finish_goodput(time.time())
+    assert state.launches == 1 and state.restarts == 1 and state.replayed_steps == 1
+    assert state.seconds["queue"] == 1.0, "the launch waited 1 s for admission"
+    assert math.fsum(state.seconds.values()) == pytest.approx(time.time() - t0, abs=0.5)
+    assert sorted(metric_history(spec, run_id, "goodput_so_far")) == [1, 2, 3]
+
+
+def test_the_sdks_result_gives_the_account_and_its_summary_names_it():
+    from tidal.launch.result import RunResult
+
+    events, end, _ = CASES["a kill, a restore and replayed steps"]
+    m = {"loss": 1.0, **final_metrics(account(events, end))}
+    r = RunResult("job", "run", "sqlite:///x.db", "/tmp/runs", m, 70.0)
+    assert r.goodput["goodput"] == pytest.approx(30 / 70) and r.goodput["goodput_replayed_s"] == pytest.approx(12)
+    assert "  goodput         42.9% of 1m10s; lost most to start-up 34.3%, replays 17.1%, restores 4.3%" in (
+        r.summary().splitlines())
+    assert RunResult("job", "run", "sqlite:///x.db", "/tmp/runs", {"loss": 1.0}).goodput == {}
+
+
+def test_tidal_runs_shows_each_runs_goodput_and_each_teams(tmp_path, capsys):
+    from mlflow.entities import Metric
+    from mlflow.tracking import MlflowClient
+
+    from tidal.cli import main
+    from tidal.testing.runs import prepared_store
+    from tidal.tracking.runs import list_runs, run_records
+
+    uri = prepared_store(tmp_path / "mlflow.db")
+    c = MlflowClient(uri)
+    exp = c.create_experiment("tidal", artifact_location=str(tmp_path / "artifacts"))
+    for name, team, g, wall in (("a", "vision", 0.9, 3600.0), ("b", "vision", 0.5, 1200.0), ("c", "nlp", 0.8, 7200.0)):
+        run = c.create_run(exp, run_name=name, tags={"tidal.job": name, "tidal.team": team})
+        c.log_batch(run.info.run_id, metrics=[Metric(k, v, 0, 10) for k, v in {
+            "goodput": g, "goodput_wall_s": wall, "goodput_productive_worker_hours": 2 * g * wall / 3600,
+            "goodput_startup_worker_hours": 2 * (1 - g) * wall / 3600}.items()])
+    assert sorted(r["goodput"] for r in list_runs(uri)) == ["50.0%", "80.0%", "90.0%"]
+    assert {r["job"]: r["goodput_worker_hours"] for r in run_records(uri)}["a"] == pytest.approx(2.0)
+    assert main(["runs", "--uri", uri, "--by-team"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["team", "runs", "wall", "hours", "worker-hours", "goodput"]
+    assert lines[1].split() == ["nlp", "1", "2.00", "4.00", "80.0%"]
+    assert lines[2].split() == ["vision", "2", "1.33", "2.67", "80.0%"]  # (0.9 x 1 h + 0.5 x 1/3 h) / 4/3 h
+
+
+def test_the_trackers_close_ends_the_account_prints_it_and_stores_its_table(mlflow_uri, tmp_path, capsys):
+    """The tracker's close (the same code in its actor and in the driver) ends the account after the
+    run's usage and artifacts, prints the end summary's line, and gives MLflow the final figures
+    once and the table `goodput.json`."""
+    import json
+    import time
+    from pathlib import Path
+
+    from mlflow.tracking import MlflowClient
+
+    from tests.conftest import metric_history, tiny_spec
+    from tidal.storage import RunDir
+    from tidal.tracking.buffer import MetricsBuffer
+    from tidal.tracking.emitter import Emitter
+    from tidal.tracking.events import Launched
+    from tidal.tracking.tracker import Tracker
+
+    spec = tiny_spec(tmp_path, name="close", **{"tracking.uri": mlflow_uri})
+    run = RunDir(spec.checkpoint.storage, spec.name)
+    t0 = time.time() - 3
+    MetricsBuffer(run.fs, run.path).append({**Launched(0, {"t0": t0, "queue_s": 0.0}).entry(),
+                                            "ts": int(time.time() * 1000)})
+    events = Emitter(spec.checkpoint.storage, spec.name)
+    events.started(0, 1, 1.0, 0.0)
+    events.metrics({"step": 1, "loss": 2.0, "world_size": 1, "step_time_s": 0.01})
+    events.drain()
+    tracker = Tracker(spec, system_metrics=False, background=False)
+    run_id, latest, left = tracker.close(True, time.time() - t0)
+    assert left == 0 and latest["goodput_wall_s"] >= 3 and "goodput_startup_s" in latest
+    assert any(x.startswith("[tidal] goodput ") for x in capsys.readouterr().out.splitlines())
+    assert metric_history(spec, run_id, "goodput") == {1: pytest.approx(latest["goodput"])}
+    c = MlflowClient(mlflow_uri)
+    table = json.loads(Path(c.download_artifacts(run_id, "goodput.json", str(tmp_path))).read_text())
+    assert [r[0] for r in table["data"]] == [*BUCKETS, "total"]
+    # Running the finished job's tracker again (nothing trained since) logs nothing twice.
+    Tracker(spec, system_metrics=False, background=False).close(True, 0.0)
+    assert metric_history(spec, run_id, "goodput") == {1: pytest.approx(latest["goodput"])}
