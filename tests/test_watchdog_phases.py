@@ -15,7 +15,30 @@ import tidal
 from tests.conftest import ROOT, metric_history, tiny_spec
 from tidal.storage import RunDir
 from tidal.tracking.buffer import MetricsBuffer
-from tidal.worker.watchdog import EXIT_CODE, Phase, hung
+from tidal.worker.watchdog import EXIT_CODE, Deadline, Phase, hung, step_deadline
+
+ADAPTIVE = Deadline(fixed_s=None, multiple=10.0, floor_s=30.0)  # the spec's defaults
+
+
+@pytest.mark.parametrize(("recent_s", "rule", "deadline"), [
+    ([], ADAPTIVE, None),  # no step time known yet: not armed
+    ([0.1], ADAPTIVE, None),  # one is not enough: the second step may still be warming up
+    ([0.1, 0.12], ADAPTIVE, 30.0),  # the quickstart's shape: the floor
+    ([0.1, 0.1, 2.5, 0.1], ADAPTIVE, 30.0),  # a slow log step under the floor changes nothing
+    ([4.0, 5.0, 4.5], ADAPTIVE, 50.0),  # slow steps: a multiple of the slowest recent one
+    ([4.0, 5.0], Deadline(None, 3.0, 1.0), 15.0),
+    ([], Deadline(fixed_s=900.0), 900.0),  # a fixed deadline is armed by the first step, as before
+    ([0.1] * 10, Deadline(fixed_s=5.0), 5.0),  # and does not adapt
+    ([0.1] * 10, Deadline(fixed_s=0.0), None),  # 0 disables
+])
+def test_step_deadline_adapts_to_the_jobs_own_steps_above_a_floor(recent_s, rule, deadline):
+    assert step_deadline(recent_s, rule) == deadline
+
+
+def test_the_spec_defaults_to_the_adaptive_deadline():
+    f = tiny_spec(ROOT).failure
+    assert (f.step_timeout_s, f.step_timeout_multiple, f.step_timeout_floor_s) == (None, 10.0, 30.0)
+    assert step_deadline([0.05] * 20, Deadline(f.step_timeout_s, f.step_timeout_multiple, f.step_timeout_floor_s)) < 60
 
 
 def test_hung_names_what_overran_its_own_deadline():
@@ -26,6 +49,7 @@ def test_hung_names_what_overran_its_own_deadline():
     assert hung(now=109.0, last_beat=100.0, timeout_s=10.0, phase=None) is None
     assert hung(now=1e9, last_beat=None, timeout_s=10.0, phase=None) is None, "armed by the first step"
     assert hung(now=1e9, last_beat=100.0, timeout_s=10.0, phase=Phase("eval", 0.0, 100.0)) is None, "0: no limit"
+    assert hung(now=1e9, last_beat=100.0, timeout_s=None, phase=None) is None, "an adaptive deadline not armed yet"
 
 
 def run_watchdog(tmp_path, body: str) -> tuple[int, list[str]]:

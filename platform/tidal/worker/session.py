@@ -35,7 +35,7 @@ from tidal.worker.metrics import PhaseClock, ResourceSampler, flops_per_token, w
 from tidal.worker.plan import Cadence
 from tidal.worker.telemetry import Telemetry
 from tidal.worker.user_code import step_function
-from tidal.worker.watchdog import StepWatchdog
+from tidal.worker.watchdog import Deadline, StepWatchdog
 
 
 @dataclass
@@ -131,7 +131,8 @@ def open_session(config: dict[str, Any]) -> Session:
         checkpoint.Provenance(world, spec.parallelism.zero_stage, spec.resume_fingerprint(),
                               sum(not p.requires_grad for p in engine.module.parameters())),
         batches, _evaluator(spec, rank, world, device, batches),
-        StepWatchdog(spec.failure.step_timeout_s, rank, events, spec.failure.phase_timeout_s),
+        StepWatchdog(Deadline(spec.failure.step_timeout_s, spec.failure.step_timeout_multiple,
+                              spec.failure.step_timeout_floor_s), rank, events, spec.failure.phase_timeout_s),
         telemetry, auto.step_fn(step_function(spec)) if auto else step_function(spec),  # train.step_fn, or model(*batch)
         Cadence(t.log_every, spec.checkpoint.every_steps, spec.eval.every_steps if spec.eval else None,
                 job_end.last_step(t)),
