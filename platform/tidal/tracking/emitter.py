@@ -22,7 +22,15 @@ from tidal.lease import LeaseCheck
 from tidal.redact import redact_text
 from tidal.storage import RunDir
 from tidal.tracking.buffer import MetricsBuffer
-from tidal.tracking.events import CheckpointSaved, Event, Note, Resumed, StepMetrics, WorkersFailed
+from tidal.tracking.events import (
+    CheckpointSaved,
+    Event,
+    HangFound,
+    Note,
+    Resumed,
+    StepMetrics,
+    WorkersFailed,
+)
 
 log = logging.getLogger("tidal")
 NOT_METRICS = ("step", "preempted")
@@ -64,6 +72,9 @@ class Emitter:
 
     def failed(self, failures: dict[int, str], step: int = 0) -> None:
         self._emit(WorkersFailed(step, {str(r): why for r, why in failures.items()}))
+
+    def hang_found(self, step: int, folder: str, culprits: list[int], text: str) -> None:
+        self._emit(HangFound(step, folder, culprits, text))
 
     def mark(self) -> int:
         """A mark for `wait_written`: the events emitted so far."""

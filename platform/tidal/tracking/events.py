@@ -106,9 +106,6 @@ class TrackingBack(Event):
     sent: int
 
 
-KINDS: dict[str, type[Event]] = {cls.KIND: cls for cls in
-                                 (StepMetrics, CheckpointSaved, Resumed, Note, WorkersFailed, Resized, TrackingDown,
-                                  TrackingBack)}
 
 
 def parse(entry: Mapping[str, Any]) -> Event | None:
@@ -119,3 +116,21 @@ def parse(entry: Mapping[str, Any]) -> Event | None:
         return None
     names = {f.name for f in dataclasses.fields(cls)}
     return cls(**{k: v for k, v in entry.items() if k in names})
+
+
+@dataclass(frozen=True)
+class HangFound(Event):
+    """A hung worker group explained (worker/hang.py): `folder` (under the job's folder) holds every
+    rank's stacks and the verdict, which the tracker stores in the MLflow run; `culprits`: the ranks
+    named; `text`: the verdict."""
+
+    KIND: ClassVar[str] = "hang"
+    step: int
+    folder: str
+    culprits: list[int]
+    text: str
+
+
+KINDS: dict[str, type[Event]] = {cls.KIND: cls for cls in
+                                 (StepMetrics, CheckpointSaved, Resumed, Note, WorkersFailed, Resized, TrackingDown,
+                                  TrackingBack, HangFound)}

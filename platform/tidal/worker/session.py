@@ -26,7 +26,7 @@ from tidal.spec import secrets
 from tidal.spec.compile import compile_note, warmup_steps
 from tidal.spec.job import JobSpec
 from tidal.tracking.emitter import Emitter
-from tidal.worker import checkpoint, microbatch, repartition, restore
+from tidal.worker import checkpoint, hang, microbatch, repartition, restore
 from tidal.worker.data import Batches
 from tidal.worker.device import torch_device
 from tidal.worker.engine import build_engine, data_parallel_rank, param_count
@@ -35,7 +35,7 @@ from tidal.worker.metrics import PhaseClock, ResourceSampler, flops_per_token, w
 from tidal.worker.plan import Cadence
 from tidal.worker.telemetry import Telemetry
 from tidal.worker.user_code import step_function
-from tidal.worker.watchdog import Deadline, StepWatchdog
+from tidal.worker.watchdog import StepWatchdog
 
 
 @dataclass
@@ -131,8 +131,7 @@ def open_session(config: dict[str, Any]) -> Session:
         checkpoint.Provenance(world, spec.parallelism.zero_stage, spec.resume_fingerprint(),
                               sum(not p.requires_grad for p in engine.module.parameters())),
         batches, _evaluator(spec, rank, world, device, batches),
-        StepWatchdog(Deadline(spec.failure.step_timeout_s, spec.failure.step_timeout_multiple,
-                              spec.failure.step_timeout_floor_s), rank, events, spec.failure.phase_timeout_s),
+        hang.watchdog(spec, rank, world, events),  # the step deadline, and a hang explained (worker/hang.py)
         telemetry, auto.step_fn(step_function(spec)) if auto else step_function(spec),  # train.step_fn, or model(*batch)
         Cadence(t.log_every, spec.checkpoint.every_steps, spec.eval.every_steps if spec.eval else None,
                 job_end.last_step(t)),
