@@ -225,7 +225,8 @@ class HangCourt:
         culprits = [answers[r] for r in verdict.culprits]
         avoid = self._count(culprits)
         self.run.write_json(f"{self.dir}/verdict.json", {"text": line, "culprits": list(verdict.culprits),
-                                                         "why": verdict.why, "step": step, "detected": said})
+                                                         "why": verdict.why, "step": step, "detected": said,
+                                                         "at": time.time()})
         self.events.hang_found(step, self.dir, list(verdict.culprits), line)
         return (f"{line} ({said.removeprefix('watchdog: ')}); every rank's stacks are in the MLflow run's "
                 f"artifacts (hangs/{self.group}/) and in {folder}" + (f"; {avoid}" if avoid else ""))

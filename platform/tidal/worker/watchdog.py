@@ -123,34 +123,43 @@ class StepWatchdog:
                 self.last_beat = time.monotonic()
 
     def _watch(self) -> None:
+        said = False
         while True:
             phase = self.current
             fixed = self.rule.fixed_s
-            time.sleep(min(POLL_S, *([fixed / 4] if fixed else []),
-                           *([phase.deadline_s / 4] if phase and phase.deadline_s > 0 else [])))
-            phase = self.current  # read once: the training thread changes it
-            deadline, now, last = self.deadline(), time.monotonic(), self.last_beat
-            what = hung(now, last, deadline, phase)
-            if self.court is not None:
-                if last is not None:
-                    self.court.armed()  # says where this rank runs, once, off the training thread
-                # Every rank of a hung group stalls at once: past half its deadline, a rank looks
-                # whether another declared the hang, and answers with its stacks.
-                since = now - (phase.started if phase is not None else last) if last is not None or phase else 0.0
-                limit = phase.deadline_s if phase is not None else deadline or self.rule.floor_s
-                if what is None and limit and since > limit / 2 and self.court.answer_if_declared(self.step):
-                    self._exit(self.court.wait_for_verdict())
-            if what is None:
-                continue
-            if phase is not None:
-                said = (f"watchdog: rank {self.rank} spent over {phase.deadline_s:.0f}s in {what} after step {self.step} "
-                        "(hung? failure.phase_timeout_s sets this deadline)")
-            else:
-                said = (f"watchdog: rank {self.rank} finished no step for {deadline:.0f}s after step {self.step} "
-                        f"({self.rule.describe(deadline or 0.0)}; stuck in a collective or a dead peer?)")
-            if self.court is not None:
-                said = self.court.declare(self.step, said) or said
-            self._exit(said)
+            time.sleep(min([POLL_S, *([fixed / 4] if fixed else []),
+                            *([phase.deadline_s / 4] if phase and phase.deadline_s > 0 else [])]))
+            try:
+                self._look()
+            except Exception as e:  # noqa: BLE001 - a fault in the watchdog must not end it: it guards every step
+                if not said:
+                    print(f"[tidal] WARNING: rank {self.rank}'s watchdog: {type(e).__name__}: {e}", flush=True)
+                    said = True
+
+    def _look(self) -> None:
+        phase = self.current  # read once: the training thread changes it
+        deadline, now, last = self.deadline(), time.monotonic(), self.last_beat
+        what = hung(now, last, deadline, phase)
+        if self.court is not None:
+            if last is not None:
+                self.court.armed()  # says where this rank runs, once, off the training thread
+            # Every rank of a hung group stalls at once: past half its deadline, a rank looks
+            # whether another declared the hang, and answers with its stacks.
+            since = now - (phase.started if phase is not None else last) if last is not None or phase else 0.0
+            limit = phase.deadline_s if phase is not None else deadline or self.rule.floor_s
+            if what is None and limit and since > limit / 2 and self.court.answer_if_declared(self.step):
+                self._exit(self.court.wait_for_verdict())
+        if what is None:
+            return
+        if phase is not None:
+            said = (f"watchdog: rank {self.rank} spent over {phase.deadline_s:.0f}s in {what} after step {self.step} "
+                    "(hung? failure.phase_timeout_s sets this deadline)")
+        else:
+            said = (f"watchdog: rank {self.rank} finished no step for {deadline:.0f}s after step {self.step} "
+                    f"({self.rule.describe(deadline or 0.0)}; stuck in a collective or a dead peer?)")
+        if self.court is not None:
+            said = self.court.declare(self.step, said)  # "": another rank declared and says it
+        self._exit(said)
 
     def _exit(self, said: str | None) -> None:
         if said:
