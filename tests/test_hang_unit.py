@@ -59,20 +59,30 @@ def test_where_a_stack_waits():
                      f("/v/site-packages/deepspeed/comm/comm.py", 120, "all_reduce"),
                      f("/v/site-packages/torch/distributed/distributed_c10d.py", 2950, "all_reduce")]
     assert stacks.in_collective(in_collective)
-    assert stacks.where(in_collective) == "all_reduce (deepspeed/comm/comm.py:120) called from _train_step (tidal/worker/loop.py:201)"
+    assert stacks.where(in_collective) == ("all_reduce (torch/distributed/distributed_c10d.py:2950) called from "
+                                           "_train_step (tidal/worker/loop.py:201)")
     sleeping = [f("/x/tidal/worker/loop.py", 201, "_train_step"), f("/w/tests/hang_step.py", 30, "step")]
     assert not stacks.in_collective(sleeping)
     assert stacks.where(sleeping) == "step (tests/hang_step.py:30)"
 
 
-def test_own_stacks_read_from_another_thread_hold_the_main_threads_frames():
-    got: list = []
-    t = threading.Thread(target=lambda: got.append(stacks.own_stacks()))
+def test_own_stacks_hold_every_thread_and_the_training_threads_frames():
+    """In a Ray Train worker the training loop is not the main thread: the stacks name the thread
+    whose frames count (the watchdog's beat records it), first."""
+    release = threading.Event()
+
+    def training_here() -> None:
+        release.wait(10)
+
+    t = threading.Thread(target=training_here, name="train-loop")
     t.start()
-    t.join()
-    text, main = got[0]
-    assert main and main[-1].func == "join" or any("test_own_stacks" in fr.func for fr in main)
-    assert 'Thread' in text and "MainThread" in text and "test_own_stacks_read_from_another_thread" in text
+    try:
+        text, frames = stacks.own_stacks(t.ident)
+    finally:
+        release.set()
+        t.join()
+    assert "training_here" in [f.func for f in frames] and frames[-1].func == "wait", frames
+    assert text.startswith(f'Thread {t.ident} "train-loop"') and "MainThread" in text, text
 
 
 def test_a_stopped_process_is_read_from_outside():

@@ -146,6 +146,7 @@ class HangCourt:
         self.me: Answer | None = None
         self.answered = False
         self.looked = 0.0
+        self.trainer: int | None = None  # the training thread (StepWatchdog.beat's caller): the one whose stack counts
 
     def _path(self, rel: str) -> str:
         return f"{self.run.path}/{self.dir}/{rel}"
@@ -178,7 +179,7 @@ class HangCourt:
         return True
 
     def _answer(self, step: int) -> None:
-        text, frames = stacks.own_stacks()
+        text, frames = stacks.own_stacks(self.trainer)
         me = self.me or Answer(self.rank, pid=os.getpid())
         self.run.write_json(f"{self.dir}/answer-{self.rank}.json", {
             "rank": self.rank, "node": me.node, "node_id": me.node_id, "pid": me.pid, "step": step,

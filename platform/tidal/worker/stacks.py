@@ -48,11 +48,12 @@ def short_path(path: str) -> str:
     return "/".join(path.split("/")[-2:])
 
 
-def own_stacks() -> tuple[str, list[Frame]]:
-    """Every thread's Python stack in this process, as text (main thread first), and the main
+def own_stacks(focus: int | None = None) -> tuple[str, list[Frame]]:
+    """Every thread's Python stack in this process, as text (thread `focus` first: the training
+    thread, which in a Ray Train worker is not the main thread; default the main one), and that
     thread's frames, outermost first."""
     names = {t.ident: t.name for t in threading.enumerate()}
-    main = threading.main_thread().ident
+    main = focus or threading.main_thread().ident
     frames = sys._current_frames()
     text, main_frames = [], []
     for ident in sorted(frames, key=lambda i: i != main):
@@ -66,19 +67,22 @@ def own_stacks() -> tuple[str, list[Frame]]:
 
 
 def in_collective(frames: Sequence[Frame]) -> bool:
+    """Whether a training thread's frames are inside a collective."""
     return any(p in f.file for f in frames for p in COLLECTIVE_PATHS)
 
 
 def where(frames: Sequence[Frame]) -> str:
-    """Where a main thread waits, as a person reads it: the collective it is in and what called
+    """Where a training thread waits, as a person reads it: the collective it is in and what called
     it, or else its innermost frame."""
     if not frames:
         return "an unknown place (no Python frame)"
-    for i, f in enumerate(frames):
-        if any(p in f.file for p in COLLECTIVE_PATHS):
-            caller = f" called from {frames[i - 1].short()}" if i > 0 else ""
-            return f"{f.func} ({short_path(f.file)}:{f.line}){caller}"
-    return frames[-1].short()
+    inside = [i for i, f in enumerate(frames) if any(p in f.file for p in COLLECTIVE_PATHS)]
+    if not inside:
+        return frames[-1].short()
+    # The innermost collective frame is the collective itself (DeepSpeed's outer ones are wrappers);
+    # the frame before the outermost one is what called into the library.
+    caller = f" called from {frames[inside[0] - 1].short()}" if inside[0] > 0 else ""
+    return frames[inside[-1]].short() + caller
 
 
 def process_state(pid: int, proc: Path = Path("/proc")) -> str:

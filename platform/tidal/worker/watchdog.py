@@ -102,6 +102,8 @@ class StepWatchdog:
             threading.Thread(target=self._watch, name="tidal-watchdog", daemon=True).start()
 
     def beat(self, step: int) -> None:
+        if self.court is not None and self.court.trainer is None:
+            self.court.trainer = threading.get_ident()  # in a Ray Train worker, not the main thread
         now = time.monotonic()
         if self.last_beat is not None:
             self.recent.append(now - self.last_beat)
