@@ -21,8 +21,8 @@ ADAPTIVE = Deadline(fixed_s=None, multiple=10.0, floor_s=30.0)  # the spec's def
 
 
 @pytest.mark.parametrize(("recent_s", "rule", "deadline"), [
-    ([], ADAPTIVE, None),  # no step time known yet: not armed
-    ([0.1], ADAPTIVE, None),  # one is not enough: the second step may still be warming up
+    ([], ADAPTIVE, 300.0),  # no step time known yet: not armed, 10x the floor meanwhile
+    ([0.1], ADAPTIVE, 300.0),  # one is not enough: the second step may still be warming up
     ([0.1, 0.12], ADAPTIVE, 30.0),  # the quickstart's shape: the floor
     ([0.1, 0.1, 2.5, 0.1], ADAPTIVE, 30.0),  # a slow log step under the floor changes nothing
     ([4.0, 5.0, 4.5], ADAPTIVE, 50.0),  # slow steps: a multiple of the slowest recent one
@@ -118,13 +118,13 @@ def test_a_slow_synchronous_save_is_not_taken_for_a_hung_step(tmp_path):
 
 @pytest.mark.slow
 def test_an_adaptive_deadline_arms_after_the_first_steps_and_exits_naming_itself(tmp_path):
-    """Not armed while only one step time is known (2 s without a step passes), then armed at its
-    1 s floor: the same wait exits."""
+    """Not armed while only one step time is known (2 s without a step passes: 10x the floor
+    then), then armed at its 1 s floor once the slow step leaves the window: a wait exits."""
     rc, notes = run_watchdog(tmp_path, """
         time.sleep(0.05)
-        wd.beat(8)  # one step time known: not armed yet
+        wd.beat(8)  # one step time known: not armed yet (10 s meanwhile: 10x the floor)
         time.sleep(2.0)
-        wd.beat(9)  # two: armed at max(1 s floor, 10 x 2 s)... the slow step raises it to 20 s
+        wd.beat(9)  # two: armed at max(1 s floor, 10 x 2 s): the slow step raises it to 20 s
         for step in range(10, 10 + 60):  # fast steps push the slow one out of nothing: max over the last 50
             wd.beat(step)
         time.sleep(30.0)

@@ -283,8 +283,8 @@ class FailureSpec(Part):
         None, ge=0.0, description="a fixed step deadline: a worker with no finished step for this long (e.g. stuck "
         "in a collective) ends the group, naming the rank that stopped and saving every rank's stacks, and the group "
         "restarts from the last checkpoint; 0 disables. Armed after the first step. Default (null): adaptive, "
-        "step_timeout_multiple times the job's slowest recent step, at least step_timeout_floor_s, armed after "
-        "its first steps"
+        "step_timeout_multiple times the job's slowest recent step, at least step_timeout_floor_s, once a group "
+        "has trained 3 steps (before that, step_timeout_multiple x step_timeout_floor_s)"
     )
     step_timeout_multiple: float = Field(
         10.0, gt=1.0, description="the adaptive step deadline (step_timeout_s null): this many times the slowest of "

@@ -59,15 +59,17 @@ class Deadline:
 
 
 def step_deadline(recent_s: Sequence[float], rule: Deadline, arm_after: int = ARM_AFTER) -> float | None:
-    """Seconds without a finished step after which a rank is hung; None: not armed (yet).
+    """Seconds without a finished step after which a rank is hung; None: none (disabled).
 
     `recent_s`: the job's last step times on this rank (seconds between finished steps, phases
-    left out). A fixed deadline is armed from the first step (the watchdog's clock starts there);
-    an adaptive one once `arm_after` step times are known."""
+    left out). The watchdog's clock starts at a group's first finished step, so none of this
+    covers the engine's build. A fixed deadline holds from there; an adaptive one is armed once
+    `arm_after` step times are known, and until then is `multiple` times its floor (300 s by
+    default: a group's second step may still be warming up, but a hang there is still found)."""
     if rule.fixed_s is not None:
         return rule.fixed_s if rule.fixed_s > 0 else None
     if len(recent_s) < arm_after:
-        return None
+        return rule.multiple * rule.floor_s
     return max(rule.floor_s, rule.multiple * max(recent_s))
 
 
@@ -148,8 +150,8 @@ class StepWatchdog:
             # Every rank of a hung group stalls at once: past half its deadline, a rank looks
             # whether another declared the hang, and answers with its stacks.
             since = now - (phase.started if phase is not None else last) if last is not None or phase else 0.0
-            limit = phase.deadline_s if phase is not None else deadline or self.rule.floor_s
-            if what is None and limit and since > limit / 2 and self.court.answer_if_declared(self.step):
+            limit = (phase.deadline_s if phase is not None else 0.0) or deadline or self.rule.floor_s
+            if what is None and since > limit / 2 and self.court.answer_if_declared(self.step):
                 self._exit(self.court.wait_for_verdict())
         if what is None:
             return
