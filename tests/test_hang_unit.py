@@ -135,7 +135,7 @@ def courts(tmp_path, world: int, avoided: list | None = None, answer_s: float = 
 def test_a_rank_that_does_not_answer_the_declaration_is_named_and_read_from_outside(tmp_path):
     (c0, c1, c2), events = courts(tmp_path, 3)
     # rank 2 answers (its step is overdue too); rank 1 is stopped and never does
-    declared = threading.Thread(target=lambda: said.append(c0.declare(57, "watchdog: rank 0 finished no step for 30s")))
+    declared = threading.Thread(target=lambda: said.append(c0.declare(57, "watchdog: rank 0 finished no step for 30s", 31.0)))
     said: list[str] = []
     declared.start()
     deadline = time.monotonic() + 10
@@ -145,7 +145,8 @@ def test_a_rank_that_does_not_answer_the_declaration_is_named_and_read_from_outs
     line = said[0]
     assert "hang after step 57: rank 1 on node 10.0.0.1" in line and "stopped answering (process state T (stopped)" in line
     assert "rank 0 waits in" in line and "rank 2 waits in" in line and "hangs/g1/" in line, line
-    assert events.found and events.found[0][:3] == (57, "tidal-hangs/g1", [1])
+    found = events.found[0]
+    assert (found[:3], found[4]) == ((57, "tidal-hangs/g1", [1]), 31.0), "for the goodput ledger: the hang's cost"
     files = hang_files(RunDir(str(tmp_path / "runs"), "job"), "tidal-hangs/g1")
     assert sorted(files) == ["stacks-rank0.txt", "stacks-rank1.txt", "stacks-rank2.txt", "verdict.txt"]
     assert "py-spy of" in files["stacks-rank1.txt"] and "did not answer" in files["stacks-rank1.txt"]
@@ -197,5 +198,5 @@ def test_avoiding_a_hung_node_follows_the_straggler_rules(tmp_path):
 
 
 def test_the_hang_event_reads_back_as_written():
-    e = HangFound(57, "tidal-hangs/g1", [1], "hang after step 57: rank 1 ...")
+    e = HangFound(57, "tidal-hangs/g1", [1], "hang after step 57: rank 1 ...", 31.5)
     assert parse({**e.entry(), "id": "x", "ts": 1}) == e

@@ -197,12 +197,14 @@ class HangCourt:
             time.sleep(0.2)
         return f"hang: rank {self.rank} answered a hang declared by another rank, which gave no verdict in {VERDICT_S:g}s"
 
-    def declare(self, step: int, said: str) -> str:
-        """This rank's deadline passed: declare the hang, or answer another's declaration.
-        Returns the line to say before exiting ("" when another rank says it)."""
+    def declare(self, step: int, said: str, stalled_s: float = 0.0) -> str:
+        """This rank's deadline passed (`stalled_s` after its last finished step): declare the hang,
+        or answer another's declaration. Returns the line to say before exiting ("" when another
+        rank says it)."""
         try:
             won = create_exclusive(self.run.fs, self._path("declared.json"),
-                                   {"by": self.rank, "step": step, "at": time.time(), "said": said})
+                                   {"by": self.rank, "step": step, "at": time.time(), "said": said,
+                                    "stalled_s": stalled_s})
             if not won and self.declaration() is None:  # an old group's under a reused key
                 self.run.write_json(f"{self.dir}/declared.json", {"by": self.rank, "step": step, "at": time.time()})
                 won = True
@@ -210,11 +212,11 @@ class HangCourt:
                 if not self.answered:
                     self._answer(step)
                 return self.wait_for_verdict()
-            return self._judge(step, said)
+            return self._judge(step, said, stalled_s)
         except Exception as e:  # noqa: BLE001 - explaining a hang must never keep the group hung
             return f"{said} (the hang could not be explained: {type(e).__name__}: {e})"
 
-    def _judge(self, step: int, said: str) -> str:
+    def _judge(self, step: int, said: str, stalled_s: float) -> str:
         self._answer(step)
         answers = self._collect()
         for r in range(self.world):
@@ -228,7 +230,7 @@ class HangCourt:
         self.run.write_json(f"{self.dir}/verdict.json", {"text": line, "culprits": list(verdict.culprits),
                                                          "why": verdict.why, "step": step, "detected": said,
                                                          "at": time.time()})
-        self.events.hang_found(step, self.dir, list(verdict.culprits), line)
+        self.events.hang_found(step, self.dir, list(verdict.culprits), line, stalled_s)
         return (f"{line} ({said.removeprefix('watchdog: ')}); every rank's stacks are in the MLflow run's "
                 f"artifacts (hangs/{self.group}/) and in {folder}" + (f"; {avoid}" if avoid else ""))
 

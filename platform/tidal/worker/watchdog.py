@@ -162,7 +162,8 @@ class StepWatchdog:
             said = (f"watchdog: rank {self.rank} finished no step for {deadline:.0f}s after step {self.step} "
                     f"({self.rule.describe(deadline or 0.0)}; stuck in a collective or a dead peer?)")
         if self.court is not None:
-            said = self.court.declare(self.step, said)  # "": another rank declared and says it
+            stalled = now - (phase.started if phase is not None else last or now)
+            said = self.court.declare(self.step, said, stalled)  # "": another rank declared and says it
         self._exit(said)
 
     def _exit(self, said: str | None) -> None:
