@@ -165,6 +165,15 @@ class HangCourt:
         # A group's key names its rendezvous port: one reused by a later group must not find the old hang.
         return d if d and float(d.get("at", 0)) >= self.started - 5.0 else None
 
+    def _stale(self) -> bool:
+        """Whether the declaration there is an earlier group's. One being written now (created, not
+        yet filled: a local create is not atomic) is not: it is another rank's, of this group."""
+        try:
+            d = self.run.read_json(f"{self.dir}/declared.json")
+        except (OSError, ValueError):
+            return False
+        return d is not None and float(d.get("at", 0)) < self.started - 5.0
+
     def answer_if_declared(self, step: int) -> bool:
         """While this rank's step is overdue: if another rank declared a hang, answer it (once)."""
         if self.answered or time.monotonic() - self.looked < self.look_every_s:
@@ -174,7 +183,7 @@ class HangCourt:
             if self.declaration() is None:
                 return False
             self._answer(step)
-        except OSError:  # storage hiccup: look again next time
+        except (OSError, ValueError):  # storage hiccup, or a declaration half written: look again next time
             return False
         return True
 
@@ -205,7 +214,7 @@ class HangCourt:
             won = create_exclusive(self.run.fs, self._path("declared.json"),
                                    {"by": self.rank, "step": step, "at": time.time(), "said": said,
                                     "stalled_s": stalled_s})
-            if not won and self.declaration() is None:  # an old group's under a reused key
+            if not won and self._stale():  # an old group's under a reused key
                 self.run.write_json(f"{self.dir}/declared.json", {"by": self.rank, "step": step, "at": time.time()})
                 won = True
             if not won:
