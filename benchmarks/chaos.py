@@ -52,7 +52,7 @@ def report(r: dict[str, Any], command: str) -> str:
 
 A {r['steps']}-step job (tiny GPT, ZeRO-2, 2 workers, checkpoint every {r['every_steps']} steps) while a seeded
 injector SIGKILLs a random Ray Train worker process at spread-out steps. Node loss, preemption and regrowth are
-exercised by `tests/test_elastic.py`; a frozen worker (SIGSTOP) by the watchdog test in `tests/test_resume.py`.
+exercised by `tests/test_elastic.py`; a frozen worker (SIGSTOP) and a rank blocked in its step by `tests/test_hang.py` (see Hangs below).
 
 | measure | value |
 |---|---|

@@ -15,7 +15,30 @@ import tidal
 from tests.conftest import ROOT, metric_history, tiny_spec
 from tidal.storage import RunDir
 from tidal.tracking.buffer import MetricsBuffer
-from tidal.worker.watchdog import EXIT_CODE, Phase, hung
+from tidal.worker.watchdog import EXIT_CODE, Deadline, Phase, hung, step_deadline
+
+ADAPTIVE = Deadline(fixed_s=None, multiple=10.0, floor_s=30.0)  # the spec's defaults
+
+
+@pytest.mark.parametrize(("recent_s", "rule", "deadline"), [
+    ([], ADAPTIVE, 300.0),  # no step time known yet: not armed, 10x the floor meanwhile
+    ([0.1], ADAPTIVE, 300.0),  # one is not enough: the second step may still be warming up
+    ([0.1, 0.12], ADAPTIVE, 30.0),  # the quickstart's shape: the floor
+    ([0.1, 0.1, 2.5, 0.1], ADAPTIVE, 30.0),  # a slow log step under the floor changes nothing
+    ([4.0, 5.0, 4.5], ADAPTIVE, 50.0),  # slow steps: a multiple of the slowest recent one
+    ([4.0, 5.0], Deadline(None, 3.0, 1.0), 15.0),
+    ([], Deadline(fixed_s=900.0), 900.0),  # a fixed deadline is armed by the first step, as before
+    ([0.1] * 10, Deadline(fixed_s=5.0), 5.0),  # and does not adapt
+    ([0.1] * 10, Deadline(fixed_s=0.0), None),  # 0 disables
+])
+def test_step_deadline_adapts_to_the_jobs_own_steps_above_a_floor(recent_s, rule, deadline):
+    assert step_deadline(recent_s, rule) == deadline
+
+
+def test_the_spec_defaults_to_the_adaptive_deadline():
+    f = tiny_spec(ROOT).failure
+    assert (f.step_timeout_s, f.step_timeout_multiple, f.step_timeout_floor_s) == (None, 10.0, 30.0)
+    assert step_deadline([0.05] * 20, Deadline(f.step_timeout_s, f.step_timeout_multiple, f.step_timeout_floor_s)) < 60
 
 
 def test_hung_names_what_overran_its_own_deadline():
@@ -26,18 +49,20 @@ def test_hung_names_what_overran_its_own_deadline():
     assert hung(now=109.0, last_beat=100.0, timeout_s=10.0, phase=None) is None
     assert hung(now=1e9, last_beat=None, timeout_s=10.0, phase=None) is None, "armed by the first step"
     assert hung(now=1e9, last_beat=100.0, timeout_s=10.0, phase=Phase("eval", 0.0, 100.0)) is None, "0: no limit"
+    assert hung(now=1e9, last_beat=100.0, timeout_s=None, phase=None) is None, "an adaptive deadline not armed yet"
 
 
-def run_watchdog(tmp_path, body: str) -> tuple[int, list[str]]:
-    """Run `body` in a child with `wd` (step timeout 1 s) beaten at step 7; its exit code and notes."""
+def run_watchdog(tmp_path, body: str, deadline: str = "1.0") -> tuple[int, list[str]]:
+    """Run `body` in a child with `wd` (step deadline `deadline`, 1 s) beaten at step 7; its exit
+    code and notes."""
     script = textwrap.dedent("""
         import time
         from tidal.tracking.emitter import Emitter
-        from tidal.worker.watchdog import StepWatchdog
+        from tidal.worker.watchdog import Deadline, StepWatchdog
         events = Emitter(STORAGE, "wd")
-        wd = StepWatchdog(1.0, 0, events, phase_timeout_s=60.0)
+        wd = StepWatchdog(DEADLINE, 0, events, phase_timeout_s=60.0)
         wd.beat(7)
-    """).replace("STORAGE", repr(str(tmp_path))) + textwrap.dedent(body)
+    """).replace("STORAGE", repr(str(tmp_path))).replace("DEADLINE", deadline) + textwrap.dedent(body)
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, timeout=120, capture_output=True, text=True)
     run = RunDir(str(tmp_path), "wd")
     notes = [e["text"] for e in MetricsBuffer(run.fs, run.path).load() if e.get("kind") == "note"]
@@ -89,3 +114,20 @@ def test_a_slow_synchronous_save_is_not_taken_for_a_hung_step(tmp_path):
     assert sorted(metric_history(spec, result.mlflow_run_id, "loss")) == list(range(1, 17))
     assert metric_history(spec, result.mlflow_run_id, "restarts")[16] == 0
     assert sorted(metric_history(spec, result.mlflow_run_id, "checkpoint_bytes")) == [8, 16]
+
+
+@pytest.mark.slow
+def test_an_adaptive_deadline_arms_after_the_first_steps_and_exits_naming_itself(tmp_path):
+    """Not armed while only one step time is known (2 s without a step passes: 10x the floor
+    then), then armed at its 1 s floor once the slow step leaves the window: a wait exits."""
+    rc, notes = run_watchdog(tmp_path, """
+        time.sleep(0.05)
+        wd.beat(8)  # one step time known: not armed yet (10 s meanwhile: 10x the floor)
+        time.sleep(2.0)
+        wd.beat(9)  # two: armed at max(1 s floor, 10 x 2 s): the slow step raises it to 20 s
+        for step in range(10, 10 + 60):  # fast steps push the slow one out of nothing: max over the last 50
+            wd.beat(step)
+        time.sleep(30.0)
+    """, deadline="Deadline(None, 10.0, 1.0)")
+    assert rc == EXIT_CODE and len(notes) == 1, (rc, notes)
+    assert "finished no step for 1s after step 69" in notes[0] and "adaptive deadline 1s" in notes[0], notes

@@ -279,9 +279,20 @@ class CheckpointSpec(Part):
 
 class FailureSpec(Part):
     max_restarts: int = Field(3, ge=-1, description="worker-group restarts allowed; -1 = unlimited")
-    step_timeout_s: float = Field(
-        900.0, ge=0.0, description="a worker with no finished step for this long (e.g. stuck in a collective) exits "
-        "so the group restarts from the last checkpoint; 0 disables. Armed after the first step"
+    step_timeout_s: float | None = Field(
+        None, ge=0.0, description="a fixed step deadline: a worker with no finished step for this long (e.g. stuck "
+        "in a collective) ends the group, naming the rank that stopped and saving every rank's stacks, and the group "
+        "restarts from the last checkpoint; 0 disables. Armed after the first step. Default (null): adaptive, "
+        "step_timeout_multiple times the job's slowest recent step, at least step_timeout_floor_s, once a group "
+        "has trained 3 steps (before that, step_timeout_multiple x step_timeout_floor_s)"
+    )
+    step_timeout_multiple: float = Field(
+        10.0, gt=1.0, description="the adaptive step deadline (step_timeout_s null): this many times the slowest of "
+        "the job's last steps (saves, evaluations and drains excluded: they have phase_timeout_s)"
+    )
+    step_timeout_floor_s: float = Field(
+        30.0, gt=0.0, description="the adaptive step deadline is never shorter than this: a hang is found this long "
+        "after the last step on a job of fast steps (the quickstart: well under a second a step on 2 CPUs)"
     )
     phase_timeout_s: float = Field(
         3600.0, ge=0.0, description="a checkpoint save or an evaluation may take this long (instead of step_timeout_s, "

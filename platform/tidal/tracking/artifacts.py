@@ -1,14 +1,18 @@
 """The files a run leaves in MLflow at its end: the resolved spec, the DeepSpeed config, a JSON
-summary and plots of the loss and throughput. Written into a folder; tracking/writer.py stores it."""
+summary and plots of the loss and throughput. Written into a folder; tracking/writer.py stores it.
+And, as they happen, a hang's stacks (`HangStacks`, a subscriber of the ledger's events)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from tidal.redact import redact_data
 from tidal.spec.job import JobSpec
+from tidal.storage import RunDir
+from tidal.tracking.events import Event, HangFound
 
 
 def write_artifacts(spec: JobSpec, frame: Any, summary: dict[str, Any], out: Path) -> None:
@@ -41,3 +45,48 @@ def _plots(frame: Any, out: Path) -> None:
         ax.set(xlabel="step", ylabel=ylabel, title=ylabel)
         fig.tight_layout()
         fig.savefig(out / name, dpi=100)
+
+
+class HangStacks:
+    """When a hang is found (worker/hang.py), its folder on the job's storage (every rank's answer,
+    stacks included, and the verdict) goes into the MLflow run as text files under
+    `hangs/<group>/`: `stacks-rank<N>.txt` for each rank and `verdict.txt`. Read from storage by
+    the tracker: the ranks that wrote it have ended by then."""
+
+    def __init__(self, run_dir: RunDir, writer: Any, run_id: Callable[[], str | None]) -> None:
+        self.run_dir, self.writer, self.run_id = run_dir, writer, run_id
+
+    def __call__(self, event: Event) -> None:
+        if not isinstance(event, HangFound):
+            return
+        files = hang_files(self.run_dir, event.folder)
+        run_id = self.run_id()
+        where = f"{self.run_dir.path}/{event.folder}"
+        if run_id is None:
+            print(f"[tidal] WARNING: MLflow has no run for this job yet: the hang's stacks stay in {where}", flush=True)
+            return
+        try:
+            self.writer.log_texts(run_id, files, f"hangs/{event.folder.rsplit('/', 1)[-1]}")
+        except Exception as e:  # noqa: BLE001 - the stacks stay on storage; tracking goes on
+            print(f"[tidal] WARNING: could not store the hang's stacks in MLflow ({type(e).__name__}: {e}); "
+                  f"they stay in {where}", flush=True)
+
+
+def hang_files(run_dir: RunDir, folder: str) -> dict[str, str]:
+    """A hang folder's artifacts: name -> text."""
+    from tidal import fs
+
+    files: dict[str, str] = {}
+    for info in fs.list_dir(run_dir.fs, f"{run_dir.path}/{folder}"):
+        name = info.path.rsplit("/", 1)[-1]
+        data = fs.read_json(run_dir.fs, info.path) or {}
+        if name.startswith("answer-"):
+            head = [f"rank {data.get('rank')} on node {data.get('node')} (pid {data.get('pid')})"]
+            if data.get("silent"):
+                head.append(f"did not answer; read from outside: {data.get('state', '')}")
+            else:
+                head.append(f"at step {data.get('step')}, waiting in {data.get('where', '?')}")
+            files[f"stacks-rank{data.get('rank')}.txt"] = "\n".join(head) + "\n\n" + str(data.get("stacks", ""))
+        elif name == "verdict.json":
+            files["verdict.txt"] = f"{data.get('text', '')}\n\ndetected: {data.get('detected', '')}\n"
+    return files

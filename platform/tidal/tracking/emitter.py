@@ -27,6 +27,7 @@ from tidal.tracking.events import (
     Event,
     GroupEnding,
     GroupStarted,
+    HangFound,
     Note,
     Resumed,
     StepMetrics,
@@ -79,6 +80,9 @@ class Emitter:
 
     def failed(self, failures: dict[int, str], step: int = 0) -> None:
         self._emit(WorkersFailed(step, {str(r): why for r, why in failures.items()}))
+
+    def hang_found(self, step: int, folder: str, culprits: list[int], text: str, stalled_s: float = 0.0) -> None:
+        self._emit(HangFound(step, folder, culprits, text, stalled_s))
 
     def mark(self) -> int:
         """A mark for `wait_written`: the events emitted so far."""

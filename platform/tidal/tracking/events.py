@@ -136,9 +136,24 @@ class GroupEnding(Event):
     reason: str
 
 
+@dataclass(frozen=True)
+class HangFound(Event):
+    """A hung worker group explained (worker/hang.py): `folder` (under the job's folder) holds every
+    rank's stacks and the verdict, which the tracker stores in the MLflow run; `culprits`: the ranks
+    named; `text`: the verdict; `stalled_s`: seconds from the last finished step to the detection
+    (the time the hang cost before it was found)."""
+
+    KIND: ClassVar[str] = "hang"
+    step: int
+    folder: str
+    culprits: list[int]
+    text: str
+    stalled_s: float = 0.0
+
+
 KINDS: dict[str, type[Event]] = {cls.KIND: cls for cls in
                                  (StepMetrics, CheckpointSaved, Resumed, Note, WorkersFailed, Resized, TrackingDown,
-                                  TrackingBack, Launched, GroupStarted, GroupEnding)}
+                                  TrackingBack, Launched, GroupStarted, GroupEnding, HangFound)}
 
 
 def parse(entry: Mapping[str, Any]) -> Event | None:

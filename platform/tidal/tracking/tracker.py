@@ -24,6 +24,7 @@ from tidal.lease import LeaseCheck
 from tidal.redact import redact_text, redact_uri
 from tidal.spec.job import JobSpec
 from tidal.storage import JOB_FILE, RunDir
+from tidal.tracking.artifacts import HangStacks
 from tidal.tracking.buffer import MetricsBuffer
 from tidal.tracking.console import Console
 from tidal.tracking.goodput_gauges import GoodputGauges
@@ -46,8 +47,9 @@ class Tracker:
         run_dir = RunDir(spec.checkpoint.storage, spec.name)
         self.writer = RunWriter(spec, tags, record)
         run_id = self._start((run_dir.read_json(JOB_FILE) or {}).get("mlflow_run_id"))
+        stacks = HangStacks(run_dir, self.writer, lambda: self.ledger.run_id)  # a hang's stacks, as it is found
         self.ledger = Ledger(MetricsBuffer(run_dir.fs, run_dir.path), run_dir, self.writer, run_id,
-                             subscribers=[Console(spec.train.steps)], retry_s=retry_s)
+                             subscribers=[Console(spec.train.steps), stacks], retry_s=retry_s)
         self.gauges = GoodputGauges(spec.name, (tags or {}).get("tidal.team", ""))
         if system_metrics:
             self.writer.start_system_metrics(run_id)

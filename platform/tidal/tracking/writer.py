@@ -117,6 +117,13 @@ class RunWriter:
         _terminate(self.spec.tracking.uri, run_id, RunStatus.FINISHED if ok else RunStatus.FAILED)
         return used
 
+    def log_texts(self, run_id: str, files: dict[str, str], artifact_path: str) -> None:
+        """Text files into the run's artifacts under `artifact_path` (a hang's stacks, as it happens)."""
+        with tempfile.TemporaryDirectory() as tmp:
+            for name, text in files.items():
+                (Path(tmp) / name).write_text(redact_text(text))
+            client(self.spec).log_artifacts(run_id, tmp, artifact_path)
+
     def _log_usage(self, run_id: str) -> dict[str, float]:
         from tidal.tracking.usage import describe, run_usage
 

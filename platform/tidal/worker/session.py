@@ -27,7 +27,7 @@ from tidal.spec import secrets
 from tidal.spec.compile import compile_note, warmup_steps
 from tidal.spec.job import JobSpec
 from tidal.tracking.emitter import Emitter
-from tidal.worker import microbatch
+from tidal.worker import hang, microbatch
 from tidal.worker.checkpoint import restore, save
 from tidal.worker.data import Batches
 from tidal.worker.device import torch_device
@@ -137,7 +137,7 @@ def open_session(config: dict[str, Any]) -> Session:
         save.Provenance(world, spec.parallelism.zero_stage, spec.resume_fingerprint(),
                               sum(not p.requires_grad for p in engine.module.parameters())),
         batches, _evaluator(spec, rank, world, device, batches),
-        StepWatchdog(spec.failure.step_timeout_s, rank, events, spec.failure.phase_timeout_s),
+        hang.watchdog(spec, rank, world, events),  # the step deadline, and a hang explained (worker/hang.py)
         telemetry, auto.step_fn(step_function(spec)) if auto else step_function(spec),  # train.step_fn, or model(*batch)
         Cadence(t.log_every, spec.checkpoint.every_steps, spec.eval.every_steps if spec.eval else None,
                 job_end.last_step(t)),

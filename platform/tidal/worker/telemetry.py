@@ -205,6 +205,7 @@ class Telemetry:
                 self._warn(s, busy_s, median, int(metrics["step"]))
                 extra |= self._exclude(s, int(metrics["step"]))
         if self.rank == 0:
+            self._exclude_hung(int(metrics["step"]))
             self._bring_back(int(metrics["step"]))
         now, step = time.time(), int(metrics["step"])
         if self.last is not None:
@@ -280,6 +281,18 @@ class Telemetry:
         if self.enabled:
             _metric("straggler_excluded_node").set(1.0, tags={**self.tags, "excluded_node": p.node})
         return {"straggler_excluded_rank": float(rank), "straggler_excluded": 1.0}
+
+    def _exclude_hung(self, step: int) -> None:
+        """Rank 0: a node that hung the job twice (worker/hang.py wrote its record as the group
+        ended) and runs a rank of this group: end the group at a checkpoint, so that the driver
+        restarts it without that node, as for a straggler's."""
+        a = self.avoided
+        if a is None or a.state != "exclude" or a.cause != "hang" or self.target != avoidance.NONE:
+            return
+        if any(p.node_id == a.node_id for p in self.places or []):
+            self.events.say(f"node {a.node} hung this job twice: checkpointing and restarting at {a.size} worker(s) "
+                            "without it", step)
+            self.target = float(a.size)
 
     def _bring_back(self, step: int) -> None:
         """Rank 0, in a group that avoids a node: once the avoidance is over, end the group so that

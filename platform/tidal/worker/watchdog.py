@@ -1,15 +1,22 @@
-"""A step-time watchdog: a worker that finishes no step for too long exits, so Ray restarts the
-group from the last checkpoint instead of hanging forever.
+"""A step-time watchdog: a worker that finishes no step for too long ends its group, so Ray
+restarts it from the last checkpoint instead of hanging forever.
 
 A rank stuck in a collective (a peer frozen, a NIC gone quiet) never returns to Python, and
 gloo/NCCL timeouts are long or absent. Ray only restarts a group when a worker dies, so the
 watchdog makes the stuck worker die: a daemon thread checks the time since the last finished
-step and calls os._exit, which no blocked C++ call can hold up.
+step and calls os._exit, which no blocked C++ call can hold up. Before it exits, the group's
+hang is explained (worker/hang.py): which rank stopped, where the others wait, every rank's stacks.
+
+How long is too long adapts to the job by default (`step_deadline`): a multiple of its own
+slowest recent step, never under a floor, so a job of 0.1 s steps is found hung in about the
+floor (30 s) instead of the 900 s fixed default this replaced, and a job of 10 s steps is not
+taken for hung. A fixed `failure.step_timeout_s` still wins where a user sets one.
 
 A save, an evaluation or a drain is no step: each may rightly take far longer than the step
-timeout (a large synchronous checkpoint, a long eval set), and killing a save mid-write wastes
-it. So each runs as a `phase` with a deadline of its own, during which the step timeout is
-suspended; a phase past its deadline is hung like a step, and the message names it.
+deadline (a large synchronous checkpoint, a long eval set), and killing a save mid-write wastes
+it. So each runs as a `phase` with a deadline of its own, during which the step deadline is
+suspended, and which the step times it learns from leave out; a phase past its deadline is hung
+like a step, and the message names it.
 """
 
 from __future__ import annotations
@@ -17,13 +24,53 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tidal.tracking.emitter import Emitter
 
+if TYPE_CHECKING:
+    from tidal.worker.hang import HangCourt
+
 EXIT_CODE = 70  # EX_SOFTWARE
+ARM_AFTER = 2  # step times (between finished steps) before an adaptive deadline is armed: the first
+# step (engine warm-up, the first collectives' set-up, compilation) is never one of them
+RECENT = 50  # how many recent step times the adaptive deadline looks at
+POLL_S = 1.0  # how often the watchdog looks; what it looks at is in memory (a hang's is on storage)
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """The spec's step deadline: `fixed_s` (failure.step_timeout_s; 0 disables) or, when None,
+    `multiple` times the slowest recent step, at least `floor_s`."""
+
+    fixed_s: float | None = None
+    multiple: float = 10.0
+    floor_s: float = 30.0
+
+    def describe(self, seconds: float) -> str:
+        if self.fixed_s is not None:
+            return f"failure.step_timeout_s {seconds:g}s"
+        return (f"adaptive deadline {seconds:.0f}s: {self.multiple:g}x the slowest recent step, at least "
+                f"{self.floor_s:g}s (failure.step_timeout_multiple, step_timeout_floor_s)")
+
+
+def step_deadline(recent_s: Sequence[float], rule: Deadline, arm_after: int = ARM_AFTER) -> float | None:
+    """Seconds without a finished step after which a rank is hung; None: none (disabled).
+
+    `recent_s`: the job's last step times on this rank (seconds between finished steps, phases
+    left out). The watchdog's clock starts at a group's first finished step, so none of this
+    covers the engine's build. A fixed deadline holds from there; an adaptive one is armed once
+    `arm_after` step times are known, and until then is `multiple` times its floor (300 s by
+    default: a group's second step may still be warming up, but a hang there is still found)."""
+    if rule.fixed_s is not None:
+        return rule.fixed_s if rule.fixed_s > 0 else None
+    if len(recent_s) < arm_after:
+        return rule.multiple * rule.floor_s
+    return max(rule.floor_s, rule.multiple * max(recent_s))
 
 
 @dataclass(frozen=True)
@@ -33,30 +80,44 @@ class Phase:
     started: float  # time.monotonic()
 
 
-def hung(now: float, last_beat: float | None, timeout_s: float, phase: Phase | None) -> str | None:
-    """What is hung at `now` (monotonic): the phase's name, "step", or None."""
+def hung(now: float, last_beat: float | None, timeout_s: float | None, phase: Phase | None) -> str | None:
+    """What is hung at `now` (monotonic): the phase's name, "step", or None. `timeout_s` None: no
+    step deadline armed."""
     if phase is not None:
         return phase.name if phase.deadline_s > 0 and now - phase.started > phase.deadline_s else None
-    return "step" if last_beat is not None and now - last_beat > timeout_s else None
+    if timeout_s is None or last_beat is None:
+        return None
+    return "step" if now - last_beat > timeout_s else None
 
 
 class StepWatchdog:
-    def __init__(self, timeout_s: float, rank: int, events: Emitter, phase_timeout_s: float = 0.0) -> None:
-        self.timeout_s, self.rank, self.events = timeout_s, rank, events
+    def __init__(self, timeout_s: float | None | Deadline, rank: int, events: Emitter, phase_timeout_s: float = 0.0,
+                 court: HangCourt | None = None) -> None:
+        self.rule = timeout_s if isinstance(timeout_s, Deadline) else Deadline(fixed_s=timeout_s)
+        self.rank, self.events, self.court = rank, events, court
         self.phase_timeout_s = phase_timeout_s
         self.last_beat: float | None = None  # armed by the first beat: engine build and JIT are slow
+        self.recent: deque[float] = deque(maxlen=RECENT)
         self.current: Phase | None = None
         self.step = 0
-        if timeout_s > 0:
+        if self.rule.fixed_s != 0:
             threading.Thread(target=self._watch, name="tidal-watchdog", daemon=True).start()
 
     def beat(self, step: int) -> None:
-        self.step, self.last_beat = step, time.monotonic()
+        if self.court is not None and self.court.trainer is None:
+            self.court.trainer = threading.get_ident()  # in a Ray Train worker, not the main thread
+        now = time.monotonic()
+        if self.last_beat is not None:
+            self.recent.append(now - self.last_beat)
+        self.step, self.last_beat = step, now
+
+    def deadline(self) -> float | None:
+        return step_deadline(list(self.recent), self.rule)
 
     @contextmanager
     def phase(self, name: str, deadline_s: float | None = None) -> Iterator[None]:
         """Run `name` under its own deadline (default: failure.phase_timeout_s; 0: none) instead
-        of the step timeout, which restarts when the phase ends."""
+        of the step deadline, which restarts when the phase ends."""
         self.current = Phase(name, self.phase_timeout_s if deadline_s is None else deadline_s, time.monotonic())
         try:
             yield
@@ -66,19 +127,47 @@ class StepWatchdog:
                 self.last_beat = time.monotonic()
 
     def _watch(self) -> None:
+        said = False
         while True:
             phase = self.current
-            time.sleep(min(5.0, self.timeout_s / 4, *([phase.deadline_s / 4] if phase and phase.deadline_s > 0 else [])))
-            phase = self.current  # read once: the training thread changes it
-            what = hung(time.monotonic(), self.last_beat, self.timeout_s, phase)
-            if what is None:
-                continue
-            if phase is not None:
-                said = (f"watchdog: rank {self.rank} spent over {phase.deadline_s:.0f}s in {what} after step {self.step} "
-                        "(hung? failure.phase_timeout_s sets this deadline)")
-            else:
-                said = (f"watchdog: rank {self.rank} finished no step for {self.timeout_s:.0f}s after step {self.step} "
-                        "(stuck in a collective or a dead peer?)")
+            fixed = self.rule.fixed_s
+            time.sleep(min([POLL_S, *([fixed / 4] if fixed else []),
+                            *([phase.deadline_s / 4] if phase and phase.deadline_s > 0 else [])]))
+            try:
+                self._look()
+            except Exception as e:  # noqa: BLE001 - a fault in the watchdog must not end it: it guards every step
+                if not said:
+                    print(f"[tidal] WARNING: rank {self.rank}'s watchdog: {type(e).__name__}: {e}", flush=True)
+                    said = True
+
+    def _look(self) -> None:
+        phase = self.current  # read once: the training thread changes it
+        deadline, now, last = self.deadline(), time.monotonic(), self.last_beat
+        what = hung(now, last, deadline, phase)
+        if self.court is not None:
+            if last is not None:
+                self.court.armed()  # says where this rank runs, once, off the training thread
+            # Every rank of a hung group stalls at once: past half its deadline, a rank looks
+            # whether another declared the hang, and answers with its stacks.
+            since = now - (phase.started if phase is not None else last) if last is not None or phase else 0.0
+            limit = (phase.deadline_s if phase is not None else 0.0) or deadline or self.rule.floor_s
+            if what is None and since > limit / 2 and self.court.answer_if_declared(self.step):
+                self._exit(self.court.wait_for_verdict())
+        if what is None:
+            return
+        if phase is not None:
+            said = (f"watchdog: rank {self.rank} spent over {phase.deadline_s:.0f}s in {what} after step {self.step} "
+                    "(hung? failure.phase_timeout_s sets this deadline)")
+        else:
+            said = (f"watchdog: rank {self.rank} finished no step for {deadline:.0f}s after step {self.step} "
+                    f"({self.rule.describe(deadline or 0.0)}; stuck in a collective or a dead peer?)")
+        if self.court is not None:
+            stalled = now - (phase.started if phase is not None else last or now)
+            said = self.court.declare(self.step, said, stalled)  # "": another rank declared and says it
+        self._exit(said)
+
+    def _exit(self, said: str | None) -> None:
+        if said:
             self.events.say(f"{said}; exiting so Ray restarts the group from the last checkpoint", self.step)
-            self.events.drain(timeout_s=5.0)  # let the message reach storage; a stuck write must not hold the exit
-            os._exit(EXIT_CODE)
+        self.events.drain(timeout_s=5.0)  # let the message reach storage; a stuck write must not hold the exit
+        os._exit(EXIT_CODE)

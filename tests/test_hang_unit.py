@@ -1,0 +1,202 @@
+"""A hung group explained (worker/hang.py, worker/stacks.py): who is named, from what the ranks
+answered; the declaration, the answers and the verdict through a real (local) job folder, two
+ranks' courts in this process; a real stopped process read from outside; the files that reach
+MLflow. No Ray: the end-to-end runs are tests/test_hang.py."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from tests.conftest import tiny_spec
+from tidal.storage import RunDir
+from tidal.tracking.artifacts import hang_files
+from tidal.tracking.events import HangFound, parse
+from tidal.worker import avoidance, stacks
+from tidal.worker.hang import Answer, HangCourt, _hang_count, explain
+
+ALL_REDUCE = "all_reduce (torch/distributed/distributed_c10d.py:2950) called from _train_step (tidal/worker/loop.py:201)"
+GATHER = "all_gather (torch/distributed/distributed_c10d.py:3400) called from exchange (tidal/worker/logsync.py:40)"
+
+
+def waiting(rank: int, where: str = ALL_REDUCE, node: str = "10.0.0.1") -> Answer:
+    return Answer(rank, node, f"node{rank}", 100 + rank, 57, in_collective=True, where=where)
+
+
+@pytest.mark.parametrize(("world", "answers", "culprits", "why", "said"), [
+    # SIGSTOP: rank 1 never answered; what was read of it from outside is in its answer
+    (2, {0: waiting(0), 1: Answer(1, "10.0.0.2", "node1", 101, silent=True, state="process state T (stopped)")},
+     (1,), "silent", ["rank 1 on node 10.0.0.2 (pid 101) stopped answering (process state T (stopped))",
+                      f"rank 0 waits in {ALL_REDUCE}"]),
+    (3, {0: waiting(0), 2: waiting(2)}, (1,), "silent", ["rank 1 on node ? (pid 0) stopped answering",
+                                                         f"ranks 0, 2 wait in {ALL_REDUCE}"]),
+    # a rank that answers but is not in a collective: the others wait for it
+    (2, {0: waiting(0), 1: Answer(1, "10.0.0.2", "n1", 101, where="step (tests/hang_step.py:30)")},
+     (1,), "outside", ["rank 1 on node 10.0.0.2 (pid 101) is not in a collective: it is in step (tests/hang_step.py:30)",
+                       f"rank 0 waits in {ALL_REDUCE}"]),
+    # every rank in a collective, one in another than most
+    (3, {0: waiting(0), 1: waiting(1, GATHER), 2: waiting(2)}, (1,), "other-collective",
+     [f"rank 1 on node 10.0.0.1 (pid 101) waits in another collective: {GATHER}", f"ranks 0, 2 wait in {ALL_REDUCE}"]),
+    # every rank in the same one: nobody to blame
+    (2, {0: waiting(0), 1: waiting(1)}, (), "all-waiting", ["every rank waits in the same collective",
+                                                            f"ranks 0, 1 wait in {ALL_REDUCE}"]),
+])
+def test_the_verdict_names_the_rank_that_hung_the_group_and_where_the_others_wait(world, answers, culprits, why, said):
+    v = explain(world, answers)
+    assert (v.culprits, v.why) == (culprits, why)
+    for part in said:
+        assert part in v.line, v.line
+
+
+def test_where_a_stack_waits():
+    f = stacks.Frame
+    in_collective = [f("/x/tidal/worker/loop.py", 201, "_train_step"),
+                     f("/v/site-packages/deepspeed/comm/comm.py", 120, "all_reduce"),
+                     f("/v/site-packages/torch/distributed/distributed_c10d.py", 2950, "all_reduce")]
+    assert stacks.in_collective(in_collective)
+    assert stacks.where(in_collective) == ("all_reduce (torch/distributed/distributed_c10d.py:2950) called from "
+                                           "_train_step (tidal/worker/loop.py:201)")
+    sleeping = [f("/x/tidal/worker/loop.py", 201, "_train_step"), f("/w/tests/hang_step.py", 30, "step")]
+    assert not stacks.in_collective(sleeping)
+    assert stacks.where(sleeping) == "step (tests/hang_step.py:30)"
+
+
+def test_own_stacks_hold_every_thread_and_the_training_threads_frames():
+    """In a Ray Train worker the training loop is not the main thread: the stacks name the thread
+    whose frames count (the watchdog's beat records it), first."""
+    release = threading.Event()
+
+    def training_here() -> None:
+        release.wait(10)
+
+    t = threading.Thread(target=training_here, name="train-loop")
+    t.start()
+    try:
+        text, frames = stacks.own_stacks(t.ident)
+    finally:
+        release.set()
+        t.join()
+    assert "training_here" in [f.func for f in frames] and frames[-1].func == "wait", frames
+    assert text.startswith(f'Thread {t.ident} "train-loop"') and "MainThread" in text, text
+
+
+def test_a_stopped_process_is_read_from_outside():
+    """A SIGSTOPped Python: the kernel says T (stopped); py-spy, installed here, reads its stack."""
+    child = subprocess.Popen([sys.executable, "-c", "import time\ndef parked():\n    time.sleep(60)\nparked()"])
+    try:
+        time.sleep(0.3)
+        child.send_signal(signal.SIGSTOP)
+        time.sleep(0.1)
+        seen = stacks.inspect_process(child.pid)
+        assert seen["state"].startswith("state T (stopped)"), seen
+        if stacks.py_spy() is not None:
+            assert "parked" in seen["stacks"], seen["stacks"]
+        else:
+            assert "py-spy is not installed" in seen["stacks"]
+    finally:
+        child.kill()
+        child.wait()
+
+
+class Said:
+    def __init__(self) -> None:
+        self.found: list[tuple] = []
+
+    def hang_found(self, *args) -> None:
+        self.found.append(args)
+
+
+def courts(tmp_path, world: int, avoided: list | None = None, answer_s: float = 0.4,
+           group: str = "g1") -> tuple[list[HangCourt], Said]:
+    events = Said()
+
+    def on_node(a: Answer, hangs: int, on_node: int) -> str:
+        avoided.append((a.rank, a.node_id, hangs, on_node))
+        return f"node {a.node} avoided"
+
+    out = []
+    for r in range(world):
+        c = HangCourt(str(tmp_path / "runs"), "job", r, world, events, group=group,
+                      here=lambda r=r: (f"10.0.0.{r}", f"node{r}"),
+                      inspect=lambda node_id, pid: {"state": "state T (stopped), wchan do_signal_stop",
+                                                    "stacks": f"py-spy of {pid} on {node_id}"},
+                      on_culprit_node=on_node if avoided is not None else None)
+        c.answer_s, c.look_every_s = answer_s, 0.02
+        c.armed()
+        out.append(c)
+    return out, events
+
+
+def test_a_rank_that_does_not_answer_the_declaration_is_named_and_read_from_outside(tmp_path):
+    (c0, c1, c2), events = courts(tmp_path, 3)
+    # rank 2 answers (its step is overdue too); rank 1 is stopped and never does
+    declared = threading.Thread(target=lambda: said.append(c0.declare(57, "watchdog: rank 0 finished no step for 30s", 31.0)))
+    said: list[str] = []
+    declared.start()
+    deadline = time.monotonic() + 10
+    while not c2.answer_if_declared(57) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    declared.join()
+    line = said[0]
+    assert "hang after step 57: rank 1 on node 10.0.0.1" in line and "stopped answering (process state T (stopped)" in line
+    assert "rank 0 waits in" in line and "rank 2 waits in" in line and "hangs/g1/" in line, line
+    found = events.found[0]
+    assert (found[:3], found[4]) == ((57, "tidal-hangs/g1", [1]), 31.0), "for the goodput ledger: the hang's cost"
+    files = hang_files(RunDir(str(tmp_path / "runs"), "job"), "tidal-hangs/g1")
+    assert sorted(files) == ["stacks-rank0.txt", "stacks-rank1.txt", "stacks-rank2.txt", "verdict.txt"]
+    assert "py-spy of" in files["stacks-rank1.txt"] and "did not answer" in files["stacks-rank1.txt"]
+    assert "test_a_rank_that_does_not_answer" in files["stacks-rank2.txt"]  # its own threads, main included
+    assert c2.wait_for_verdict() == "", "the answering rank leaves the saying to the declaring one"
+
+
+def test_two_ranks_past_their_deadline_at_once_one_declares_the_other_answers(tmp_path):
+    (c0, c1), events = courts(tmp_path, 2)
+    said: list[str] = []
+    threads = [threading.Thread(target=lambda c=c: said.append(c.declare(9, f"rank {c.rank} hung"))) for c in (c0, c1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(said)[0] == "" and "every rank waits in the same collective" not in sorted(said)[1]
+    assert len(events.found) == 1
+
+
+def test_a_node_whose_rank_hung_the_job_twice_is_avoided(tmp_path):
+    avoided: list = []
+    for hang in range(2):
+        (c0, c1), _ = courts(tmp_path, 2, avoided, 0.05, f"g{hang}")  # rank 1 (node1) stopped, twice
+        line = c0.declare(10 + hang, "hung")
+    assert avoided == [(1, "node1", 2, 1)]
+    assert "node 10.0.0.1 avoided" in line
+    assert RunDir(str(tmp_path / "runs"), "job").read_json("tidal-hangs/nodes.json") == {
+        "node1": {"node": "10.0.0.1", "hangs": 2}}
+
+
+def test_hangs_are_counted_per_node():
+    a = Answer(1, "10.0.0.2", "n2")
+    nodes, due = _hang_count({}, [a])
+    assert nodes == {"n2": {"node": "10.0.0.2", "hangs": 1}} and due == []
+    nodes, due = _hang_count(nodes, [a, Answer(0, "x", "")])  # a rank that never said its node is not counted
+    assert nodes["n2"]["hangs"] == 2 and due == [a]
+    assert _hang_count(nodes, [a])[1] == [], "said once, at the second hang"
+
+
+def test_avoiding_a_hung_node_follows_the_straggler_rules(tmp_path):
+    elastic = tiny_spec(tmp_path, name="el", **{"scaling.min_workers": 1, "scaling.max_workers": 3, "train.global_batch": 24})
+    said = avoidance.avoid_hung_node(elastic, 3, 1, "10.0.0.2", "nodeid-2", 2, 1, 40)
+    assert "avoids it for 3600s" in said and "restarting at 2 worker(s)" in said
+    a = avoidance.read(elastic)
+    assert (a.node_id, a.cause, a.state, a.size) == ("nodeid-2", "hang", "exclude", 2)
+    fixed = tiny_spec(tmp_path, name="fixed")  # 2 workers, min 2: without the node the group is too small
+    assert "stays in the job" in avoidance.avoid_hung_node(fixed, 2, 1, "10.0.0.2", "nodeid-2", 2, 1, 40)
+    assert avoidance.read(fixed) is None
+
+
+def test_the_hang_event_reads_back_as_written():
+    e = HangFound(57, "tidal-hangs/g1", [1], "hang after step 57: rank 1 ...", 31.5)
+    assert parse({**e.entry(), "id": "x", "ts": 1}) == e
