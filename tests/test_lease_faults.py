@@ -58,6 +58,7 @@ def test_a_listing_that_fails_once_while_another_hosts_generation_is_live_refuse
     RunDir(storage, "live").write_json("tidal-job.json", {"mlflow_run_id": "r"})
     flaky = FlakyListing(fail=1)
     monkeypatch.setattr(lease_mod, "lease_path", lambda s, n: (flaky, f"{s}/{n}.lease"))
+    monkeypatch.setattr(lease_mod, "check_store", lambda *_: None, raising=False)  # a local disk underneath
 
     def never(*_a, **_k):
         raise AssertionError("reached past the lease")
@@ -79,6 +80,7 @@ def test_a_start_that_waits_keeps_waiting_through_a_failed_listing(tmp_path: Pat
     storage = str(tmp_path / "runs")
     flaky = FlakyListing(fail=2)
     monkeypatch.setattr(lease_mod, "lease_path", lambda s, n: (flaky, f"{s}/{n}.lease"))
+    monkeypatch.setattr(lease_mod, "check_store", lambda *_: None, raising=False)  # a local disk underneath
     lines: list[str] = []
     lease = Lease(storage, "job")
     real = lease_mod.create_exclusive

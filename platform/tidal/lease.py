@@ -32,6 +32,7 @@ import random
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -40,7 +41,7 @@ import pyarrow.fs as pafs
 
 from tidal import fs
 from tidal.errors import JobAlreadyRunning, TidalError
-from tidal.exclusive import create_exclusive
+from tidal.exclusive import check_store, create_exclusive
 
 log = logging.getLogger("tidal")
 
@@ -69,6 +70,7 @@ class Holder:
     face: str = "tidal run"
     submission_id: str = ""
     released: bool = False
+    nonce: str = ""  # written by the creator of this generation: a second "winner" of one create differs
 
     def live(self, now: float, host: str) -> bool:
         """Whether this holder may still be training: it renewed within its ttl, was not
@@ -115,6 +117,7 @@ class Lease:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._confirmed = time.monotonic()  # when a listing last showed no newer generation
+        self.nonce = ""
         self.unconfirmed = False  # lost because no listing confirmed this generation for a whole ttl
 
     # --- taking it ----------------------------------------------------------------------------
@@ -122,6 +125,7 @@ class Lease:
                 say: Callable[[str], None] = lambda line: print(line, flush=True)) -> int:
         """Take the lease; the generation. A live holder refuses it (JobAlreadyRunning naming
         that holder), or with `wait`, is waited for: its end, or its lease's expiry."""
+        check_store(self.fs, self._file(1))  # a store without an exclusive create is refused here
         said = unreadable_said = False
         lost_creates = 0
         while True:
@@ -149,7 +153,9 @@ class Lease:
                 continue
             generation = (current.generation if current else 0) + 1
             self.since = time.time()
-            if create_exclusive(self.fs, self._file(generation), self._doc(generation, self.since)):
+            self.nonce = uuid.uuid4().hex
+            if create_exclusive(self.fs, self._file(generation), self._doc(generation, self.since)) \
+                    and self._won(generation):
                 self.generation = generation
                 self._confirmed = time.monotonic()
                 self._forget_old()
@@ -162,6 +168,13 @@ class Lease:
                                  f"but is not a readable generation file ({lost_creates} tries). Look at "
                                  f"{self.path}: remove a file there that Tidal did not write, then start again.")
             _pause(min(2.0, 0.05 * 2 ** lost_creates) * random.uniform(0.5, 1.0))
+
+    def _won(self, generation: int) -> bool:
+        """Whether the generation file holds this start's nonce: read back after the create, so
+        that a store that let two creates of one file both succeed shows the tie instead of
+        running two holders (the one whose nonce is not there lost)."""
+        doc = fs.read_json(self.fs, self._file(generation))
+        return isinstance(doc, dict) and doc.get("nonce") == self.nonce
 
     def _unreadable(self, e: OSError) -> str:
         return (f"could not read job {self.name!r}'s lease at {self.path} ({e}): a job whose lease cannot be "
@@ -196,7 +209,8 @@ class Lease:
                 self.lost.set()
                 return False
         else:
-            if current is not None and current.generation > self.generation:
+            if current is not None and (current.generation > self.generation or _tied(current, self.generation,
+                                                                                      self.nonce)):
                 self.taken_by = current
                 self.lost.set()
                 return False
@@ -231,11 +245,11 @@ class Lease:
                 "stopped without writing; the newer start goes on from the latest checkpoint.")
 
     def check(self) -> LeaseCheck:
-        return LeaseCheck(self.storage, self.name, self.generation, ttl=self.ttl_s)
+        return LeaseCheck(self.storage, self.name, self.generation, ttl=self.ttl_s, nonce=self.nonce)
 
     def config(self) -> dict[str, Any]:
         """What the workers and the tracker need to check the lease (`LeaseCheck.from_config`)."""
-        return {"generation": self.generation, "ttl_s": self.ttl_s}
+        return {"generation": self.generation, "ttl_s": self.ttl_s, "nonce": self.nonce}
 
     # --- files --------------------------------------------------------------------------------
     def _file(self, generation: int) -> str:
@@ -245,7 +259,7 @@ class Lease:
         me = _this_process()
         return {"generation": generation, "host": socket.gethostname(), "pid": os.getpid(),
                 "pid_started": me, "since": since, "renewed": time.time(), "ttl_s": self.ttl_s,
-                "face": self.face, "submission_id": submission_id()}
+                "face": self.face, "submission_id": submission_id(), "nonce": self.nonce}
 
     def _forget_old(self) -> None:
         """Delete all but the newest few generation files. The newest (this one) is never deleted:
@@ -269,8 +283,8 @@ class LeaseCheck:
     stops (another start may have taken the job over by then)."""
 
     def __init__(self, storage: str, name: str, generation: int, every_s: float = 1.0,
-                 ttl: float | None = None) -> None:
-        self.name, self.generation, self.every_s = name, generation, every_s
+                 ttl: float | None = None, nonce: str = "") -> None:
+        self.name, self.generation, self.every_s, self.nonce = name, generation, every_s, nonce
         self.ttl_s = ttl if ttl is not None else ttl_s()
         self.fs, self.path = lease_path(storage, name)
         self._checked_at = -float("inf")
@@ -283,7 +297,8 @@ class LeaseCheck:
         if not config:
             return None
         ttl = config.get("ttl_s")
-        return cls(storage, name, int(config["generation"]), ttl=float(ttl) if ttl is not None else None)
+        return cls(storage, name, int(config["generation"]), ttl=float(ttl) if ttl is not None else None,
+                   nonce=str(config.get("nonce") or ""))
 
     def current(self, fresh: bool = False) -> bool:
         if self._newer is not None or self._unconfirmed:
@@ -298,7 +313,8 @@ class LeaseCheck:
                     self._unconfirmed = True
                     return False
                 return True
-            if newest is not None and newest.generation > self.generation:
+            if newest is not None and (newest.generation > self.generation
+                                       or _tied(newest, self.generation, self.nonce)):
                 self._newer = newest
             else:
                 self._confirmed_at = time.monotonic()
@@ -391,7 +407,13 @@ def _holder(generation: int, doc: dict[str, Any]) -> Holder:
             return default
     return Holder(generation, str(doc.get("host", "?")), int(num("pid")), num("pid_started"), num("since"),
                   num("renewed"), num("ttl_s", ttl_s()), str(doc.get("face", "tidal run")),
-                  str(doc.get("submission_id", "")), bool(doc.get("released", False)))
+                  str(doc.get("submission_id", "")), bool(doc.get("released", False)), str(doc.get("nonce", "")))
+
+
+def _tied(holder: Holder, generation: int, nonce: str) -> bool:
+    """Whether `holder` is another start's file under this generation's name: a store that let
+    two creates of one file succeed, the other's write last."""
+    return holder.generation == generation and bool(nonce) and bool(holder.nonce) and holder.nonce != nonce
 
 
 def _pause(seconds: float) -> None:
