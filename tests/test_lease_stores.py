@@ -139,3 +139,38 @@ def test_an_s3_store_that_ignores_if_none_match_is_refused_and_a_real_one_is_not
     monkeypatch.undo()
     assert race(f"{bucket}/runs") == ["refused", "refused", "refused", "won"]  # moto itself honours it
 
+
+@pytest.mark.slow
+def test_a_conditional_put_keeps_the_stores_session_token(tmp_path, monkeypatch):
+    """STS credentials (an assumed role's key, secret and session token) on an S3 API that checks
+    them (moto's server with IAM auth on): the lease's conditional PUT signs with the token too."""
+    import boto3
+
+    from tidal.testing.processes import patched_env
+    from tidal.testing.servers import moto_s3
+
+    policy = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}
+    trust = {"Version": "2012-10-17",
+             "Statement": [{"Effect": "Allow", "Principal": {"AWS": "*"}, "Action": "sts:AssumeRole"}]}
+    # moto checks credentials after its first 4 requests: the bucket, the role, its policy, the assumption.
+    with moto_s3(tmp_path / "moto.log", server_env={"INITIAL_NO_AUTH_ACTION_COUNT": "4"},
+                 buckets=("tidal-sts",)) as endpoint:
+        iam = boto3.client("iam")
+        iam.create_role(RoleName="trainer", AssumeRolePolicyDocument=json.dumps(trust))
+        iam.put_role_policy(RoleName="trainer", PolicyName="s3", PolicyDocument=json.dumps(policy))
+        creds = boto3.client("sts").assume_role(RoleArn="arn:aws:iam::123456789012:role/trainer",
+                                                RoleSessionName="tidal-test")["Credentials"]
+        sts = {"access_key": creds["AccessKeyId"], "secret_key": creds["SecretAccessKey"],
+               "session_token": creds["SessionToken"]}
+        # Given to pyarrow's filesystem, as a program building its own does:
+        store = pafs.S3FileSystem(endpoint_override=endpoint.removeprefix("http://"), scheme="http",
+                                  region="us-east-1", **sts)
+        on_store(monkeypatch, store, "tidal-sts/runs")
+        assert Lease("s3://tidal-sts/runs", "job").acquire() == 1
+        with pytest.raises(JobAlreadyRunning):
+            Lease("s3://tidal-sts/runs", "job").acquire()
+        # And in the standard AWS environment, as a cluster's nodes have them:
+        monkeypatch.undo()
+        with patched_env({"AWS_ACCESS_KEY_ID": sts["access_key"], "AWS_SECRET_ACCESS_KEY": sts["secret_key"],
+                          "AWS_SESSION_TOKEN": sts["session_token"]}):
+            assert Lease("s3://tidal-sts/env-runs", "job").acquire() == 1

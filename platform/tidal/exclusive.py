@@ -4,7 +4,7 @@ pyarrow's filesystems have no conditional create, and a job's lease (tidal/lease
 of two starts that create the same generation file, exactly one must win. Each store's own
 exclusive create does it: an `O_EXCL` create on a local disk and on NFS (v3 and later); on S3
 and S3-compatible stores a conditional PUT (`If-None-Match: *`), through boto3 for that one
-object; on GCS an insert with `ifGenerationMatch=0` through the JSON API (pyarrow's GCS client
+object with every option the pyarrow filesystem has (session token, role, CA, proxy); on GCS an insert with `ifGenerationMatch=0` through the JSON API (pyarrow's GCS client
 offers no precondition either). An S3 or GCS endpoint is probed once per process and bucket
 (the same probe object created twice: the second must be refused), because some S3-compatible
 stores ignore the condition (both creates win) and others reject it (every create fails).
@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import threading
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -182,22 +183,35 @@ _CLIENTS: dict[str, Any] = {}
 
 
 def _s3_client(store: pafs.S3FileSystem) -> Any:
-    """One boto3 client per set of options (making one costs tens of milliseconds, and boto3's
-    default session is not safe to build clients from in several threads at once)."""
+    """One boto3 client per set of pyarrow options and AWS environment (making one costs tens of milliseconds, and
+    boto3's default session is not safe to build clients from in several threads at once). A
+    client on an assumed role is rebuilt every 15 minutes, well inside its credentials' hour."""
     import boto3
 
-    options = _s3_options(store)
-    key = json.dumps(options, sort_keys=True, default=str)
+    kwargs = {k: v for k, v in _options(store).items() if k != "default_metadata"}
+    # What boto3 reads from the environment decides too (credentials, profile, endpoint, CA, proxy).
+    env = {k: v for k, v in os.environ.items() if k.startswith("AWS_") or k.lower().endswith("_proxy")}
+    key = json.dumps([kwargs, env], sort_keys=True, default=str)
+    if kwargs.get("role_arn"):
+        key += f"@{int(time.time() // 900)}"
     with _PROBE_LOCK:
         if key not in _CLIENTS:
-            _CLIENTS[key] = boto3.client("s3", **options)
+            # A session of its own: boto3's default session keeps the credentials it first resolved.
+            _CLIENTS[key] = boto3.session.Session().client("s3", **_s3_options(store))
         return _CLIENTS[key]
 
 
-def _s3_options(store: pafs.S3FileSystem) -> dict[str, str]:
-    """boto3 client options for the endpoint, region and credentials a pyarrow S3 filesystem
-    was built with (from its URI or the AWS_* environment, which boto3 also reads)."""
-    options: dict[str, str] = {}
+def _s3_options(store: pafs.S3FileSystem) -> dict[str, Any]:
+    """boto3 client options for everything a pyarrow S3 filesystem was built with that decides
+    where a request goes and how it is signed: endpoint, region, credentials with their session
+    token, an assumed role, a private CA, a proxy, anonymous access, virtual addressing and
+    timeouts. What pyarrow took from the environment (AWS_* variables, ~/.aws config and profiles,
+    web identity) boto3 reads from the same places itself."""
+    from botocore import UNSIGNED
+    from botocore.config import Config
+
+    options: dict[str, Any] = {}
+    config: dict[str, Any] = {}
     kwargs = _options(store)
     if endpoint := kwargs.get("endpoint_override"):
         scheme = kwargs.get("scheme") or "https"
@@ -207,7 +221,42 @@ def _s3_options(store: pafs.S3FileSystem) -> dict[str, str]:
     if kwargs.get("access_key"):
         options["aws_access_key_id"] = kwargs["access_key"]
         options["aws_secret_access_key"] = kwargs.get("secret_key") or ""
+        if kwargs.get("session_token"):
+            options["aws_session_token"] = kwargs["session_token"]
+    if kwargs.get("tls_ca_file_path"):
+        options["verify"] = kwargs["tls_ca_file_path"]
+    proxy = kwargs.get("proxy_options") or {}
+    if proxy.get("host"):
+        auth = f"{proxy['username']}:{proxy.get('password') or ''}@" if proxy.get("username") else ""
+        port = f":{proxy['port']}" if (proxy.get("port") or -1) > 0 else ""
+        url = f"{proxy.get('scheme') or 'http'}://{auth}{proxy['host']}{port}"
+        config["proxies"] = {"http": url, "https": url}
+    if kwargs.get("anonymous"):
+        config["signature_version"] = UNSIGNED
+    if kwargs.get("force_virtual_addressing"):
+        config["s3"] = {"addressing_style": "virtual"}
+    for ours, theirs in (("connect_timeout", "connect_timeout"), ("request_timeout", "read_timeout")):
+        if (value := kwargs.get(ours)) is not None and value > 0:
+            config[theirs] = value
+    if config:
+        options["config"] = Config(**config)
+    if role := kwargs.get("role_arn"):
+        options.update(_assumed(role, kwargs, options))
     return options
+
+
+def _assumed(role: str, kwargs: dict[str, Any], options: dict[str, Any]) -> dict[str, str]:
+    """Credentials for the role pyarrow assumes (role_arn, session_name, external_id), through STS
+    with the same base credentials, endpoint and network settings."""
+    import boto3
+
+    base = {k: v for k, v in options.items() if k != "endpoint_url"}
+    request: dict[str, Any] = {"RoleArn": role, "RoleSessionName": kwargs.get("session_name") or "tidal-lease"}
+    if kwargs.get("external_id"):
+        request["ExternalId"] = kwargs["external_id"]
+    creds = boto3.session.Session().client("sts", **base).assume_role(**request)["Credentials"]
+    return {"aws_access_key_id": creds["AccessKeyId"], "aws_secret_access_key": creds["SecretAccessKey"],
+            "aws_session_token": creds["SessionToken"]}
 
 
 # --- GCS ----------------------------------------------------------------------------------------
