@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 from tidal.admission.naming import QUEUE_JOB_VAR
 from tidal.admission.quotas import cluster_quotas, resolve_scheduling
 from tidal.admission.view import queue_record, queue_rows
-from tidal.errors import ClusterError, TidalError
+from tidal.errors import ClusterError, SpecError, TidalError
 from tidal.launch import chain, job_logs
 from tidal.launch.chain import TERMINAL
 from tidal.launch.connect import warn_plain_token
@@ -40,6 +40,7 @@ from tidal.ray_auth import auth_headers, auth_token
 from tidal.ray_private import walk_working_dir, working_dir_upload_cap
 from tidal.spec.job import JobSpec
 from tidal.spec.secrets import refuse_credentials
+from tidal.spec.sections import trial_name
 
 ALWAYS_EXCLUDE = [".git", ".venv", "venv", "__pycache__", "*.egg-info", ".ipynb_checkpoints",
                   "tidal-runs", "mlruns", "mlartifacts", "mlflow.db", "*.db-journal", ".pytest_cache", ".ruff_cache"]
@@ -264,6 +265,8 @@ def read_progress(rec: dict[str, Any]) -> dict[str, Any]:
 def submit(spec: JobSpec, address: str | None = None, working_dir: str | os.PathLike[str] = ".",
            submission_id: str | None = None) -> Job:
     """Send `spec` to the cluster's Ray Jobs API; the cluster runs it with `tidal.run`."""
+    if why := trial_name(spec.name):  # only `tidal sweep` names a job `<sweep>-tN`
+        raise SpecError([("name", why)])
     root = Path(working_dir).resolve()
     excludes = ALWAYS_EXCLUDE + _inside(root, spec.checkpoint.storage or "./tidal-runs")
     size, largest = working_dir_size(root, excludes)

@@ -282,7 +282,7 @@ def _run_trial(config: dict[str, Any], base: dict[str, Any], plan: list[dict[str
     index = str(config[TRIAL_KEY])
     spec = trial_spec(base, plan[int(index)], index)
     tags = {"mlflow.parentRunId": parent_run_id, "tidal.sweep": base["name"], "tidal.trial": index}
-    run(spec, mlflow_tags=tags, callbacks=[TuneReportCallback()])
+    run(spec, mlflow_tags=tags, callbacks=[TuneReportCallback()], trial=True)
 
 
 def trial_spec(base: dict[str, Any], values: dict[str, Any], index: str) -> JobSpec:
