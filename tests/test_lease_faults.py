@@ -162,3 +162,21 @@ def test_an_unreadable_holder_file_counts_as_live(tmp_path: Path):
     (folder / "000000000002.json").write_text("{\"gener")
     with pytest.raises(JobAlreadyRunning, match="on host \\?"):
         Lease(storage, "job").acquire()
+
+
+def test_a_credential_on_the_drivers_command_line_never_reaches_the_lease_or_a_refusal(tmp_path: Path, monkeypatch):
+    """The command is redacted whole, then cut to its 80 characters: cut first, a credential split
+    in two is no longer recognised and its first half is kept."""
+    from tidal.lease import driver_command
+
+    key, secret = "ml", "wJalrXUtnFEMIK7MDENGbPxRfiCYEXAMPLEKEY"  # the cut at 77 falls inside the secret
+    monkeypatch.setattr("sys.argv", ["/usr/bin/tidal", "run", "jobs/quickstart.yaml", "--set",
+                                     f"checkpoint.storage=s3://{key}:{secret}@bucket/runs"])
+    storage = str(tmp_path / "runs")
+    Lease(storage, "job", face=driver_command()).acquire()
+    written = (tmp_path / "runs" / "job.lease" / "000000000001.json").read_text()
+    with pytest.raises(JobAlreadyRunning) as e:
+        Lease(storage, "job").acquire()
+    for shown in (written, str(e.value)):
+        assert "tidal run jobs/quickstart.yaml" in shown
+        assert secret[:6] not in shown

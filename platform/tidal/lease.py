@@ -352,8 +352,8 @@ def driver_command() -> str:
     from tidal.redact import redact_text
 
     argv = [os.path.basename(sys.argv[0] or "python"), *sys.argv[1:]] if sys.argv else ["python"]
-    text = " ".join(argv)
-    return redact_text(text if len(text) <= 80 else text[:77] + "...")
+    text = redact_text(" ".join(argv))  # before the cut: a credential cut in half is no longer recognised
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def refusal(name: str, holder: Holder, now: float) -> str:
