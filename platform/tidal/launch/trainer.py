@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from tidal import eval_best, job_end
 from tidal.admission import seat as admission
-from tidal.admission.relaunch import WAIT_VAR
+from tidal.admission.relaunch import RELAUNCHED_VAR, WAIT_VAR
 from tidal.cluster import burst
 from tidal.errors import SpecError, TidalError
 from tidal.launch.connect import connect_ray
@@ -56,6 +56,12 @@ def run(spec: JobSpec, restart: bool = False, mlflow_tags: dict[str, str] | None
         raise SpecError([("name", why)])
     t0 = time.time()
     wait = wait or os.environ.get(WAIT_VAR) == "1"
+    if restart and os.environ.get(RELAUNCHED_VAR) == "1":
+        # A driver submitted again from an earlier one's record replays its `--restart`: the first
+        # start set the folder aside already, and this one must go on from what it trained since.
+        print(f"[tidal] job {spec.name!r} was submitted again by the cluster (a head restart or a parked turn): "
+              "--restart applied to its first start only; resuming from its latest checkpoint", flush=True)
+        restart = False
     spec = spec.resolved()
     # Before anything reads or writes the job's folder, MLflow run or seat in the queue.
     lease = Lease(spec.checkpoint.storage, spec.name, face=driver_command())
