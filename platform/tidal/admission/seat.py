@@ -44,7 +44,7 @@ class Seat:
     """One job's place in the cluster's queue; `workers` is the size admission gives it."""
 
     def __init__(self, spec: JobSpec) -> None:
-        self.job = job_key(spec.name)
+        self.job = job_key(spec.name, storage=spec.checkpoint.storage)
         entry = entry_for(spec, self.job, cluster_quotas(os.environ), time.time())
         self.token = secrets.token_hex(16)
         # What the actor is told: it computes the slots and the submission time itself.
