@@ -88,14 +88,44 @@ def resubmission(info: Any, entry: Entry, submission_id: str) -> dict[str, Any]:
             "submission_id": submission_id}
 
 
+JOBS_API_TIMEOUT_S = 30.0  # the longest the actor waits for one Jobs API call (a busy dashboard)
+
+
+class _Bounded:
+    """A JobSubmissionClient whose every call returns within JOBS_API_TIMEOUT_S: TimeoutError
+    otherwise. Its public methods take no timeout (requests waits forever by default), so each
+    call runs on a thread of a small pool of its own and is waited for that long; a call that
+    hangs keeps only its thread."""
+
+    def __init__(self, client: Any, timeout_s: float = JOBS_API_TIMEOUT_S) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._client, self._timeout_s = client, timeout_s
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tidal-jobs-api")
+
+    def __getattr__(self, name: str) -> Any:
+        from concurrent.futures import TimeoutError as Late
+
+        call = getattr(self._client, name)
+        if not callable(call):
+            return call
+
+        def bounded(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return self._pool.submit(call, *args, **kwargs).result(timeout=self._timeout_s)
+            except Late:
+                raise TimeoutError(f"the cluster's Jobs API did not answer {name} within {self._timeout_s:.0f}s") from None
+        return bounded
+
+
 class JobsApi:
     """The Jobs API of the cluster whose GCS is at `address`, as the admission actor uses it (from
-    inside the cluster, with the cluster's token)."""
+    inside the cluster, with the cluster's token); every call bounded in time (`_Bounded`)."""
 
     def __init__(self, address: str) -> None:
         from ray.job_submission import JobSubmissionClient
 
-        self.client = JobSubmissionClient(address, headers=auth_headers(auth_token()))
+        self.client = _Bounded(JobSubmissionClient(address, headers=auth_headers(auth_token())))
 
     def relaunch(self, entry: Entry) -> str:
         """Submit a job's driver from the record of its last driver: again under a new id after a
