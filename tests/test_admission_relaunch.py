@@ -22,6 +22,7 @@ from tidal.admission.registration import checked_registration
 from tidal.admission.relaunch import (
     ATTEMPTS,
     RELAUNCH_GRACE_S,
+    RELAUNCHED_VAR,
     RETRY_S,
     WAIT_VAR,
     new_submission_id,
@@ -128,7 +129,8 @@ def test_the_resubmission_keeps_the_jobs_record_and_takes_its_place():
     new = new_submission_id(entry, 1_700_000_000.0)
     args = resubmission(info, entry, new)
     assert args["runtime_env"] == {"working_dir": "gcs://_ray_pkg_abc.zip",
-                                   "env_vars": {"A": "1", QUEUE_JOB_VAR: "x-1", WAIT_VAR: "1"}}
+                                   "env_vars": {"A": "1", QUEUE_JOB_VAR: "x-1", WAIT_VAR: "1",
+                                                RELAUNCHED_VAR: "1"}}
     assert (args["entrypoint"], args["metadata"]) == ("tidal run jobs/x.yaml", {"team": "a"})
     assert new == "x-1-h1700000000"
     inspect.signature(JobSubmissionClient.submit_job).bind(None, **args)
@@ -148,3 +150,32 @@ def test_a_head_or_submission_id_read_from_storage_is_checked():
         parse_queue({**good, "jobs": [job]}, "q")
     with pytest.raises(TidalError, match="not a Ray Jobs submission id"):
         checked_registration(registration("a", 1, 1, submission="../x"), Quotas())
+
+
+def test_a_relaunched_driver_replaying_restart_resumes_instead(tmp_path, monkeypatch, capsys):
+    """`ray job submit -- tidal run job.yaml --restart`, relaunched after a head restart from its
+    record: the replayed --restart would set the job's folder aside again and start over at step
+    0 in a new MLflow run. The relaunched driver resumes from what the job trained since."""
+    from tests.conftest import tiny_spec
+    from tidal.launch import trainer
+    from tidal.storage import RunDir
+
+    class Reached(Exception):
+        pass
+
+    def resume_point(*_a, **_k):
+        raise Reached
+
+    spec = tiny_spec(tmp_path, name="restarted")
+    RunDir(spec.checkpoint.storage, spec.name).write_json("tidal-job.json", {"mlflow_run_id": "r"})
+    monkeypatch.setattr(trainer, "find_resume_point", resume_point)
+    monkeypatch.setenv(RELAUNCHED_VAR, "1")
+    with pytest.raises(Reached):
+        trainer.run(spec, restart=True)
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["restarted", "restarted.lease"], "nothing set aside"
+    assert RunDir(spec.checkpoint.storage, spec.name).read_json("tidal-job.json") == {"mlflow_run_id": "r"}
+    assert "--restart applied to its first start only" in capsys.readouterr().out
+    monkeypatch.delenv(RELAUNCHED_VAR)
+    with pytest.raises(Reached):
+        trainer.run(spec, restart=True)  # a first start's --restart still sets the folder aside
+    assert any(".replaced-" in p.name for p in (tmp_path / "runs").iterdir())

@@ -210,3 +210,37 @@ def test_submit_tries_again_only_where_nothing_or_the_same_job_was_accepted(erro
     from tidal.launch.jobs import retry_submission
 
     assert retry_submission(error) is again
+
+
+def test_a_starting_heads_refusal_is_retried_with_a_growing_pause_and_said_once(monkeypatch):
+    """Ray's Jobs API says to try again while the head's job agent registers: submit does, for a
+    bounded time, with a pause that grows, saying so once. (A head answering that refusal on cue
+    cannot be made here: its window is a race; this is the decision against Ray's own words.)"""
+    from tidal.launch import jobs
+
+    refusal = "Request failed with status code 500: No available agent to submit job, please try again later."
+
+    class StartingHead:
+        calls = 0
+
+        def submit_job(self, **job):
+            StartingHead.calls += 1
+            if StartingHead.calls <= 4:
+                raise RuntimeError(refusal)
+            return job["submission_id"]
+
+    pauses: list[float] = []
+    lines: list[str] = []
+    monkeypatch.setattr(jobs, "_pause", pauses.append)
+    jobs.submit_accepted(StartingHead(), 120, say=lines.append, entrypoint="true", submission_id="s1")
+    assert StartingHead.calls == 5
+    assert pauses == [1.0, 2.0, 4.0, 8.0]
+    assert len(lines) == 1 and "still starting" in lines[0] and "120s" in lines[0]
+
+    class NeverReady:
+        def submit_job(self, **job):
+            raise RuntimeError(refusal)
+
+    monkeypatch.setattr(jobs.time, "time", iter(range(0, 1000, 50)).__next__)
+    with pytest.raises(RuntimeError, match="No available agent"):
+        jobs.submit_accepted(NeverReady(), 120, say=lines.append, entrypoint="true", submission_id="s2")

@@ -24,12 +24,15 @@ lease must stay where the next start looks.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import random
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -37,14 +40,20 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from tidal import fs
-from tidal.errors import JobAlreadyRunning
-from tidal.exclusive import create_exclusive
+from tidal.errors import JobAlreadyRunning, TidalError
+from tidal.exclusive import check_store, create_exclusive
 
 log = logging.getLogger("tidal")
 
 TTL_ENV = "TIDAL_LEASE_TTL_S"
 DEFAULT_TTL_S = 30.0
-KEEP_GENERATIONS = 3  # older generation files are deleted by the holder (the newest is what counts)
+KEEP_GENERATIONS = 3  # older generation files are deleted by the holder; the newest never is (see _forget_old)
+MAX_LOST_CREATES = 20  # creates lost in a row (each backed off) before acquire gives up naming the file in the way
+
+
+class LeaseUnreadable(TidalError):
+    """The lease folder could not be listed or read: nothing was started or written. A failed
+    listing proves nothing about a live holder, so a start never reads it as "never leased"."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +70,7 @@ class Holder:
     face: str = "tidal run"
     submission_id: str = ""
     released: bool = False
+    nonce: str = ""  # written by the creator of this generation: a second "winner" of one create differs
 
     def live(self, now: float, host: str) -> bool:
         """Whether this holder may still be training: it renewed within its ttl, was not
@@ -106,15 +116,31 @@ class Lease:
         self.taken_by: Holder | None = None  # who took it over, once lost
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._confirmed = time.monotonic()  # when a listing last showed no newer generation
+        self.nonce = ""
+        self.unconfirmed = False  # lost because no listing confirmed this generation for a whole ttl
 
     # --- taking it ----------------------------------------------------------------------------
     def acquire(self, wait: bool = False, poll_s: float = 2.0,
                 say: Callable[[str], None] = lambda line: print(line, flush=True)) -> int:
         """Take the lease; the generation. A live holder refuses it (JobAlreadyRunning naming
         that holder), or with `wait`, is waited for: its end, or its lease's expiry."""
-        said = False
+        check_store(self.fs, self._file(1))  # a store without an exclusive create is refused here
+        said = unreadable_said = False
+        lost_creates = 0
         while True:
-            current = latest(self.fs, self.path)
+            try:
+                current = latest(self.fs, self.path, strict=True)
+            except OSError as e:
+                # Fail closed: read as "never leased", a failed listing would let this start take
+                # generation 1 beside a live generation 5 and then --restart, cancel or prune it.
+                if not wait:
+                    raise LeaseUnreadable(self._unreadable(e)) from None
+                if not unreadable_said:
+                    say(f"[tidal] {self._unreadable(e)}; retrying every {poll_s:.0f}s (--wait)")
+                    unreadable_said = True
+                time.sleep(poll_s)
+                continue
             now = time.time()
             if current is not None and current.live(now, socket.gethostname()):
                 if not wait:
@@ -127,11 +153,33 @@ class Lease:
                 continue
             generation = (current.generation if current else 0) + 1
             self.since = time.time()
-            if create_exclusive(self.fs, self._file(generation), self._doc(generation, self.since)):
+            self.nonce = uuid.uuid4().hex
+            if create_exclusive(self.fs, self._file(generation), self._doc(generation, self.since)) \
+                    and self._won(generation):
                 self.generation = generation
+                self._confirmed = time.monotonic()
                 self._forget_old()
                 return generation
-            # another start created this generation first: look again (and refuse it, if live)
+            # Another start created this generation first: look again (and refuse it, if live),
+            # after a pause that grows, so that contenders (or a file in the way) never make a spin.
+            lost_creates += 1
+            if lost_creates >= MAX_LOST_CREATES:
+                raise TidalError(f"could not take job {self.name!r}'s lease: {self._file(generation)} exists "
+                                 f"but is not a readable generation file ({lost_creates} tries). Look at "
+                                 f"{self.path}: remove a file there that Tidal did not write, then start again.")
+            _pause(min(2.0, 0.05 * 2 ** lost_creates) * random.uniform(0.5, 1.0))
+
+    def _won(self, generation: int) -> bool:
+        """Whether the generation file holds this start's nonce: read back after the create, so
+        that a store that let two creates of one file both succeed shows the tie instead of
+        running two holders (the one whose nonce is not there lost)."""
+        doc = fs.read_json(self.fs, self._file(generation))
+        return isinstance(doc, dict) and doc.get("nonce") == self.nonce
+
+    def _unreadable(self, e: OSError) -> str:
+        return (f"could not read job {self.name!r}'s lease at {self.path} ({e}): a job whose lease cannot be "
+                "read may be running, so this start stops here without touching its folder. Start again once "
+                "the storage answers (check its credentials and that it is reachable)")
 
     def keep(self) -> None:
         """Renew every ttl/6 in the background until `release`; sets `lost` when a newer
@@ -144,15 +192,30 @@ class Lease:
         self._thread.start()
 
     def renew(self) -> bool:
-        """One renewal; False once the lease is lost."""
+        """One renewal; False once the lease is lost. The renewal is written whatever the listing
+        does: a listing that fails must not let the lease expire under a live holder. What a
+        failed listing cannot do is confirm that no newer generation exists; a holder that goes
+        unconfirmed for a whole ttl counts as lost (another start may have taken the job over
+        meanwhile), so its workers stop instead of writing on."""
         if self.lost.is_set():
             return False
         try:
             current = latest(self.fs, self.path, strict=True)
-            if current is not None and current.generation > self.generation:
+        except OSError as e:
+            log.warning("[tidal] could not list job %r's lease (%s); retrying", self.name, e)
+            current = None
+            if time.monotonic() - self._confirmed > self.ttl_s:
+                self.unconfirmed = True
+                self.lost.set()
+                return False
+        else:
+            if current is not None and (current.generation > self.generation or _tied(current, self.generation,
+                                                                                      self.nonce)):
                 self.taken_by = current
                 self.lost.set()
                 return False
+            self._confirmed = time.monotonic()
+        try:
             fs.write_json(self.fs, self._file(self.generation), self._doc(self.generation, self.since))
         except OSError as e:
             log.warning("[tidal] could not renew job %r's lease (%s); retrying", self.name, e)
@@ -171,17 +234,22 @@ class Lease:
                 log.warning("[tidal] could not release job %r's lease (%s)", self.name, e)
 
     def why_lost(self) -> str:
+        if self.unconfirmed and self.taken_by is None:
+            return (f"job {self.name!r}'s lease at {self.path} could not be read for over {self.ttl_s:.0f}s, so "
+                    "this driver cannot tell whether another start took the job over: it stopped its workers "
+                    "(they write nothing more). Start the job again once the storage answers; it goes on from "
+                    "the latest checkpoint.")
         by = self.taken_by.describe(time.time()) if self.taken_by else "another start"
         return (f"job {self.name!r} was started again while this driver could not renew its lease (stopped, "
                 f"or cut off from storage for over {self.ttl_s:.0f}s): {by} owns it now. This driver's workers "
                 "stopped without writing; the newer start goes on from the latest checkpoint.")
 
     def check(self) -> LeaseCheck:
-        return LeaseCheck(self.storage, self.name, self.generation)
+        return LeaseCheck(self.storage, self.name, self.generation, ttl=self.ttl_s, nonce=self.nonce)
 
     def config(self) -> dict[str, Any]:
         """What the workers and the tracker need to check the lease (`LeaseCheck.from_config`)."""
-        return {"generation": self.generation}
+        return {"generation": self.generation, "ttl_s": self.ttl_s, "nonce": self.nonce}
 
     # --- files --------------------------------------------------------------------------------
     def _file(self, generation: int) -> str:
@@ -191,32 +259,49 @@ class Lease:
         me = _this_process()
         return {"generation": generation, "host": socket.gethostname(), "pid": os.getpid(),
                 "pid_started": me, "since": since, "renewed": time.time(), "ttl_s": self.ttl_s,
-                "face": self.face, "submission_id": submission_id()}
+                "face": self.face, "submission_id": submission_id(), "nonce": self.nonce}
 
     def _forget_old(self) -> None:
-        for generation in generations(self.fs, self.path)[:-KEEP_GENERATIONS]:
-            fs.delete_file(self.fs, self._file(generation))
+        """Delete all but the newest few generation files. The newest (this one) is never deleted:
+        it is the high-water mark that keeps a generation number from ever being taken twice."""
+        try:
+            older = [g for g in generations(self.fs, self.path, strict=True) if g < self.generation]
+        except OSError:
+            return  # nothing is deleted on a listing that failed: the next holder tidies
+        for generation in older[:max(0, len(older) - (KEEP_GENERATIONS - 1))]:
+            with contextlib.suppress(OSError):
+                fs.delete_file(self.fs, self._file(generation))
 
 
 class LeaseCheck:
     """A writer's check that its attempt still holds the job (no newer generation exists).
 
     Cached for `every_s`: writers call it before each write and a check is one listing of the
-    lease folder. A listing that fails proves nothing, so it counts as still current: a
-    transient storage error never stops a live attempt (its writes fail on their own)."""
+    lease folder. A listing that fails proves nothing, so it counts as still current for up to a
+    lease length (`ttl`) since the last listing that confirmed it: a transient storage error never
+    stops a live attempt, but a writer that cannot confirm it is current for a whole lease length
+    stops (another start may have taken the job over by then)."""
 
-    def __init__(self, storage: str, name: str, generation: int, every_s: float = 1.0) -> None:
-        self.name, self.generation, self.every_s = name, generation, every_s
+    def __init__(self, storage: str, name: str, generation: int, every_s: float = 1.0,
+                 ttl: float | None = None, nonce: str = "") -> None:
+        self.name, self.generation, self.every_s, self.nonce = name, generation, every_s, nonce
+        self.ttl_s = ttl if ttl is not None else ttl_s()
         self.fs, self.path = lease_path(storage, name)
         self._checked_at = -float("inf")
+        self._confirmed_at = time.monotonic()  # the driver confirmed it when it took the lease
         self._newer: Holder | None = None
+        self._unconfirmed = False
 
     @classmethod
     def from_config(cls, storage: str, name: str, config: dict[str, Any] | None) -> LeaseCheck | None:
-        return cls(storage, name, int(config["generation"])) if config else None
+        if not config:
+            return None
+        ttl = config.get("ttl_s")
+        return cls(storage, name, int(config["generation"]), ttl=float(ttl) if ttl is not None else None,
+                   nonce=str(config.get("nonce") or ""))
 
     def current(self, fresh: bool = False) -> bool:
-        if self._newer is not None:
+        if self._newer is not None or self._unconfirmed:
             return False  # once superseded, always: a newer generation never goes away
         if fresh or time.monotonic() - self._checked_at >= self.every_s:
             self._checked_at = time.monotonic()
@@ -224,13 +309,23 @@ class LeaseCheck:
                 newest = latest(self.fs, self.path, strict=True)
             except OSError as e:
                 log.debug("lease check of %s failed: %s", self.path, e)
+                if time.monotonic() - self._confirmed_at > self.ttl_s:
+                    self._unconfirmed = True
+                    return False
                 return True
-            if newest is not None and newest.generation > self.generation:
+            if newest is not None and (newest.generation > self.generation
+                                       or _tied(newest, self.generation, self.nonce)):
                 self._newer = newest
+            else:
+                self._confirmed_at = time.monotonic()
         return self._newer is None
 
     def why(self) -> str:
         """Why this attempt stopped (after `current` said False)."""
+        if self._unconfirmed and self._newer is None:
+            return (f"job {self.name!r}'s lease at {self.path} could not be read for over {self.ttl_s:.0f}s, so "
+                    "this attempt cannot tell whether another start took the job over: it stops without writing; "
+                    "start the job again once the storage answers (it goes on from the latest checkpoint)")
         newer = self._newer
         by = newer.describe(time.time()) if newer else "another start"
         return (f"job {self.name!r} was started again while this attempt's driver did not renew its lease "
@@ -257,8 +352,8 @@ def driver_command() -> str:
     from tidal.redact import redact_text
 
     argv = [os.path.basename(sys.argv[0] or "python"), *sys.argv[1:]] if sys.argv else ["python"]
-    text = " ".join(argv)
-    return redact_text(text if len(text) <= 80 else text[:77] + "...")
+    text = redact_text(" ".join(argv))  # before the cut: a credential cut in half is no longer recognised
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def refusal(name: str, holder: Holder, now: float) -> str:
@@ -312,7 +407,17 @@ def _holder(generation: int, doc: dict[str, Any]) -> Holder:
             return default
     return Holder(generation, str(doc.get("host", "?")), int(num("pid")), num("pid_started"), num("since"),
                   num("renewed"), num("ttl_s", ttl_s()), str(doc.get("face", "tidal run")),
-                  str(doc.get("submission_id", "")), bool(doc.get("released", False)))
+                  str(doc.get("submission_id", "")), bool(doc.get("released", False)), str(doc.get("nonce", "")))
+
+
+def _tied(holder: Holder, generation: int, nonce: str) -> bool:
+    """Whether `holder` is another start's file under this generation's name: a store that let
+    two creates of one file succeed, the other's write last."""
+    return holder.generation == generation and bool(nonce) and bool(holder.nonce) and holder.nonce != nonce
+
+
+def _pause(seconds: float) -> None:
+    time.sleep(seconds)
 
 
 def _this_process() -> float:
@@ -340,4 +445,4 @@ def _process_alive(pid: int, started: float) -> bool:
         return False
 
 
-__all__ = ["Holder", "JobAlreadyRunning", "Lease", "LeaseCheck", "latest", "refusal"]
+__all__ = ["Holder", "JobAlreadyRunning", "Lease", "LeaseCheck", "LeaseUnreadable", "latest", "refusal"]

@@ -11,6 +11,20 @@ from tidal.admission.actor import ACTOR, NAMESPACE, QUEUE_VAR, Admitter, queue_d
 from tidal.admission.quotas import QUOTAS_VAR
 from tidal.admission.relaunch import head_node
 
+# The actor's threads: heartbeats, registrations and ends in the default group; calls that wait
+# on the cluster's Jobs API (a park pins its package) in a group of their own, so that a slow
+# dashboard and a burst of parks can never hold every thread while running jobs' heartbeats wait
+# (past the actor's lease, every running job would be dropped and its slots given away).
+JOBS_API_GROUP = "jobs-api"
+JOBS_API_METHODS = frozenset({"park"})
+THREADS: dict[str, Any] = {"max_concurrency": 8, "concurrency_groups": {JOBS_API_GROUP: 4}}
+
+
+def method(handle: Any, name: str) -> Any:
+    """`handle`'s method `name`, in the thread group it belongs to (THREADS)."""
+    call = getattr(handle, name)
+    return call.options(concurrency_group=JOBS_API_GROUP) if name in JOBS_API_METHODS else call
+
 
 def admitter(create: bool = False, environ: Mapping[str, str] | None = None) -> Any:
     """The cluster's admission actor (started on the head if `create` and none runs); None when
@@ -23,9 +37,9 @@ def admitter(create: bool = False, environ: Mapping[str, str] | None = None) -> 
     except ValueError:
         if not create:
             return None
-    actor = ray.remote(Admitter).options(
+    actor = ray.remote(**THREADS)(Admitter).options(  # concurrency groups are the class's, not an option
         name=ACTOR, namespace=NAMESPACE, lifetime="detached", get_if_exists=True, num_cpus=0,
-        max_restarts=-1, max_task_retries=-1, max_concurrency=8,
+        max_restarts=-1, max_task_retries=-1,
         scheduling_strategy=_on_head(),
         runtime_env={"env_vars": {k: env[k] for k in (QUOTAS_VAR, QUEUE_VAR, "TIDAL_STORAGE",
                                                       "AWS_ENDPOINT_URL") if env.get(k)}},
@@ -42,4 +56,4 @@ def _on_head() -> Any:
     return NodeAffinitySchedulingStrategy(head, soft=True) if head else "DEFAULT"
 
 
-__all__ = ["admitter"]
+__all__ = ["JOBS_API_GROUP", "THREADS", "admitter", "method"]

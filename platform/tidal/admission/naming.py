@@ -3,6 +3,7 @@ whether the cluster runs admission, and where its queue document lives (no Ray n
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Mapping
 
@@ -18,12 +19,18 @@ QUEUE_VAR = "TIDAL_QUEUE"  # where the queue document lives, if not under TIDAL_
 QUEUE_JOB_VAR = "TIDAL_QUEUE_JOB"
 
 
-def job_key(name: str, environ: Mapping[str, str] | None = None) -> str:
+def job_key(name: str, environ: Mapping[str, str] | None = None, storage: str = "") -> str:
     """A job's id in the queue: the id its relaunch after a head restart names (QUEUE_JOB_VAR),
     else its Ray Jobs submission id when submitted (Ray's job supervisor passes it to the driver
-    in the job config's metadata), else its name."""
+    in the job config's metadata), else its name with a digest of its storage: a job is its name
+    under its storage, so two jobs of one name on two storages (a `tidal run` each) never share
+    one seat, while a second start of the same job is the lease's to refuse."""
     env = os.environ if environ is None else environ
-    return env.get(QUEUE_JOB_VAR) or submission_id(env) or name
+    if key := env.get(QUEUE_JOB_VAR) or submission_id(env):
+        return key
+    if not storage:
+        return name
+    return f"{name}:{hashlib.sha256(storage.rstrip('/').encode()).hexdigest()[:8]}"
 
 
 def admission_enabled(environ: Mapping[str, str]) -> bool:

@@ -16,7 +16,9 @@ runtime environment, under a new submission id:
 - `TIDAL_QUEUE_JOB` gives the new driver the job's key, so it takes the job's place: a running job
   restarts at its size from its latest checkpoint, in its MLflow run; a waiting one keeps its turn;
 - `TIDAL_RUN_WAIT=1` makes it wait for the old driver's lease (issue #46) instead of refusing, so
-  a driver that did survive somewhere is never run beside.
+  a driver that did survive somewhere is never run beside;
+- `TIDAL_RELAUNCHED=1` makes a replayed `--restart` a resume: the job goes on from its latest
+  checkpoint in its MLflow run instead of starting over.
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ from tidal.redact import redact_text
 log = logging.getLogger("tidal")
 RELAUNCH_GRACE_S = float(os.environ.get("TIDAL_RELAUNCH_GRACE_S", "15"))  # three heartbeats
 WAIT_VAR = "TIDAL_RUN_WAIT"  # read by launch/trainer.run: the env form of `tidal run --wait`
+# Set on every driver submitted again from an earlier one's record (a relaunch, a parked job's
+# successor): the record's entrypoint is replayed verbatim, and a `--restart` in it was meant for
+# the first start only: launch/trainer.run resumes instead of setting the job's folder aside again.
+RELAUNCHED_VAR = "TIDAL_RELAUNCHED"
 # A job whose record cannot be read or submitted (a new head's dashboard not up yet) is tried again
 # every RETRY_S, ATTEMPTS times in all, then left to its lease.
 ATTEMPTS = 6
@@ -76,19 +82,50 @@ def resubmission(info: Any, entry: Entry, submission_id: str) -> dict[str, Any]:
     """`JobSubmissionClient.submit_job`'s arguments for the job whose record is `info` (the Jobs
     API's JobDetails: it holds no entrypoint resources, and Tidal's submissions set none)."""
     runtime_env = dict(info.runtime_env or {})
-    runtime_env["env_vars"] = {**(runtime_env.get("env_vars") or {}), QUEUE_JOB_VAR: entry.job, WAIT_VAR: "1"}
+    runtime_env["env_vars"] = {**(runtime_env.get("env_vars") or {}), QUEUE_JOB_VAR: entry.job, WAIT_VAR: "1",
+                                RELAUNCHED_VAR: "1"}
     return {"entrypoint": info.entrypoint, "runtime_env": runtime_env, "metadata": dict(info.metadata or {}),
             "submission_id": submission_id}
 
 
+JOBS_API_TIMEOUT_S = 30.0  # the longest the actor waits for one Jobs API call (a busy dashboard)
+
+
+class _Bounded:
+    """A JobSubmissionClient whose every call returns within JOBS_API_TIMEOUT_S: TimeoutError
+    otherwise. Its public methods take no timeout (requests waits forever by default), so each
+    call runs on a thread of a small pool of its own and is waited for that long; a call that
+    hangs keeps only its thread."""
+
+    def __init__(self, client: Any, timeout_s: float = JOBS_API_TIMEOUT_S) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._client, self._timeout_s = client, timeout_s
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tidal-jobs-api")
+
+    def __getattr__(self, name: str) -> Any:
+        from concurrent.futures import TimeoutError as Late
+
+        call = getattr(self._client, name)
+        if not callable(call):
+            return call
+
+        def bounded(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return self._pool.submit(call, *args, **kwargs).result(timeout=self._timeout_s)
+            except Late:
+                raise TimeoutError(f"the cluster's Jobs API did not answer {name} within {self._timeout_s:.0f}s") from None
+        return bounded
+
+
 class JobsApi:
     """The Jobs API of the cluster whose GCS is at `address`, as the admission actor uses it (from
-    inside the cluster, with the cluster's token)."""
+    inside the cluster, with the cluster's token); every call bounded in time (`_Bounded`)."""
 
     def __init__(self, address: str) -> None:
         from ray.job_submission import JobSubmissionClient
 
-        self.client = JobSubmissionClient(address, headers=auth_headers(auth_token()))
+        self.client = _Bounded(JobSubmissionClient(address, headers=auth_headers(auth_token())))
 
     def relaunch(self, entry: Entry) -> str:
         """Submit a job's driver from the record of its last driver: again under a new id after a
@@ -220,6 +257,6 @@ class Relaunches:
         return started
 
 
-__all__ = ["ATTEMPTS", "RELAUNCH_GRACE_S", "RETRY_S", "WAIT_VAR", "Relauncher", "Relaunches",
+__all__ = ["ATTEMPTS", "RELAUNCHED_VAR", "RELAUNCH_GRACE_S", "RETRY_S", "WAIT_VAR", "Relauncher", "Relaunches",
            "JobsApi", "cluster_jobs_api", "current_head", "due", "head_lost", "head_node",
            "new_submission_id", "package_uris", "resubmission"]

@@ -26,6 +26,7 @@ from typing import Any
 
 from tidal.admission.actor import ACTOR, NAMESPACE, admission_enabled, job_key
 from tidal.admission.handle import admitter
+from tidal.admission.handle import method as actor_method
 from tidal.admission.parking import Parked, may_park, park_after_s, successor_id
 from tidal.admission.queue_doc import entry_for
 from tidal.admission.quotas import cluster_quotas
@@ -44,7 +45,7 @@ class Seat:
     """One job's place in the cluster's queue; `workers` is the size admission gives it."""
 
     def __init__(self, spec: JobSpec) -> None:
-        self.job = job_key(spec.name)
+        self.job = job_key(spec.name, storage=spec.checkpoint.storage)
         entry = entry_for(spec, self.job, cluster_quotas(os.environ), time.time())
         self.token = secrets.token_hex(16)
         # What the actor is told: it computes the slots and the submission time itself.
@@ -131,7 +132,7 @@ class Seat:
 
         try:
             self.handle = self.handle or admitter(create=True)
-            return ray.get(getattr(self.handle, method).remote(*args), timeout=CALL_TIMEOUT_S)
+            return ray.get(actor_method(self.handle, method).remote(*args), timeout=CALL_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - admission restarting: ask again on the next poll
             log.debug("admission %s failed: %s: %s", method, type(e).__name__, e)
             self.handle = None

@@ -209,7 +209,7 @@ class BurstWatcher:
         team, _ = resolve_scheduling(self.spec.scheduling.team, self.spec.scheduling.priority,
                                      cluster_quotas(os.environ))
         handle = admitter(create=True)
-        got = ray.get(handle.burst.remote(job_key(self.spec.name), team, bundles, bundle), timeout=30)
+        got = ray.get(handle.burst.remote(job_key(self.spec.name, storage=self.spec.checkpoint.storage), team, bundles, bundle), timeout=30)
         if got["refused"] and got["refused"] != self.refused:
             _say(got["refused"])
         self.refused = got["refused"]

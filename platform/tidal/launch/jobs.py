@@ -13,6 +13,7 @@ import base64
 import json
 import os
 import secrets
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -23,7 +24,7 @@ from typing import Any, TypeVar
 from tidal.admission.naming import QUEUE_JOB_VAR
 from tidal.admission.quotas import cluster_quotas, resolve_scheduling
 from tidal.admission.view import queue_record, queue_rows
-from tidal.errors import ClusterError, TidalError
+from tidal.errors import ClusterError, SpecError, TidalError
 from tidal.launch import chain, job_logs
 from tidal.launch.chain import TERMINAL
 from tidal.launch.connect import warn_plain_token
@@ -40,6 +41,7 @@ from tidal.ray_auth import auth_headers, auth_token
 from tidal.ray_private import walk_working_dir, working_dir_upload_cap
 from tidal.spec.job import JobSpec
 from tidal.spec.secrets import refuse_credentials
+from tidal.spec.sections import trial_name
 
 ALWAYS_EXCLUDE = [".git", ".venv", "venv", "__pycache__", "*.egg-info", ".ipynb_checkpoints",
                   "tidal-runs", "mlruns", "mlartifacts", "mlflow.db", "*.db-journal", ".pytest_cache", ".ruff_cache"]
@@ -264,6 +266,8 @@ def read_progress(rec: dict[str, Any]) -> dict[str, Any]:
 def submit(spec: JobSpec, address: str | None = None, working_dir: str | os.PathLike[str] = ".",
            submission_id: str | None = None) -> Job:
     """Send `spec` to the cluster's Ray Jobs API; the cluster runs it with `tidal.run`."""
+    if why := trial_name(spec.name):  # only `tidal sweep` names a job `<sweep>-tN`
+        raise SpecError([("name", why)])
     root = Path(working_dir).resolve()
     excludes = ALWAYS_EXCLUDE + _inside(root, spec.checkpoint.storage or "./tidal-runs")
     size, largest = working_dir_size(root, excludes)
@@ -301,11 +305,13 @@ def submit(spec: JobSpec, address: str | None = None, working_dir: str | os.Path
     return Job(sid, client.get_address(), spec)
 
 
-def submit_accepted(client: Any, wait_s: float, **job: Any) -> None:
-    """`client.submit_job(**job)` (a `submission_id` among them), tried again every 2 s for up to
-    `wait_s` while `retry_submission` says nothing was accepted; Ray's error otherwise. A retry
-    told that the id already exists had its earlier attempt accepted (its answer was lost)."""
-    deadline, tried = time.time() + wait_s, False
+def submit_accepted(client: Any, wait_s: float, say: Callable[[str], None] | None = None, **job: Any) -> None:
+    """`client.submit_job(**job)` (a `submission_id` among them), tried again with a growing pause
+    (1, 2, 4, then 8 s) for up to `wait_s` while `retry_submission` says nothing was accepted,
+    saying so once; Ray's error otherwise. A retry told that the id already exists had its
+    earlier attempt accepted (its answer was lost)."""
+    say = say or (lambda line: print(line, file=sys.stderr, flush=True))
+    deadline, tried, pause = time.time() + wait_s, False, 1.0
     while True:
         try:
             client.submit_job(**job)
@@ -315,8 +321,17 @@ def submit_accepted(client: Any, wait_s: float, **job: Any) -> None:
                 return
             if not (retry_submission(str(e)) and time.time() < deadline):
                 raise
+            if not tried:
+                why = "the head is still starting (its job agent is not up yet)" if NO_AGENT in str(e) \
+                    else "the head's dashboard dropped the connection"
+                say(f"[tidal] {why}: trying the submission again for up to {wait_s:.0f}s")
             tried = True
-            time.sleep(2)
+            _pause(min(pause, max(0.0, deadline - time.time())))
+            pause = min(pause * 2, 8.0)
+
+
+def _pause(seconds: float) -> None:
+    time.sleep(seconds)
 
 
 def retry_submission(error: str) -> bool:

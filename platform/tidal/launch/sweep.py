@@ -24,6 +24,7 @@ import hashlib
 import json
 import math
 import re
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,7 +37,7 @@ from ray.tune.schedulers import ASHAScheduler
 from ray.tune.search.basic_variant import BasicVariantGenerator
 
 from tidal import fs, job_end
-from tidal.errors import SpecError, TidalError
+from tidal.errors import JobAlreadyRunning, SpecError, TidalError
 from tidal.launch.connect import connect_ray
 from tidal.launch.sweep_mlflow import close_parent, end_parent, open_parent
 from tidal.launch.sweep_state import (
@@ -49,6 +50,7 @@ from tidal.launch.sweep_state import (
     read_state,
 )
 from tidal.launch.trainer import run
+from tidal.lease import Lease, driver_command, latest
 from tidal.spec.job import JobSpec
 from tidal.spec.sweep import Param as SweepParam
 from tidal.spec.sweep import SweepSpec, check_metric, merged
@@ -123,6 +125,18 @@ def sweep(spec: JobSpec, params: dict[str, str] | list[str] | None = None, sampl
     _check_values(base, cfg.parsed())
     _check_scheduler(base, cfg)
     check_metric(base, cfg)
+    # The sweep's own lease (tidal/lease.py), before anything reads or writes its folder: a second
+    # `tidal sweep` of it is refused, naming the live one, as a second start of a job is.
+    lease = Lease(base.checkpoint.storage, f"{base.name}-sweep", face=driver_command())
+    lease.acquire()
+    lease.keep()
+    try:
+        return _sweep_holding(base, cfg, restart, t0)
+    finally:
+        lease.release()
+
+
+def _sweep_holding(base: JobSpec, cfg: SweepSpec, restart: bool, t0: float) -> SweepResult:
     connect_ray(dashboard=cfg.scheduler == "asha")  # a local instance: ASHA needs the State API
     if cfg.scheduler == "asha":
         _check_state_api()
@@ -259,14 +273,27 @@ def _default_concurrency(base: JobSpec) -> int:
 
 
 def _set_aside(base: JobSpec) -> None:
-    """A fresh sweep: move an old experiment and old trial folders of this name out of the way."""
+    """A fresh sweep: move an old experiment and old trial folders of this name out of the way;
+    none while its job is live (a trial of this sweep still running elsewhere, e.g. from a driver
+    cut off from the sweep that started it): that is refused, naming it, before anything moves.
+    Trial leases stay where they are, beside the folders (tidal/lease.py)."""
     store, root = fs.resolve(base.checkpoint.storage)
     mine = re.compile(rf"^{re.escape(base.name)}-(sweep|t\d+)$")
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    for info in fs.list_dir(store, root):
-        if info.type == pafs.FileType.Directory and mine.match(info.base_name):
-            fs.set_aside(store, info.path, f"{info.path}.replaced-{stamp}")
-            print(f"[tidal] fresh sweep: moved {info.path} to {info.path}.replaced-{stamp}", flush=True)
+    folders = [info for info in fs.list_dir(store, root)
+               if info.type == pafs.FileType.Directory and mine.match(info.base_name)]
+    now, host = time.time(), socket.gethostname()
+    for info in folders:
+        if info.base_name.endswith("-sweep"):
+            continue  # the sweep's own: this process holds its lease
+        holder = latest(store, f"{info.path}.lease", strict=True)  # a failed listing refuses (OSError)
+        if holder is not None and holder.live(now, host):
+            raise JobAlreadyRunning(f"--restart would move the folder of trial {info.base_name!r}, which is running: "
+                                    f"{holder.describe(now)}. Stop it ({holder.stop_hint()}), or wait for it to end, "
+                                    "then restart the sweep; nothing was moved.")
+    for info in folders:
+        fs.set_aside(store, info.path, f"{info.path}.replaced-{stamp}")
+        print(f"[tidal] fresh sweep: moved {info.path} to {info.path}.replaced-{stamp}", flush=True)
 
 
 def _fingerprint(base: JobSpec, cfg: SweepSpec) -> str:
@@ -282,7 +309,7 @@ def _run_trial(config: dict[str, Any], base: dict[str, Any], plan: list[dict[str
     index = str(config[TRIAL_KEY])
     spec = trial_spec(base, plan[int(index)], index)
     tags = {"mlflow.parentRunId": parent_run_id, "tidal.sweep": base["name"], "tidal.trial": index}
-    run(spec, mlflow_tags=tags, callbacks=[TuneReportCallback()])
+    run(spec, mlflow_tags=tags, callbacks=[TuneReportCallback()], trial=True)
 
 
 def trial_spec(base: dict[str, Any], values: dict[str, Any], index: str) -> JobSpec:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from tidal import eval_best, job_end
 from tidal.admission import seat as admission
-from tidal.admission.relaunch import WAIT_VAR
+from tidal.admission.relaunch import RELAUNCHED_VAR, WAIT_VAR
 from tidal.cluster import burst
 from tidal.errors import SpecError, TidalError, UserCodeError
 from tidal.launch.connect import connect_ray
@@ -25,6 +25,7 @@ from tidal.output import print_notes, print_record
 from tidal.ray_private import cancel_reservation, train_requester
 from tidal.redact import redact_uri
 from tidal.spec.job import JobSpec
+from tidal.spec.sections import trial_name
 from tidal.spec.user_refs import check_calls
 from tidal.storage import JOB_FILE, Found, RunDir, find_resume_point
 from tidal.tracking.buffer import BUFFER_DIR, MetricsBuffer
@@ -44,17 +45,26 @@ RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by Ray's job supervisor for a
 
 
 def run(spec: JobSpec, restart: bool = False, mlflow_tags: dict[str, str] | None = None,
-        callbacks: list[Any] | None = None, wait: bool = False) -> RunResult:
+        callbacks: list[Any] | None = None, wait: bool = False, trial: bool = False) -> RunResult:
     """Train `spec` to its last step, resuming from its latest complete checkpoint.
 
     `mlflow_tags` are added to the job's MLflow run (e.g. `mlflow.parentRunId` for a sweep
     trial); `callbacks` are extra Ray Train `UserCallback`s (e.g. Tune's report callback).
     A job has one live driver (tidal/lease.py): a second start of a running job is refused
     (JobAlreadyRunning, naming the live one), or with `wait` (or TIDAL_RUN_WAIT=1, which a
-    relaunch after a head restart sets) starts once that one has ended.
+    relaunch after a head restart sets) starts once that one has ended. `trial`: a sweep's trial,
+    the one kind of job whose name may end in `-tN`.
     """
+    if not trial and (why := trial_name(spec.name)):
+        raise SpecError([("name", why)])
     t0 = time.time()
     wait = wait or os.environ.get(WAIT_VAR) == "1"
+    if restart and os.environ.get(RELAUNCHED_VAR) == "1":
+        # A driver submitted again from an earlier one's record replays its `--restart`: the first
+        # start set the folder aside already, and this one must go on from what it trained since.
+        print(f"[tidal] job {spec.name!r} was submitted again by the cluster (a head restart or a parked turn): "
+              "--restart applied to its first start only; resuming from its latest checkpoint", flush=True)
+        restart = False
     spec = spec.resolved()
     # The user's functions against the arguments the spec gives them, before anything starts.
     print_notes(check_calls(spec, Path.cwd()))

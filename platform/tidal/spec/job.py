@@ -30,6 +30,7 @@ from tidal.spec.sections import (
     ScalingSpec,
     TrackingSpec,
     TrainSpec,
+    reserved_name,
 )
 from tidal.spec.sweep import SweepSpec, sweeps_fields_of
 
@@ -37,7 +38,9 @@ from tidal.spec.sweep import SweepSpec, sweeps_fields_of
 class JobSpec(Part):
     """A training job. Load it with `JobSpec.from_yaml`, change it with `with_overrides`."""
 
-    name: str = Field("tidal-job", pattern=NAME_PATTERN, description="names the MLflow run and the checkpoint folder")
+    name: str = Field("tidal-job", pattern=NAME_PATTERN, description="names the MLflow run and the checkpoint folder; "
+                      "not ending in .lease, -sweep or -tN, which name other jobs' folders (a lease, a sweep's "
+                      "state, a sweep's trial N)")
     model: ModelSpec = Field(default_factory=ModelSpec)
     data: DataSpec = Field(default_factory=DataSpec)
     train: TrainSpec = Field(default_factory=TrainSpec)
@@ -62,6 +65,13 @@ class JobSpec(Part):
         description="plain, non-secret environment variables for the workers (NCCL_DEBUG, HF_HOME...): published "
         "like every spec field (Ray Train, MLflow params), so a name that says it holds a credential is refused",
     )
+
+    @field_validator("name")
+    @classmethod
+    def _not_reserved(cls, name: str) -> str:
+        if why := reserved_name(name):
+            raise ValueError(why)
+        return name
 
     _env_refs = field_validator("env", mode="before")(secrets.check_env)
     _worker_env = field_validator("worker_env")(secrets.check_worker_env)

@@ -4,6 +4,7 @@ tracking): each a pydantic model that refuses unknown keys. `tidal.spec.job.JobS
 from __future__ import annotations
 
 import math
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -13,6 +14,30 @@ from tidal.spec.evaluation import KeepBestSpec
 from tidal.spec.user_refs import check_ref
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$"
+# Folders Tidal keeps beside a job's own `<storage>/<name>`: its lease (`<name>.lease`, tidal/lease.py)
+# and a sweep's state (`<name>-sweep`); a sweep's trial `N` is the job `<name>-tN`. A job named
+# with one of these endings would own another job's lease or sweep folder.
+RESERVED_SUFFIXES = (".lease", "-sweep")
+TRIAL_SUFFIX = re.compile(r"-t[0-9]+$")
+
+
+def reserved_name(name: str) -> str | None:
+    """Why `name` cannot name a job (a suffix Tidal keeps for another job's folder), or None."""
+    for suffix in RESERVED_SUFFIXES:
+        if name.endswith(suffix):
+            owner = name.removesuffix(suffix)
+            what = "lease" if suffix == ".lease" else "sweep state"
+            return (f"{name!r} ends in {suffix!r}, which names job {owner!r}'s {what} folder beside its run "
+                    "folder; choose a name that does not end so")
+    return None
+
+
+def trial_name(name: str) -> str | None:
+    """Why a job that is not a sweep's trial cannot take `name` (`<sweep>-tN` is trial N's), or None."""
+    if m := TRIAL_SUFFIX.search(name):
+        return (f"{name!r} ends in {m.group()!r}, which names trial {m.group()[2:]} of sweep "
+                f"{name[:m.start()]!r} (its folder, lease and MLflow run); choose a name that does not end so")
+    return None
 DEFAULT_WARMUP_STEPS = 20
 
 

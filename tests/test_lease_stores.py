@@ -1,0 +1,176 @@
+"""One live attempt per job on every store (tidal/exclusive.py, tidal/lease.py): each store's own
+exclusive create (GCS's `ifGenerationMatch=0` on a GCS JSON API on 127.0.0.1), a clear refusal
+where a store has none or ignores it (a filesystem without an exclusive create, a GCS endpoint
+that ignores the precondition, an S3-compatible store that ignores `If-None-Match`: moto's server
+behind a proxy that drops it), the user's explicit opt-out, and a tie made visible by the nonce
+each creator writes."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pyarrow.fs as pafs
+import pytest
+
+from tidal import exclusive
+from tidal import lease as lease_mod
+from tidal.errors import JobAlreadyRunning
+from tidal.exclusive import NotExclusive
+from tidal.lease import Lease
+from tidal.testing.object_stores import gcs_filesystem, gcs_server, if_none_match_dropped
+
+
+def on_store(monkeypatch, store: pafs.FileSystem, root: str) -> None:
+    """Every lease of this test on `store` under `root` (a bucket/prefix, as fs.resolve gives it)."""
+    monkeypatch.setattr(lease_mod, "lease_path", lambda _s, name: (store, f"{root}/{name}.lease"))
+
+
+def race(storage: str, n: int = 4) -> list[str]:
+    results: list[str] = []
+
+    def start() -> None:
+        try:
+            Lease(storage, "job", ttl=30).acquire()
+            results.append("won")
+        except JobAlreadyRunning:
+            results.append("refused")
+
+    threads = [threading.Thread(target=start) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sorted(results)
+
+
+def no_exclusive_create(tmp_path: Path) -> pafs.FileSystem:
+    """A filesystem pyarrow can use but that has no exclusive create (fsspec's, through pyarrow)."""
+    import fsspec
+
+    return pafs.PyFileSystem(pafs.FSSpecHandler(fsspec.filesystem("file")))
+
+
+def test_a_store_without_an_exclusive_create_is_refused_naming_it_and_what_to_do(tmp_path, monkeypatch):
+    monkeypatch.delenv(exclusive.UNFENCED_ENV, raising=False)
+    on_store(monkeypatch, no_exclusive_create(tmp_path), str(tmp_path / "runs"))
+    with pytest.raises(NotExclusive) as e:
+        Lease("elsewhere://runs", "job").acquire()
+    text = str(e.value)
+    assert "fsspec" in text and "no exclusive create" in text and f"{exclusive.UNFENCED_ENV}=1" in text
+    assert not (tmp_path / "runs" / "job.lease").exists() or not any((tmp_path / "runs" / "job.lease").iterdir())
+
+
+def test_the_user_may_accept_a_check_then_write_lease_explicitly(tmp_path, monkeypatch):
+    monkeypatch.setenv(exclusive.UNFENCED_ENV, "1")
+    on_store(monkeypatch, no_exclusive_create(tmp_path), str(tmp_path / "runs"))
+    assert Lease("elsewhere://runs", "job").acquire() == 1
+    with pytest.raises(JobAlreadyRunning):
+        Lease("elsewhere://runs", "job").acquire()
+
+
+def test_a_tie_on_one_generation_is_seen_and_the_overwritten_holder_stops(tmp_path):
+    """A store that let two creates of one generation file both succeed: the start whose write
+    came first finds the other's nonce there at its next renewal and stops, as its writers do."""
+    storage = str(tmp_path / "runs")
+    first = Lease(storage, "job", ttl=30)
+    first.acquire()
+    check = first.check()
+    path = Path(first._file(1))
+    other = {**json.loads(path.read_text()), "host": "gpu-node-7", "pid": 4242, "nonce": "another-start"}
+    path.write_text(json.dumps(other))  # the second "winner" wrote last
+    assert not first.renew() and first.lost.is_set()
+    assert first.taken_by is not None and first.taken_by.host == "gpu-node-7"
+    assert not check.current(fresh=True)
+    assert json.loads(path.read_text())["nonce"] == "another-start", "the stopped holder wrote nothing"
+
+
+def test_a_create_whose_read_back_shows_another_nonce_is_lost(tmp_path, monkeypatch):
+    storage = str(tmp_path / "runs")
+    real = lease_mod.create_exclusive
+
+    def both_win(store, path, data) -> bool:  # a store ignoring the condition, the other start's write last
+        real(store, path, data)
+        Path(path).write_text(json.dumps({**data, "nonce": "another-start", "host": "gpu-node-7", "pid": 4242}))
+        return True
+
+    monkeypatch.setattr(lease_mod, "create_exclusive", both_win)
+    with pytest.raises(JobAlreadyRunning, match="gpu-node-7"):
+        Lease(storage, "job").acquire()
+
+
+@pytest.mark.slow
+def test_on_gcs_exactly_one_of_racing_starts_wins(tmp_path, monkeypatch):
+    with gcs_server(tmp_path / "gcs.log") as endpoint:
+        on_store(monkeypatch, gcs_filesystem(endpoint), "tidal/runs")
+        assert race("gs://tidal/runs") == ["refused", "refused", "refused", "won"]
+        holder = lease_mod.latest(gcs_filesystem(endpoint), "tidal/runs/job.lease")
+        assert holder is not None and holder.generation == 1
+        names = [i.base_name for i in gcs_filesystem(endpoint).get_file_info(
+            pafs.FileSelector("tidal/runs/job.lease"))]
+        assert names == ["000000000001.json"], "the probe left nothing behind"
+
+
+@pytest.mark.slow
+def test_a_gcs_endpoint_that_ignores_the_precondition_is_refused(tmp_path, monkeypatch):
+    monkeypatch.delenv(exclusive.UNFENCED_ENV, raising=False)
+    with gcs_server(tmp_path / "gcs.log", honour_preconditions=False) as endpoint:
+        on_store(monkeypatch, gcs_filesystem(endpoint), "tidal/runs")
+        with pytest.raises(NotExclusive, match=r"gs://tidal \(endpoint 127.0.0.1:\d+\) ignores the condition"):
+            Lease("gs://tidal/runs", "job").acquire()
+
+
+@pytest.mark.slow
+def test_an_s3_store_that_ignores_if_none_match_is_refused_and_a_real_one_is_not(tmp_path, monkeypatch, bucket):
+    import os
+
+    monkeypatch.delenv(exclusive.UNFENCED_ENV, raising=False)
+    name = bucket.removeprefix("s3://")
+    with if_none_match_dropped(tmp_path / "proxy.log", os.environ["AWS_ENDPOINT_URL"]) as proxy:
+        store = pafs.S3FileSystem(endpoint_override=proxy.removeprefix("http://"), scheme="http",
+                                  access_key="test", secret_key="test", region="us-east-1")
+        on_store(monkeypatch, store, f"{name}/runs")
+        with pytest.raises(NotExclusive, match="ignores the condition") as e:
+            Lease(f"{bucket}/runs", "job").acquire()
+        assert f"s3://{name}" in str(e.value) and "MinIO" in str(e.value)
+        left = store.get_file_info(pafs.FileSelector(f"{name}/runs", allow_not_found=True, recursive=True))
+        assert [i.path for i in left if i.type == pafs.FileType.File] == [], "no generation, no probe left"
+    monkeypatch.undo()
+    assert race(f"{bucket}/runs") == ["refused", "refused", "refused", "won"]  # moto itself honours it
+
+
+@pytest.mark.slow
+def test_a_conditional_put_keeps_the_stores_session_token(tmp_path, monkeypatch):
+    """STS credentials (an assumed role's key, secret and session token) on an S3 API that checks
+    them (moto's server with IAM auth on): the lease's conditional PUT signs with the token too."""
+    import boto3
+
+    from tidal.testing.processes import patched_env
+    from tidal.testing.servers import moto_s3
+
+    policy = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}
+    trust = {"Version": "2012-10-17",
+             "Statement": [{"Effect": "Allow", "Principal": {"AWS": "*"}, "Action": "sts:AssumeRole"}]}
+    # moto checks credentials after its first 4 requests: the bucket, the role, its policy, the assumption.
+    with moto_s3(tmp_path / "moto.log", server_env={"INITIAL_NO_AUTH_ACTION_COUNT": "4"},
+                 buckets=("tidal-sts",)) as endpoint:
+        iam = boto3.client("iam")
+        iam.create_role(RoleName="trainer", AssumeRolePolicyDocument=json.dumps(trust))
+        iam.put_role_policy(RoleName="trainer", PolicyName="s3", PolicyDocument=json.dumps(policy))
+        creds = boto3.client("sts").assume_role(RoleArn="arn:aws:iam::123456789012:role/trainer",
+                                                RoleSessionName="tidal-test")["Credentials"]
+        sts = {"access_key": creds["AccessKeyId"], "secret_key": creds["SecretAccessKey"],
+               "session_token": creds["SessionToken"]}
+        # Given to pyarrow's filesystem, as a program building its own does:
+        store = pafs.S3FileSystem(endpoint_override=endpoint.removeprefix("http://"), scheme="http",
+                                  region="us-east-1", **sts)
+        on_store(monkeypatch, store, "tidal-sts/runs")
+        assert Lease("s3://tidal-sts/runs", "job").acquire() == 1
+        with pytest.raises(JobAlreadyRunning):
+            Lease("s3://tidal-sts/runs", "job").acquire()
+        # And in the standard AWS environment, as a cluster's nodes have them:
+        monkeypatch.undo()
+        with patched_env({"AWS_ACCESS_KEY_ID": sts["access_key"], "AWS_SECRET_ACCESS_KEY": sts["secret_key"],
+                          "AWS_SESSION_TOKEN": sts["session_token"]}):
+            assert Lease("s3://tidal-sts/env-runs", "job").acquire() == 1
