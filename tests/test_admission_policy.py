@@ -226,7 +226,7 @@ def test_cloud_quota_caps_a_teams_bursts():
 
 
 def test_a_teams_use_counts_gpu_hours_and_cost_from_the_node_price_labels():
-    from tidal.cluster.prices import PRICE_LABEL, worker_price
+    from tidal.prices import PRICE_LABEL, worker_price
 
     # a 2-GPU worker on an 8-GPU node priced 32.00 per hour pays a quarter of it
     price = worker_price({PRICE_LABEL: "32.00"}, {"GPU": 8, "CPU": 96}, cpus=8, gpus=2)

@@ -1,6 +1,7 @@
 """Imports flow one way (see `tidal/__init__.py`): a test over the AST of every module in
 `platform/tidal`, function-level imports included, so that a circle hidden inside a function
-still fails. Imports under `if TYPE_CHECKING:` are left out: they never run, they only name types.
+still fails; at the scale of folders too, where two folders on one layer importing each other is a
+circle that no module-level cycle shows. Imports under `if TYPE_CHECKING:` are left out: they never run, they only name types.
 Also: Ray's private modules only in `tidal/ray_private.py`, and the driver never imports torch."""
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ LAYERS: list[tuple[str, ...]] = [
     ("tidal.launch", "tidal.exporter"),
     ("tidal.worker", "tidal.eval_best", "tidal.job_end"),
     ("tidal.tracking",),
-    ("tidal.storage", "tidal.lease", "tidal.cluster", "tidal.admission"),
+    ("tidal.storage", "tidal.cluster"),
+    ("tidal.lease", "tidal.admission"),
     ("tidal.fs", "tidal.exclusive", "tidal.errors", "tidal.output", "tidal.version", "tidal.ray_private", "tidal.redact",
-     "tidal.ray_auth"),
+     "tidal.ray_auth", "tidal.sites", "tidal.prices"),
 ]
 SPEC = "tidal.spec"
 ADAPTER = "tidal.ray_private"
@@ -157,6 +159,37 @@ def test_the_module_graph_has_no_cycle():
 def test_imports_flow_down_the_layers():
     bad = [e.where() for e in graph() if against_the_flow(e)]
     assert not bad, "imports against the layer order (tidal/__init__.py):\n" + "\n".join(bad)
+
+
+def folder(module: str) -> str:
+    """The folder (tidal.admission) or top-level module (tidal.lease) that `module` belongs to."""
+    return ".".join(module.split(".")[:2])
+
+
+def two_way_folders(edges: list[Edge]) -> list[str]:
+    """Each pair of folders that import each other, with the imports each way."""
+    between: dict[tuple[str, str], list[Edge]] = {}
+    for e in edges:
+        if folder(e.source) != folder(e.target):
+            between.setdefault((folder(e.source), folder(e.target)), []).append(e)
+    return [f"{a} <-> {b}: " + "; ".join(e.where() for e in between[a, b] + between[b, a])
+            for a, b in sorted(between) if a < b and (b, a) in between]
+
+
+def test_no_two_folders_import_each_other():
+    found = two_way_folders(graph())
+    assert not found, "folders that import each other (put what both need below both):\n" + "\n".join(found)
+
+
+def test_the_checker_sees_two_folders_importing_each_other():
+    here = Path(__file__)
+    planted = [Edge("tidal.admission.cloud", "tidal.cluster.prices", here, 1),
+               Edge("tidal.cluster.check", "tidal.admission.quotas", here, 2),
+               Edge("tidal.admission.actor", "tidal.admission.cloud", here, 3)]
+    assert not cycles(planted)  # no module circle: only the folders go round
+    found = two_way_folders([*graph(), *planted])
+    assert len(found) == 1 and found[0].startswith("tidal.admission <-> tidal.cluster: ")
+    assert not two_way_folders(planted[1:])
 
 
 def test_the_checker_sees_a_cycle_and_an_upward_import():

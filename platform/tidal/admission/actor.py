@@ -72,8 +72,8 @@ from tidal.admission.relaunch import (
     cluster_jobs_api,
     current_head,
 )
-from tidal.cluster import SITE_LABEL, node_site
 from tidal.errors import TidalError
+from tidal.sites import SITE_LABEL, node_site
 
 log = logging.getLogger("tidal")
 TICK_S = 1.0

@@ -16,7 +16,6 @@ from typing import Any
 
 import yaml
 
-from tidal.cluster import SITE_LABEL
 from tidal.cluster.configs import (
     STORAGE_VAR,
     TRACKING_VAR,
@@ -36,7 +35,6 @@ from tidal.cluster.exposure import (
     service_type_problems,
 )
 from tidal.cluster.kueue import KUEUE_KINDS, kueue_problems, label, quantity
-from tidal.cluster.prices import PRICE_LABEL, price_problems
 from tidal.cluster.shell import (
     flags_of,
     number,
@@ -47,6 +45,8 @@ from tidal.cluster.shell import (
     shell_words,
     under,
 )
+from tidal.prices import PRICE_LABEL, price_problems
+from tidal.sites import SITE_LABEL
 from tidal.spec.parse import load_yaml_all
 
 _SHARED_VOLUME_KINDS = {"persistentVolumeClaim", "nfs", "csi"}
