@@ -4,7 +4,8 @@ cluster would see happen to their jobs, case by case (issue #36's "Must show")."
 from __future__ import annotations
 
 from tidal.admission.cloud import BurstRequest, CloudUse, aggregate_bursts
-from tidal.admission.policy import QueuedJob, RunningJob, decide
+from tidal.admission.decision import QueuedJob, RunningJob
+from tidal.admission.policy import decide
 from tidal.admission.quotas import Quotas
 
 GAP = 60.0  # min_resize_interval_s in these tests

@@ -192,6 +192,45 @@ def test_the_checker_sees_two_folders_importing_each_other():
     assert not two_way_folders(planted[1:])
 
 
+def imported_names(path: Path) -> set[str]:
+    """The names `path` binds by importing them (anywhere in it), not by defining them."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    return names
+
+
+def through_a_re_export(files: list[Path], mods: dict[str, Path]) -> list[tuple[Path, int, str, str]]:
+    """(file, line, name, module) for each `from tidal.m import name` where m only imports `name` from
+    elsewhere: a re-export. A package's `__init__` may gather names (tidal, tidal.spec are faces); a
+    module holds its own."""
+    found = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and node.module in mods and not node.level):
+                continue
+            home = mods[node.module]
+            if home.name != "__init__.py":
+                found += [(path, node.lineno, a.name, node.module) for a in node.names if a.name in imported_names(home)]
+    return found
+
+
+def test_each_name_is_imported_from_its_home():
+    files = [*modules().values(), *sorted((ROOT / "benchmarks").glob("*.py"))]
+    found = [f"{path.relative_to(ROOT)}:{line} imports {name} through {module}"
+             for path, line, name, module in through_a_re_export(files, modules())]
+    assert not found, "import these from the module that defines them:\n" + "\n".join(found)
+
+
+def test_the_checker_sees_a_re_export(tmp_path):
+    (tmp_path / "home.py").write_text("def helper(): ...\n")
+    (tmp_path / "middle.py").write_text("from tidal.home import helper\n")
+    (tmp_path / "user.py").write_text("from tidal.middle import helper\nfrom tidal.home import helper as h\n")
+    mods = {f"tidal.{n}": tmp_path / f"{n}.py" for n in ("home", "middle", "user")}
+    assert through_a_re_export([tmp_path / "user.py"], mods) == [(tmp_path / "user.py", 1, "helper", "tidal.middle")]
+
+
 def test_the_checker_sees_a_cycle_and_an_upward_import():
     here = Path(__file__)
     edges = [Edge("tidal.worker.a", "tidal.cli", here, 1), Edge("tidal.cli", "tidal.worker.a", here, 2)]

@@ -16,7 +16,7 @@ from mlflow.tracking import MlflowClient
 import tidal
 from tests.conftest import ONE_WORKER, metric_history, tiny_spec
 from tidal.cli import main
-from tidal.spec.job import ModelSpec
+from tidal.spec.sections import ModelSpec
 from tidal.testing.servers import MlflowServer
 from tidal.worker.metrics import ResourceSampler, flops_per_token, sampling_interval_s
 from tidal.worker.models import build_model

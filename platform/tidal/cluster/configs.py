@@ -365,5 +365,5 @@ def _provider_type(config: dict[str, Any]) -> str | None:
     return provider.get("type")
 
 
-__all__ = ["STORAGE_VAR", "TRACKING_VAR", "Problem", "auth_problems", "check_launcher", "node_type_problems",
+__all__ = ["STORAGE_VAR", "TRACKING_VAR", "Problem", "check_launcher", "node_type_problems",
            "ray_schema_problems"]

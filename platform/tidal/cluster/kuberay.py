@@ -20,7 +20,6 @@ from tidal.cluster.configs import (
     STORAGE_VAR,
     TRACKING_VAR,
     Problem,
-    auth_problems,
     bounds_problems,
     gpu_problems,
     mlflow_server_problems,
@@ -30,6 +29,7 @@ from tidal.cluster.configs import (
 )
 from tidal.cluster.exposure import (
     auth_app_problems,
+    auth_problems,
     credential_problems,
     kuberay_env_secret_problems,
     service_type_problems,

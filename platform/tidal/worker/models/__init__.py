@@ -12,7 +12,7 @@ from typing import Any
 from torch import nn
 
 from tidal.errors import SpecError
-from tidal.spec.job import ModelSpec
+from tidal.spec.sections import ModelSpec
 from tidal.worker.models.gpt import GPT
 
 
