@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import secrets
 import time
 from collections.abc import Iterator
@@ -24,6 +23,7 @@ from tidal.admission.view import rows
 from tidal.cli import main
 from tidal.launch.jobs import Job, submit
 from tidal.testing.heads import ray_head
+from tidal.testing.processes import scaled, wait_for
 from tidal.testing.runs import job_run_id
 
 pytestmark = pytest.mark.slow
@@ -77,16 +77,10 @@ def queue(cluster) -> dict[str, dict]:
 
 
 def wait_until(check, timeout: float, what: str, *jobs: Job, poll: float = 0.5):
-    """`check()`'s first truthy value; on a timeout, what the queue and `jobs` said. The timeouts
-    are for an unloaded machine; TIDAL_TEST_TIMEOUT_SCALE stretches them on a shared one."""
-    timeout *= float(os.environ.get("TIDAL_TEST_TIMEOUT_SCALE", "1"))
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if (got := check()):
-            return got
-        time.sleep(poll)
-    said = "\n".join(f"--- {j.submission_id}:\n{j.logs()[-3000:]}" for j in jobs)
-    raise TimeoutError(f"not within {timeout:.0f}s: {what}\n{said}")
+    """`check()`'s first truthy value; on a timeout, what `jobs` said (timeouts for an unloaded machine,
+    stretched by TIDAL_TEST_TIMEOUT_SCALE as every wait_for's are)."""
+    return wait_for(what, check, timeout, every=poll,
+                    context=lambda: "\n".join(f"--- {j.submission_id}:\n{j.logs()[-3000:]}" for j in jobs))
 
 
 def every_step_once(spec) -> dict[int, float]:
@@ -106,7 +100,7 @@ def world_sizes(spec) -> list[int]:
 
 
 def ended(job: Job, timeout: float = 400) -> str:
-    state = job.wait(timeout=timeout * float(os.environ.get("TIDAL_TEST_TIMEOUT_SCALE", "1")))
+    state = job.wait(timeout=scaled(timeout))
     assert state == "SUCCEEDED", job.logs()[-4000:]
     return state
 
