@@ -13,6 +13,8 @@ on this project's shared 2-core machine (a quiet one is faster, so the estimate 
 yet counts as `UNMEASURED_S`. Regenerate after adding extended tests:
 
     python -m pytest -m extended --durations=0 | python -m tests.rotation --record
+
+A test that failed is not recorded (it stopped early); one measured before keeps the longer of its times.
 """
 
 from __future__ import annotations
@@ -81,13 +83,16 @@ def choose(ids: Iterable[str], measured: Mapping[str, float], commits: int | Non
 
 
 def parse_durations(lines: Iterable[str]) -> dict[str, float]:
-    """Per test, the sum of its setup, call and teardown from pytest's `--durations=0` lines."""
+    """Per test that passed, the sum of its setup, call and teardown from pytest's `--durations=0` lines; a
+    test that failed or errored (pytest's `-ra` summary names it) stopped early, so its time says nothing."""
     out: dict[str, float] = {}
+    failed: set[str] = set()
     for line in lines:
-        m = re.match(r"\s*([0-9.]+)s (?:setup|call|teardown)\s+(\S+::\S+)", line)
-        if m:
+        if m := re.match(r"\s*([0-9.]+)s (?:setup|call|teardown)\s+(\S+::\S+)", line):
             out[m.group(2)] = round(out.get(m.group(2), 0.0) + float(m.group(1)), 1)
-    return out
+        elif m := re.match(r"(?:FAILED|ERROR) (\S+::\S+)", line):
+            failed.add(m.group(1))
+    return {test: s for test, s in out.items() if test not in failed}
 
 
 def _git(*args: str) -> str | None:
@@ -118,10 +123,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--record", action="store_true",
                         help="read `pytest --durations=0` output on stdin and write it to " + DURATIONS.name)
     args = parser.parse_args(argv)
-    if args.record:
+    if args.record:  # several reports (a run in batches) add up; a test measured twice keeps its longer time
         measured = parse_durations(sys.stdin)
-        DURATIONS.write_text(json.dumps(dict(sorted(measured.items())), indent=1) + "\n")
-        print(f"recorded {len(measured)} durations in {DURATIONS.relative_to(ROOT)}", file=sys.stderr)
+        kept = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+        kept |= {test: max(s, kept.get(test, 0.0)) for test, s in measured.items()}
+        DURATIONS.write_text(json.dumps(dict(sorted(kept.items())), indent=1) + "\n")
+        print(f"recorded {len(measured)} durations in {DURATIONS.relative_to(ROOT)} ({len(kept)} in all)", file=sys.stderr)
         return 0
     measured = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
     commits, sha = _commit()
