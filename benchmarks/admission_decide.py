@@ -38,7 +38,8 @@ import time
 from datetime import date
 from typing import Any
 
-from tidal.admission.policy import QueuedJob, RunningJob, decide
+from tidal.admission.decision import QueuedJob, RunningJob
+from tidal.admission.policy import decide
 from tidal.admission.quotas import Quotas
 
 SECTION = "The team queue's decision at 100 to 3,000 jobs"

@@ -56,7 +56,7 @@ from benchmarks.common import Job, read_trace, update_doc, write_spec
 from tidal.spec.job import JobSpec
 from tidal.storage import RunDir, check_complete
 from tidal.testing.clusters import raylet_cluster
-from tidal.testing.processes import our_processes
+from tidal.testing.processes import our_processes, wait_for
 from tidal.testing.servers import MlflowServer, moto_s3
 from tidal.worker.checkpoint.fetch import CACHE_ENV, PREFIX
 from tidal.worker.checkpoint.repartition import COPIES
@@ -129,12 +129,14 @@ def _converting(run: RunDir) -> bool:
 
 
 def _until(cond: Callable[[], Any], timeout: float, poll: float = 0.1) -> Any:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
+    """`cond()`'s first truthy value, a look that raises counting as none; None after `timeout`."""
+    def look() -> Any:
         with suppress(Exception):
-            if value := cond():
-                return value
-        time.sleep(poll)
+            return cond()
+        return None
+
+    with suppress(TimeoutError):
+        return wait_for("a fault's moment", look, timeout, every=poll)
     return None
 
 

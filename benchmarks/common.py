@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -19,7 +20,7 @@ from typing import Any
 import yaml
 
 from tidal.spec.job import JobSpec
-from tidal.testing.processes import kill_session, start_in_session, venv_tools_first
+from tidal.testing.processes import kill_session, start_in_session, venv_tools_first, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -37,6 +38,25 @@ def in_turn(pair: int, *kinds: Any) -> tuple[Any, ...]:
     """The order pair number `pair` runs `kinds` in: as given for even pairs, reversed for odd, so
     each goes first as often (a machine warming up, a cache filling, favours neither side)."""
     return kinds if pair % 2 == 0 else kinds[::-1]
+
+
+def paired_rounds(pairs: int, kinds: tuple[str, str], measure: Callable[[int, str], Any],
+                  compare: Callable[[dict[str, Any]], dict[str, Any]],
+                  line: Callable[[int, dict[str, Any]], str]) -> list[dict[str, Any]]:
+    """`pairs` rounds of the two `kinds` measured in turn (`in_turn`), each round printed as it ends: the shape of
+    every benchmark that alternates two kinds. `measure(round, kind)` gives the kind's number (stored under the
+    kind) or a dict of several; `compare(round)` adds what the pair says (a ratio, a difference); `line(round
+    index, round)` is the round's printed line. Every round is returned, for the report's table of every pair."""
+    rounds = []
+    for i in range(pairs):
+        r: dict[str, Any] = {}
+        for kind in in_turn(i, *kinds):
+            got = measure(i, kind)
+            r.update(got if isinstance(got, dict) else {kind: got})
+        r.update(compare(r))
+        print(line(i, r), flush=True)
+        rounds.append(r)
+    return rounds
 
 
 venv_tools_first()  # before any benchmark starts Ray or a job: their processes inherit it
@@ -103,15 +123,12 @@ def settle(timeout_s: float = 60.0, quiet_s: float = 5.0) -> None:
     this 2-core machine (the first one's daemons were still winding down), whichever kind it was."""
     import psutil
 
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        busy = False
-        for p in psutil.process_iter(["cmdline"]):
-            cmd = " ".join(p.info["cmdline"] or [])
-            busy |= any(d in cmd for d in RAY_DAEMONS)
-        if not busy:
-            break
-        time.sleep(0.5)
+    def exited() -> bool:
+        return not any(d in " ".join(p.info["cmdline"] or []) for p in psutil.process_iter(["cmdline"])
+                       for d in RAY_DAEMONS)
+
+    with contextlib.suppress(TimeoutError):  # a daemon that lingers past it slows the run, it does not spoil it
+        wait_for("the previous run's Ray daemons to exit", exited, timeout_s, every=0.5)
     time.sleep(quiet_s)
 
 
@@ -174,15 +191,13 @@ class Job:
 
     def wait_exit(self, timeout_s: float) -> int:
         """Until a driver exits by itself (not killed by a fault); its exit code."""
-        deadline = time.time() + timeout_s
-        while time.time() < deadline:
+        def own_exit() -> tuple[int] | None:  # a tuple: an exit code of 0 is an answer too
             with self.lock:
                 proc = self.proc
             code = proc.poll() if proc else None
-            if code is not None and code != -signal.SIGKILL:
-                return code
-            time.sleep(0.5)
-        raise TimeoutError(f"the job did not end within {timeout_s} s; see {self.log}")
+            return (code,) if code is not None and code != -signal.SIGKILL else None
+
+        return wait_for(f"the job to end (see {self.log})", own_exit, timeout_s, every=0.5)[0]
 
     def records(self) -> list[dict[str, Any]]:
         return read_trace(self.trace)
@@ -192,21 +207,15 @@ class Job:
 
     def new_life_after(self, seen: int, timeout_s: float = 900) -> float:
         """The time of the first step of a life that starts after record `seen` (steps go back)."""
-        deadline = time.time() + timeout_s
-        while time.time() < deadline:
+        def first_of_new_life() -> float | None:
             recs = self.records()
-            for prev, r in zip(recs[seen - 1:], recs[seen:], strict=False):
-                if r["step"] <= prev["step"]:
-                    return r["ts"]
-            time.sleep(0.2)
-        raise TimeoutError(f"no new life within {timeout_s} s; see {self.log}")
+            return next((r["ts"] for prev, r in zip(recs[seen - 1:], recs[seen:], strict=False)
+                         if r["step"] <= prev["step"]), None)
+
+        return wait_for(f"a new life of the job (see {self.log})", first_of_new_life, timeout_s)
 
     def wait_steps(self, n: int, timeout_s: float = 600) -> None:
-        deadline = time.time() + timeout_s
-        while self.steps_done() < n:
-            if time.time() > deadline:
-                raise TimeoutError(f"the job did not reach {n} trace records; see {self.log}")
-            time.sleep(0.5)
+        wait_for(f"{n} trace records of the job (see {self.log})", lambda: self.steps_done() >= n, timeout_s, every=0.5)
 
 
 def pairs_main(doc: str | None, section: str, prefix: str, run: Callable[[int, Path], Any],

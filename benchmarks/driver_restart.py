@@ -25,7 +25,7 @@ os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")  # this process never beco
 import time
 from pathlib import Path
 
-from benchmarks.common import Job, in_turn, median, pairs_main, write_spec
+from benchmarks.common import Job, median, paired_rounds, pairs_main, write_spec
 from tidal.spec.job import JobSpec
 from tidal.testing.clusters import raylet_cluster
 from tidal.testing.processes import kill, our_processes
@@ -65,20 +65,16 @@ def run(pairs: int, tmp: Path) -> list[dict[str, float]]:
         spec = job_spec(tmp)
         job = Job(write_spec(spec, tmp / "job.yaml"), cluster.address, tmp / "loss.trace", tmp / "driver.log")
         job.start()
-        rounds = []
+        def measure(i: int, kind: str) -> float:
+            job.wait_steps(job.steps_done() + 40)  # past a checkpoint, at full speed again
+            return kill_worker(job) if kind == "worker" else kill_driver(job)
+
         try:
-            for i in range(pairs):
-                r: dict[str, float] = {}
-                for kind in in_turn(i, "worker", "driver"):
-                    job.wait_steps(job.steps_done() + 40)  # past a checkpoint, at full speed again
-                    r[kind] = kill_worker(job) if kind == "worker" else kill_driver(job)
-                r["ratio"] = r["driver"] / r["worker"]
-                print(f"round {i + 1}: worker killed -> first step {r['worker']:.1f} s, driver killed -> "
-                      f"first step {r['driver']:.1f} s: ratio {r['ratio']:.2f}", flush=True)
-                rounds.append(r)
+            return paired_rounds(pairs, ("worker", "driver"), measure, lambda r: {"ratio": r["driver"] / r["worker"]},
+                                 lambda i, r: f"round {i + 1}: worker killed -> first step {r['worker']:.1f} s, driver "
+                                 f"killed -> first step {r['driver']:.1f} s: ratio {r['ratio']:.2f}")
         finally:
             job.stop()
-        return rounds
 
 
 def report(rounds: list[dict[str, float]], pairs: int) -> str:

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import in_turn, median, pairs_main
+from benchmarks.common import median, paired_rounds, pairs_main
 from tidal.launch.jobs import Job, connect
 from tidal.testing.heads import ray_head
 
@@ -45,17 +45,13 @@ def one(client: Any, address: str, kind: str) -> float:
 
 
 def run(pairs: int, tmp: Path) -> list[dict[str, float]]:
-    rounds = []
     (tmp / "head").mkdir()
     with ray_head(tmp / "head", 2, {}) as head:
         client = connect(head.address)
         one(client, head.address, "tidal")  # the head's first job starts its agent's job machinery: not timed
-        for i in range(pairs):
-            r = {kind: one(client, head.address, kind) for kind in in_turn(i, "ray", "tidal")}
-            print(f"round {i + 1}: Ray's stream {r['ray']:.2f} s after the end, Tidal's follow {r['tidal']:.2f} s",
-                  flush=True)
-            rounds.append(r)
-    return rounds
+        return paired_rounds(pairs, ("ray", "tidal"), lambda i, kind: one(client, head.address, kind), lambda r: {},
+                             lambda i, r: f"round {i + 1}: Ray's stream {r['ray']:.2f} s after the end, Tidal's follow "
+                             f"{r['tidal']:.2f} s")
 
 
 def report(rounds: list[dict[str, float]], pairs: int) -> str:

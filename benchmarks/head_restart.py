@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from benchmarks.common import ROOT, in_turn, median, pairs_main, read_trace
+from benchmarks.common import ROOT, median, paired_rounds, pairs_main, read_trace
 from tidal.launch.jobs import submit
 from tidal.spec.job import JobSpec
 from tidal.testing.heads import ray_head
@@ -82,19 +82,15 @@ def lost_head(tmp: Path, redis: str) -> float:
 
 
 def run(pairs: int, tmp: Path) -> list[dict[str, float]]:
-    rounds = []
     with redis_server(tmp / "redis.log") as redis:
-        for i in range(pairs):
-            r: dict[str, float] = {}
-            for kind in in_turn(i, "fresh", "lost"):
-                folder = tmp / f"{i}-{kind}"
-                folder.mkdir()
-                r[kind] = fresh(folder, redis) if kind == "fresh" else lost_head(folder, redis)
-            r["ratio"] = r["lost"] / r["fresh"]
-            print(f"round {i + 1}: fresh submission -> first step {r['fresh']:.1f} s, lost head -> first step "
-                  f"{r['lost']:.1f} s: ratio {r['ratio']:.2f}", flush=True)
-            rounds.append(r)
-    return rounds
+        def measure(i: int, kind: str) -> float:
+            folder = tmp / f"{i}-{kind}"
+            folder.mkdir()
+            return fresh(folder, redis) if kind == "fresh" else lost_head(folder, redis)
+
+        return paired_rounds(pairs, ("fresh", "lost"), measure, lambda r: {"ratio": r["lost"] / r["fresh"]},
+                             lambda i, r: f"round {i + 1}: fresh submission -> first step {r['fresh']:.1f} s, lost head "
+                             f"-> first step {r['lost']:.1f} s: ratio {r['ratio']:.2f}")
 
 
 def report(rounds: list[dict[str, float]], pairs: int) -> str:

@@ -21,7 +21,6 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 from mlflow.tracking import MlflowClient
 
@@ -29,6 +28,7 @@ import tidal
 from benchmarks.common import update_doc
 from tidal.spec.job import JobSpec
 from tidal.testing.clusters import raylet_cluster
+from tidal.testing.processes import wait_for
 
 ELASTIC_CHECK_S = 10.0  # how often the job looks for room to grow (the spec's default is 60 s)
 
@@ -51,13 +51,14 @@ def measure(name: str) -> tuple[float, float]:
             threading.Thread(target=tidal.run, args=(spec,), daemon=True).start()
             client = MlflowClient(spec.tracking.uri)
             run_id = _wait_run(client)
-            _wait(lambda: _last(client, run_id, "world_size") is not None and _last(client, run_id, "loss")[0] >= 30)
+            wait_for("30 steps at the full size", lambda: _last(client, run_id, "world_size") is not None
+                     and _last(client, run_id, "loss")[0] >= 30, 300, every=0.3)
             t_loss = time.time()
             cluster.remove_node(nodes[1])
-            shrink = _wait(lambda: _first_at_size(client, run_id, 1, t_loss), timeout=600) - t_loss
+            shrink = wait_for("a step at 1 worker", lambda: _first_at_size(client, run_id, 1, t_loss), 600, every=0.3) - t_loss
             cluster.add_node(num_cpus=1)  # returns once the node is registered
             t_back = time.time()
-            grow = _wait(lambda: _first_at_size(client, run_id, 2, t_back), timeout=600) - t_back
+            grow = wait_for("a step at 2 workers", lambda: _first_at_size(client, run_id, 2, t_back), 600, every=0.3) - t_back
     return shrink, grow
 
 
@@ -105,14 +106,12 @@ interval). The coordinator itself looks at the cluster's nodes only every 20 s.
 
 
 def _wait_run(client: MlflowClient, timeout: float = 300) -> str:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
+    def run_id() -> str | None:
         exp = client.get_experiment_by_name("bench")
         runs = client.search_runs([exp.experiment_id]) if exp else []
-        if runs:
-            return runs[0].info.run_id
-        time.sleep(0.5)
-    raise TimeoutError("no MLflow run")
+        return runs[0].info.run_id if runs else None
+
+    return wait_for("the job's MLflow run", run_id, timeout, every=0.5)
 
 
 def _last(client: MlflowClient, run_id: str, key: str) -> tuple[int, float] | None:
@@ -129,14 +128,6 @@ def _first_at_size(client: MlflowClient, run_id: str, size: int, after: float) -
     return min(times) if times else None
 
 
-def _wait(cond, timeout: float = 300) -> Any:
-    """The first truthy value `cond()` returns, polled every 0.3 s."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if value := cond():
-            return value
-        time.sleep(0.3)
-    raise TimeoutError("condition not met")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from benchmarks.common import ROOT, in_turn, median, pairs_main, read_trace
+from benchmarks.common import ROOT, median, paired_rounds, pairs_main, read_trace
 from tidal.admission.queue_doc import load_queue
 from tidal.launch.jobs import connect, submit
 from tidal.spec.job import JobSpec
@@ -73,18 +73,14 @@ def one(tmp: Path, park: bool) -> float:
 
 
 def run(pairs: int, tmp: Path) -> list[dict[str, float]]:
-    rounds = []
-    for i in range(pairs):
-        r: dict[str, float] = {}
-        for kind in in_turn(i, "driver", "parked"):
-            folder = tmp / f"{i}-{kind}"
-            folder.mkdir()
-            r[kind] = one(folder, park=kind == "parked")
-        r["extra"] = r["parked"] - r["driver"]
-        print(f"round {i + 1}: waiting driver {r['driver']:.1f} s, parked {r['parked']:.1f} s "
-              f"({r['extra']:+.1f} s)", flush=True)
-        rounds.append(r)
-    return rounds
+    def measure(i: int, kind: str) -> float:
+        folder = tmp / f"{i}-{kind}"
+        folder.mkdir()
+        return one(folder, park=kind == "parked")
+
+    return paired_rounds(pairs, ("driver", "parked"), measure, lambda r: {"extra": r["parked"] - r["driver"]},
+                         lambda i, r: f"round {i + 1}: waiting driver {r['driver']:.1f} s, parked {r['parked']:.1f} s "
+                         f"({r['extra']:+.1f} s)")
 
 
 def report(rounds: list[dict[str, float]], pairs: int) -> str:

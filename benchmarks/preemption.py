@@ -23,9 +23,10 @@ from typing import Any
 
 import yaml
 
-from benchmarks.common import Job, in_turn, median, pairs_main, write_spec
+from benchmarks.common import Job, median, paired_rounds, pairs_main, write_spec
 from tidal.spec.job import JobSpec
 from tidal.testing.heads import ray_head
+from tidal.testing.processes import wait_for
 
 SECTION = "Preemption by shrinking: an urgent job on a full cluster"
 QUOTAS = {"unit": "workers", "min_resize_interval_s": 5, "priorities": ["low", "normal", "high"]}
@@ -55,12 +56,7 @@ def launch(spec: JobSpec, tmp: Path, gcs: str) -> tuple[Job, float]:
 
 
 def first_step_after(job: Job, t: float, timeout_s: float = 300) -> float:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        if recs := job.records():
-            return recs[0]["ts"] - t
-        time.sleep(0.2)
-    raise TimeoutError(f"no first step within {timeout_s} s; see {job.log}")
+    return wait_for(f"the job's first step (see {job.log})", job.records, timeout_s)[0]["ts"] - t
 
 
 def wait_done(job: Job, timeout_s: float = 900) -> None:
@@ -87,11 +83,8 @@ def idle_round(tmp: Path, gcs: str, i: int) -> float:
 
 def full_round(tmp: Path, gcs: str, i: int) -> dict[str, Any]:
     low, _ = launch(job_spec(tmp, f"low-{i}", 1, 4, 400, "low"), tmp, gcs)
-    deadline = time.time() + 300
-    while not any(r["world"] == 4 for r in low.records()[-1:]) or len(low.records()) < 30:
-        if time.time() > deadline:
-            raise TimeoutError(f"the low job never trained at 4 workers; see {low.log}")
-        time.sleep(0.5)
+    wait_for(f"the low job training at 4 workers (see {low.log})",
+             lambda: any(r["world"] == 4 for r in low.records()[-1:]) and len(low.records()) >= 30, 300, every=0.5)
     high, t = launch(job_spec(tmp, f"full-high-{i}", 2, 2, 20, "high"), tmp, gcs)
     first = first_step_after(high, t)
     wait_done(high)
@@ -106,21 +99,14 @@ def run(pairs: int, tmp: Path) -> list[dict[str, Any]]:
     (tmp / "quotas.yaml").write_text(yaml.safe_dump(QUOTAS))
     env = {"TIDAL_QUOTAS": str(tmp / "quotas.yaml"), "TIDAL_QUEUE": str(tmp / "queue.json")}
     os.environ.update(env)  # the drivers (`tidal run` on this machine) read the cluster's quota file
-    rounds = []
     with ray_head(tmp, 4, env) as head:
-        for i in range(pairs):
-            r: dict[str, Any] = {}
-            for kind in in_turn(i, "idle", "full"):
-                if kind == "idle":
-                    r["idle"] = idle_round(tmp, head.gcs, i)
-                else:
-                    r.update(full_round(tmp, head.gcs, i))
-            r["ratio"] = r["first"] / r["idle"]
-            print(f"pair {i + 1}: first step idle {r['idle']:.1f} s, full {r['first']:.1f} s (ratio {r['ratio']:.2f}); "
-                  f"low job's worlds {r['worlds']}, lost per resize {', '.join(f'{g:.1f}' for g in r['gaps'])} s, "
-                  f"steps trained twice {r['twice']}", flush=True)
-            rounds.append(r)
-    return rounds
+        return paired_rounds(
+            pairs, ("idle", "full"),
+            lambda i, kind: idle_round(tmp, head.gcs, i) if kind == "idle" else full_round(tmp, head.gcs, i),
+            lambda r: {"ratio": r["first"] / r["idle"]},
+            lambda i, r: f"pair {i + 1}: first step idle {r['idle']:.1f} s, full {r['first']:.1f} s (ratio "
+            f"{r['ratio']:.2f}); low job's worlds {r['worlds']}, lost per resize "
+            f"{', '.join(f'{g:.1f}' for g in r['gaps'])} s, steps trained twice {r['twice']}")
 
 
 def report(rounds: list[dict[str, Any]], pairs: int) -> str:

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tidal.spec.job import ModelSpec
+from tidal.spec.sections import ModelSpec
 
 
 class Bigram(nn.Module):

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tidal.spec.job import ModelSpec
+from tidal.spec.sections import ModelSpec
 
 # What torch names when it refuses this state; the spec's checkpoint.safe_globals lists them.
 NUMPY_SCALAR = ["numpy._core.multiarray.scalar", "numpy.dtype", "numpy.dtypes.Float64DType"]

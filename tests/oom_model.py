@@ -15,7 +15,7 @@ import os
 import torch
 
 from tests.custom_model import Bigram
-from tidal.spec.job import ModelSpec
+from tidal.spec.sections import ModelSpec
 
 
 class OutOfMemoryAbove(Bigram):

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from tests.custom_model import Bigram
-from tidal.spec.job import ModelSpec
+from tidal.spec.sections import ModelSpec
 
 
 class SlowOnOneRank(Bigram):

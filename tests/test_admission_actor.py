@@ -15,7 +15,8 @@ import pytest
 import yaml
 
 from tidal.admission import actor as actor_module
-from tidal.admission.actor import Admitter, onprem_capacity, queue_document
+from tidal.admission.actor import Admitter, onprem_capacity
+from tidal.admission.naming import queue_document
 from tidal.admission.queue_doc import load_queue
 from tidal.admission.quotas import Quotas
 
@@ -210,7 +211,7 @@ def test_capacity_counts_live_onprem_nodes_in_the_files_unit():
 
 
 def test_a_submitted_job_is_known_by_its_submission_id():
-    from tidal.admission.actor import job_key
+    from tidal.admission.naming import job_key
 
     config = json.dumps({"runtime_env": {}, "metadata": {"job_submission_id": "low-4f2a1c"}})
     assert job_key("low", {"RAY_JOB_CONFIG_JSON_ENV_VAR": config}) == "low-4f2a1c"

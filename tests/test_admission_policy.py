@@ -4,7 +4,8 @@ cluster would see happen to their jobs, case by case (issue #36's "Must show")."
 from __future__ import annotations
 
 from tidal.admission.cloud import BurstRequest, CloudUse, aggregate_bursts
-from tidal.admission.policy import QueuedJob, RunningJob, decide
+from tidal.admission.decision import QueuedJob, RunningJob
+from tidal.admission.policy import decide
 from tidal.admission.quotas import Quotas
 
 GAP = 60.0  # min_resize_interval_s in these tests
@@ -226,7 +227,7 @@ def test_cloud_quota_caps_a_teams_bursts():
 
 
 def test_a_teams_use_counts_gpu_hours_and_cost_from_the_node_price_labels():
-    from tidal.cluster.prices import PRICE_LABEL, worker_price
+    from tidal.prices import PRICE_LABEL, worker_price
 
     # a 2-GPU worker on an 8-GPU node priced 32.00 per hour pays a quarter of it
     price = worker_price({PRICE_LABEL: "32.00"}, {"GPU": 8, "CPU": 96}, cpus=8, gpus=2)

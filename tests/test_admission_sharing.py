@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import secrets
 import time
 from collections.abc import Iterator
@@ -24,6 +23,7 @@ from tidal.admission.view import rows
 from tidal.cli import main
 from tidal.launch.jobs import Job, submit
 from tidal.testing.heads import ray_head
+from tidal.testing.processes import scaled, wait_for
 from tidal.testing.runs import job_run_id
 
 pytestmark = pytest.mark.slow
@@ -77,16 +77,10 @@ def queue(cluster) -> dict[str, dict]:
 
 
 def wait_until(check, timeout: float, what: str, *jobs: Job, poll: float = 0.5):
-    """`check()`'s first truthy value; on a timeout, what the queue and `jobs` said. The timeouts
-    are for an unloaded machine; TIDAL_TEST_TIMEOUT_SCALE stretches them on a shared one."""
-    timeout *= float(os.environ.get("TIDAL_TEST_TIMEOUT_SCALE", "1"))
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if (got := check()):
-            return got
-        time.sleep(poll)
-    said = "\n".join(f"--- {j.submission_id}:\n{j.logs()[-3000:]}" for j in jobs)
-    raise TimeoutError(f"not within {timeout:.0f}s: {what}\n{said}")
+    """`check()`'s first truthy value; on a timeout, what `jobs` said (timeouts for an unloaded machine,
+    stretched by TIDAL_TEST_TIMEOUT_SCALE as every wait_for's are)."""
+    return wait_for(what, check, timeout, every=poll,
+                    context=lambda: "\n".join(f"--- {j.submission_id}:\n{j.logs()[-3000:]}" for j in jobs))
 
 
 def every_step_once(spec) -> dict[int, float]:
@@ -106,7 +100,7 @@ def world_sizes(spec) -> list[int]:
 
 
 def ended(job: Job, timeout: float = 400) -> str:
-    state = job.wait(timeout=timeout * float(os.environ.get("TIDAL_TEST_TIMEOUT_SCALE", "1")))
+    state = job.wait(timeout=scaled(timeout))
     assert state == "SUCCEEDED", job.logs()[-4000:]
     return state
 
@@ -138,10 +132,17 @@ def test_a_high_priority_job_shrinks_the_low_one_which_grows_back_and_loses_noth
     tags = MlflowClient(low.tracking.uri).get_run(job_run_id(low)).data.tags
     assert (tags["tidal.team"], tags["tidal.priority"]) == ("research", "low") and "tidal.queue_wait_s" in tags
     # The same job alone on the cluster, never resized: its stored losses (tests/golden.py).
+    # Rounding, not a drift: at 1 worker a step sums its 12 micro-batches in another order than 2 workers' 6 + 6,
+    # and training amplifies that last-bit difference about 2.2 times every 10 steps while the job runs at 1
+    # (measured 2026-12-02: 1e-6 at the shrink, step 68, 2e-4 by the grow-back at step 172, with no jump at
+    # either resize; back at 2 it decays with the learning rate, to 1.5e-5 at step 320); a shrink that lasts
+    # 100 steps thus ends near 1e-4 of the loss. A lost or repeated batch moves the loss by what one batch's
+    # loss differs from the next's, 1e-2 to 1e-1 here: a relative 1e-3 tells them apart, where an absolute 1e-4
+    # failed on rounding (worst 2.5e-4 at step 199, 3.3e-4 of that step's loss).
     alone = reference_losses("admission-sharing-low-alone", job_spec(tmp_path, "low-alone", 1, 2, 320, "low"))
-    worst = max(abs(loss[s] - alone[s]) for s in loss)
-    assert worst < 1e-4, f"losses departed from the undisturbed run by {worst:.2e}"
-    print(f"decided within {shrunk_after:.1f}s of the high job's submission; worst loss difference {worst:.1e}")
+    worst = max(abs(loss[s] - alone[s]) / abs(alone[s]) for s in loss)
+    assert worst < 1e-3, f"losses departed from the undisturbed run by {worst:.2e} of the loss"
+    print(f"decided within {shrunk_after:.1f}s of the high job's submission; worst relative loss difference {worst:.1e}")
 
 
 @pytest.mark.extended  # outside the suite's budget (pyproject.toml): quota and borrowing rules are unit-tested (test_admission_policy)

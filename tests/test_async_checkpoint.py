@@ -4,7 +4,6 @@ the background resumes from the previous complete one, with an undisturbed run's
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ from tests.conftest import metric_history, tiny_spec
 from tests.golden import reference_losses
 from tests.helpers import kill, our_processes
 from tidal.storage import STATE_FILE, RunDir, check_complete, checkpoint_dir_name
+from tidal.testing.processes import wait_for
 from tidal.worker.checkpoint.snapshot import WRITE_DELAY_ENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local")]
@@ -33,9 +33,7 @@ def test_worker_killed_during_a_background_write_resumes_from_the_previous_check
 
     def kill_during_write() -> None:
         half_written = f"{run.path}/{checkpoint_dir_name(20)}"
-        deadline = time.time() + 240
-        while time.time() < deadline and not (Path(half_written) / STATE_FILE).exists():
-            time.sleep(0.02)
+        wait_for("checkpoint 20's state file", (Path(half_written) / STATE_FILE).exists, 240, every=0.02)
         seen["problem"] = check_complete(run.fs, half_written)[0]
         seen["previous"] = check_complete(run.fs, f"{run.path}/{checkpoint_dir_name(10)}")[0]
         workers = our_processes("RayTrainWorker")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 
 import pytest
 
@@ -32,6 +31,7 @@ from tidal.storage import (
     listed_files,
     manifest_name,
 )
+from tidal.testing.processes import wait_for
 from tidal.worker.checkpoint.snapshot import WRITE_DELAY_ENV
 
 # The S3 server's address must be in the environment before this module's Ray instance starts.
@@ -46,15 +46,12 @@ def kill_all_workers_once_rank1_wrote(run: RunDir, step: int, seen: dict[str, ob
     """SIGKILL every train worker once rank 1's manifest of `step` is in storage and rank 0's is
     not (rank 0 pauses before its manifest): a node lost mid-save, one rank's files finished."""
     folder = f"{run.path}/{checkpoint_dir_name(step)}"
-    deadline = time.time() + 240
-    while time.time() < deadline:
-        if fs.exists(run.fs, f"{folder}/{manifest_name(1)}") and fs.exists(run.fs, f"{folder}/{STATE_FILE}"):
-            seen["rank0_unfinished"] = not fs.exists(run.fs, f"{folder}/{manifest_name(0)}")
-            for proc in our_processes("RayTrainWorker"):
-                kill(proc)
-                seen["killed"] = True
-            return
-        time.sleep(0.05)
+    wait_for(f"rank 1's manifest of step {step}", lambda: fs.exists(run.fs, f"{folder}/{manifest_name(1)}")
+             and fs.exists(run.fs, f"{folder}/{STATE_FILE}"), 240, every=0.05)
+    seen["rank0_unfinished"] = not fs.exists(run.fs, f"{folder}/{manifest_name(0)}")
+    for proc in our_processes("RayTrainWorker"):
+        kill(proc)
+        seen["killed"] = True
 
 
 @pytest.mark.parametrize("stage", [2, pytest.param(3, marks=pytest.mark.extended)])  # 3: the same attempts code

@@ -71,7 +71,7 @@ def burst_cluster() -> Iterator[str]:
 def nodes_by_site() -> dict[str, int]:
     import ray
 
-    from tidal.cluster.burst import node_site
+    from tidal.sites import node_site
 
     counts: dict[str, int] = {}
     for n in ray.nodes():
@@ -141,7 +141,7 @@ def test_two_jobs_bursts_are_summed_and_a_team_past_its_budget_is_refused(burst_
     and a team whose cloud budget is spent is refused, naming the team and the budget."""
     import ray
 
-    from tidal.admission.actor import ACTOR, NAMESPACE
+    from tidal.admission.naming import ACTOR, NAMESPACE
     from tidal.cluster.burst import BurstWatcher
 
     quotas = {"unit": "gpus", "defaults": {"team": "vision", "priority": "normal"},

@@ -15,7 +15,6 @@ import pytest
 import yaml
 
 from tests.conftest import ROOT, tiny_spec
-from tidal.cluster import SITE_LABEL
 from tidal.cluster.burst import (
     SITE_SLIVER,
     BurstWatcher,
@@ -30,8 +29,9 @@ from tidal.cluster.check import validate_cluster_config
 from tidal.cluster.cli import register
 from tidal.cluster.configs import check_launcher
 from tidal.cluster.kuberay import check_kuberay
-from tidal.cluster.prices import PRICE_LABEL, worker_price
 from tidal.cluster.status import format_demand, format_workers
+from tidal.prices import PRICE_LABEL, worker_price
+from tidal.sites import SITE_LABEL
 from tidal.spec.parse import load_yaml
 
 CONFIGS = sorted((ROOT / "cluster_configs").rglob("*.yaml"))

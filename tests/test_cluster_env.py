@@ -70,7 +70,7 @@ def test_a_relative_cluster_storage_is_refused(tmp_path):
 
 
 def test_submit_forwards_only_settings_that_mean_the_same_on_the_cluster(capsys):
-    from tidal.launch.jobs import forwarded_env
+    from tidal.launch.submission import forwarded_env
 
     laptop = {"MLFLOW_TRACKING_URI": "http://mlflow.team:5000", "TIDAL_STORAGE": "s3://team/tidal",
               "MLFLOW_EXPERIMENT_NAME": "mine", "HOME": "/home/me"}

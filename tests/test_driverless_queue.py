@@ -10,7 +10,6 @@ driver's, which has the package unpacked in its cache, could not set up their ru
 
 from __future__ import annotations
 
-import os
 import secrets
 import time
 
@@ -21,11 +20,10 @@ from tests.conftest import ROOT, one_worker_spec
 from tidal.admission.queue_doc import load_queue
 from tidal.launch.jobs import Job, connect, list_jobs, submit
 from tidal.testing.heads import ray_head, wait_accepting_jobs
-from tidal.testing.processes import wait_for
+from tidal.testing.processes import scaled, wait_for
 from tidal.testing.runs import job_run_id, metric_history
 
 pytestmark = pytest.mark.slow
-SCALE = float(os.environ.get("TIDAL_TEST_TIMEOUT_SCALE", "1"))
 PIN_S = 15  # how long the head keeps an upload whatever holds it (Ray's default: 600)
 
 
@@ -71,7 +69,7 @@ def test_waiting_jobs_hold_no_driver_and_start_by_themselves_or_never_once_stopp
                               for n, j in jobs.items())
 
         wait_for("first RUNNING", lambda: (e := load_queue(queue).get(jobs["first"].submission_id))
-                 and e.state == "RUNNING", timeout=120 * SCALE, context=seen)
+                 and e.state == "RUNNING", timeout=120, context=seen)
         jobs["second"], jobs["third"] = send(second), send(third)
         sent_at = time.time()
         client = connect(head.address)
@@ -82,7 +80,7 @@ def test_waiting_jobs_hold_no_driver_and_start_by_themselves_or_never_once_stopp
                        and str(client.get_job_status(jobs[n].submission_id).value) == "SUCCEEDED"
                        for n in ("second", "third"))
 
-        wait_for("second and third parked, their drivers ended", parked, timeout=120 * SCALE, every=0.5, context=seen)
+        wait_for("second and third parked, their drivers ended", parked, timeout=120, every=0.5, context=seen)
         assert jobs["second"].status() == "QUEUED" and jobs["third"].status() == "QUEUED"
         assert "waits in the cluster's queue" in jobs["second"].logs()
         assert jobs["third"].stop(), "a parked job can be stopped"
@@ -100,11 +98,11 @@ def test_waiting_jobs_hold_no_driver_and_start_by_themselves_or_never_once_stopp
         # queue and streams the driver admission starts, to the job's end.
         followed = "".join(jobs["second"].follow(poll_s=0.5))
         assert "waits in the cluster's queue" in followed and "finished in" in followed, followed[-3000:]
-        assert jobs["second"].wait(timeout=60 * SCALE) == "SUCCEEDED", jobs["second"].logs()[-3000:]
-        assert jobs["first"].wait(timeout=60 * SCALE) == "SUCCEEDED", jobs["first"].logs()[-3000:]
+        assert jobs["second"].wait(timeout=scaled(60)) == "SUCCEEDED", jobs["second"].logs()[-3000:]
+        assert jobs["first"].wait(timeout=scaled(60)) == "SUCCEEDED", jobs["first"].logs()[-3000:]
         logs = jobs["second"].logs()
         assert "waits in the cluster's queue" in logs and "finished in" in logs, "the logs follow it to its end"
-        wait_for("the queue empty", lambda: not load_queue(queue).entries, timeout=60 * SCALE, context=seen)
+        wait_for("the queue empty", lambda: not load_queue(queue).entries, timeout=60, context=seen)
         ran = {j.submission_id for j in client.list_jobs() if (j.metadata or {}).get("tidal.job") == "second"}
         assert len(ran) == 2 and all(s.startswith(jobs["second"].submission_id) for s in ran), ran
         assert {r["name"]: r["status"] for r in list_jobs(head.address)} == {

@@ -172,13 +172,11 @@ def wait_for_world_size(spec, size: int, timeout: float = 180) -> None:
 
     client = __import__("mlflow").tracking.MlflowClient(spec.tracking.uri)
     run_id = job_run_id(spec)
-    deadline = time.time() + timeout
-    while time.time() < deadline:
+    def at_size() -> bool:
         hist = client.get_metric_history(run_id, "world_size")
-        if hist and max(hist, key=lambda m: m.step).value == size:
-            return
-        time.sleep(0.2)
-    raise TimeoutError(f"world size never became {size}")
+        return bool(hist) and max(hist, key=lambda m: m.step).value == size
+
+    wait_for(f"world size {size}", at_size, timeout)
 
 
 @pytest.mark.extended  # outside the suite's budget (pyproject.toml): sizing after a node loss also in the shrink/grow test
@@ -207,9 +205,8 @@ def test_after_a_failure_the_next_group_is_sized_without_the_lost_node(cluster):
 
     assert reserved_nodes() == 2
     cluster.remove_node(nodes[-1])
-    deadline = time.time() + 30
-    while any(n["Alive"] for n in ray.nodes() if n["NodeID"] == nodes[-1].node_id) and time.time() < deadline:
-        time.sleep(0.1)
+    wait_for("the removed node dead in Ray's view",
+             lambda: not any(n["Alive"] for n in ray.nodes() if n["NodeID"] == nodes[-1].node_id), 60, every=0.1)
     assert reserved_nodes() == 2, "Ray's own view still counts the lost node (why ClusterView exists)"
     view = ClusterView(every_s=0.1, for_s=0.0)
     view.after_exception(None, {0: RuntimeError("node lost")})

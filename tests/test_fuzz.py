@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from tidal.errors import SpecError
 from tidal.spec import JobSpec, load_spec
-from tidal.spec.load import apply_overrides, validate
+from tidal.spec.load import validate
+from tidal.spec.parse import apply_overrides
 
 SECTIONS = list(JobSpec.model_fields)
 KEYS = sorted({k for name, f in JobSpec.model_fields.items() if hasattr(f.annotation, "model_fields")

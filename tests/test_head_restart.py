@@ -8,7 +8,6 @@ waiting one after it."""
 
 from __future__ import annotations
 
-import os
 import secrets
 import time
 
@@ -26,7 +25,6 @@ from tidal.testing.servers import gcs_ft_env, redis_server
 
 pytestmark = pytest.mark.slow
 QUOTAS = {"unit": "workers", "capacity": 1, "min_resize_interval_s": 5}
-SCALE = float(os.environ.get("TIDAL_TEST_TIMEOUT_SCALE", "1"))
 
 
 def states(queue: str) -> dict[str, str]:
@@ -56,17 +54,17 @@ def test_a_lost_head_s_running_and_waiting_jobs_start_again_by_themselves_and_lo
                 ids[spec.name] = submit(spec, head.address, working_dir=ROOT,
                                         submission_id=f"{spec.name}-{secrets.token_hex(3)}").submission_id
                 if spec is first:
-                    wait_for_step(first, 12, timeout=240 * SCALE)  # two checkpoints saved
+                    wait_for_step(first, 12, timeout=240)  # two checkpoints saved
             wait_for("second QUEUED behind first", lambda: states(queue) == {"first": "RUNNING", "second": "QUEUED"},
-                     timeout=60 * SCALE)
+                     timeout=60)
         logged = max(metric_history(first, job_run_id(first), "loss"))
         assert logged < first.train.steps, "the head was lost while the first job trained"
         (tmp_path / "h2").mkdir()
         with ray_head(tmp_path / "h2", 2, env, port=port, token=token) as head:
             up = time.time()
-            again = first_step_after(first, logged, timeout=300 * SCALE) - up
+            again = first_step_after(first, logged, timeout=300) - up
             hold.unlink()
-            started = first_step_after(second, 0, timeout=400 * SCALE) - up
+            started = first_step_after(second, 0, timeout=400) - up
             client = connect(head.address)
 
             def relaunched() -> dict[str, str]:
@@ -77,7 +75,7 @@ def test_a_lost_head_s_running_and_waiting_jobs_start_again_by_themselves_and_lo
             # (admission/parking.py): the queue is empty once every driver has ended.
             wait_for("every relaunched driver to end, the queue empty", lambda: len(relaunched()) >= 2 and all(
                 s in ("SUCCEEDED", "FAILED", "STOPPED") for s in relaunched().values())
-                and not load_queue(queue).entries, timeout=300 * SCALE, every=1.0)
+                and not load_queue(queue).entries, timeout=300, every=1.0)
             jobs = relaunched()
         print(f"\n[head restart] (MLflow's clock; benchmarks.head_restart times it from the loss trace) from the new head's Jobs API to the first step: first (running) {again:.1f}s, "
               f"second (queued) {started:.1f}s")

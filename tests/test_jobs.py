@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from tests.helpers import driver_in
 from tidal.cli import main
 from tidal.errors import TidalError
 from tidal.launch.jobs import submit
+from tidal.testing.processes import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -75,9 +75,7 @@ def test_submit_exits_by_the_outcome_no_wait_returns_at_once_and_stop_stops(head
     out = capsys.readouterr().out
     assert "[tidal] step" not in out
     job = Job(out.split("submitted 'to-stop' as ")[1].split()[0], head)
-    deadline = time.time() + 180
-    while not job.progress() and time.time() < deadline:
-        time.sleep(1)
+    wait_for("the job's first step", job.progress, 180, every=1.0)
     assert job.progress()["step"] >= 1, "job never started training"
 
     assert main(["submit", str(path), "--address", head]) == 1
@@ -108,9 +106,8 @@ def test_a_run_on_the_head_node_uses_its_cluster(head, head_tmp):
     """Logged in to a head node, no RAY_ADDRESS: a driver joins the cluster `ray start` recorded there
     (token auth included), as ray.init() does, rather than starting an instance of its own."""
     recorded = head_tmp / "ray" / "ray_current_cluster"
-    deadline = time.time() + 60  # `ray start` records it once started, which can be after its dashboard answers
-    while not recorded.is_file() and time.time() < deadline:
-        time.sleep(0.2)
+    # `ray start` records it once started, which can be after its dashboard answers
+    wait_for("`ray start`'s record of its cluster", recorded.is_file, 60)
     proc = driver_in(head_tmp)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "`ray start` started on this machine" in proc.stdout

@@ -1,6 +1,7 @@
 """Imports flow one way (see `tidal/__init__.py`): a test over the AST of every module in
 `platform/tidal`, function-level imports included, so that a circle hidden inside a function
-still fails. Imports under `if TYPE_CHECKING:` are left out: they never run, they only name types.
+still fails; at the scale of folders too, where two folders on one layer importing each other is a
+circle that no module-level cycle shows. Imports under `if TYPE_CHECKING:` are left out: they never run, they only name types.
 Also: Ray's private modules only in `tidal/ray_private.py`, and the driver never imports torch."""
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ LAYERS: list[tuple[str, ...]] = [
     ("tidal.worker", "tidal.eval_best", "tidal.job_end"),
     ("tidal.worker.checkpoint",),
     ("tidal.tracking",),
-    ("tidal.storage", "tidal.lease", "tidal.cluster", "tidal.admission"),
+    ("tidal.storage", "tidal.cluster"),
+    ("tidal.lease", "tidal.admission"),
     ("tidal.fs", "tidal.exclusive", "tidal.errors", "tidal.output", "tidal.version", "tidal.ray_private", "tidal.redact",
-     "tidal.ray_auth", "tidal.goodput"),
+     "tidal.ray_auth", "tidal.sites", "tidal.prices", "tidal.goodput"),
 ]
 SPEC = "tidal.spec"
 ADAPTER = "tidal.ray_private"
@@ -158,6 +160,76 @@ def test_the_module_graph_has_no_cycle():
 def test_imports_flow_down_the_layers():
     bad = [e.where() for e in graph() if against_the_flow(e)]
     assert not bad, "imports against the layer order (tidal/__init__.py):\n" + "\n".join(bad)
+
+
+def folder(module: str) -> str:
+    """The folder (tidal.admission) or top-level module (tidal.lease) that `module` belongs to."""
+    return ".".join(module.split(".")[:2])
+
+
+def two_way_folders(edges: list[Edge]) -> list[str]:
+    """Each pair of folders that import each other, with the imports each way."""
+    between: dict[tuple[str, str], list[Edge]] = {}
+    for e in edges:
+        if folder(e.source) != folder(e.target):
+            between.setdefault((folder(e.source), folder(e.target)), []).append(e)
+    return [f"{a} <-> {b}: " + "; ".join(e.where() for e in between[a, b] + between[b, a])
+            for a, b in sorted(between) if a < b and (b, a) in between]
+
+
+def test_no_two_folders_import_each_other():
+    found = two_way_folders(graph())
+    assert not found, "folders that import each other (put what both need below both):\n" + "\n".join(found)
+
+
+def test_the_checker_sees_two_folders_importing_each_other():
+    here = Path(__file__)
+    planted = [Edge("tidal.admission.cloud", "tidal.cluster.prices", here, 1),
+               Edge("tidal.cluster.check", "tidal.admission.quotas", here, 2),
+               Edge("tidal.admission.actor", "tidal.admission.cloud", here, 3)]
+    assert not cycles(planted)  # no module circle: only the folders go round
+    found = two_way_folders([*graph(), *planted])
+    assert len(found) == 1 and found[0].startswith("tidal.admission <-> tidal.cluster: ")
+    assert not two_way_folders(planted[1:])
+
+
+def imported_names(path: Path) -> set[str]:
+    """The names `path` binds by importing them (anywhere in it), not by defining them."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    return names
+
+
+def through_a_re_export(files: list[Path], mods: dict[str, Path]) -> list[tuple[Path, int, str, str]]:
+    """(file, line, name, module) for each `from tidal.m import name` where m only imports `name` from
+    elsewhere: a re-export. A package's `__init__` may gather names (tidal, tidal.spec are faces); a
+    module holds its own."""
+    found = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and node.module in mods and not node.level):
+                continue
+            home = mods[node.module]
+            if home.name != "__init__.py":
+                found += [(path, node.lineno, a.name, node.module) for a in node.names if a.name in imported_names(home)]
+    return found
+
+
+def test_each_name_is_imported_from_its_home():
+    files = [*modules().values(), *sorted((ROOT / "benchmarks").glob("*.py"))]
+    found = [f"{path.relative_to(ROOT)}:{line} imports {name} through {module}"
+             for path, line, name, module in through_a_re_export(files, modules())]
+    assert not found, "import these from the module that defines them:\n" + "\n".join(found)
+
+
+def test_the_checker_sees_a_re_export(tmp_path):
+    (tmp_path / "home.py").write_text("def helper(): ...\n")
+    (tmp_path / "middle.py").write_text("from tidal.home import helper\n")
+    (tmp_path / "user.py").write_text("from tidal.middle import helper\nfrom tidal.home import helper as h\n")
+    mods = {f"tidal.{n}": tmp_path / f"{n}.py" for n in ("home", "middle", "user")}
+    assert through_a_re_export([tmp_path / "user.py"], mods) == [(tmp_path / "user.py", 1, "helper", "tidal.middle")]
 
 
 def test_the_checker_sees_a_cycle_and_an_upward_import():

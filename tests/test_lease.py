@@ -13,7 +13,8 @@ import time
 import pytest
 
 from tests.helpers import STORAGES
-from tidal.lease import JobAlreadyRunning, Lease, LeaseCheck, latest
+from tidal.errors import JobAlreadyRunning
+from tidal.lease import Lease, LeaseCheck, latest
 
 
 @pytest.fixture(params=STORAGES)

@@ -30,7 +30,7 @@ def job(model: dict, **parallelism) -> JobSpec:
 def test_gpt_parameter_count_is_the_built_models_as_deepspeed_counts_it(shape):
     from deepspeed.runtime.zero.stage3 import model_to_params
 
-    from tidal.spec.job import ModelSpec
+    from tidal.spec.sections import ModelSpec
     from tidal.worker.models.gpt import GPT
 
     model = GPT(ModelSpec(**shape), seed=0)

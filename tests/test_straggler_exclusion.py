@@ -12,6 +12,7 @@ from mlflow.tracking import MlflowClient
 
 import tidal
 from tests.conftest import metric_history, tiny_spec
+from tidal.testing.processes import wait_for
 from tidal.tracking.findings import STRAGGLER_TAG
 from tidal.worker import avoidance
 from tidal.worker.stragglers import ExclusionWatch, Spread, exclusion_on, size_without
@@ -103,10 +104,6 @@ def test_an_elastic_job_drops_a_slow_node_trains_on_and_grows_back_after_the_avo
 
 
 def _unflag_when_avoided(spec, flag: Path, timeout: float = 900) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        a = avoidance.read(spec)
-        if a is not None and a.state == "avoiding":
-            flag.unlink(missing_ok=True)
-            return
-        time.sleep(0.5)
+    wait_for("the slow node avoided", lambda: (a := avoidance.read(spec)) is not None and a.state == "avoiding",
+             timeout, every=0.5)
+    flag.unlink(missing_ok=True)

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 import tidal
 from tests.conftest import metric_history, tiny_spec
+from tidal.testing.processes import wait_for
 from tidal.worker.stragglers import Spread, StragglerWatch, spread
 
 
@@ -58,11 +57,11 @@ def test_a_slowed_rank_is_named_and_the_others_wait_in_collectives(tmp_path, cap
 
 def _wait_for_output(capfd, text: str, timeout: float = 20) -> str:
     """Actor output reaches the driver through Ray's log monitor, a moment after it is printed."""
-    out = ""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        out += capfd.readouterr().out
-        if text in out:
-            return out
-        time.sleep(0.2)
-    raise AssertionError(f"{text!r} never printed; output:\n{out[-3000:]}")
+    out: list[str] = []
+
+    def printed() -> bool:
+        out.append(capfd.readouterr().out)
+        return text in "".join(out)
+
+    wait_for(f"{text!r} printed", printed, timeout, context=lambda: "".join(out)[-3000:])
+    return "".join(out)

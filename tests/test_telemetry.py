@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,8 @@ from mlflow.tracking import MlflowClient
 import tidal
 from tests.conftest import ONE_WORKER, metric_history, tiny_spec
 from tidal.cli import main
-from tidal.spec.job import ModelSpec
+from tidal.spec.sections import ModelSpec
+from tidal.testing.processes import wait_for
 from tidal.testing.servers import MlflowServer
 from tidal.worker.metrics import ResourceSampler, flops_per_token, sampling_interval_s
 from tidal.worker.models import build_model
@@ -98,9 +98,10 @@ def test_tracking_server_outage_loses_nothing(tmp_path):
     job = threading.Thread(target=lambda: out.setdefault("result", tidal.run(spec)), daemon=True)
     job.start()
     try:
-        _wait(lambda: _max_step(direct) >= 20, "the run to log step 20")
+        wait_for("the run to log step 20", lambda: _max_step(direct) >= 20, 180, every=0.1)
         server.crash()
-        _wait(lambda: buffer.exists() and len(list(buffer.glob("*.json"))) >= 30, "metrics to wait in the buffer")
+        wait_for("metrics to wait in the buffer", lambda: buffer.exists() and len(list(buffer.glob("*.json"))) >= 30, 180,
+                 every=0.1)
         server.start()
         job.join(timeout=400)
         assert "result" in out, "job did not finish"
@@ -118,12 +119,3 @@ def _max_step(spec) -> int:
         if runs:
             return max((m.step for m in c.get_metric_history(runs[0].info.run_id, "loss")), default=0)
     return 0
-
-
-def _wait(cond, what: str, timeout: float = 180) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if cond():
-            return
-        time.sleep(0.1)
-    raise TimeoutError(f"timed out waiting for {what}")

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 
 import pytest
 
@@ -16,6 +15,7 @@ import tidal
 from tests.conftest import free_port, metric_history, tiny_spec
 from tests.helpers import wait_for_step
 from tidal.testing.chaos import traced
+from tidal.testing.processes import wait_for
 from tidal.worker.metrics import LOSS_TRACE_ENV
 
 pytestmark = pytest.mark.slow
@@ -36,13 +36,11 @@ def tracker_pid(state_api: str, other_than: int | None = None, timeout: float = 
     """The process id of the job's live TrackerActor (a new one after a kill)."""
     from ray.util.state import list_actors
 
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        for actor in list_actors(address=state_api, filters=[("class_name", "=", "TrackerActor"), ("state", "=", "ALIVE")]):
-            if actor.pid and actor.pid != other_than:
-                return actor.pid
-        time.sleep(0.2)
-    raise TimeoutError("no live TrackerActor")
+    def live() -> int | None:
+        actors = list_actors(address=state_api, filters=[("class_name", "=", "TrackerActor"), ("state", "=", "ALIVE")])
+        return next((a.pid for a in actors if a.pid and a.pid != other_than), None)
+
+    return wait_for("a live TrackerActor" + (f" other than pid {other_than}" if other_than else ""), live, timeout)
 
 
 @pytest.mark.extended  # outside the suite's budget (pyproject.toml): recovery from the event log is unit-tested (test_tracking_ledger)

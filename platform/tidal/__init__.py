@@ -3,19 +3,20 @@
 The SDK. Importing it is cheap: torch, ray and deepspeed load only when a job runs.
 
 Imports flow one way, top to bottom (tests/test_layers.py checks every module, function-level
-imports included, for cycles and for imports against this order); a module may import its own
-layer and any below it:
+imports included, for cycles and for imports against this order, and that no two folders import
+each other); a module may import its own layer and any below it:
 
     tidal (this SDK), tidal.cli           the user's entry points (and tidal.testing, for tests)
     tidal.launch, tidal.exporter          the driver: submit, run, sweep, export
     tidal.worker, tidal.eval_best         what runs in Ray Train's workers
     tidal.worker.checkpoint               their checkpoints: save, restore, resize (below the loop)
     tidal.tracking                        the job's event log, ledger and MLflow writer
-    tidal.storage, tidal.lease,           checkpoints in storage and the job's one live attempt;
-      tidal.cluster, tidal.admission      clusters, sites and bursts; the team queue (quotas,
+    tidal.storage, tidal.cluster          checkpoints in storage; cluster configs, bursts, status
+    tidal.lease, tidal.admission          the job's one live attempt; the team queue (quotas,
                                           decisions, its actor and seats)
     tidal.fs, tidal.exclusive, tidal.errors, tidal.output, tidal.version, tidal.ray_private,
-      tidal.redact, tidal.ray_auth, tidal.goodput (the goodput account: pure, imports no Tidal)
+      tidal.redact, tidal.ray_auth, tidal.sites, tidal.prices (a node's site and price),
+      tidal.goodput (the goodput account: pure, imports no Tidal)
     tidal.spec (beside all)               the job spec: imported by every layer, imports only the lowest
 
 `eval_best` (which checkpoints the best evaluation keeps) sits with the worker, which decides

@@ -339,7 +339,7 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _queue(args: argparse.Namespace) -> int:
-    from tidal.admission.actor import QUEUE_VAR, queue_document, queue_named
+    from tidal.admission.naming import QUEUE_VAR, queue_document, queue_named
     from tidal.admission.queue_doc import load_queue
     from tidal.admission.view import rows, table
 

@@ -36,15 +36,6 @@ from tidal.admission.cloud import (
     save_use,
 )
 from tidal.admission.gauges import queue_gauges, team_values
-from tidal.admission.naming import (  # noqa: F401 - re-exported: seats, the CLI and bursts find the actor here
-    ACTOR,
-    NAMESPACE,
-    QUEUE_VAR,
-    admission_enabled,
-    job_key,
-    queue_document,
-    queue_named,
-)
 from tidal.admission.parking import CHECK_S, ParkedStarts, Pinner, Pins, stopped_soon
 from tidal.admission.policy import decide
 from tidal.admission.queue_doc import (
@@ -72,8 +63,8 @@ from tidal.admission.relaunch import (
     cluster_jobs_api,
     current_head,
 )
-from tidal.cluster import SITE_LABEL, node_site
 from tidal.errors import TidalError
+from tidal.sites import SITE_LABEL, node_site
 
 log = logging.getLogger("tidal")
 TICK_S = 1.0
@@ -392,5 +383,4 @@ def _public(e: Entry) -> dict[str, Any]:
     return out
 
 
-__all__ = ["ACTOR", "NAMESPACE", "Admitter", "admission_enabled", "onprem_capacity",
-           "queue_document", "queue_named"]
+__all__ = ["Admitter", "onprem_capacity"]

@@ -5,7 +5,7 @@ wiped another's when every job called it. The owner of cluster capacity calls it
 sum that `aggregate_bursts` returns. Like `request_resources` itself, each job's request is the
 cloud capacity it needs in total (held plus missing), so the sum sizes the cloud for all of them
 at once. Pure: the caller measures each team's use today (GPU-hours and cost, from the nodes'
-`tidal.io/price-per-hour` labels: cluster/prices.py) and carries the result out. `load_use` and
+`tidal.io/price-per-hour` labels: tidal/prices.py) and carries the result out. `load_use` and
 `save_use` keep each team's use today beside the queue document, so a budget outlives a restart.
 """
 
@@ -18,8 +18,8 @@ from typing import Any
 
 from tidal import fs
 from tidal.admission.quotas import Quotas
-from tidal.cluster import node_site
-from tidal.cluster.prices import PRICE_LABEL, worker_price
+from tidal.prices import PRICE_LABEL, worker_price
+from tidal.sites import node_site
 
 
 @dataclass(frozen=True)

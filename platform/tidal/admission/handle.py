@@ -7,7 +7,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from tidal.admission.actor import ACTOR, NAMESPACE, QUEUE_VAR, Admitter, queue_document
+from tidal.admission.actor import Admitter
+from tidal.admission.naming import ACTOR, NAMESPACE, QUEUE_VAR, queue_document
 from tidal.admission.quotas import QUOTAS_VAR
 from tidal.admission.relaunch import head_node
 

@@ -328,4 +328,4 @@ def _grow(plan: Plan, blocked_at: int | None) -> tuple[Resize, ...]:
     return tuple(Resize(j, n, "free capacity: growing back toward max_workers") for j, n in grown.items())
 
 
-__all__ = ["Admit", "AdmissionDecision", "QueuedJob", "Resize", "RunningJob", "Suspend", "Waiting", "decide"]
+__all__ = ["decide"]

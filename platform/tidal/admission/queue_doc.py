@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
 from tidal import fs
-from tidal.admission.policy import AdmissionDecision, QueuedJob, RunningJob
+from tidal.admission.decision import AdmissionDecision, QueuedJob, RunningJob
 from tidal.admission.quotas import Quotas, resolve_scheduling
 from tidal.errors import TidalError
 from tidal.spec.job import JobSpec

@@ -6,7 +6,7 @@ Shares are counted in one unit for the whole file, workers or GPUs, on-prem and 
 - `guaranteed`: what the team always gets back, by shrinking or suspending borrowers;
 - `borrow`: how much more it may take while others leave capacity idle (revocable);
 - `cloud_budget`: GPU-hours or cost (in the currency of the nodes' `tidal.io/price-per-hour`
-  labels, cluster/prices.py) per day; a burst past it is refused.
+  labels, tidal/prices.py) per day; a burst past it is refused.
 
 `load_quotas(path)` returns `Quotas` or raises `QuotaFileError` naming every bad key and the fix;
 `quota_problems(data)` gives the same as (key, message) pairs for `tidal cluster validate`.
@@ -17,8 +17,7 @@ from __future__ import annotations
 import difflib
 import math
 import os
-from collections.abc import Iterable, Mapping
-from pathlib import Path
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import yaml
@@ -191,43 +190,6 @@ def resolve_scheduling(team: str | None, priority: str | None, quotas: Quotas | 
     return str(team), priority
 
 
-def is_quota_file(data: Mapping[str, Any]) -> bool:
-    """A parsed YAML file that is a quota file rather than a cluster config (both live in cluster_configs/)."""
-    return "teams" in data and "provider" not in data and "kind" not in data
-
-
-def named_quota_problems(config: Mapping[str, Any], start_keys: Iterable[str], config_dir: Path) -> list[Problem]:
-    """The quota file each `ray start` command names in TIDAL_QUOTAS, checked where it can be read."""
-    from tidal.cluster.shell import runs, shell_steps
-
-    problems: list[Problem] = []
-    for key in start_keys:
-        for i, command in enumerate(str(c) for c in config.get(key) or []):
-            for env, words in shell_steps(command):
-                if runs(words, "ray", "start") and QUOTAS_VAR in env:
-                    problems += named_file_problems(f"{key}[{i}].{QUOTAS_VAR}", env[QUOTAS_VAR], config_dir)
-    return problems
-
-
-def named_file_problems(where: str, value: str, config_dir: Path) -> list[Problem]:
-    """The named quota file, checked at its path if it exists here, else as the file of the same
-    name beside the config (the copy that is deployed to that path). A path that exists only on
-    the cluster cannot be read here: `tidal cluster validate` on the file itself checks it."""
-    if "://" not in value and not value.startswith(("/", "~", "$")):
-        return [(where, f"{value!r} is relative, and each node would resolve it elsewhere: use an absolute path "
-                 "on the head's disk or the shared storage, or an s3:// / gs:// URI")]
-    candidates = [] if "://" in value else [Path(os.path.expandvars(os.path.expanduser(value)))]
-    candidates.append(config_dir / Path(value.rstrip("/")).name)
-    found = next((p for p in candidates if p.is_file()), None)
-    if found is None:
-        return []
-    try:
-        data = load_yaml(found.read_text())
-    except yaml.YAMLError as e:
-        return [(where, f"{found} is not YAML: {e}")]
-    return [(f"{where} ({found.name}) {key}", msg) for key, msg in quota_problems(data)]
-
-
 def _describe(err: Mapping[str, Any]) -> Problem:
     loc = [str(x) for x in err["loc"]]
     kind, msg = err["type"], str(err["msg"])
@@ -264,4 +226,4 @@ def _model_at(loc: list[str]) -> type[BaseModel]:
 
 
 __all__ = ["QUOTAS_VAR", "CloudBudget", "Quotas", "QuotaFileError", "SiteQuota", "TeamQuota", "cluster_quotas",
-           "is_quota_file", "load_quotas", "named_file_problems", "named_quota_problems", "parse_quotas", "quota_problems", "resolve_scheduling"]
+           "load_quotas", "parse_quotas", "quota_problems", "resolve_scheduling"]

@@ -24,9 +24,9 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from tidal.admission.actor import ACTOR, NAMESPACE, admission_enabled, job_key
 from tidal.admission.handle import admitter
 from tidal.admission.handle import method as actor_method
+from tidal.admission.naming import ACTOR, NAMESPACE, admission_enabled, job_key
 from tidal.admission.parking import Parked, may_park, park_after_s, successor_id
 from tidal.admission.queue_doc import entry_for
 from tidal.admission.quotas import cluster_quotas

@@ -47,7 +47,7 @@ def rows(queue: Queue) -> list[dict[str, Any]]:
 def queue_rows(environ: Mapping[str, str]) -> list[dict[str, Any]]:
     """The cluster's queue where this machine can read its document (TIDAL_QUEUE or TIDAL_STORAGE
     set here); [] where it cannot: the queue is extra detail, Ray's own status still answers."""
-    from tidal.admission.actor import queue_document, queue_named
+    from tidal.admission.naming import queue_document, queue_named
 
     if not queue_named(environ):
         return []
@@ -95,8 +95,8 @@ def head_document(environ: Mapping[str, str]) -> dict[str, Any]:
     actor runs, the document where the head's environment names it; else an empty queue."""
     import ray
 
-    from tidal.admission.actor import queue_document
     from tidal.admission.handle import admitter
+    from tidal.admission.naming import queue_document
 
     ray.init(log_to_driver=False)
     actor = admitter()

@@ -1,28 +1,14 @@
-"""Clusters: validate cluster configs (configs), place and burst workers (burst), show the cluster (status).
+"""Clusters: check their configs, place and burst a job's workers, show what runs where.
 
-Importing this package imports neither ray nor torch; each module imports Ray where it needs it.
+- `check`: `tidal cluster validate`'s entry, any kind of file (and the quota files a config names);
+- `configs`: a Ray cluster-launcher config, against Ray's schema and Tidal's conventions;
+- `kuberay`, `kueue`: KubeRay's RayCluster and RayJob manifests, Kueue's queues;
+- `exposure`: what a config exposes to the network and which secrets it writes inline;
+- `shell`: just enough shell parsing to read a config's `ray start` and `mlflow server` commands;
+- `burst`: where a job's workers run, on-prem first, cloud after a wait;
+- `status`: `tidal cluster status`; `cli`: the `tidal cluster` commands.
+
+A node's site and price are at the bottom of the imports (tidal/sites.py, tidal/prices.py), since the team
+queue and the workers read them too. Importing this package imports neither ray nor torch; each module
+imports Ray where it needs it.
 """
-
-from __future__ import annotations
-
-from collections.abc import Mapping
-
-SITE_LABEL = "tidal.io/site"
-SITES = ("onprem", "cloud")
-
-
-def site_resource(site: str) -> str:
-    """The custom resource that marks a node of `site` (declared next to the label)."""
-    return f"site_{site}"
-
-
-
-def node_site(resources: Mapping[str, float], labels: Mapping[str, str]) -> str | None:
-    """A node's site from its label, else from its site resource; None for unlabelled nodes."""
-    site = labels.get(SITE_LABEL)
-    if site in SITES:
-        return site
-    return next((s for s in SITES if resources.get(site_resource(s), 0) > 0), None)
-
-
-__all__ = ["SITES", "SITE_LABEL", "node_site", "site_resource"]

@@ -32,10 +32,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from tidal.admission.actor import admission_enabled, job_key
 from tidal.admission.handle import admitter
-from tidal.cluster import SITE_LABEL, SITES, node_site, site_resource
+from tidal.admission.naming import admission_enabled, job_key
 from tidal.ray_private import autoscaler_report, available_resources_per_node
+from tidal.sites import SITE_LABEL, SITES, node_site, site_resource
 from tidal.spec.job import JobSpec
 
 # A worker pinned to a site takes this much of the site resource (nodes declare 1000), so one

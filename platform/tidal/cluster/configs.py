@@ -19,7 +19,7 @@ Tidal's conventions, on top of Ray's schema (docs/cluster.md explains them):
 - nothing is exposed that should not be (cluster/exposure.py): MLflow off loopback runs MLflow's
   authentication app and binds the head's private address, its jobs carry MLflow credentials, Ray's
   dashboard stays off public addresses, and no secret is written inline;
-- every node type says what it costs: the label `tidal.io/price-per-hour` (cluster/prices.py).
+- every node type says what it costs: the label `tidal.io/price-per-hour` (tidal/prices.py).
 
 A KubeRay `RayCluster` manifest gets the same conventions, checked on its groups (kuberay.py).
 """
@@ -33,7 +33,6 @@ from functools import partial
 from typing import Any
 from urllib.parse import urlparse
 
-from tidal.cluster import SITE_LABEL, SITES, site_resource
 from tidal.cluster.exposure import (
     auth_app_problems,
     auth_problems,
@@ -42,7 +41,6 @@ from tidal.cluster.exposure import (
     inline_secret_problems,
     mlflow_exposure_problems,
 )
-from tidal.cluster.prices import PRICE_LABEL, price_problems
 from tidal.cluster.shell import (
     flags_of,
     number,
@@ -53,7 +51,9 @@ from tidal.cluster.shell import (
     shell_words,
     under,
 )
+from tidal.prices import PRICE_LABEL, price_problems
 from tidal.ray_private import FAKE_PROVIDER_MODULE, check_with_ray_schema
+from tidal.sites import SITE_LABEL, SITES, site_resource
 
 Problem = tuple[str, str]
 
@@ -365,5 +365,5 @@ def _provider_type(config: dict[str, Any]) -> str | None:
     return provider.get("type")
 
 
-__all__ = ["STORAGE_VAR", "TRACKING_VAR", "Problem", "auth_problems", "check_launcher", "node_type_problems",
+__all__ = ["STORAGE_VAR", "TRACKING_VAR", "Problem", "check_launcher", "node_type_problems",
            "ray_schema_problems"]

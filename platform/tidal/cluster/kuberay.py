@@ -16,12 +16,10 @@ from typing import Any
 
 import yaml
 
-from tidal.cluster import SITE_LABEL
 from tidal.cluster.configs import (
     STORAGE_VAR,
     TRACKING_VAR,
     Problem,
-    auth_problems,
     bounds_problems,
     gpu_problems,
     mlflow_server_problems,
@@ -31,13 +29,13 @@ from tidal.cluster.configs import (
 )
 from tidal.cluster.exposure import (
     auth_app_problems,
+    auth_problems,
     credential_problems,
     kuberay_env_secret_problems,
     service_type_problems,
 )
 from tidal.cluster.kueue import KUEUE_KINDS, kueue_problems, label, quantity
 from tidal.cluster.prestop import prestop_problems
-from tidal.cluster.prices import PRICE_LABEL, price_problems
 from tidal.cluster.shell import (
     flags_of,
     number,
@@ -48,6 +46,8 @@ from tidal.cluster.shell import (
     shell_words,
     under,
 )
+from tidal.prices import PRICE_LABEL, price_problems
+from tidal.sites import SITE_LABEL
 from tidal.spec.parse import load_yaml_all
 
 _SHARED_VOLUME_KINDS = {"persistentVolumeClaim", "nfs", "csi"}

@@ -7,8 +7,8 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from tidal.cluster import node_site
 from tidal.ray_private import autoscaler_report, available_resources_per_node
+from tidal.sites import node_site
 
 TRAIN_WORKER_CLASS = "RayTrainWorker"
 

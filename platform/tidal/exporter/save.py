@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from tidal.errors import CheckpointError
-from tidal.spec.job import JobSpec, ModelSpec
+from tidal.spec.job import JobSpec
+from tidal.spec.sections import ModelSpec
 
 TORCH_WEIGHTS = "model.safetensors"
 TORCH_CONFIG = "tidal-model.json"

@@ -14,7 +14,8 @@ from tidal.spec.sources import source_problem
 from tidal.spec.user_refs import user_code_problems
 
 if TYPE_CHECKING:
-    from tidal.spec.job import DataSpec, JobSpec
+    from tidal.spec.job import JobSpec
+    from tidal.spec.sections import DataSpec
 
 
 def consistency_problems(spec: JobSpec) -> list[tuple[str, str]]:

@@ -20,7 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tidal.spec.batch import micro_batch_bound
-from tidal.spec.job import JobSpec, ModelSpec, ParallelismSpec
+from tidal.spec.job import JobSpec
+from tidal.spec.sections import ModelSpec, ParallelismSpec
 
 BUFFER_FACTOR = 1.5  # DeepSpeed's additional_buffer_factor for host memory
 WORKERS_PER_NODE = 8  # host memory per node assumes up to this many workers (GPUs) on one node

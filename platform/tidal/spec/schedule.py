@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from tidal.spec.job import TrainSpec
+    from tidal.spec.sections import TrainSpec
 
 DEEPSPEED_SCHEDULES = ("cosine", "constant")
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import tidal
 from tidal.spec.job import JobSpec
-from tidal.testing.processes import kill, our_processes
+from tidal.testing.processes import kill, our_processes, wait_for
 from tidal.testing.runs import job_run_id, metric_history, prepared_store, wait_for_step
 from tidal.worker.metrics import LOSS_TRACE_ENV
 
@@ -149,10 +149,11 @@ def _periodic_summary(spec: JobSpec, run_id: str, kills: list[tuple[float, int]]
 
 
 def _workers_within(find: Any, timeout_s: float) -> list[Any]:
-    deadline = time.time() + timeout_s
-    while not (workers := find("RayTrainWorker")) and time.time() < deadline:
-        time.sleep(0.2)
-    return workers
+    """The training workers, once there are some; none if no group is up within `timeout_s`."""
+    try:
+        return wait_for("training workers", lambda: find("RayTrainWorker"), timeout_s)
+    except TimeoutError:
+        return []
 
 
 def _recovery_seconds(spec: JobSpec, run_id: str, kills: list[tuple[float, int]]) -> list[float]:

@@ -56,11 +56,22 @@ def free_ports(n: int, exclude: Collection[int] = ()) -> list[int]:
         return ports
 
 
+TIMEOUT_SCALE_VAR = "TIDAL_TEST_TIMEOUT_SCALE"
+
+
+def scaled(timeout: float) -> float:
+    """`timeout` (seconds, right for an unloaded machine) stretched by TIDAL_TEST_TIMEOUT_SCALE, which a
+    shared or slow machine sets (2, 3) for every wait of the tests and benchmarks at once; `wait_for`
+    applies it itself, other waits (a job's `wait(timeout=...)`) call this."""
+    return timeout * float(os.environ.get(TIMEOUT_SCALE_VAR, "1"))
+
+
 def wait_for(what: str, check: Callable[[], T], timeout: float, every: float = 0.2,
              context: Callable[[], str] | None = None) -> T:
-    """`check()`'s first truthy value; TimeoutError naming `what` if none comes within `timeout` s,
-    with what `context()` says then (a job's logs, a queue's state): a wait that failed on CI once
-    must say why without a rerun."""
+    """`check()`'s first truthy value; TimeoutError naming `what` if none comes within `timeout` s
+    (`scaled`), with what `context()` says then (a job's logs, a queue's state): a wait that failed on
+    CI once must say why without a rerun."""
+    timeout = scaled(timeout)
     deadline = time.monotonic() + timeout
     while True:
         value = check()

@@ -8,13 +8,13 @@ import logging
 import os
 import shutil
 import tempfile
-import time
 from pathlib import Path
 
 from mlflow.tracking import MlflowClient
 
 from tidal.spec.job import JobSpec
 from tidal.storage import RunDir
+from tidal.testing.processes import wait_for
 
 log = logging.getLogger(__name__)
 
@@ -61,30 +61,29 @@ def _template() -> Path:
 def job_run_id(spec: JobSpec, timeout: float = 120) -> str:
     """The MLflow run id a running job recorded in its run folder (local or object storage)."""
     run = RunDir(spec.checkpoint.storage, spec.name)
-    deadline = time.time() + timeout
-    while time.time() < deadline:
+
+    def recorded() -> str | None:
         job = run.read_json("tidal-job.json")
-        if job and job.get("mlflow_run_id"):
-            return job["mlflow_run_id"]
-        time.sleep(0.1)
-    raise TimeoutError(f"{run.path}/tidal-job.json never appeared")
+        return job.get("mlflow_run_id") if job else None
+
+    return wait_for(f"{run.path}/tidal-job.json", recorded, timeout, every=0.1)
 
 
 def wait_for_step(spec: JobSpec, step: int, timeout: float = 180) -> int:
     """Block until MLflow shows `step` logged for the job; returns the highest step seen."""
     run_id = job_run_id(spec, timeout)
     client = MlflowClient(spec.tracking.uri)
-    deadline = time.time() + timeout
-    while time.time() < deadline:
+
+    def reached() -> int:
         try:
             seen = max((m.step for m in client.get_metric_history(run_id, "loss")), default=0)
         except Exception as e:  # noqa: BLE001 - the store may be mid-creation (SQLAlchemy's errors too): ask again
             log.debug("metric history not readable yet: %s", e)
-            seen = 0
-        if seen >= step:
-            return seen
-        time.sleep(0.2)  # each look reads the whole loss history while the workers hold both cores
-    raise TimeoutError(f"job {spec.name} never reached step {step}")
+            return 0
+        return seen if seen >= step else 0
+
+    # each look reads the whole loss history while the workers hold both cores: every 0.2 s
+    return wait_for(f"job {spec.name} to reach step {step}", reached, timeout)
 
 
 def metric_history(spec: JobSpec, run_id: str, key: str) -> dict[int, float]:

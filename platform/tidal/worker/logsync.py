@@ -32,7 +32,10 @@ class Agreed:
     busy_s: list[float] | None  # every rank's, if this interval had a sampled step
     check_preemption: bool  # the same on every rank: call ray.train.get_preemption_info() now
     blocked_max_s: float = 0.0  # the most seconds any rank was blocked by checkpoints since the last log step
-    target: float = -1.0  # admission's size for this job, as rank 0 last heard it (admission/directive.py); -1: none
+    # The world size rank 0 wants the group restarted at; -1: none. Admission's size for the job where the cluster
+    # runs admission (admission/directive.py), else the straggler rules' (worker/telemetry.py: without a slow
+    # node, or back at max_workers once its avoidance ends).
+    target: float = -1.0
     superseded: bool = False  # rank 0 found a newer start of the job holding its lease (tidal/lease.py): stop now
 
 
@@ -45,8 +48,9 @@ class LogSync:
     def exchange(self, loss_sum: float, loss_n: int, busy_s: float | None, may_check: bool,
                  blocked_s: float = 0.0, target: float = -1.0, superseded: bool = False) -> Agreed:
         """A collective: every rank calls it at the same steps with the same `may_check`.
-        `blocked_s`: this rank's seconds blocked by checkpoints since its previous call; `target`:
-        admission's size for the job, `superseded`: whether a newer start owns the job (rank 0's count)."""
+        `blocked_s`: this rank's seconds blocked by checkpoints since its previous call; `target`: the
+        size rank 0 wants (admission's, or the straggler rules'; `Agreed.target`), `superseded`: whether a
+        newer start owns the job (rank 0's count)."""
         due = may_check and self.clock() - self.last_check >= self.check_every_s
         mine = torch.tensor([loss_sum, loss_n, NO_SAMPLE if busy_s is None else busy_s, float(due), blocked_s,
                              target, float(superseded)], dtype=torch.float64)

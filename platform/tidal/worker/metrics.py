@@ -16,7 +16,8 @@ from contextlib import contextmanager, suppress
 import psutil
 import torch
 
-from tidal.spec.job import JobSpec, ModelSpec
+from tidal.spec.job import JobSpec
+from tidal.spec.sections import ModelSpec
 from tidal.worker.comms import CommClock
 
 # Dense peak FLOP/s per device by precision: vendor specs without sparsity (fp32 without TF32,

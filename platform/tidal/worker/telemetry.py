@@ -28,8 +28,8 @@ import ray.train
 import torch
 import torch.distributed as dist
 
-from tidal.cluster import node_site
-from tidal.cluster.prices import worker_price
+from tidal.prices import worker_price
+from tidal.sites import node_site
 from tidal.spec.job import JobSpec
 from tidal.storage import Found
 from tidal.tracking.findings import input_bound_advice, input_bound_line

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tidal.spec.job import ModelSpec
+from tidal.spec.sections import ModelSpec
 
 
 class Block(nn.Module):

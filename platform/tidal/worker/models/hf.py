@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tidal.errors import SpecError
-from tidal.spec.job import ModelSpec
+from tidal.spec.sections import ModelSpec
 
 
 class HFCausalLM(nn.Module):
