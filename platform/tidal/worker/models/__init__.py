@@ -11,7 +11,6 @@ from typing import Any
 
 from torch import nn
 
-from tidal.errors import SpecError
 from tidal.spec.sections import ModelSpec
 from tidal.worker.models.gpt import GPT
 
