@@ -155,7 +155,8 @@ def test_an_hf_export_with_a_tokenizer_goes_to_mlflow_as_a_transformers_pipeline
     transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="</s>").save_pretrained(
         tmp_path / "hf")
     client = MlflowClient(spec.tracking.uri)
-    run_id = client.create_run(client.create_experiment("tests", artifact_location=str(tmp_path / "art"))).info.run_id
+    run_id = client.create_run(client.create_experiment("tests", artifact_location=str(tmp_path / "art")),
+                               tags={"tidal.job": spec.name}).info.run_id
 
     done = log_exported(Exported("tiny", str(tmp_path / "hf"), "hf", 7, "here"), model, spec, run_id,
                         spec.tracking.uri, "tiny-llama")
@@ -166,3 +167,32 @@ def test_an_hf_export_with_a_tokenizer_goes_to_mlflow_as_a_transformers_pipeline
     [text] = mlflow.pyfunc.load_model(done.model_uri).predict(["w1 w2"], params={"max_new_tokens": 2})
     assert text.startswith("w1 w2")
     assert client.get_run(run_id).info.status == "RUNNING", "a job still training stays RUNNING"
+
+
+def test_export_logs_to_the_specs_mlflow_never_to_a_uri_planted_in_the_run_folder(tmp_path, capsys):
+    from tidal.exporter.model import export_tracking_uri
+
+    spec = tiny_spec(tmp_path)
+    planted = {"tracking_uri": "http://attacker.example:5000", "mlflow_run_id": "r"}
+    assert export_tracking_uri(spec, planted) == spec.tracking.uri
+    assert "names another MLflow server (http://attacker.example:5000)" in capsys.readouterr().err
+    assert export_tracking_uri(spec, {"tracking_uri": spec.tracking.uri}) == spec.tracking.uri
+
+
+def test_export_reopens_only_a_run_tagged_as_this_jobs(tmp_path):
+    """A run id read from storage naming another job's run (or one Tidal did not make) is refused
+    before anything is logged to it."""
+    from mlflow.tracking import MlflowClient
+
+    from tidal.errors import TidalError
+    from tidal.exporter.mlflow import log_exported
+    from tidal.exporter.model import Exported
+
+    spec = tiny_spec(tmp_path)
+    client = MlflowClient(spec.tracking.uri)
+    experiment = client.create_experiment("tests", artifact_location=str(tmp_path / "art"))
+    other = client.create_run(experiment, tags={"tidal.job": "someone-elses"}).info.run_id
+    with pytest.raises(TidalError, match=f"MLflow run {other} .* is not job 'tiny'.s"):
+        log_exported(Exported("tiny", str(tmp_path / "pt"), "torch", 7, "here"), None, spec, other,
+                     spec.tracking.uri, None)
+    assert client.list_artifacts(other) == [], "nothing logged"

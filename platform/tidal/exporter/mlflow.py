@@ -36,11 +36,16 @@ def log_exported(result: Any, model: nn.Module, spec: JobSpec, run_id: str | Non
 
     client = MlflowClient(uri)
     try:
-        status = client.get_run(run_id).info.status
+        found = client.get_run(run_id)
+        status = found.info.status
     except Exception as e:  # noqa: BLE001 - any store failure: say which store and run, hide the traceback
         raise TidalError(f"MLflow at {uri} has no run {run_id} of job {spec.name!r} or cannot be reached "
                          f"({type(e).__name__}: {str(e)[:200]}); the model was exported to {result.output} "
                          "but not logged") from e
+    if (owner := found.data.tags.get("tidal.job")) != spec.name:
+        # The run id is read from storage: a run of another job (or none of Tidal's) is not reopened.
+        raise TidalError(f"MLflow run {run_id} at {uri} is not job {spec.name!r}'s (its tidal.job tag: {owner!r}); "
+                         f"the model was exported to {result.output} but not logged")
     # MLflow prints its progress to stdout, which belongs to `--output json`.
     with _tracking_uri(uri), contextlib.redirect_stdout(sys.stderr), mlflow.start_run(run_id=run_id):
         info = _log(result.format, result.output, model, result.step, register)

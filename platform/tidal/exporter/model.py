@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -111,15 +112,27 @@ def export(spec: JobSpec, checkpoint: str | int = "latest", format: str = "torch
 
         job = run.read_json(JOB_FILE) or {}
         # The job file names the job's run (a run deleted and replaced there is the new one);
-        # only checkpoints written before TrainState shrank also carry a run id. It keeps the
-        # tracking URI redacted: the spec's, where it is the same place, holds the credentials.
-        stored = job.get("tracking_uri")
-        uri = spec.tracking.uri if not stored or redact_uri(spec.tracking.uri) == stored else stored
+        # only checkpoints written before TrainState shrank also carry a run id. Its tracking URI
+        # is never used: whoever can write the bucket could name a server of theirs and receive
+        # the weights and the user's MLflow credentials. The spec's (the user's) URI is; the run
+        # is checked to be this job's there (log_exported).
+        uri = export_tracking_uri(spec, job)
         result = log_exported(result, model, spec, job.get("mlflow_run_id") or chosen.state.get("mlflow_run_id"),
                               uri, register)
     with open(os.path.join(out, EXPORT_FILE), "w") as f:
         json.dump(result.record(), f, indent=2)
     return result
+
+
+def export_tracking_uri(spec: JobSpec, job: dict[str, Any]) -> str:
+    """Where `--mlflow` logs: the spec's tracking URI, whatever the run folder's job file says; a
+    different one recorded there is said, not followed."""
+    stored = job.get("tracking_uri")
+    if stored and redact_uri(spec.tracking.uri) != stored:
+        print(f"[tidal] the job's run folder names another MLflow server ({redact_uri(str(stored))}); the model is "
+              f"logged to the spec's ({redact_uri(spec.tracking.uri)}): set tracking.uri to log it elsewhere",
+              file=sys.stderr, flush=True)
+    return spec.tracking.uri
 
 
 def check_format(format: str, spec: JobSpec) -> None:
