@@ -219,3 +219,20 @@ def prestop_command(path: Path | None = None) -> list[str]:
     spec = cluster_spec(path or ROOT / "cluster_configs" / "kuberay" / "raycluster.yaml")
     ray = spec["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
     return [str(w) for w in ray["lifecycle"]["preStop"]["exec"]["command"]]
+
+
+def run_in_background(spec: JobSpec) -> tuple[threading.Thread, dict]:
+    """`tidal.run(spec)` in a daemon thread: its result or its error lands in the returned dict."""
+    import tidal  # the SDK imports Ray: only the tests that run a job pay for it
+
+    out: dict = {}
+
+    def target() -> None:
+        try:
+            out["result"] = tidal.run(spec)
+        except BaseException as e:  # noqa: BLE001 - surfaced by the test
+            out["error"] = e
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    return t, out

@@ -15,9 +15,8 @@ import ray
 from ray.cluster_utils import Cluster
 from ray.core.generated import autoscaler_pb2
 
-import tidal
 from tests.conftest import metric_history, tiny_spec
-from tests.helpers import chatter_in, wait_for_step
+from tests.helpers import chatter_in, run_in_background, wait_for_step
 from tests.slow_step import slow_env
 from tidal.storage import RunDir
 from tidal.testing.clusters import add_worker_node, raylet_cluster
@@ -38,20 +37,6 @@ def drain(c: Cluster, node, seconds: float) -> None:
     accepted, why = gcs.drain_node(node.node_id, autoscaler_pb2.DrainNodeReason.DRAIN_NODE_REASON_PREEMPTION,
                                    "test: spot reclaim", int((time.time() + seconds) * 1000))
     assert accepted, why
-
-
-def run_in_background(spec) -> tuple[threading.Thread, dict]:
-    out: dict = {}
-
-    def target() -> None:
-        try:
-            out["result"] = tidal.run(spec)
-        except BaseException as e:  # noqa: BLE001 - surfaced by the test
-            out["error"] = e
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    return t, out
 
 
 def finished(t: threading.Thread, out: dict, timeout: float = 400):

@@ -14,15 +14,13 @@ import os
 import re
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-import tidal
 from tests.conftest import ROOT, metric_history, tiny_spec
-from tests.helpers import prestop_command
+from tests.helpers import prestop_command, run_in_background
 from tests.slow_step import slow_env
 from tidal.testing.clusters import add_worker_node, raylet_cluster
 from tidal.testing.metadata import metadata_server
@@ -50,20 +48,6 @@ def node_env() -> dict[str, str]:
     (the cluster configs start the watcher with RAY_AUTH_MODE=token)."""
     path = os.pathsep.join([str(ROOT / "platform"), str(ROOT), os.environ.get("PYTHONPATH", "")])
     return {**os.environ, "PYTHONPATH": path, "RAY_AUTH_MODE": "token"}
-
-
-def run_in_background(spec) -> tuple[threading.Thread, dict]:
-    out: dict = {}
-
-    def target() -> None:
-        try:
-            out["result"] = tidal.run(spec)
-        except BaseException as e:  # noqa: BLE001 - surfaced by the test
-            out["error"] = e
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    return t, out
 
 
 def warned_job(tmp: Path, name: str) -> tuple:
