@@ -154,7 +154,10 @@ class RunWriter:
                 return
             now = int(time.time() * 1000)
             c.log_batch(run_id, metrics=[Metric(k, v, now, step) for k, v in metrics.items()], synchronous=True)
-            c.log_table(run_id, {k: [r[k] for r in rows] for k in rows[0]}, "goodput.json")
+            # The whole job's account, written over the last launch's: log_table would download the
+            # old table to append to it (a progress bar on the console) and keep both launches' rows.
+            columns = list(rows[0])
+            c.log_dict(run_id, {"columns": columns, "data": [[r[k] for k in columns] for r in rows]}, "goodput.json")
         except Exception as e:  # noqa: BLE001 - accounting must not turn a finished job into a failed one
             print(f"[tidal] WARNING: could not store the run's goodput account in MLflow: {redact_text(str(e))}",
                   flush=True)
