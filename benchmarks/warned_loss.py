@@ -56,6 +56,8 @@ def spec_for(tmp: Path) -> JobSpec:
         scaling={"min_workers": 1, "max_workers": 2, "elastic_check_s": 2},
         checkpoint={"every_steps": EVERY, "keep": 2, "storage": str(tmp / "runs")},
         tracking={"uri": f"sqlite:///{tmp}/mlflow.db", "experiment": "bench"},
+        # Every unwarned loss is a failure restart: 4 rounds of them must not end the job.
+        failure={"max_restarts": -1},
         worker_env={"TIDAL_LOSS_TRACE": str(tmp / "loss.trace")},
     )
 
