@@ -236,3 +236,12 @@ def run_in_background(spec: JobSpec) -> tuple[threading.Thread, dict]:
     t = threading.Thread(target=target, daemon=True)
     t.start()
     return t, out
+
+
+def finished(t: threading.Thread, out: dict, timeout: float = 400) -> Any:
+    """The result of a `run_in_background` job once its thread ends, or the error it raised."""
+    t.join(timeout)
+    assert not t.is_alive(), "job did not finish"
+    if "error" in out:
+        raise out["error"]
+    return out["result"]

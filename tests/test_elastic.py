@@ -6,7 +6,6 @@ The head has no CPUs, so Ray Train workers land on the 1-CPU worker nodes the te
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 from collections.abc import Iterator
 
@@ -16,7 +15,7 @@ from ray.cluster_utils import Cluster
 from ray.core.generated import autoscaler_pb2
 
 from tests.conftest import metric_history, tiny_spec
-from tests.helpers import chatter_in, run_in_background, wait_for_step
+from tests.helpers import chatter_in, finished, run_in_background, wait_for_step
 from tests.slow_step import slow_env
 from tidal.storage import RunDir
 from tidal.testing.clusters import add_worker_node, raylet_cluster
@@ -37,14 +36,6 @@ def drain(c: Cluster, node, seconds: float) -> None:
     accepted, why = gcs.drain_node(node.node_id, autoscaler_pb2.DrainNodeReason.DRAIN_NODE_REASON_PREEMPTION,
                                    "test: spot reclaim", int((time.time() + seconds) * 1000))
     assert accepted, why
-
-
-def finished(t: threading.Thread, out: dict, timeout: float = 400):
-    t.join(timeout)
-    assert not t.is_alive(), "job did not finish"
-    if "error" in out:
-        raise out["error"]
-    return out["result"]
 
 
 @pytest.mark.extended  # outside the suite's budget (pyproject.toml): the preemption plan (a synchronous save, then the drain) is unit-tested (test_plan)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT, metric_history, tiny_spec
-from tests.helpers import prestop_command, run_in_background
+from tests.helpers import finished, prestop_command, run_in_background
 from tests.slow_step import slow_env
 from tidal.testing.clusters import add_worker_node, raylet_cluster
 from tidal.testing.metadata import metadata_server
@@ -95,10 +95,7 @@ def test_aws_spot_notice_saves_at_the_step_reached_then_the_job_shrinks_and_grow
             add_worker_node(cluster)  # capacity returns
             wait_for("the group back at 2", lambda: records(trace)[-1]["world"] == 2, timeout=240)
             hold.unlink()
-            t.join(400)
-            assert not t.is_alive(), "job did not finish"
-            if "error" in out:
-                raise out["error"]
+            finished(t, out)
         finally:
             stop_session(watcher, grace_s=5)
     log = (tmp_path / "watcher.log").read_text()
@@ -138,10 +135,7 @@ def test_kubernetes_prestop_run_as_the_pod_runs_it_saves_at_the_step_reached(clu
     add_worker_node(cluster)  # the pod's replacement
     wait_for("the group back at 2", lambda: records(trace)[-1]["world"] == 2, timeout=240)
     hold.unlink()
-    t.join(400)
-    assert not t.is_alive(), "job did not finish"
-    if "error" in out:
-        raise out["error"]
+    finished(t, out)
     assert_saved_at_the_step_reached_and_resumed_there(capfd.readouterr().out, trace)
     assert sorted(metric_history(spec, out["result"].mlflow_run_id, "loss")) == list(range(1, 301))
     for node in list(cluster.worker_nodes):
