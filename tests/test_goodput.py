@@ -93,6 +93,21 @@ CASES = {
         130,
         {"startup": 10 + 10 + 8, "productive": 20, "other": 80, "restore": 2},
     ),
+    "a restarted group's slow first step is start-up, not replay": (
+        [launch(), ev("group_started", 10, 0, world=2), ev("metrics", 20, 10, step_time_s=1.0),
+         ev("failure", 21),
+         # One step per log interval: step 10 again takes 5 s (its warm-up), the next one 1 s.
+         ev("group_started", 30, 9, world=2, setup_s=5), ev("metrics", 35, 10, step_time_s=5.0, first_step_s=5.0),
+         ev("metrics", 36, 11, step_time_s=1.0),
+         # A restart that logs 5 steps at once: its first took 6 s, the other four 1 s each.
+         ev("failure", 37), ev("group_started", 40, 11, world=2, setup_s=3),
+         ev("metrics", 50, 16, step_time_s=2.0, first_step_s=6.0)],
+        50,
+        # 10 + 9 start-up, 10 productive, 1 s lost at the failure; 4 s of the replayed step's 5 to start-up,
+        # 1 s replayed, step 11 productive; 1 s lost, 3 s start-up, then 5 s of the 10 s interval's first
+        # step to start-up (6 s, against the 1 s each of the other four).
+        {"startup": 10 + 9 + 4 + 3 + 5, "productive": 10 + 1 + 5, "replayed": 1 + 1 + 1},
+    ),
     "stragglers, a background write the optimizer waited for, warm-up steps": (
         [launch(), ev("group_started", 10, 0, world=2),
          ev("metrics", 20, 10, step_time_s=math.nan),  # compile warm-up only: start-up

@@ -24,7 +24,11 @@ Events (their `kind`, tracking/events.py) and the interval each one closes:
   checkpoint stall (the optimizer's waits for a background write, `checkpoint_gate_s`), data
   wait, straggler wait, the slowdown of steps right after a save (their step time over the
   median of recent steps with no save before them: measured, not assumed zero) and productive;
-  what is left (the log step's collective, logging) is `other`.
+  what is left (the log step's collective, logging) is `other`. A group's first step carries its
+  one-time costs (the first collectives' set-up, allocations: 5x a step after a restart here);
+  the worker reports it (`first_step_s`) and its excess over the group's next step time moves
+  from the step's bucket to start-up, so a replayed step costs what a step costs and a warm-up
+  is paid by the restart that caused it (with one step per log interval, at the next one).
 - `checkpoint` (rank 0, after a save): the save's stall.
 - `failure` (controller): the steps since the last event are lost with the group (replayed);
   a gap well over the job's interval between events (HANG_RATIO times it, and HANG_MIN_S more)
@@ -81,6 +85,8 @@ class State:
     launches: int = 0
     replayed_steps: int = 0
     step_s: float = 0.0  # step time of first executions (what a benchmark counting step times sees)
+    first_due: bool = False  # the group's first timed step is still to be logged
+    warm_held: list[Any] = field(default_factory=list)  # [bucket, seconds it may give, first step's s]
     seen: list[str] = field(default_factory=list)
 
     @classmethod
@@ -165,6 +171,7 @@ def _group_started(state: State, ts: float, entry: dict[str, Any], values: dict[
     state.mode, state.ending = "running", ""
     state.last_step = int(entry.get("step", 0))
     state.after_save, state.clean = False, []
+    state.first_due, state.warm_held = True, []
 
 
 def _metrics(state: State, ts: float, entry: dict[str, Any], v: dict[str, Any]) -> None:
@@ -198,6 +205,7 @@ def _metrics(state: State, ts: float, entry: dict[str, Any], v: dict[str, Any]) 
     state.replayed_steps += replay_n
     state.reported = max(state.reported, step)
     if n and not warm:
+        _first_step(state, _num(v.get("first_step_s")), n, st, ("replayed", replay) if replay_n else ("productive", left))
         state.step_time, state.last_train = st, train
         if not state.after_save:
             state.clean = [*state.clean[-(BASELINE_KEEP - 1):], st]
@@ -220,12 +228,32 @@ def _failure(state: State, ts: float, entry: dict[str, Any], values: dict[str, A
     lost = min(span, expected) if state.mode == "running" else 0.0
     hung = span > HANG_RATIO * expected and span - expected > HANG_MIN_S and state.mode == "running"
     _spend(state, span, [("replayed", lost)], "hang" if hung else "other")
-    state.mode = "failed"
+    state.mode, state.warm_held = "failed", []
 
 
 def _group_ending(state: State, ts: float, entry: dict[str, Any], values: dict[str, Any]) -> None:
     _spend(state, _take(state, ts), [], "other")
     state.mode, state.ending = "ending", str(entry.get("reason", ""))
+
+
+def _first_step(state: State, first: float | None, n: int, st: float, given: tuple[str, float]) -> None:
+    """A group's first step's excess over its steady step time moves to start-up (see the module's doc).
+
+    `given`: the bucket this interval's steps went to and how much it got (the most that can move).
+    The steady time is the interval's other steps; with one step per interval, the next interval's.
+    """
+    if state.warm_held:  # the last interval was the first step alone: this one is the reference
+        bucket, most, held = state.warm_held
+        _move(state, bucket, "startup", min(most, held - st))
+        state.warm_held = []
+    if not state.first_due or first is None:
+        return
+    state.first_due = False
+    bucket, most = given
+    if n > 1:
+        _move(state, bucket, "startup", min(most, first - (n * st - first) / (n - 1)))
+    else:
+        state.warm_held = [bucket, most, first]
 
 
 # --- bookkeeping ------------------------------------------------------------------------
@@ -259,6 +287,19 @@ def _add(state: State, bucket: str, seconds: float) -> None:
         state.unpriced[bucket] += ws
     else:
         state.cost[bucket] += ws / 3600 * state.price
+
+
+def _move(state: State, src: str, dst: str, seconds: float) -> None:
+    """Move seconds already handed out (to the current group's workers) from one bucket to another."""
+    seconds = min(max(0.0, seconds), state.seconds[src]) if math.isfinite(seconds) else 0.0
+    if seconds <= 0:
+        return
+    ws = min(seconds * state.world, state.worker_s[src])
+    book, amount = (state.unpriced, ws) if state.price is None else (state.cost, ws / 3600 * state.price)
+    amount = min(amount, book[src])
+    for d, a in ((state.seconds, seconds), (state.worker_s, ws), (book, amount)):
+        d[src] -= a
+        d[dst] += a
 
 
 def _set_price(state: State, per_worker_hour: float) -> None:

@@ -93,7 +93,9 @@ class PhaseClock:
 
     The first `warmup_steps` steps of the clock's life (one attempt: a compiled model compiles
     there) count in no figure. A log interval made of warm-up steps only reports NaN times, so
-    that no throughput is made of compile time.
+    that no throughput is made of compile time. The first timed step's own time is reported once
+    as `first_step_s`: it carries the attempt's one-time costs (the first collectives' set-up,
+    allocations), which the goodput account charges to start-up rather than to the step.
     """
 
     PHASES = ("data_wait_s", "forward_backward_s", "optimizer_s")
@@ -108,6 +110,8 @@ class PhaseClock:
         self.step_total, self.steps = 0.0, 0
         self._step_t0 = 0.0
         self.sampled: tuple[float, float] | None = None  # (step seconds, comm seconds) of the last sample
+        self.first: float | None = None  # the first timed step's seconds, until taken
+        self._timed_any = False
 
     def start_step(self, sync: bool) -> None:
         self.sync, self.sample = sync and self.cuda, sync
@@ -127,6 +131,8 @@ class PhaseClock:
             return
         self.step_total += took
         self.steps += 1
+        if not self._timed_any:
+            self._timed_any, self.first = True, took
         if self.sample and self.comms is not None:
             self.sampled = (took, self.comms.stop())
 
@@ -144,8 +150,10 @@ class PhaseClock:
             step_s, comm_s = self.sampled
             out |= {"comm_s": comm_s, "comm_frac": comm_s / step_s if step_s > 0 else 0.0,
                     "busy_s": max(0.0, step_s - comm_s)}
+        if self.first is not None:
+            out["first_step_s"] = self.first
         self.totals = dict.fromkeys(self.PHASES, 0.0)
-        self.step_total, self.steps, self.sampled = 0.0, 0, None
+        self.step_total, self.steps, self.sampled, self.first = 0.0, 0, None, None
         return out
 
     def _barrier(self) -> None:
