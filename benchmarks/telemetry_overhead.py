@@ -1,6 +1,7 @@
 """What the operator telemetry costs in throughput: `tidal run` with it (the default) and with
-TIDAL_TELEMETRY=0 (no Prometheus gauges, no straggler all-gather, no comms sampling), same
-work, runs alternating so drift in the machine hits both alike; every pair is reported.
+TIDAL_TELEMETRY=0 (no Prometheus gauges; since 2026-12-02 the straggler handling and its comms sampling
+stay on, as failure handling: failure.straggler_*), same work, runs alternating so drift in the machine
+hits both alike; every pair is reported.
 
     python -m benchmarks.telemetry_overhead [--pairs 4] [--steps 80]
 """

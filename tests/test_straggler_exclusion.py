@@ -55,6 +55,47 @@ def test_the_record_steers_the_selector_and_the_drivers_restarts(tmp_path):
     assert avoidance.label_selector(avoidance.read(spec)) is None
 
 
+def test_one_owner_sizes_the_group_and_admission_no_longer_hides_a_straggler():
+    from tidal.admission.directive import NONE, group_target, resize_to
+
+    # (admission's target, the job's own, the size the group was launched for) -> (target sent, who asked)
+    cases = [((NONE, NONE, 2), (NONE, "")),
+             ((2.0, NONE, 2), (NONE, "")),  # admission keeps the size: train on
+             ((1.0, NONE, 2), (1.0, "admission")),
+             ((2.0, 1.0, 2), (1.0, "own")),  # a straggler's node out under admission (dropped before)
+             ((NONE, 1.0, 2), (1.0, "own")),  # no word from admission: the job's own ask stands
+             ((4.0, 1.0, 2), (4.0, "admission"))]  # admission's new size wins; the driver caps it by the avoidance
+    for args, want in cases:
+        assert group_target(*args) == want, args
+    assert resize_to(group_target(2.0, 1.0, 2)[0], 2) == 1
+
+
+def test_with_the_gauges_off_a_persistent_straggler_is_still_taken_out(tmp_path, monkeypatch):
+    """TIDAL_TELEMETRY=0 turns the Prometheus gauges off, not the failure handling it once took with it."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from tidal.worker import telemetry
+
+    monkeypatch.setenv(telemetry.OFF_VAR, "0")
+    places = [telemetry.Place("10.0.0.1", "a" * 16, "onprem", None), telemetry.Place("10.0.0.2", "b" * 16, "onprem", None)]
+    ctx = SimpleNamespace(get_world_rank=lambda: 0, get_world_size=lambda: 2)
+    monkeypatch.setattr(telemetry.ray.train, "get_context", lambda: ctx)
+    monkeypatch.setattr(telemetry.Place, "here", classmethod(lambda cls, spec: places[0]))
+    spec = tiny_spec(tmp_path, **{"scaling.min_workers": 1, "scaling.max_workers": 2,
+                                  "failure.straggler_exclude_after_s": 0.01})
+    said: list[str] = []
+    t = telemetry.Telemetry(spec, SimpleNamespace(say=lambda text, step: said.append(text)), torch.device("cpu"), None)
+    t.places = places  # what the group's one all_gather_object gives
+    out: dict[str, float] = {}
+    for step in (2, 4, 6):
+        out |= t.at_log_step({"step": step, "step_time_s": 0.1}, busy_s=[0.05, 0.2])
+        time.sleep(0.02)
+    assert out.get("straggler_excluded") == 1.0 and t.target == 1.0, (out, said)
+    assert avoidance.read(spec).node_id == "b" * 16 and any("restarting at 1 worker(s)" in x for x in said)
+
+
 @pytest.mark.slow
 @pytest.mark.extended  # a multi-raylet cluster for three lives of the job: minutes beyond CI's budget
 def test_an_elastic_job_drops_a_slow_node_trains_on_and_grows_back_after_the_avoidance(tmp_path, capfd):

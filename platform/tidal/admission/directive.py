@@ -45,6 +45,21 @@ class Directive:
         self._stop.set()
 
 
+def group_target(admission: float, own: float, launched_max: int) -> tuple[float, str]:
+    """The one size this group is asked to restart at, and who asked ("admission", "own", or "" with
+    NONE: train on). Rank 0 decides it before the log step's collective, which carries only this.
+
+    Admission's word wins when it gives the group a new size; otherwise the job's own ask stands
+    (worker/telemetry.py: a persistent straggler's node out, or back once avoided; a node that hung
+    the job twice). Under admission the driver restarts those too, at most at the seat's size and
+    without the avoided node (launch/trainer.py). Before, admission's target replaced the job's own
+    whenever the job was under admission, so a straggler was announced but never taken out.
+    """
+    if admission != NONE and int(admission) != launched_max:
+        return admission, "admission"
+    return (own, "own") if own != NONE else (NONE, "")
+
+
 def resize_to(target: float, launched_max: int | None) -> int | None:
     """The size to restart at, when the agreed `target` differs from the size this group was
     launched for; None: train on. Never a resize without admission's word."""
@@ -53,4 +68,4 @@ def resize_to(target: float, launched_max: int | None) -> int | None:
     return int(target)
 
 
-__all__ = ["NONE", "Directive", "resize_to"]
+__all__ = ["NONE", "Directive", "group_target", "resize_to"]

@@ -178,11 +178,12 @@ def _fit(spec: JobSpec, trainer: TorchTrainer, callbacks: list[Any], seat: admis
         found = find_resume_point(spec) if seat is not None or avoided else None
         if found is None or _already_complete(spec, found.state):
             return
-        if seat is not None:  # else a straggler's node: _trainer's label selector follows avoidance's record
+        if seat is not None:  # a straggler's node (avoided) too: _trainer's label selector follows its record
             before = seat.workers
             seat.wait()
-            print(f"[tidal] job {spec.name!r}: restarting at step {found.step} with up to {seat.workers} worker(s) "
-                  f"(was {before}), as the cluster's admission decided", flush=True)
+            if not avoided:  # the group said why it ended for a node (worker/telemetry.py)
+                print(f"[tidal] job {spec.name!r}: restarting at step {found.step} with up to {seat.workers} "
+                      f"worker(s) (was {before}), as the cluster's admission decided", flush=True)
         trainer = _trainer(spec, callbacks, seat, lease)
         job = run_dir.read_json(JOB_FILE) or {}
         run_dir.write_json(JOB_FILE, {**job, "ray_requester": train_requester(trainer)})

@@ -17,7 +17,7 @@ from typing import Any
 import ray.train
 import torch
 
-from tidal.admission.directive import resize_to
+from tidal.admission.directive import NONE, group_target, resize_to
 from tidal.ray_private import HEALTH_CHECK_INTERVAL
 from tidal.spec.secrets import with_carried_spec
 from tidal.worker import plan
@@ -54,15 +54,15 @@ def train_loop(config: dict[str, Any]) -> None:
         warning = ray.train.get_preemption_info() if agreed.check_preemption else None
         if warning is not None:
             s.preemption_rearm_at = rearm_after_warning(warning.deadline_ms)
-        # admission's size, or rank 0's for a straggler's node (worker/telemetry.py), launched at s.world
-        resize = resize_to(agreed.target, s.launched_max if s.launched_max is not None else s.world)
+        # the size rank 0 asked for (admission.directive.group_target), for a group launched at s.world
+        resize = resize_to(agreed.target, _launched(s))
         step_plan = plan.plan_step(due, s.cadence, warning is not None, spec.checkpoint.async_upload,
                                    resize is not None, agreed.superseded)
         if step_plan.end == "superseded":
             if s.rank == 0:
                 print(f"[tidal] {s.lease.why()}", flush=True)  # not an event: the job's log is the newer start's
             break
-        if step_plan.end == "resize" and s.rank == 0 and s.directive is not None:
+        if step_plan.end == "resize" and s.rank == 0 and s.target_by == "admission":
             s.events.say(f"admission resizes this job to {resize} worker(s): checkpoint at step {step}, "
                          "then the group restarts at that size", step)
         if (end := finish_step(s, step_plan, agreed, times, warning)) is not None:
@@ -97,13 +97,20 @@ def _agree(s: Session, times: dict[str, float], may_check: bool, due_checkpoint:
     # Checkpoint writes that optimizer steps waited for (save.before_update) count as
     # blocked too; read once here, so this rank's figure and rank 0's metric agree.
     s.gate_s = save.gate_waited()
+    target, s.target_by = group_target(s.directive.target if s.directive is not None else NONE,
+                                       s.telemetry.target, _launched(s))
     agreed = s.sync.exchange(s.loss_sum.item(), s.loss_n, times.get("busy_s"),
                              may_check and time.time() >= s.preemption_rearm_at, s.blocked_s + s.gate_s,
-                             s.directive.target if s.directive is not None else s.telemetry.target,
+                             target,
                              s.rank == 0 and s.lease is not None and not s.lease.current(fresh=due_checkpoint))
     s.loss_sum.zero_()
     s.loss_n, s.blocked_s = 0, 0.0
     return agreed
+
+
+def _launched(s: Session) -> int:
+    """The size this group was launched for: admission's, or the world it started with."""
+    return s.launched_max if s.launched_max is not None else s.world
 
 
 def finish_step(s: Session, p: plan.StepPlan, agreed: Agreed, times: dict[str, float],

@@ -163,8 +163,6 @@ class PhaseClock:
 
 def _comm_clock() -> CommClock | None:
     """DeepSpeed's comms timing once its process group is up (None before, e.g. in unit tests)."""
-    if os.environ.get("TIDAL_TELEMETRY", "1") == "0":  # see worker/telemetry.py
-        return None
     with suppress(Exception):
         import deepspeed.comm
 

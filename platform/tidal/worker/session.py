@@ -70,6 +70,7 @@ class Session:
     last_save_s: float | None = None  # this group's last synchronous save, in s: can a warning's deadline fit one?
     directive: Directive | None = None  # rank 0's poll of the cluster's admission, under admission
     launched_max: int | None = None  # the size admission launched this group for (None: no admission)
+    target_by: str = ""  # who asked for the size rank 0 last sent (admission.directive.group_target)
     lease: LeaseCheck | None = None  # whether this attempt's driver still owns the job (tidal/lease.py)
     auto: microbatch.AutoMicroBatch | None = None  # train.micro_batch auto: halves it on out-of-memory errors
 

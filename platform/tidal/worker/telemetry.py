@@ -98,7 +98,9 @@ _metrics: dict[str, Any] = {}  # one Ray metric object per name and process
 # every few seconds and Prometheus scrapes every 10 s or so, so setting them at every step of a
 # job logging every 50 ms step only cost time: 25 gauge sets, 0.5% of each rank's time (py-spy).
 EXPORT_EVERY_S = 1.0
-OFF_VAR = "TIDAL_TELEMETRY"  # "0" turns all of this off (benchmarks/telemetry_overhead.py measures it)
+# "0" turns the Prometheus gauges off (benchmarks/telemetry_overhead.py measures them). Not the straggler
+# handling: that is failure handling (failure.straggler_*), which once went off with the gauges.
+OFF_VAR = "TIDAL_TELEMETRY"
 
 
 def enabled() -> bool:
@@ -165,8 +167,6 @@ class Telemetry:
         # collective carries it to every rank (worker/loop.py), NONE: train on.
         self.target = avoidance.NONE
         self.enabled = enabled()
-        if not self.enabled:
-            return
         self.place = Place.here(spec)
         self.tags = {JOB_LABEL: spec.name, "rank": str(self.rank), "node": self.place.node, "site": self.place.site}
         f = spec.failure
@@ -178,7 +178,7 @@ class Telemetry:
         self.last: tuple[int, float] | None = None  # (step, time) at the previous log step
         self.gauges_due = Every(EXPORT_EVERY_S)
         self.started = time.time()  # before the engine build: start-up holds the devices too
-        if self.rank == 0:
+        if self.rank == 0 and self.enabled:
             reason = "start" if not found else "restart" if int(found.state["world_size"]) == self.world else "resize"
             _metric("group_starts").inc(1.0, tags={JOB_LABEL: spec.name, "reason": reason})
 
@@ -187,8 +187,6 @@ class Telemetry:
         `busy_s`: every rank's busy time on the interval's sampled step (worker/logsync.py).
         `final`: the group's last step, whose values the gauges keep."""
         inputs = self._inputs(metrics) if self.rank == 0 else {}
-        if not self.enabled:
-            return inputs
         if self.places is None:  # once per group: where every rank runs (a collective)
             self.places = [self.place] * self.world
             dist.all_gather_object(self.places, self.place)
@@ -213,7 +211,7 @@ class Telemetry:
             local["stall_s"] = max(0.0, now - self.last[1] - trained)
         self.last = (step, now)
         extra |= inputs
-        if self.gauges_due.due(force=final or "straggler_excluded" in extra):
+        if self.enabled and self.gauges_due.due(force=final or "straggler_excluded" in extra):
             self._export({**metrics, **local, **gpu_stats(self.device), **(extra if self.rank == 0 else {})})
         return extra if self.rank == 0 else {}
 
