@@ -63,14 +63,14 @@ class RunWriter:
         c = client(self.spec)
         if run_id:
             try:
-                if reopen(c, run_id):
+                if reopen(c, run_id, {"tidal.job": self.spec.name}, self.spec.tracking.experiment):
                     self.reopened = run_id
                     return run_id
             except mlflow.exceptions.MlflowException as e:
                 log.warning("could not reopen MLflow run %s of this job (%s); the job keeps it, and it is "
                             "retried while the points wait", run_id, redact_text(_short(e)))
                 raise
-            log.warning("MLflow run %s of this job is gone; starting a new one", run_id)
+            log.warning("MLflow run %s named by this job is gone or not its own; starting a new one", run_id)
         exp_id = _experiment(c, self.spec.tracking.experiment, _artifact_root(self.spec.tracking.uri))
         # Tags and params are read by everyone who can read the experiment: redacted (tidal/redact.py).
         tags = redact_data({"tidal.job": self.spec.name, "tidal.version": __version__, **self.tags})
@@ -219,7 +219,8 @@ class SweepWriter:
     def open(self, settings: dict[str, Any], run_id: str | None) -> str:
         if run_id:
             # A transient error is raised: a second parent run would split the sweep.
-            if reopen(self.client, run_id):
+            if reopen(self.client, run_id, {"tidal.sweep": self.base.name, "tidal.sweep_role": "parent"},
+                      self.base.tracking.experiment):
                 return run_id
             print(f"[tidal] WARNING: the sweep's MLflow parent run {run_id} is gone; starting a new one", flush=True)
         exp_id = _experiment(self.client, self.base.tracking.experiment, _artifact_root(self.base.tracking.uri))
@@ -256,18 +257,27 @@ class SweepWriter:
         _terminate(self.base.tracking.uri, run_id, status)
 
 
-def reopen(c: Any, run_id: str) -> bool:
-    """Mark `run_id` running again; False if MLflow says it is gone (missing or deleted). Any
-    other MlflowException (a 5xx, a locked SQLite database) is raised: it may pass."""
+def reopen(c: Any, run_id: str, tags: dict[str, str], experiment: str) -> bool:
+    """Mark `run_id` running again; False if MLflow says it is gone (missing or deleted), or if it
+    is not this job's: its `tags` or its experiment differ. The id comes from the job's storage
+    (tidal-job.json, the sweep's state), which anyone who can write there can change: a planted id
+    would have this job write into another team's run. Any other MlflowException (a 5xx, a
+    locked SQLite database) is raised: it may pass."""
     try:
+        run = c.get_run(run_id)
+        if run.info.lifecycle_stage == "deleted":  # in MLflow's trash
+            return False
+        theirs = {k: run.data.tags.get(k) for k in tags}
+        exp = c.get_experiment(run.info.experiment_id)
+        if theirs != tags or exp is None or exp.name != experiment:
+            print(f"[tidal] WARNING: MLflow run {run_id}, named in this job's storage, is not this job's "
+                  f"(its tags {theirs}, experiment {exp.name if exp else '?'!r}; this job's {tags}, "
+                  f"{experiment!r}): it is left alone and a new run is started", flush=True)
+            return False
         c.update_run(run_id, status=RUNNING)
         return True
     except mlflow.exceptions.MlflowException as e:
         if run_is_gone(e):
-            return False
-        # A run in MLflow's trash answers INVALID_PARAMETER_VALUE ("must be in the 'active'
-        # state"); that code also means other things, so ask what the run's state is.
-        if e.error_code == "INVALID_PARAMETER_VALUE" and c.get_run(run_id).info.lifecycle_stage == "deleted":
             return False
         raise
 
