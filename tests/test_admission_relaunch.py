@@ -16,6 +16,7 @@ from ray.job_submission import JobDetails, JobStatus, JobSubmissionClient, JobTy
 
 from tidal.admission.actor import Admitter
 from tidal.admission.naming import QUEUE_JOB_VAR, job_key
+from tidal.admission.parking import Cancelled, successor_id
 from tidal.admission.queue_doc import DamagedQueue, Entry, load_queue, parse_queue
 from tidal.admission.quotas import Quotas
 from tidal.admission.registration import checked_registration
@@ -25,7 +26,7 @@ from tidal.admission.relaunch import (
     RELAUNCHED_VAR,
     RETRY_S,
     WAIT_VAR,
-    new_submission_id,
+    JobsApi,
     resubmission,
 )
 from tidal.errors import TidalError
@@ -126,15 +127,14 @@ def test_the_resubmission_keeps_the_jobs_record_and_takes_its_place():
                       status=JobStatus.RUNNING, metadata={"team": "a"},
                       runtime_env={"working_dir": "gcs://_ray_pkg_abc.zip", "env_vars": {"A": "1"}})
     entry = Entry("x-1", "x", "default", "normal", 1, 1, 0.0, submission="x-1")
-    new = new_submission_id(entry, 1_700_000_000.0)
+    new = successor_id(entry.submission)
     args = resubmission(info, entry, new)
     assert args["runtime_env"] == {"working_dir": "gcs://_ray_pkg_abc.zip",
                                    "env_vars": {"A": "1", QUEUE_JOB_VAR: "x-1", WAIT_VAR: "1",
                                                 RELAUNCHED_VAR: "1"}}
     assert (args["entrypoint"], args["metadata"]) == ("tidal run jobs/x.yaml", {"team": "a"})
-    assert new == "x-1-h1700000000"
+    assert new == "x-1-p", "the id the first one follows (launch/chain.py)"
     inspect.signature(JobSubmissionClient.submit_job).bind(None, **args)
-    assert len(new_submission_id(Entry("j" * 128, "x", "d", "n", 1, 1, 0.0), 1e9)) == 128
     assert job_key("x", {QUEUE_JOB_VAR: "x-1", "RAY_JOB_CONFIG_JSON_ENV_VAR": '{"metadata": '
                          '{"job_submission_id": "x-1-h1"}}'}) == "x-1", "the relaunched driver takes the job's key"
 
@@ -179,3 +179,44 @@ def test_a_relaunched_driver_replaying_restart_resumes_instead(tmp_path, monkeyp
     with pytest.raises(Reached):
         trainer.run(spec, restart=True)  # a first start's --restart still sets the folder aside
     assert any(".replaced-" in p.name for p in (tmp_path / "runs").iterdir())
+
+
+class Jobs:
+    """The Jobs API's records, as the admission actor's client reads and writes them."""
+
+    def __init__(self, **states: str) -> None:
+        self.jobs = {sid: JobDetails(type=JobType.SUBMISSION, entrypoint="tidal run x.yaml", submission_id=sid,
+                                     status=JobStatus(state), runtime_env={}) for sid, state in states.items()}
+        self.submitted: list[str] = []
+
+    def get_job_info(self, sid: str) -> JobDetails:
+        if sid not in self.jobs:
+            raise RuntimeError(f"Request failed with status code 404: job {sid} does not exist")
+        return self.jobs[sid]
+
+    def submit_job(self, submission_id: str, **job) -> str:
+        if submission_id in self.jobs:
+            raise RuntimeError(f"Job with submission_id {submission_id} already exists")
+        self.submitted.append(submission_id)
+        self.jobs[submission_id] = JobDetails(type=JobType.SUBMISSION, submission_id=submission_id,
+                                              status=JobStatus.PENDING, **job)
+        return submission_id
+
+    def stop_job(self, sid: str) -> bool:
+        self.jobs[sid].status = JobStatus.STOPPED
+        return True
+
+
+def test_a_relaunch_goes_on_under_the_id_the_first_one_follows_once_and_not_after_a_stop():
+    api = JobsApi.__new__(JobsApi)
+    api.client = Jobs(**{"x-1": "RUNNING"})  # the lost head's record still says RUNNING
+    entry = Entry("x-1", "x", "default", "normal", 1, 1, 0.0, submission="x-1")
+    assert api.relaunch(entry) == successor_id("x-1") == "x-1-p"
+    assert api.client.jobs["x-1"].status == JobStatus.STOPPED
+    # An actor that died before saving the relaunch: its next life finds it, and submits nothing.
+    assert api.relaunch(entry) == "x-1-p" and api.client.submitted == ["x-1-p"]
+    # A job the user stopped while the head was away is not started again.
+    api.client = Jobs(**{"y-1": "STOPPED"})
+    with pytest.raises(Cancelled):
+        api.relaunch(Entry("y-1", "y", "default", "normal", 1, 1, 0.0, submission="y-1"))
+    assert api.client.submitted == []

@@ -17,7 +17,7 @@ from mlflow.tracking import MlflowClient
 
 from tests.conftest import ROOT, one_worker_spec
 from tidal.admission.queue_doc import load_queue
-from tidal.launch.jobs import connect, submit
+from tidal.launch.jobs import Job, connect, submit
 from tidal.testing.heads import ray_head
 from tidal.testing.processes import free_port, wait_for
 from tidal.testing.runs import job_run_id, metric_history, wait_for_step
@@ -63,6 +63,8 @@ def test_a_lost_head_s_running_and_waiting_jobs_start_again_by_themselves_and_lo
         with ray_head(tmp_path / "h2", 2, env, port=port, token=token) as head:
             up = time.time()
             again = first_step_after(first, logged, timeout=300) - up
+            # The user's first id follows the job's relaunched driver (it was reported STOPPED).
+            assert Job(ids["first"], head.address).status() == "RUNNING"
             hold.unlink()
             started = first_step_after(second, 0, timeout=400) - up
             client = connect(head.address)
@@ -77,9 +79,11 @@ def test_a_lost_head_s_running_and_waiting_jobs_start_again_by_themselves_and_lo
                 s in ("SUCCEEDED", "FAILED", "STOPPED") for s in relaunched().values())
                 and not load_queue(queue).entries, timeout=300, every=1.0)
             jobs = relaunched()
+            followed = {name: Job(sid, head.address).wait(timeout=60) for name, sid in ids.items()}
         print(f"\n[head restart] (MLflow's clock; benchmarks.head_restart times it from the loss trace) from the new head's Jobs API to the first step: first (running) {again:.1f}s, "
               f"second (queued) {started:.1f}s")
     assert set(jobs.values()) == {"SUCCEEDED"}, jobs
+    assert followed == {"first": "SUCCEEDED", "second": "SUCCEEDED"}, "each job's first id ends with the job"
     assert all(any(sid.startswith(ids[name]) for sid in jobs) for name in ids), jobs
     assert all(any(sid.startswith(old) for old in ids.values()) for sid in jobs), jobs
     for spec in (first, second):

@@ -12,7 +12,9 @@ needs Kubernetes. The admission actor writes the head node it runs on into the q
 restarted actor that finds another head there knows the head was lost. Each job the document
 lists whose driver has not checked in within `RELAUNCH_GRACE_S` (a driver off the head survives
 and checks in) is submitted again through the Jobs API, with its own record's entrypoint and
-runtime environment, under a new submission id:
+runtime environment, under its driver's successor id (`successor_id`: the id a parked driver's
+job goes on as, fixed by the old id), so that the user's first id follows it (launch/chain.py), and
+an actor that died between the submission and saving it finds it there instead of submitting twice:
 - `TIDAL_QUEUE_JOB` gives the new driver the job's key, so it takes the job's place: a running job
   restarts at its size from its latest checkpoint, in its MLflow run; a waiting one keeps its turn;
 - `TIDAL_RUN_WAIT=1` makes it wait for the old driver's lease (issue #46) instead of refusing, so
@@ -25,12 +27,11 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from tidal.admission.naming import QUEUE_JOB_VAR
-from tidal.admission.parking import CANCELLED, DROPPED, Cancelled, Gone
+from tidal.admission.parking import CANCELLED, DROPPED, Cancelled, Gone, successor_id
 from tidal.admission.queue_doc import Entry, Queue
 from tidal.ray_auth import auth_headers, auth_token
 from tidal.redact import redact_text
@@ -70,12 +71,6 @@ def due(queue: Queue, pending: set[str], seen: Mapping[str, float], since: float
         return []
     return sorted((e for e in queue.entries if e.job in pending and seen.get(e.job, 0.0) < since),
                   key=lambda e: e.submitted_at)
-
-
-def new_submission_id(entry: Entry, now: float) -> str:
-    """The relaunched driver's id: the job's key with the time, within the queue's key length."""
-    suffix = f"-h{int(now)}"
-    return entry.job[:128 - len(suffix)] + suffix
 
 
 def resubmission(info: Any, entry: Entry, submission_id: str) -> dict[str, Any]:
@@ -134,11 +129,17 @@ class JobsApi:
         info = lookup(self.client, old)
         if info is None:
             raise Gone(old)
-        if entry.successor and str(getattr(info.status, "value", info.status)) in ("STOPPED", "FAILED"):
+        status = str(getattr(info.status, "value", info.status))
+        if entry.successor and status in ("STOPPED", "FAILED"):
             # A parked driver ends SUCCEEDED: this one was stopped (or failed) after its park was
             # saved, and the job goes no further.
             raise Cancelled(entry.successor)
-        new = entry.successor or new_submission_id(entry, time.time())
+        new = entry.successor or successor_id(old)
+        if not entry.successor:
+            if _taken(self.client, new):
+                return new  # submitted by an earlier life of the actor, which died before saving
+            if status == "STOPPED":  # the user stopped it while the head was away (its record said RUNNING)
+                raise Cancelled(new)
         try:
             new = self.client.submit_job(**resubmission(info, entry, new))
         except Exception:
@@ -244,6 +245,8 @@ class Relaunches:
             try:
                 self._relauncher = self._relauncher or self._make()
                 started[entry.job] = self._relauncher(entry)
+            except Cancelled:
+                log.warning("job %s was stopped while the head was away: it is not started again", entry.job)
             except Exception as e:  # noqa: BLE001 - the Jobs API or the job's record: try again next tick
                 self.tries[entry.job] += 1
                 if self.tries[entry.job] < ATTEMPTS:
@@ -259,4 +262,4 @@ class Relaunches:
 
 __all__ = ["ATTEMPTS", "RELAUNCHED_VAR", "RELAUNCH_GRACE_S", "RETRY_S", "WAIT_VAR", "Relauncher", "Relaunches",
            "JobsApi", "cluster_jobs_api", "current_head", "due", "head_lost", "head_node",
-           "new_submission_id", "package_uris", "resubmission"]
+           "package_uris", "resubmission"]
