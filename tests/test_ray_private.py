@@ -27,6 +27,9 @@ def test_the_names_given_as_text_match_rays():
 
     assert ray_private.HEALTH_CHECK_INTERVAL == constants.HEALTH_CHECK_INTERVAL_S_ENV_VAR
     assert ray_private.WORKER_GROUP_START_TIMEOUT == constants.WORKER_GROUP_START_TIMEOUT_S_ENV_VAR
+    from ray._common.constants import HEAD_NODE_RESOURCE_NAME
+
+    assert ray_private.HEAD_RESOURCE == HEAD_NODE_RESOURCE_NAME
     module, _, cls = ray_private.FAKE_PROVIDER_MODULE.rpartition(".")
     assert hasattr(importlib.import_module(module), cls), ray_private.FAKE_PROVIDER_MODULE
     for logger_module in (ray_private.TRAIN_CONTEXT_MODULE, ray_private.PLACEMENT_GROUP_CLEANER_LOGGER,

@@ -42,7 +42,12 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("ray._raylet", "AuthenticationTokenLoader"),
     ("ray._raylet", "Config"),
     ("ray._raylet", "GcsClient"),
+    ("ray._common.constants", "HEAD_NODE_RESOURCE_NAME"),
 )
+# The resource every head node has and no other node (ray._common.constants.HEAD_NODE_RESOURCE_NAME;
+# spelled out so that importing this module imports no Ray). Ray Train's own state actor asks for
+# 0.001 of it to live on the head, whichever head the cluster has now: no public API says "the head".
+HEAD_RESOURCE = "node:__internal_head__"
 
 # Ray Train V2's settings read from the environment (ray.train.v2._internal.constants, 2.60):
 # documented as environment variables but exported by no public module, so named here as text.

@@ -1,5 +1,5 @@
 """How drivers, workers and the CLI reach the cluster's admission actor (admission/actor.py), and
-how it is started where none runs: detached, restarted by Ray forever, softly on the head."""
+how it is started where none runs: detached, restarted by Ray forever, on the head."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 from tidal.admission.actor import Admitter
 from tidal.admission.naming import ACTOR, NAMESPACE, QUEUE_VAR, queue_document
 from tidal.admission.quotas import QUOTAS_VAR
-from tidal.admission.relaunch import head_node
+from tidal.ray_private import HEAD_RESOURCE
 
 # The actor's threads: heartbeats, registrations and ends in the default group; calls that wait
 # on the cluster's Jobs API (a park pins its package) in a group of their own, so that a slow
@@ -41,20 +41,14 @@ def admitter(create: bool = False, environ: Mapping[str, str] | None = None) -> 
     actor = ray.remote(**THREADS)(Admitter).options(  # concurrency groups are the class's, not an option
         name=ACTOR, namespace=NAMESPACE, lifetime="detached", get_if_exists=True, num_cpus=0,
         max_restarts=-1, max_task_retries=-1,
-        scheduling_strategy=_on_head(),
+        # On the head, whichever head the cluster has now: after a head loss Ray restarts the actor
+        # on the new head, never on a worker node, whose disk holds no queue document (a soft
+        # affinity to the lost head's node id let it start on any node and read an empty queue).
+        resources={HEAD_RESOURCE: 0.001},
         runtime_env={"env_vars": {k: env[k] for k in (QUOTAS_VAR, QUEUE_VAR, "TIDAL_STORAGE",
                                                       "AWS_ENDPOINT_URL") if env.get(k)}},
     )
     return actor.remote(env[QUOTAS_VAR], queue_document(env))
-
-
-def _on_head() -> Any:
-    """The head node, softly: the queue belongs with the cluster's one lasting node."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    head = head_node(ray.nodes())
-    return NodeAffinitySchedulingStrategy(head, soft=True) if head else "DEFAULT"
 
 
 __all__ = ["JOBS_API_GROUP", "THREADS", "admitter", "method"]

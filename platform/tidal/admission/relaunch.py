@@ -34,6 +34,7 @@ from tidal.admission.naming import QUEUE_JOB_VAR
 from tidal.admission.parking import CANCELLED, DROPPED, Cancelled, Gone, successor_id
 from tidal.admission.queue_doc import Entry, Queue
 from tidal.ray_auth import auth_headers, auth_token
+from tidal.ray_private import HEAD_RESOURCE
 from tidal.redact import redact_text
 
 log = logging.getLogger("tidal")
@@ -54,7 +55,7 @@ Relauncher = Callable[[Entry], str]  # submits an entry's driver again; its new 
 def head_node(nodes: Iterable[Mapping[str, Any]]) -> str:
     """The live head's node id among Ray's `nodes()` ("" if none is alive)."""
     return next((str(n["NodeID"]) for n in nodes if n.get("Alive")
-                 and "node:__internal_head__" in (n.get("Resources") or {})), "")
+                 and HEAD_RESOURCE in (n.get("Resources") or {})), "")
 
 
 def head_lost(saved: Queue, head: str) -> bool:
