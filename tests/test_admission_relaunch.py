@@ -206,6 +206,12 @@ class Jobs:
         self.jobs[sid].status = JobStatus.STOPPED
         return True
 
+    def get_job_status(self, sid: str) -> JobStatus:
+        return self.get_job_info(sid).status
+
+    def get_job_logs(self, sid: str) -> str:
+        return ""
+
 
 def test_a_relaunch_goes_on_under_the_id_the_first_one_follows_once_and_not_after_a_stop():
     api = JobsApi.__new__(JobsApi)
@@ -220,3 +226,17 @@ def test_a_relaunch_goes_on_under_the_id_the_first_one_follows_once_and_not_afte
     with pytest.raises(Cancelled):
         api.relaunch(Entry("y-1", "y", "default", "normal", 1, 1, 0.0, submission="y-1"))
     assert api.client.submitted == []
+
+
+def test_the_first_id_follows_a_job_through_any_number_of_relaunches_and_parks():
+    from tidal.launch.chain import walk
+
+    ids = ["x"]
+    for _ in range(40):  # a job that waited or lost its head 40 times (32 links was the limit)
+        ids.append(successor_id(ids[-1]))
+    jobs = Jobs(**{sid: "SUCCEEDED" for sid in ids[:-1]}, **{ids[-1]: "RUNNING"})
+    links = walk(jobs, "x")
+    assert (links[-1].submission_id, links[-1].state, len(links)) == (ids[-1], "RUNNING", 41)
+    longest = "j" * 126 + "-p"  # at the Jobs API's length limit: its own successor id, not a loop
+    assert successor_id(longest) == longest
+    assert walk(Jobs(**{longest: "SUCCEEDED"}), longest)[-1].state == "SUCCEEDED"

@@ -17,7 +17,6 @@ from tidal.admission.parking import CANCELLED, DROPPED, successor_id
 from tidal.admission.relaunch import lookup
 from tidal.output import parse_record
 
-MAX_LINKS = 32  # a job parks once per wait; a longer chain is a loop, not a job
 PARKED_KEY = "parked_as"
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 
@@ -47,10 +46,14 @@ def walk(client: Any, submission_id: str, known: dict[str, str] | None = None) -
     known = {} if known is None else known
     links: list[Link] = []
     sid, state = submission_id, str(client.get_job_status(submission_id).value)
-    for _ in range(MAX_LINKS):
-        if state not in TERMINAL:
-            break
+    # Each link's id is its predecessor's with `-p`, so a chain cannot loop: it ends at a job that
+    # has not ended, one with no successor, or an id at the Jobs API's length limit (its own
+    # successor id). No count limit: a job that parks or is relaunched often (every wait, every
+    # head loss) is followed to its end (a limit of 32 links reported SUCCEEDED at the 33rd).
+    while state in TERMINAL:
         successor = known.get(sid) or successor_id(sid)
+        if successor == sid:
+            break
         info = lookup(client, successor)
         if info is None and (known.get(sid) or (state == "SUCCEEDED" and parked_as(client, sid))):
             known[sid] = successor
@@ -107,11 +110,12 @@ def merge_rows(rows: list[dict[str, Any]], successors: dict[str, str], stopped: 
     for row in rows:
         if row["id"] in folded or row["id"] in successors.values():
             continue
-        now, sid = row, row["id"]
-        for _ in range(MAX_LINKS):
+        now, sid, seen = row, row["id"], {row["id"]}
+        while True:
             nxt = successors.get(sid)
-            if not nxt:
+            if not nxt or nxt in seen:  # `successors` is read from the cluster: a cycle there ends here
                 break
+            seen.add(nxt)
             folded.add(nxt)
             now = by_id.get(nxt) or {"status": "STOPPED" if nxt in stopped else "QUEUED"}
             sid = nxt
@@ -120,4 +124,4 @@ def merge_rows(rows: list[dict[str, Any]], successors: dict[str, str], stopped: 
     return out
 
 
-__all__ = ["MAX_LINKS", "PARKED_KEY", "Link", "cancel", "lookup", "merge_rows", "parked_as", "walk", "went_on_as"]
+__all__ = ["PARKED_KEY", "Link", "cancel", "lookup", "merge_rows", "parked_as", "walk", "went_on_as"]
