@@ -93,6 +93,17 @@ def test_a_queue_saved_on_a_lost_head_starts_its_jobs_again_oldest_first_after_t
     assert a.finished("big", "new-driver")
 
 
+def test_an_actor_that_dies_before_the_relaunches_leaves_them_to_its_next_life(lost_head):
+    quotas, where = lost_head
+    Admitter(quotas, where, background=False, head=NEW, relauncher=Recorder())  # dies within the grace
+    assert load_queue(where).head == OLD, "the new head is not recorded before the relaunches are done"
+    sent = Recorder()
+    again = Admitter(quotas, where, background=False, head=NEW, relauncher=sent)
+    again.tick(time.time() + RELAUNCH_GRACE_S)
+    assert sent.sent == ["big", "next", "later"]
+    assert load_queue(where).head == NEW
+
+
 def test_a_restart_on_the_same_head_or_a_queue_without_one_starts_nothing(lost_head):
     quotas, where = lost_head
     sent = Recorder()

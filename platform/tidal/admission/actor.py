@@ -113,7 +113,12 @@ class Admitter:
         self.relaunches = Relaunches(self.queue, head, make, time.time())
         self.parked, self.checked_at = ParkedStarts(make, (lambda: marker) if marker else (lambda: jobs().mark_dropped)), 0.0
         self.stopped = stopped or (lambda successor: jobs().stopped(successor))
-        self.queue = replace(self.queue, head=head)
+        # This head is recorded once the lost head's drivers are relaunched (`_relaunch`): an actor
+        # that died before then would otherwise come back, find its own head recorded, and relaunch
+        # nothing. A queue with no head yet (a new cluster) takes this one now.
+        self.head = head
+        if not self.relaunches.pending:
+            self.queue = replace(self.queue, head=head)
         self.saved: Queue | None = None  # ...decisions never are: they land here only once saved
         self.published: dict[str, dict[str, Any]] = {}
         self.seen: dict[str, float] = {}
@@ -296,9 +301,12 @@ class Admitter:
         parked, dropped = self.parked.run(self.saved or Queue(), now)
         why.update(dict.fromkeys(parked, "admitted"))
         self.pins.renew(self.queue, now)
-        if not (started or parked or dropped):
+        settled = not self.relaunches.pending and self.queue.head != self.head  # every owed driver relaunched
+        if not (started or parked or dropped or settled):
             return
         with self.lock:
+            if settled:
+                self.queue = replace(self.queue, head=self.head)
             for job, submission in {**started, **parked}.items():
                 self.seen[job] = now
                 self.pins.at.pop(job, None)
