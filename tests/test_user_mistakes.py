@@ -218,6 +218,22 @@ def test_a_mistake_before_the_first_step_ends_the_job_and_nothing_else_does(fail
     assert (not_retried(failures) is MISTAKE) == ends
 
 
+def test_a_mistake_after_the_first_step_is_retried_once_and_ends_the_job_when_it_comes_back():
+    from tidal.launch.recovery import signature
+
+    first = {0: LATER, 1: PEER}
+    assert not_retried(first, previous=None) is None, "retried: a restart may not meet it (a transient input)"
+    assert not_retried(first, previous=signature(first)) is LATER, "the restart met the same mistake"
+    other = UserCodeError("train.step_fn", "'m:step' raised IndexError: sample 7", first_step=False)
+    assert not_retried({0: other}, previous=signature(first)) is None, "another mistake: retried as the first was"
+    assert not_retried({0: LATER, 1: RuntimeError("CUDA error")}, previous=signature(first)) is None
+    assert signature({0: PEER}) is None
+    assert mistake_message("mlp", LATER).startswith(
+        "job 'mlp' failed the same way in two attempts in a row (the second resumed from a checkpoint), in your "
+        "code: data.dataset: 'm:dataset' raised ValueError: no\nNot restarted")
+    assert mistake_message("mlp", LATER).endswith("then run the same command again: it resumes from its latest checkpoint.")
+
+
 def test_the_driver_says_what_failed_in_the_users_code_once_and_what_to_do():
     assert mistake_message("mlp", MISTAKE) == (
         "job 'mlp' failed before its first step, in your code: data.dataset: 'm:dataset' raised ValueError: no\n"

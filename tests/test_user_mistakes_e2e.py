@@ -32,3 +32,24 @@ def test_a_builder_that_raises_before_the_first_step_fails_once_with_the_users_f
     console = "".join(capfd.readouterr())
     assert "restart 1" not in console and "worker rank 0 failed" not in console, console
     assert "Error in training function" not in console and "Error in control loop iteration" not in console, console
+
+
+def test_a_mistake_after_the_first_step_met_again_after_a_restart_ends_the_job(tmp_path, capfd):
+    """A bad sample: the first failure is retried from the checkpoint (a restart may cure a failure
+    after training began), the same mistake in the attempt after it ends the job: not all 3 restarts."""
+    probe = tmp_path / "calls"
+    spec = tiny_spec(tmp_path, "bad-sample", **ONE_WORKER, **{
+        "train.step_fn": "tests.user_mistake:step", "train.steps": 10, "checkpoint.every_steps": 2,
+        "worker_env.TIDAL_TEST_PROBE": str(probe), "worker_env.TIDAL_TEST_BAD_AFTER": "3",
+        "failure.max_restarts": 3})
+    with pytest.raises(TidalError) as e:
+        tidal.run(spec)
+    message = str(e.value)
+    assert message.startswith("job 'bad-sample' failed the same way in two attempts in a row (the second resumed "
+                              "from a checkpoint), in your code: train.step_fn: 'tests.user_mistake:step' raised "
+                              "IndexError: sample 7 has no labels"), message
+    assert message.endswith("it resumes from its latest checkpoint."), message
+    assert probe.read_text().splitlines() == ["bad sample"] * 2, "two attempts, not 1 + max_restarts"
+    console = "".join(capfd.readouterr())
+    assert "restart 1" in console and "restart 2" not in console, console
+    assert "Error in control loop iteration" not in console, console

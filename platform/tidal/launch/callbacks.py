@@ -10,7 +10,7 @@ from typing import Any
 from ray.train import UserCallback
 
 from tidal.eval_best import spared
-from tidal.launch.recovery import not_retried
+from tidal.launch.recovery import not_retried, signature
 from tidal.ray_private import recompute_reserved_resources, worker_error
 from tidal.spec.job import JobSpec
 from tidal.storage import RunDir
@@ -26,6 +26,7 @@ class FailureNotifier(UserCallback):
 
     def __init__(self, spec: JobSpec) -> None:
         self.storage, self.name = spec.checkpoint.storage, spec.name
+        self.last_mistake: str | None = None  # the user's mistake the last attempt ended with (recovery.signature)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Unpickled in Ray Train's controller: lower its chatter there (tracking/quiet.py), which
@@ -34,7 +35,9 @@ class FailureNotifier(UserCallback):
         quiet_controller()
 
     def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
-        mistake = not_retried({r: worker_error(e) for r, e in worker_exceptions.items()})
+        errors = {r: worker_error(e) for r, e in worker_exceptions.items()}
+        mistake = not_retried(errors, self.last_mistake)
+        self.last_mistake = signature(errors)
         if mistake is not None:  # before the event: no restart to count or announce
             raise mistake  # an error Ray Train's controller did not expect: it ends the run, retrying nothing
         events = Emitter(self.storage, self.name)

@@ -63,27 +63,45 @@ def recovery_settings(spec: JobSpec) -> Iterator[None]:
             os.environ.pop(k, None)
 
 
-def not_retried(failures: Mapping[int, BaseException]) -> UserCodeError | None:
+def not_retried(failures: Mapping[int, BaseException], previous: str | None = None) -> UserCodeError | None:
     """The user's mistake that ends the job without a restart, from the errors of the ranks that
     failed (by rank): a UserCodeError raised before the rank's first step (tidal/worker/user_code.py),
-    on every rank that failed but those whose collective lost that rank (gloo's and NCCL's "peer"
+    or one after it that is the same mistake (`signature`) as the attempt before this one ended with
+    (`previous`): a restart ran the same code from the checkpoint and met it again, so another one
+    would too (a bad sample at step 5,000 failed every one of the job's restarts). It must be so on
+    every rank that failed but those whose collective lost that rank (gloo's and NCCL's "peer"
     errors). None: Ray Train's failure policy decides, as for any other failure.
 
     "Every rank that failed", not every rank: the controller sees the ranks that failed by its poll,
     and the others follow within moments with the same error, or wait in a collective until the
     group is stopped. A rank that failed any other way (a lost node, a device error) leaves the
     decision to Ray: a restart may cure that."""
-    mistakes = [e for _, e in sorted(failures.items()) if isinstance(e, UserCodeError) and e.first_step]
-    others = [e for e in failures.values() if not (isinstance(e, UserCodeError) and e.first_step)]
+    def final(e: BaseException) -> bool:
+        return isinstance(e, UserCodeError) and (e.first_step or (previous is not None and _key(e) == previous))
+
+    mistakes = [e for _, e in sorted(failures.items()) if final(e)]
+    others = [e for e in failures.values() if not final(e)]
     if not mistakes or any(not PEER_LOST.search(str(e)) for e in others):
         return None
     return mistakes[0]
+
+
+def signature(failures: Mapping[int, BaseException]) -> str | None:
+    """The user's mistake an attempt ended with (its lowest rank's), for the next `not_retried`."""
+    return next((_key(e) for _, e in sorted(failures.items()) if isinstance(e, UserCodeError)), None)
+
+
+def _key(e: UserCodeError) -> str:
+    return f"{e.field}: {e.message}"
 
 
 def mistake_message(name: str, e: UserCodeError) -> str:
     """What the driver says when `not_retried` ended job `name`: the user's error and frames once,
     and what to do (a restart from a checkpoint would run the same code on the same inputs)."""
     frames = f"\n{e.frames.rstrip()}" if e.frames else ""
-    return (f"job {name!r} failed before its first step, in your code: {e.field}: {e.message}{frames}\n"
+    when = ("failed before its first step" if e.first_step
+            else "failed the same way in two attempts in a row (the second resumed from a checkpoint)")
+    return (f"job {name!r} {when}, in your code: {e.field}: {e.message}{frames}\n"
             f"Not restarted: a restart runs the same code on the same inputs. Fix {e.field} (or the code it "
-            "names), then run the same command again.")
+            "names), then run the same command again" + ("." if e.first_step else ": it resumes from its latest "
+                                                         "checkpoint."))

@@ -123,8 +123,8 @@ class PeerLost(logging.Filter):
 
 
 class UserMistake(logging.Filter):
-    """A user's mistake before the first step (tidal.errors.UserCodeError), which ends the job without a
-    restart (launch/recovery.py) and which the driver reports once, with the user's own frames: Ray
+    """A user's mistake before the first step (tidal.errors.UserCodeError), or met again after a restart,
+    which ends the job without a (further) restart (launch/recovery.py) and which the driver reports once, with the user's own frames: Ray
     Train's "Error in training function:" in each worker, its traceback through Tidal's insides, and
     its controller's "Error in control loop iteration" when Tidal's callback raises it to end the run.
     The worker's record carries no exception: Ray logs it while handling the error, so it is the one
@@ -132,7 +132,11 @@ class UserMistake(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else sys.exc_info()[1]
-        return not (isinstance(error, UserCodeError) and error.first_step)
+        if not isinstance(error, UserCodeError):
+            return True
+        # A mistake after the first step is retried once (its worker's report stays); the controller's
+        # record is of Tidal's callback ending the run, whichever it was (launch/recovery.not_retried).
+        return not (error.first_step or record.getMessage().startswith("Error in control loop"))
 
 
 def _quiet_ray_train_reports() -> None:
