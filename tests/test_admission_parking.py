@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -136,6 +137,28 @@ def test_a_submitted_job_that_waits_parks_and_starts_as_its_successor_once_admit
     again = {**registration("waiter-1", workers=2, token="tok-next", submission=successor), "name": "waiter"}
     assert a.submit(again)["workers"] == 2
     assert a.finished("waiter-1", "tok-next")
+
+
+def test_a_damaged_document_keeps_its_parked_jobs_which_start_once_admitted(full, tmp_path, monkeypatch):
+    """A parked job has no driver to check in again: set aside with the document, it was lost."""
+    import json
+
+    a, _, where, make = full
+    monkeypatch.setenv("TIDAL_PARK_AFTER_S", "0")
+    as_submitted_driver(monkeypatch, a)
+    with pytest.raises(Parked), seat(tiny_spec(tmp_path, name="waiter")):
+        pass
+    doc = json.loads(Path(where).read_text())
+    doc["jobs"].append({**doc["jobs"][0], "job": "../elsewhere"})  # one bad entry damages the document
+    Path(where).write_text(json.dumps(doc))
+    again, jobs = make()  # the actor restarted and reads it
+    assert [e.job for e in again.queue.entries] == ["waiter-1"] and "parked job(s)" in again.queue.notice
+    again.submit(registration("big", workers=2))  # big's driver checks in, then ends
+    again.tick()
+    assert again.finished("big", "tok-big")
+    again.tick()
+    again.tick()
+    assert jobs.sent == [("waiter-1", "waiter-1-p")]
 
 
 def test_a_job_admitted_meanwhile_or_a_caller_not_holding_the_seat_does_not_park(full):

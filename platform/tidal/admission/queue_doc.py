@@ -121,16 +121,40 @@ def load_or_set_aside(location: str) -> Queue:
     try:
         return load_queue(location)
     except DamagedQueue as e:
+        parked = _parked_in(location)
         aside = f"{location}.damaged-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}"
         try:
             filesystem, path = fs.resolve(location)
             filesystem.move(path, fs.resolve(aside)[1])
         except OSError as moved:
             aside = f"(could not be moved: {moved})"
+        kept = (f"; its {len(parked)} parked job(s), which have no driver to check in, were kept "
+                f"({', '.join(p.job for p in parked)})" if parked else "")
         notice = (f"{e}; it was set aside as {aside} and the queue is being rebuilt from the jobs' drivers as "
-                  "they check in: running jobs keep their size, waiting jobs take a new place in the queue")
+                  f"they check in: running jobs keep their size, waiting jobs take a new place in the queue{kept}")
         log.error("%s", notice)
-        return Queue(notice=notice)
+        return Queue(entries=parked, notice=notice)
+
+
+def _parked_in(location: str) -> tuple[Entry, ...]:
+    """The parked jobs of a damaged document that pass every check, each once. A parked job has no
+    driver to check in again (admission/parking.py): dropped with the document, it was lost, and
+    whoever followed its first id waited forever. The rest are rebuilt from their drivers."""
+    try:
+        filesystem, path = fs.resolve(location)
+        with filesystem.open_input_stream(path) as f:
+            data = json.loads(f.read())
+    except (OSError, ValueError):
+        return ()
+    kept: dict[str, Entry] = {}
+    for d in data.get("jobs", []) if isinstance(data, dict) and isinstance(data.get("jobs"), list) else []:
+        try:
+            entry = _entry(d)
+        except (TypeError, ValueError):
+            continue
+        if entry.successor and entry.state != "RUNNING" and entry.job not in kept:
+            kept[entry.job] = entry
+    return tuple(kept.values())
 
 
 def parse_queue(data: Any, source: str) -> Queue:
