@@ -68,6 +68,14 @@ CASES = {
         100,
         {"startup": 10 + 10, "productive": 20, "replayed": 10, "hang": 50},
     ),
+    "a hang the watchdog declared: from the last finished step to the group's end": (
+        [launch(), ev("group_started", 10, 0, world=1), ev("metrics", 20, 10, step_time_s=1.0),
+         # steps 11 and 12 finished, then nothing: declared 47 s after step 12, the stacks taken by 70
+         {**ev("hang", 70, 12), "stalled_s": 47.0, "values": {}},
+         ev("failure", 75), ev("group_started", 85, 10, world=1, setup_s=5), ev("metrics", 95, 20, step_time_s=1.0)],
+        95,
+        {"startup": 10 + 10, "productive": 20, "replayed": 2, "hang": 48 + 5},
+    ),
     "a resize by admission, and a preemption's drain": (
         [launch(), ev("group_started", 10, 0, world=2),
          ev("metrics", 20, 10, step_time_s=1.0), ev("checkpoint", 21, 10),

@@ -30,9 +30,13 @@ Events (their `kind`, tracking/events.py) and the interval each one closes:
   from the step's bucket to start-up, so a replayed step costs what a step costs and a warm-up
   is paid by the restart that caused it (with one step per log interval, at the next one).
 - `checkpoint` (rank 0, after a save): the save's stall.
+- `hang` (the rank that declared a hang, worker/hang.py): the steps finished since the last event
+  are lost with the group (replayed); the rest, from the last finished step to the detection and
+  the stacks' capture, is the hang, and so is the time until the group's failure (ending it).
 - `failure` (controller): the steps since the last event are lost with the group (replayed);
   a gap well over the job's interval between events (HANG_RATIO times it, and HANG_MIN_S more)
-  is a hang, the rest of it.
+  is a hang, the rest of it (a hang no `hang` event declared: a fixed failure.step_timeout_s
+  that Ray Train's own timeout ends, an older worker).
 - `group_ending` (rank 0: admission's resize, a straggler's node out or back, a preemption's
   drain): the time until the next group starts is resize_preemption; so is the gap before a group
   of another size that follows a running one with no failure (Ray Train's elastic regrowth).
@@ -73,7 +77,7 @@ class State:
     price: float | None = None  # per worker-hour, from the nodes' price labels (the latest group's)
     priced: bool = False  # whether any price was ever known
     world: int = 0  # workers held now (0 while no group runs)
-    mode: str = "new"  # new, launching, running, failed, ending, ended
+    mode: str = "new"  # new, launching, running, hung, failed, ending, ended
     ending: str = ""  # why the group is ending (a group_ending reason)
     last_step: int = 0  # the last step logged by this group (its resume step at first)
     reported: int = 0  # the highest step ever logged
@@ -129,7 +133,7 @@ def fold(state: State, entry: dict[str, Any]) -> State:
     if state.start is None:  # a log from before launches were recorded: the account starts here
         state.start = state.cursor = ts
     handler = {"group_started": _group_started, "metrics": _metrics, "checkpoint": _checkpoint,
-               "failure": _failure, "group_ending": _group_ending}.get(kind)
+               "hang": _hang, "failure": _failure, "group_ending": _group_ending}.get(kind)
     if handler is not None:
         handler(state, ts, entry, values)
     return state
@@ -217,8 +221,23 @@ def _checkpoint(state: State, ts: float, entry: dict[str, Any], values: dict[str
     state.after_save = True
 
 
+def _hang(state: State, ts: float, entry: dict[str, Any], values: dict[str, Any]) -> None:
+    span = _take(state, ts)
+    if state.mode != "running":  # read after the group's failure (late): nothing more to hand out
+        _spend(state, span, [], "hang")
+        return
+    finished = max(0, int(entry.get("step", state.last_step)) - state.last_step)
+    _spend(state, span, [("replayed", finished * state.step_time)], "hang")
+    state.mode, state.warm_held = "hung", []
+
+
 def _failure(state: State, ts: float, entry: dict[str, Any], values: dict[str, Any]) -> None:
     span = _take(state, ts)
+    if state.mode == "hung":  # declared by a rank: until the group ended, the hang's cost
+        state.restarts += 1
+        _spend(state, span, [], "hang")
+        state.mode = "failed"
+        return
     if state.mode == "ending" and state.ending in RESIZE_REASONS:  # Ray ending a drained group
         _spend(state, span, [], "resize_preemption")
         return
