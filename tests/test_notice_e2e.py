@@ -14,7 +14,7 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -23,7 +23,7 @@ from tests.conftest import ROOT, metric_history, tiny_spec
 from tests.helpers import finished, prestop_command, run_in_background
 from tests.slow_step import slow_env
 from tidal.testing.clusters import add_worker_node, raylet_cluster
-from tidal.testing.metadata import metadata_server
+from tidal.testing.metadata import MetadataState, metadata_server
 from tidal.testing.processes import start_in_session, stop_session, wait_for
 
 pytestmark = pytest.mark.slow
@@ -77,20 +77,32 @@ def assert_saved_at_the_step_reached_and_resumed_there(out: str, trace: Path) ->
     return n
 
 
-def test_aws_spot_notice_saves_at_the_step_reached_then_the_job_shrinks_and_grows_back(cluster, tmp_path, capfd):
+def warned_run(cluster, tmp: Path, capfd, cloud: str, warn: Callable[[MetadataState], None],
+               advice: Callable[[MetadataState], None] | None = None) -> str:
+    """The job on two nodes; `advice` (a notice that announces no interruption) after 20 steps, then
+    `warn` (the cloud's interruption notice) on the first node's metadata service; that node goes once
+    the job trains at 1 worker, and capacity returns. Returns the watcher's log."""
     a, _b = add_worker_node(cluster), add_worker_node(cluster)
-    spec, hold, trace = warned_job(tmp_path, "noticed")
-    with metadata_server("aws") as md:
+    spec, hold, trace = warned_job(tmp, f"noticed-{cloud}")
+    with metadata_server(cloud) as md:
         watcher = start_in_session(
-            [sys.executable, "-m", "tidal", "cluster", "watch-notices", "--endpoint", md.url, "--poll-s", "0.5",
-             "--address", cluster.gcs_address, "--node-id", a.node_id], tmp_path / "watcher.log", env=node_env())
+            [sys.executable, "-m", "tidal", "cluster", "watch-notices", "--cloud", cloud, "--endpoint", md.url,
+             "--poll-s", "0.5", "--address", cluster.gcs_address, "--node-id", a.node_id], tmp / "watcher.log",
+            env=node_env())
         try:
             t, out = run_in_background(spec)
             wait_for("20 steps at 2 workers",
                      lambda: any(r["step"] >= 20 and r["world"] == 2 for r in records(trace)), timeout=300)
-            md.aws_interrupt(in_s=DEADLINE_S)
+            if advice is not None:  # said by the watcher, and nothing drained: the group trains on at 2
+                advice(md)
+                wait_for("the watcher to read the advice", lambda: "advice" in (tmp / "watcher.log").read_text(),
+                         timeout=30)
+                reached = records(trace)[-1]["step"]
+                wait_for("10 more steps", lambda: records(trace)[-1]["step"] >= reached + 10, timeout=120)
+                assert {r["world"] for r in records(trace)} == {2}, "advice drains nothing"
+            warn(md)
             wait_for("the group at 1 worker", lambda: any(r["world"] == 1 for r in records(trace)), timeout=180,
-                     context=lambda: (tmp_path / "watcher.log").read_text())
+                     context=lambda: (tmp / "watcher.log").read_text())
             cluster.remove_node(a)  # the deadline passed: the cloud takes the instance
             add_worker_node(cluster)  # capacity returns
             wait_for("the group back at 2", lambda: records(trace)[-1]["world"] == 2, timeout=240)
@@ -98,7 +110,7 @@ def test_aws_spot_notice_saves_at_the_step_reached_then_the_job_shrinks_and_grow
             finished(t, out)
         finally:
             stop_session(watcher, grace_s=5)
-    log = (tmp_path / "watcher.log").read_text()
+    log = (tmp / "watcher.log").read_text()
     assert "drained this Ray node" in log and log.count("drained this Ray node") == 1, log
     n = assert_saved_at_the_step_reached_and_resumed_there(capfd.readouterr().out, trace)
     loss = metric_history(spec, out["result"].mlflow_run_id, "loss")
@@ -108,6 +120,23 @@ def test_aws_spot_notice_saves_at_the_step_reached_then_the_job_shrinks_and_grow
     assert n >= 20
     for node in list(cluster.worker_nodes):  # the next test starts from an empty cluster
         cluster.remove_node(node)
+    return log
+
+
+def test_aws_spot_notice_saves_at_the_step_reached_then_the_job_shrinks_and_grows_back(cluster, tmp_path, capfd):
+    """A rebalance recommendation first (advice: no drain), then the spot interruption notice: one
+    emergency checkpoint, at the step the interruption found."""
+    log = warned_run(cluster, tmp_path, capfd, "aws", lambda md: md.aws_interrupt(in_s=DEADLINE_S), MetadataState.aws_rebalance)
+    assert log.count("aws rebalance recommendation: advice") == 1, log
+
+
+@pytest.mark.extended  # outside the suite's budget (pyproject.toml): the AWS test above runs the same path
+@pytest.mark.parametrize("cloud", ["gcp", "azure"])
+def test_gce_and_azure_notices_save_at_the_step_reached_then_the_job_shrinks_and_grows_back(cluster, tmp_path, capfd,
+                                                                                          cloud):
+    warn = {"gcp": MetadataState.gce_preempt, "azure": lambda md: md.azure_preempt(in_s=DEADLINE_S)}[cloud]
+    log = warned_run(cluster, tmp_path, capfd, cloud, warn)
+    assert {"gcp": "gce preempted", "azure": "azure Preempt"}[cloud] in log, log
 
 
 @pytest.mark.extended  # outside the suite's budget (pyproject.toml): the same drain as the test above, from the pod's command (its form: tests/test_prestop.py)
