@@ -41,6 +41,25 @@ def test_the_spec_defaults_to_the_adaptive_deadline():
     assert step_deadline([0.05] * 20, Deadline(f.step_timeout_s, f.step_timeout_multiple, f.step_timeout_floor_s)) < 60
 
 
+def test_a_restarted_group_arms_its_deadline_from_its_resume_points_step_time(tmp_path):
+    """A hang in a restarted group's first steps was found after 300 s (the unarmed deadline)."""
+    from types import SimpleNamespace
+
+    from tidal.tracking.emitter import Emitter
+    from tidal.worker.hang import resumed_step_times
+    from tidal.worker.watchdog import StepWatchdog
+
+    found = SimpleNamespace(state={"step": 40, "world_size": 2, "step_time_s": 0.2})
+    assert resumed_step_times(found, 2, 30.0) == [0.2, 0.2]
+    wd = StepWatchdog(Deadline(None, 10.0, 30.0), 0, Emitter(str(tmp_path), "wd"), seed_s=resumed_step_times(found, 2, 30.0))
+    assert wd.deadline() == 30.0, "the floor, from the group's second step: not 300 s"
+    assert StepWatchdog(Deadline(0), 0, Emitter(str(tmp_path), "wd")).deadline() is None
+    assert resumed_step_times(found, 4, 30.0) == [], "another size trains at another speed"
+    assert resumed_step_times(None, 2, 30.0) == [], "a first start"
+    for planted in (1e9, -1.0, "0.2", True, float("nan")):  # read from storage: only a plausible step shortens it
+        assert resumed_step_times(SimpleNamespace(state={"world_size": 2, "step_time_s": planted}), 2, 30.0) == []
+
+
 def test_hung_names_what_overran_its_own_deadline():
     save = Phase("save", deadline_s=60.0, started=100.0)
     assert hung(now=130.0, last_beat=100.0, timeout_s=10.0, phase=save) is None, "a save is no step"

@@ -291,8 +291,9 @@ def _ray_here() -> tuple[str, str]:
     return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
 
 
-def watchdog(spec: Any, rank: int, world: int, events: Any) -> Any:
-    """A rank's step watchdog (worker/watchdog.py) with the spec's deadline and this module's court."""
+def watchdog(spec: Any, rank: int, world: int, events: Any, found: Any = None) -> Any:
+    """A rank's step watchdog (worker/watchdog.py) with the spec's deadline and this module's court;
+    seeded with the step time its resume point `found` recorded when it trained at this size."""
     from tidal.worker.avoidance import avoid_hung_node
     from tidal.worker.watchdog import Deadline, StepWatchdog
 
@@ -303,4 +304,19 @@ def watchdog(spec: Any, rank: int, world: int, events: Any) -> Any:
 
     court = HangCourt(spec.checkpoint.storage, spec.name, rank, world, events, on_culprit_node=avoid)
     return StepWatchdog(Deadline(f.step_timeout_s, f.step_timeout_multiple, f.step_timeout_floor_s), rank, events,
-                        f.phase_timeout_s, court=court)
+                        f.phase_timeout_s, court=court, seed_s=resumed_step_times(found, world, f.step_timeout_floor_s))
+
+
+def resumed_step_times(found: Any, world: int, floor_s: float) -> list[float]:
+    """The step time a checkpoint's state recorded (`step_time_s`: its last log interval's), as many
+    times as arm the adaptive deadline, when it was trained at `world` workers; none otherwise (another
+    size trains at another speed). Why: a hang in a restarted group's first steps took 300 s to find.
+    Read from storage, so it may only shorten the unarmed deadline: a step as long as the floor is
+    not taken (the deadline it would give is no shorter than the unarmed one)."""
+    state = getattr(found, "state", None) or {}
+    st = state.get("step_time_s")
+    if not isinstance(st, (int, float)) or isinstance(st, bool) or not 0 < st < floor_s or state.get("world_size") != world:
+        return []
+    from tidal.worker.watchdog import ARM_AFTER
+
+    return [float(st)] * ARM_AFTER

@@ -138,7 +138,7 @@ def open_session(config: dict[str, Any]) -> Session:
         save.Provenance(world, spec.parallelism.zero_stage, spec.resume_fingerprint(),
                               sum(not p.requires_grad for p in engine.module.parameters())),
         batches, _evaluator(spec, rank, world, device, batches),
-        hang.watchdog(spec, rank, world, events),  # the step deadline, and a hang explained (worker/hang.py)
+        hang.watchdog(spec, rank, world, events, found),  # the step deadline, and a hang explained (worker/hang.py)
         telemetry, auto.step_fn(step_function(spec)) if auto else step_function(spec),  # train.step_fn, or model(*batch)
         Cadence(t.log_every, spec.checkpoint.every_steps, spec.eval.every_steps if spec.eval else None,
                 job_end.last_step(t)),

@@ -92,12 +92,14 @@ def hung(now: float, last_beat: float | None, timeout_s: float | None, phase: Ph
 
 class StepWatchdog:
     def __init__(self, timeout_s: float | None | Deadline, rank: int, events: Emitter, phase_timeout_s: float = 0.0,
-                 court: HangCourt | None = None) -> None:
+                 court: HangCourt | None = None, seed_s: Sequence[float] = ()) -> None:
+        """`seed_s`: step times known before this group's first (its resume point's, at the same size):
+        the adaptive deadline is armed from the group's second step instead of after the first 300 s."""
         self.rule = timeout_s if isinstance(timeout_s, Deadline) else Deadline(fixed_s=timeout_s)
         self.rank, self.events, self.court = rank, events, court
         self.phase_timeout_s = phase_timeout_s
         self.last_beat: float | None = None  # armed by the first beat: engine build and JIT are slow
-        self.recent: deque[float] = deque(maxlen=RECENT)
+        self.recent: deque[float] = deque(seed_s, maxlen=RECENT)
         self.current: Phase | None = None
         self.step = 0
         if self.rule.fixed_s != 0:

@@ -96,7 +96,9 @@ def save(engine: Any, state: TrainState, written_by: Provenance, metrics: dict[s
     local = Path(tempfile.mkdtemp(prefix="tidal-ckpt-"))  # only the few small files land here
     storage = ray.train.get_context().get_storage()
     attempt = _attempt(storage.storage_filesystem, storage.experiment_fs_path, state.step)
-    saved_state = {**asdict(state), **asdict(written_by), "attempt": attempt}
+    saved_state = {**asdict(state), **asdict(written_by), "attempt": attempt,
+                   # what a restarted group's watchdog arms its deadline with (worker/hang.resumed_step_times)
+                   **({"step_time_s": st} if isinstance(st := metrics.get("step_time_s"), float) and st == st else {})}
     # A pipeline engine is one with `train_batch` (tidal.worker.engine.is_pipeline; this package
     # sits below the rest of the worker and does not import it).
     pipeline = hasattr(engine, "train_batch")
