@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import secrets
 import shutil
 import urllib.error
@@ -87,7 +88,8 @@ def tracked_job(server, tmp_path_factory) -> dict[str, str]:
         restore_env(old)
     (tmp / "job.log").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    run_id = proc.stdout.split("MLflow run ")[1].split()[0]
+    # The last id named: a server that answers late has the header say "MLflow run None", then "created".
+    run_id = re.findall(r"MLflow run\s+([0-9a-f]{32})", proc.stdout)[-1]
     return {"run_id": run_id, "output": proc.stdout + proc.stderr}
 
 
