@@ -1,15 +1,21 @@
 """The queue survives its head (issue #52): a real Ray head with GCS fault tolerance (a real Redis)
-and the cluster's admission runs one job while another waits; the head is lost (every process of
+and the cluster's admission runs one job (submitted as `ray job submit -- tidal run first.yaml --restart`)
+while another (`tidal submit`) waits; the head is lost (every process of
 it killed: its GCS, raylet, dashboard, the jobs' drivers and workers) and a new head is started in
 its place on the same Redis. Nobody submits anything again: the admission actor, restarted by Ray
 on the new head, finds the queue saved on the lost head and starts both jobs again. Both finish,
-each in its one MLflow run with every step once: the running job from its latest checkpoint, the
-waiting one after it."""
+each in its one MLflow run with every step once: the running job from its latest checkpoint (the
+replayed `--restart` applies to its first start only), the waiting one after it; each followed to its end
+through the id it was first submitted as."""
 
 from __future__ import annotations
 
+import os
 import secrets
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -37,6 +43,17 @@ def first_step_after(spec, logged: int, timeout: float) -> float:
     return time.time()
 
 
+def ray_job_submit(spec, tmp: Path, address: str, submission_id: str) -> str:
+    """`ray job submit --working-dir . -- tidal run JOB.yaml --restart`, as a user types it."""
+    path = tmp / f"{spec.name}.yaml"
+    path.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
+    subprocess.run(
+        [sys.executable, "-m", "ray.scripts.scripts", "job", "submit", "--address", address, "--working-dir", str(ROOT),
+         "--submission-id", submission_id, "--no-wait", "--", "tidal", "run", str(path), "--restart"],
+        env={**os.environ, "RAY_AUTH_MODE": "token"}, check=True, capture_output=True, timeout=120)
+    return submission_id
+
+
 def test_a_lost_head_s_running_and_waiting_jobs_start_again_by_themselves_and_lose_nothing(tmp_path):
     quotas, queue = tmp_path / "quotas.yaml", str(tmp_path / "queue.json")
     quotas.write_text(yaml.safe_dump(QUOTAS))
@@ -49,12 +66,10 @@ def test_a_lost_head_s_running_and_waiting_jobs_start_again_by_themselves_and_lo
                **gcs_ft_env(redis, f"tidal-{secrets.token_hex(4)}")}
         (tmp_path / "h1").mkdir()
         with ray_head(tmp_path / "h1", 2, env, port=port, token=token) as head:
-            ids = {}
-            for spec in (first, second):
-                ids[spec.name] = submit(spec, head.address, working_dir=ROOT,
-                                        submission_id=f"{spec.name}-{secrets.token_hex(3)}").submission_id
-                if spec is first:
-                    wait_for_step(first, 12, timeout=240)  # two checkpoints saved
+            ids = {"first": ray_job_submit(first, tmp_path, head.address, f"first-{secrets.token_hex(3)}")}
+            wait_for_step(first, 12, timeout=240)  # two checkpoints saved
+            ids["second"] = submit(second, head.address, working_dir=ROOT,
+                                   submission_id=f"second-{secrets.token_hex(3)}").submission_id
             wait_for("second QUEUED behind first", lambda: states(queue) == {"first": "RUNNING", "second": "QUEUED"},
                      timeout=60)
         logged = max(metric_history(first, job_run_id(first), "loss"))
