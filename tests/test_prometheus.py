@@ -14,6 +14,8 @@ import pytest
 
 import tidal
 from tests.conftest import ROOT, free_port, tiny_spec
+from tidal.goodput.account import BUCKETS
+from tidal.tracking.goodput_gauges import GOODPUT_GAUGES
 from tidal.worker.telemetry import GAUGES, exported_names, tag_keys
 
 DASHBOARD = ROOT / "cluster_configs" / "grafana" / "tidal-dashboard.json"
@@ -93,8 +95,12 @@ def test_a_running_job_shows_on_rays_metrics_endpoint_by_job_and_rank(ray_with_m
 
     steps = {t["rank"]: v for n, t, v in seen if n == "ray_tidal_step"}
     assert steps.keys() == {"0", "1"} and all(0 < v <= 300 for v in steps.values()), steps
+    goodput = {f"ray_tidal_{k}" for k in GOODPUT_GAUGES}  # the job's tracker's: by job, team (and bucket)
     for name, tags, _ in seen:
         if name.endswith("_total"):  # the group-start counter is tagged job and reason (below)
+            continue
+        if name in goodput:
+            assert tags.keys() >= {"tidal_job", "team"} and tags["tidal_job"] == "prom", (name, tags)
             continue
         assert tags.keys() >= {"tidal_job", "rank", "node", "site"}, (name, tags)
         assert tags["site"] == "unlabelled", "a laptop's node carries no tidal.io/site label"
@@ -106,5 +112,8 @@ def test_a_running_job_shows_on_rays_metrics_endpoint_by_job_and_rank(ray_with_m
                                                     "ray_tidal_straggler_excluded_node"} - {
         n for n in exported_names() if "gpu_" in n}
     assert cpu_job <= names, f"missing from the endpoint: {sorted(cpu_job - names)}"
+    assert goodput <= names, f"the goodput account missing from the endpoint: {sorted(goodput - names)}"
+    buckets = {t["bucket"] for n, t, _ in seen if n == "ray_tidal_goodput_seconds"}
+    assert buckets == set(BUCKETS), buckets
     starts = [t for n, t, _ in scrape(port) if n == "ray_tidal_group_starts_total" and t.get("tidal_job") == "prom"]
     assert starts and starts[0]["reason"] == "start", starts
