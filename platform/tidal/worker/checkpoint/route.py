@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import enum
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tidal.spec.deepspeed import ds_config
@@ -73,6 +73,8 @@ class Route:
 
     load: Load
     convert: Convert | None = None
+    # From a snapshot the memory tier holds (a tidal.worker.checkpoint.memory.Plan), not from storage.
+    memory: Any = field(default=None, compare=False)
 
     @property
     def resized(self) -> bool:
@@ -94,6 +96,33 @@ def decide(layout: Layout, spec: JobSpec, world: int) -> Route:
     load = Load.UNIVERSAL_ZERO3 if spec.parallelism.zero_stage == 3 else Load.UNIVERSAL
     spread = layout.names is not None and plain_data_parallel(layout.names)
     return Route(load, Convert.SPREAD if spread else Convert.RANK0)
+
+
+@dataclass(frozen=True)
+class Held:
+    """The newest complete snapshot the job's memory tier holds, as rank 0 found it in the keepers
+    (tidal.worker.checkpoint.memory): its step, the world size and ZeRO stage that wrote it, and
+    whether it was written by a job of this spec's resume fingerprint."""
+
+    step: int
+    world_size: int
+    zero_stage: int
+    same_job: bool
+
+
+def from_memory(stored_step: int | None, held: Held | None, spec: JobSpec, world: int) -> bool:
+    """Whether a group of `world` ranks resumes from the memory tier's snapshot `held` rather than
+    from the newest complete checkpoint in storage (at `stored_step`; None: none).
+
+    The newest wins; at the same step memory, the nearer copy (the same state: snapshots and
+    checkpoints are taken after the same optimizer step). Memory loads only as saved: the same
+    world size and ZeRO stage, each rank its own shard. A snapshot at another size is not
+    resharded (a resize reads storage, by range or through a conversion: `decide`)."""
+    if held is None or not held.same_job or held.zero_stage != spec.parallelism.zero_stage:
+        return False
+    if held.world_size != world:
+        return False
+    return stored_step is None or held.step >= stored_step
 
 
 def by_range(layout: Layout, spec: JobSpec, world: int) -> bool:
