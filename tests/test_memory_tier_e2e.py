@@ -1,0 +1,115 @@
+"""The memory tier end to end (checkpoint.memory), through Ray Train and real DeepSpeed engines: a
+worker killed between persistent checkpoints resumes from the newest complete in-memory snapshot,
+replays fewer steps than the persistent interval, copies no checkpoint from storage, and trains
+the undisturbed run's losses; a kill while a snapshot is being handed over, then another, never
+resumes from that partial snapshot."""
+
+from __future__ import annotations
+
+import re
+import threading
+
+import pytest
+
+import tidal
+from tests.conftest import metric_history, tiny_spec
+from tests.golden import reference_losses
+from tests.helpers import kill, our_processes, wait_for_step
+from tidal.testing.processes import wait_for
+from tidal.worker.checkpoint import fetch, keeper
+from tidal.worker.checkpoint.memory import DELAY_ENV
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local")]
+
+LONG = {"train.steps": 40, "train.global_batch": 64}  # the stored undisturbed run's (tests/golden.py)
+RESUMED = re.compile(r"resumed from (.+?) at step (\d+)/\d+(?: \((\d+) step\(s\) to redo\))?")
+
+
+def memory_spec(tmp_path, name: str, every: int = 3, **env: str):
+    return tiny_spec(tmp_path, name=name, **LONG, **{"checkpoint.every_steps": 20, "checkpoint.memory.every_steps": every},
+                     worker_env={fetch.CACHE_ENV: str(tmp_path / "cache"), **env})
+
+
+def resumes(out: str) -> list[tuple[str, int, int]]:
+    return [(m[1], int(m[2]), int(m[3] or 0)) for m in RESUMED.finditer(out)]
+
+
+def assert_undisturbed_losses(tmp_path, spec, result) -> None:
+    expected = reference_losses("async-checkpoint-undisturbed",
+                                tiny_spec(tmp_path, name="undisturbed", **LONG, **{"checkpoint.every_steps": 10}))
+    got = metric_history(spec, result.mlflow_run_id, "loss")
+    assert sorted(got) == list(range(1, 41)), "every step logged exactly once"
+    for step in expected:
+        assert got[step] == pytest.approx(expected[step], rel=1e-4), step
+
+
+def kill_a_worker_at(spec, step: int, killed: list[int]) -> threading.Thread:
+    def run() -> None:
+        wait_for_step(spec, step)
+        workers = our_processes("RayTrainWorker")
+        if workers:
+            killed.append(workers[-1].pid)
+            kill(workers[-1])
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_a_killed_worker_resumes_from_memory_and_reads_no_checkpoint(tmp_path, capfd):
+    spec = memory_spec(tmp_path, "mem-kill")
+    killed: list[int] = []
+    killer = kill_a_worker_at(spec, 13, killed)
+    result = tidal.run(spec)
+    killer.join(timeout=5)
+    out = capfd.readouterr().out
+
+    assert killed and result.error is None, result.error
+    (where, step, redo), = resumes(out)
+    assert where.startswith("the in-memory snapshot held on node"), out[-3000:]
+    assert 12 <= step < 20 and step % 3 == 0, "a snapshot newer than any persistent checkpoint (none before 20)"
+    lost = metric_history(spec, result.mlflow_run_id, "max_steps_lost")[40]
+    assert lost == redo and 0 < lost < 2 * 3, f"replayed {lost} step(s): at most a snapshot interval and the one in flight"
+    assert not list((tmp_path / "cache").rglob("*.pt")), "a checkpoint file was copied from storage"
+    assert_undisturbed_losses(tmp_path, spec, result)
+    assert keeper.keepers(spec.name) == {}, "the job's keepers outlived it"
+
+
+def test_a_kill_during_a_snapshot_then_another_never_resumes_from_the_partial_one(tmp_path, capfd):
+    """Rank 1's hand-over of step 12 waits 6 s: rank 0's shard of 12 is held, rank 1's not, when a
+    worker is killed; the next attempt must resume from 9, and so must the one after the second kill
+    (which lands in the same place: step 12 is retried with the same pause)."""
+    spec = memory_spec(tmp_path, "mem-partial", **{DELAY_ENV: "6@1:12"})
+    killed: list[int] = []
+
+    def partial_12(seen: set[str]) -> str | None:
+        """An attempt whose rank 0 handed step 12 over and whose rank 1 has not: mid-snapshot."""
+        import ray
+
+        shards = [e for k in keeper.keepers(spec.name).values() for e in ray.get(k.listing.remote()) if e["step"] == 12]
+        ranks: dict[str, set[int]] = {}
+        for e in shards:
+            ranks.setdefault(e["attempt"], set()).add(e["rank"])
+        return next((a for a, r in ranks.items() if a not in seen and r == {0}), None)
+
+    def twice() -> None:
+        seen: set[str] = set()
+        for _ in range(2):
+            attempt = wait_for("a snapshot of step 12 half handed over", lambda: partial_12(seen), 300, every=0.1)
+            seen.add(attempt)
+            workers = our_processes("RayTrainWorker")
+            killed.append(workers[-1].pid)
+            kill(workers[-1])
+
+    killer = threading.Thread(target=twice, daemon=True)
+    killer.start()
+    result = tidal.run(spec)
+    killer.join(timeout=5)
+    out = capfd.readouterr().out
+
+    assert len(killed) == 2 and result.error is None, result.error
+    got = resumes(out)
+    assert [s for _, s, _ in got] == [9, 9], got
+    assert all(w.startswith("the in-memory snapshot") for w, _, _ in got), got
+    assert not list((tmp_path / "cache").rglob("*.pt")), "a checkpoint file was copied from storage"
+    assert_undisturbed_losses(tmp_path, spec, result)
