@@ -223,27 +223,36 @@ def newest_complete(spec: JobSpec) -> tuple[Held, Plan] | tuple[None, None]:
 
     held = keeper.keepers(spec.name)
     calls = {n: h.listing.remote() for n, h in held.items()}
-    shards: dict[tuple[str, int], dict[int, dict[str, Any]]] = {}
-    holders: dict[tuple[str, int], dict[int, dict[str, str]]] = {}
+    listings: dict[str, list[dict[str, Any]]] = {}
     for name, call in calls.items():
         try:
-            listing = ray.get(call, timeout=LIST_TIMEOUT_S)
+            listings[name] = ray.get(call, timeout=LIST_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - a keeper whose node is gone: its copies are too
             log.info("memory tier: keeper %s did not answer (%s)", name, type(e).__name__)
-            continue
+    return newest(listings, spec.fingerprint_hash())
+
+
+def newest(listings: dict[str, list[dict[str, Any]]], fingerprint: str) -> tuple[Held, Plan] | tuple[None, None]:
+    """Of the shards the keepers list (keeper name -> `Keeper.listing`), the newest complete
+    snapshot: one attempt's shards of one step for every rank of the world size that wrote it,
+    wherever each is held. A partial snapshot (a rank's shard missing: a crash mid-snapshot, or
+    its node lost with no peer copy) is never one, nor are shards of different attempts."""
+    shards: dict[tuple[str, int], dict[int, dict[str, Any]]] = {}
+    holders: dict[tuple[str, int], dict[int, dict[str, str]]] = {}
+    for name, listing in listings.items():
         for entry in listing:
             key = (entry["attempt"], int(entry["step"]))
             shards.setdefault(key, {})[int(entry["rank"])] = entry
             holders.setdefault(key, {}).setdefault(int(entry["rank"]), {})[name] = entry["held_on"]
     for (attempt, step) in sorted(shards, key=lambda k: k[1], reverse=True):
         got = shards[(attempt, step)]
-        world = int(next(iter(got.values()))["world_size"])
-        if sorted(got) != list(range(world)) or got[0].get("state") is None:
+        worlds = {int(e["world_size"]) for e in got.values()}
+        if len(worlds) != 1 or sorted(got) != list(range(worlds.pop())) or got[0].get("state") is None:
             continue  # a partial snapshot: never a resume point
         first = got[0]
         plan = Plan(attempt, step, first["state"], {r: dict(e["sizes"]) for r, e in got.items()},
                     holders[(attempt, step)], {r: e["node"] for r, e in got.items()})
-        return Held(step, world, int(first["zero_stage"]), first["fingerprint"] == spec.fingerprint_hash()), plan
+        return Held(step, len(got), int(first["zero_stage"]), first["fingerprint"] == fingerprint), plan
     return None, None
 
 
