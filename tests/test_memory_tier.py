@@ -9,8 +9,7 @@ import pytest
 from tidal.spec.job import JobSpec
 from tidal.worker.checkpoint import keeper
 from tidal.worker.checkpoint.keeper import Keeper
-from tidal.worker.checkpoint.memory import newest
-from tidal.worker.checkpoint.route import Held, from_memory
+from tidal.worker.checkpoint.route import Held, from_memory, newest
 
 SPEC = JobSpec().with_overrides({"parallelism.zero_stage": 2, "checkpoint.memory.every_steps": 3})
 

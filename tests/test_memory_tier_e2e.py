@@ -71,6 +71,8 @@ def test_a_killed_worker_resumes_from_memory_and_reads_no_checkpoint(tmp_path, c
     lost = metric_history(spec, result.mlflow_run_id, "max_steps_lost")[40]
     assert lost == redo and 0 < lost < 2 * 3, f"replayed {lost} step(s): at most a snapshot interval and the one in flight"
     assert not list((tmp_path / "cache").rglob("*.pt")), "a checkpoint file was copied from storage"
+    g = result.goodput  # the restore from memory is the account's restore, its replay the replayed steps
+    assert g["goodput_restarts"] >= 1 and g["goodput_restore_s"] > 0 and g["goodput_replayed_steps"] == lost
     assert_undisturbed_losses(tmp_path, spec, result)
     assert keeper.keepers(spec.name) == {}, "the job's keepers outlived it"
 

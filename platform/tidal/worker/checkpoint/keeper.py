@@ -8,7 +8,7 @@ of the next node of its group (a ring): a worker's death leaves its node's copy,
 the peer's. A keeper keeps what it was given until a rank tells it which snapshot is complete
 (`prune_below`): then only that one and newer ones stay (the newest complete one and the one
 being written). It never decides completeness: rank 0 does, from every keeper's listing
-(tidal.worker.checkpoint.memory).
+(tidal.worker.checkpoint.route.newest).
 
 The driver removes the job's keepers when the job ends, and any left from an earlier driver of
 the same job when it starts (a driver that died could not). Only Ray's public API is used here,

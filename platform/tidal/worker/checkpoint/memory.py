@@ -16,13 +16,13 @@ they hold the newest complete snapshot and the one being written, and a crash mi
 the previous complete one. Memory snapshots never replace persistent checkpoints, which keep
 their own cadence; a step is durable only once its checkpoint is complete in storage.
 
-On a restart rank 0 reads every keeper's listing (`newest_complete`), and the one resume
-decision (tidal.worker.checkpoint.restore, with `route.from_memory`) takes the newest of that and
-the newest complete checkpoint in storage; a snapshot loads only at the world size that wrote
-it. Each rank then fetches the files it loads (its own partition, and the model states, as from
-storage) from a keeper, its own node's first, and DeepSpeed loads the very bytes a persistent
-checkpoint of that step holds, served from memory (`safe_load.safe_loading`'s `served`):
-nothing is read from storage or disk.
+On a restart rank 0 reads every keeper's listing (`newest_complete`; `route.newest` says which
+snapshot is complete), and the one resume decision (tidal.worker.checkpoint.restore, with
+`route.from_memory`) takes the newest of that and the newest complete checkpoint in storage; a
+snapshot loads only at the world size that wrote it. Each rank then fetches the files it loads
+(its own partition, and the model states, as from storage) from a keeper, its own node's first,
+and DeepSpeed loads the very bytes a persistent checkpoint of that step holds, served from
+memory (`safe_load.safe_loading`'s `served`): nothing is read from storage or disk.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import tempfile
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,9 +44,9 @@ import torch.distributed as dist
 
 from tidal.errors import CheckpointError
 from tidal.spec.job import JobSpec
-from tidal.worker.checkpoint import fetch, keeper, safe_load
+from tidal.worker.checkpoint import fetch, keeper, route, safe_load
 from tidal.worker.checkpoint.host_buffers import Buffers
-from tidal.worker.checkpoint.route import Held
+from tidal.worker.checkpoint.route import Held, Plan
 from tidal.worker.checkpoint.snapshot import COPY, SnapshotEngine, _without_crc32, write_delay
 
 log = logging.getLogger("tidal")
@@ -197,26 +197,6 @@ class Tier:
             pending.error = f"{type(e).__name__}: {str(e)[:200]}"
 
 
-@dataclass
-class Plan:
-    """The snapshot a group loads from memory, as rank 0 found it: for each shard (old rank), its
-    files (name -> size) and the keepers holding it (name -> node id)."""
-
-    attempt: str
-    step: int
-    state: dict[str, Any]
-    shards: dict[int, dict[str, int]]
-    holders: dict[int, dict[str, str]]
-    origin: dict[int, str] = field(default_factory=dict)  # the node each rank ran on when it was taken
-
-    def where(self) -> str:
-        """Where its copies are, for the person watching: the nodes, and whether peers held any."""
-        nodes = sorted({n for h in self.holders.values() for n in h.values()})
-        peers = any(self.origin.get(r) not in h.values() for r, h in self.holders.items())
-        shown = ", ".join(n[:8] for n in nodes)
-        return f"held on node{'s' if len(nodes) > 1 else ''} {shown}" + (" (a peer's copy)" if peers else "")
-
-
 def newest_complete(spec: JobSpec) -> tuple[Held, Plan] | tuple[None, None]:
     """The newest snapshot every rank of which a live keeper of the job holds (rank 0, on restore)."""
     import ray
@@ -229,31 +209,7 @@ def newest_complete(spec: JobSpec) -> tuple[Held, Plan] | tuple[None, None]:
             listings[name] = ray.get(call, timeout=LIST_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - a keeper whose node is gone: its copies are too
             log.info("memory tier: keeper %s did not answer (%s)", name, type(e).__name__)
-    return newest(listings, spec.fingerprint_hash())
-
-
-def newest(listings: dict[str, list[dict[str, Any]]], fingerprint: str) -> tuple[Held, Plan] | tuple[None, None]:
-    """Of the shards the keepers list (keeper name -> `Keeper.listing`), the newest complete
-    snapshot: one attempt's shards of one step for every rank of the world size that wrote it,
-    wherever each is held. A partial snapshot (a rank's shard missing: a crash mid-snapshot, or
-    its node lost with no peer copy) is never one, nor are shards of different attempts."""
-    shards: dict[tuple[str, int], dict[int, dict[str, Any]]] = {}
-    holders: dict[tuple[str, int], dict[int, dict[str, str]]] = {}
-    for name, listing in listings.items():
-        for entry in listing:
-            key = (entry["attempt"], int(entry["step"]))
-            shards.setdefault(key, {})[int(entry["rank"])] = entry
-            holders.setdefault(key, {}).setdefault(int(entry["rank"]), {})[name] = entry["held_on"]
-    for (attempt, step) in sorted(shards, key=lambda k: k[1], reverse=True):
-        got = shards[(attempt, step)]
-        worlds = {int(e["world_size"]) for e in got.values()}
-        if len(worlds) != 1 or sorted(got) != list(range(worlds.pop())) or got[0].get("state") is None:
-            continue  # a partial snapshot: never a resume point
-        first = got[0]
-        plan = Plan(attempt, step, first["state"], {r: dict(e["sizes"]) for r, e in got.items()},
-                    holders[(attempt, step)], {r: e["node"] for r, e in got.items()})
-        return Held(step, len(got), int(first["zero_stage"]), first["fingerprint"] == fingerprint), plan
-    return None, None
+    return route.newest(listings, spec.fingerprint_hash())
 
 
 def load(engine: Any, plan: Plan, dp_rank: int) -> dict[str, int]:
