@@ -69,7 +69,8 @@ def test_a_killed_worker_resumes_from_memory_and_reads_no_checkpoint(tmp_path, c
     assert where.startswith("the in-memory snapshot held on node"), out[-3000:]
     assert 12 <= step < 20 and step % 3 == 0, "a snapshot newer than any persistent checkpoint (none before 20)"
     lost = metric_history(spec, result.mlflow_run_id, "max_steps_lost")[40]
-    assert lost == redo and 0 < lost < 2 * 3, f"replayed {lost} step(s): at most a snapshot interval and the one in flight"
+    # 0 when the kill lands just after a complete snapshot; one interval more when its snapshot was in flight
+    assert lost == redo and 0 <= lost < 2 * 3, f"replayed {lost} step(s): at most a snapshot interval and the one in flight"
     assert not list((tmp_path / "cache").rglob("*.pt")), "a checkpoint file was copied from storage"
     g = result.goodput  # the restore from memory is the account's restore, its replay the replayed steps
     assert g["goodput_restarts"] >= 1 and g["goodput_restore_s"] > 0 and g["goodput_replayed_steps"] == lost
@@ -114,4 +115,35 @@ def test_a_kill_during_a_snapshot_then_another_never_resumes_from_the_partial_on
     assert [s for _, s, _ in got] == [9, 9], got
     assert all(w.startswith("the in-memory snapshot") for w, _, _ in got), got
     assert not list((tmp_path / "cache").rglob("*.pt")), "a checkpoint file was copied from storage"
+    assert_undisturbed_losses(tmp_path, spec, result)
+
+
+def test_the_keepers_killed_then_a_worker_falls_back_to_storage(tmp_path, capfd):
+    """The memory tier's processes die (every keeper of the job, after the checkpoint of step 20):
+    the next snapshots are not kept (said once), and a worker killed afterwards resumes from storage's
+    checkpoint 20, nothing lost and nothing trained twice in MLflow."""
+    import ray
+
+    spec = memory_spec(tmp_path, "mem-keepers")
+    killed: list[int] = []
+
+    def chaos() -> None:
+        wait_for_step(spec, 22)
+        for actor in keeper.keepers(spec.name).values():
+            ray.kill(actor, no_restart=True)
+        wait_for_step(spec, 29)  # past the snapshot of 27, where the ranks find 24's not kept and say so
+        workers = our_processes("RayTrainWorker")
+        killed.append(workers[-1].pid)
+        kill(workers[-1])
+
+    t = threading.Thread(target=chaos, daemon=True)
+    t.start()
+    result = tidal.run(spec)
+    t.join(timeout=5)
+    out = capfd.readouterr().out
+
+    assert killed and result.error is None, result.error
+    (where, step, _), = resumes(out)
+    assert where == "checkpoint_000000020" and step == 20, out[-3000:]
+    assert "a memory snapshot was not kept (this node's keeper failed" in out
     assert_undisturbed_losses(tmp_path, spec, result)

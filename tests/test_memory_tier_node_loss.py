@@ -55,7 +55,7 @@ def test_a_lost_node_resumes_from_its_peers_copy(cluster, tmp_path, capfd):
     assert lost.node_id[:8] not in where, "the lost node's keeper cannot have served it"
     assert 12 <= step < 20 and step % 3 == 0
     replayed = metric_history(spec, result.mlflow_run_id, "max_steps_lost")[40]
-    assert replayed == redo and replayed < 2 * 3, f"replayed {replayed} step(s)"
+    assert replayed == redo and 0 <= replayed < 2 * 3, f"replayed {replayed} step(s)"
     assert not list((tmp_path / "cache").rglob("*.pt")), "a checkpoint file was copied from storage"
     assert_undisturbed_losses(tmp_path, spec, result)
     assert keeper.keepers(spec.name) == {}, "the job's keepers outlived it"
