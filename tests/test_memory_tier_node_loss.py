@@ -13,7 +13,7 @@ from ray.cluster_utils import Cluster
 
 from tests.conftest import metric_history
 from tests.helpers import finished, run_in_background, wait_for_step
-from tests.test_memory_tier_e2e import assert_undisturbed_losses, memory_spec, resumes
+from tests.memory_jobs import assert_undisturbed_losses, memory_spec, resumes
 from tidal.testing.clusters import raylet_cluster
 from tidal.testing.processes import wait_for
 from tidal.worker.checkpoint import keeper
