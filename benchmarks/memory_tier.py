@@ -6,6 +6,8 @@ replay too), from rank 0's loss trace of every life of the job; and whether the 
 checkpoint file from storage (the node's restore cache).
 
     python -m benchmarks.memory_tier [--pairs 4] [--kill-at 90] [--every 50] [--memory-every 5]
+    python -m benchmarks.memory_tier --stall-probe [--memory-every 5]   # one run: a snapshot's stall and
+        # the next step's time against the other steps' (prints; the reading goes in docs/benchmarks.md by hand)
 """
 
 from __future__ import annotations
@@ -85,6 +87,28 @@ def measure(args: argparse.Namespace, i: int, kind: str) -> dict[str, Any]:
                 f"{kind}_step_s": step_s}
 
 
+def stall_probe(args: argparse.Namespace) -> dict[str, Any]:
+    """One 60-step run with a snapshot every `memory_every` steps and no persistent checkpoint before
+    the last: each snapshot's stall (`checkpoint_blocked_max_s` of the step after it) and the time of
+    the step after it (the hand-over runs beside it) against the other steps', from MLflow."""
+    from mlflow.tracking import MlflowClient
+
+    every = args.memory_every
+    with tempfile.TemporaryDirectory() as d:
+        args.steps, args.every = 60, 1000
+        spec = spec_for(Path(d), "memory", 0, args)
+        result = tidal.run(spec)
+        client = MlflowClient(spec.tracking.uri)
+        blocked = {m.step: m.value for m in client.get_metric_history(result.mlflow_run_id, "checkpoint_blocked_max_s")}
+        step_s = {m.step: m.value for m in client.get_metric_history(result.mlflow_run_id, "step_time_s")}
+    snaps = range(2 * every, 60 - every + 1, every)  # past the first steps (warm-up, first copy)
+    stall = statistics.median(blocked[s + 1] for s in snaps)
+    after = statistics.median(step_s[s + 1] for s in snaps)
+    plain = statistics.median(step_s[s] for s in range(2 * every + 1, 60) if s % every not in (0, 1))
+    return {"stall_s": stall, "step_after_s": after, "plain_step_s": plain,
+            "cost": (stall + after - plain) / (every * plain)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--pairs", type=int, default=4)
@@ -93,8 +117,15 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=50)
     ap.add_argument("--memory-every", type=int, default=5)
     ap.add_argument("--no-doc", action="store_true")
+    ap.add_argument("--stall-probe", action="store_true")
     args = ap.parse_args()
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    if args.stall_probe:
+        r = stall_probe(args)
+        print(f"a snapshot every {args.memory_every} steps: stall {r['stall_s']:.3f} s, the step after it "
+              f"{r['step_after_s']:.3f} s, other steps {r['plain_step_s']:.3f} s: {r['cost']:.1%} of throughput")
+        ray.shutdown()
+        return
     rounds = paired_rounds(
         args.pairs, KINDS, lambda i, kind: measure(args, i, kind),
         lambda r: {"saved_s": r["storage_past_s"] - r["memory_past_s"],
