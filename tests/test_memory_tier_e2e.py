@@ -11,7 +11,7 @@ import threading
 import pytest
 
 import tidal
-from tests.conftest import metric_history
+from tests.conftest import metric_history, tiny_spec
 from tests.helpers import kill, our_processes, wait_for_step
 from tests.memory_jobs import assert_undisturbed_losses, memory_spec, resumes
 from tidal.testing.processes import wait_for
@@ -124,3 +124,71 @@ def test_the_keepers_killed_then_a_worker_falls_back_to_storage(tmp_path, capfd)
     assert where == "checkpoint_000000020" and step == 20, out[-3000:]
     assert "a memory snapshot was not kept (this node's keeper failed" in out
     assert_undisturbed_losses(tmp_path, spec, result)
+
+
+def test_a_snapshot_holds_exactly_what_the_checkpoint_of_its_step_holds(tmp_path):
+    """Snapshot and persistent checkpoint at the same step (6): every file a keeper holds for it,
+    unpickled, equals the file of that name in storage, tensor for tensor, all but the attempt id
+    (each tier names its own). A restore from memory thus loads the checkpoint's very state."""
+    import io
+
+    import ray
+    import torch
+
+    from tests.slow_step import slow_env
+    from tidal.storage import RunDir, check_complete, checkpoint_dir_name
+    from tidal.testing.processes import wait_for
+    from tidal.worker.checkpoint.safe_load import safe_load
+
+    spec = tiny_spec(tmp_path, name="mem-same", **{"train.steps": 24, "checkpoint.every_steps": 6,
+                                                    "checkpoint.memory.every_steps": 6,
+                                                    "train.step_fn": "tests.slow_step:step"},
+                     worker_env=slow_env(0.05))
+    run = RunDir(spec.checkpoint.storage, spec.name)
+    held: dict[int, dict[str, bytes]] = {}
+
+    def grab() -> None:
+        ckpt = f"{run.path}/{checkpoint_dir_name(6)}"
+        wait_for("checkpoint 6", lambda: run.fs.get_file_info(ckpt).type.name == "Directory"
+                 and check_complete(run.fs, ckpt)[0] is None, 240, every=0.1)
+
+        def shards() -> bool:
+            for k in keeper.keepers(spec.name).values():
+                for e in ray.get(k.listing.remote()):
+                    if e["step"] == 6 and e["rank"] not in held:
+                        held[e["rank"]] = ray.get(k.get.remote(e["attempt"], 6, e["rank"], list(e["sizes"])))
+            return len(held) == 2
+
+        wait_for("both ranks' snapshots of step 6", shards, 120, every=0.05)
+
+    t = threading.Thread(target=grab, daemon=True)
+    t.start()
+    result = tidal.run(spec)
+    t.join(timeout=5)
+    assert result.error is None and len(held) == 2, (result.error, sorted(held))
+
+    def same(a, b, path="") -> None:
+        if isinstance(a, torch.Tensor):
+            assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), path
+        elif isinstance(a, dict):
+            assert set(a) == set(b), path
+            for k in a:
+                if not (path.endswith("/tidal") and k == "attempt"):
+                    same(a[k], b[k], f"{path}/{k}")
+        elif isinstance(a, (list, tuple)):
+            assert len(a) == len(b), path
+            for i, (x, y) in enumerate(zip(a, b, strict=True)):
+                same(x, y, f"{path}/{i}")
+        elif hasattr(a, "__dict__") and not isinstance(a, type):  # DeepSpeed's loss scaler: no __eq__
+            assert type(a) is type(b), path
+            same(vars(a), vars(b), f"{path}:{type(a).__name__}")
+        else:
+            assert a == b or (a != a and b != b), (path, a, b)  # NaN == NaN here
+
+    folder = tmp_path / "runs" / spec.name / checkpoint_dir_name(6) / "global_step6"
+    compared = 0
+    for files in held.values():
+        for name, blob in files.items():
+            same(safe_load(io.BytesIO(blob)), safe_load(str(folder / name)), name)
+            compared += 1
+    assert compared == 3, "the model states and both ranks' optimizer partitions"
