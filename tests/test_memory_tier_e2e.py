@@ -16,7 +16,7 @@ from tests.helpers import kill, our_processes, wait_for_step
 from tests.memory_jobs import assert_undisturbed_losses, memory_spec, resumes
 from tidal.testing.processes import wait_for
 from tidal.worker.checkpoint import keeper
-from tidal.worker.checkpoint.memory import DELAY_ENV
+from tidal.worker.checkpoint.memory import DELAY_ENV, LOAD_PAUSE_ENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local")]
 
@@ -192,3 +192,35 @@ def test_a_snapshot_holds_exactly_what_the_checkpoint_of_its_step_holds(tmp_path
             same(safe_load(io.BytesIO(blob)), safe_load(str(folder / name)), name)
             compared += 1
     assert compared == 3, "the model states and both ranks' optimizer partitions"
+
+
+def test_a_worker_killed_inside_a_restore_from_memory_restores_again(tmp_path, capfd):
+    """A worker killed at step 13 resumes from memory; a worker killed while that restore is under way
+    (one rank pauses in it) leaves the snapshot where it was: the next attempt restores it again."""
+    marker = tmp_path / "restoring"
+    spec = memory_spec(tmp_path, "mem-restore-kill", **{LOAD_PAUSE_ENV: f"{marker}@8"})
+    killed: list[int] = []
+
+    def twice() -> None:
+        wait_for_step(spec, 13)
+        first = our_processes("RayTrainWorker")
+        killed.append(first[-1].pid)
+        kill(first[-1])
+        wait_for("a rank inside the restore from memory", marker.exists, 240, every=0.05)
+        workers = [p for p in our_processes("RayTrainWorker") if p.pid not in {w.pid for w in first}]
+        killed.append(workers[-1].pid)
+        kill(workers[-1])
+
+    t = threading.Thread(target=twice, daemon=True)
+    t.start()
+    result = tidal.run(spec)
+    t.join(timeout=5)
+    out = capfd.readouterr().out
+
+    assert len(killed) == 2 and result.error is None, result.error
+    got = resumes(out)
+    assert got and all(w.startswith("the in-memory snapshot") for w, _, _ in got), out[-3000:]
+    assert len({s for _, s, _ in got}) == 1, f"the interrupted restore's snapshot is restored again: {got}"
+    assert metric_history(spec, result.mlflow_run_id, "restarts")[40] >= 2, "both kills restarted the group"
+    assert not list((tmp_path / "cache").rglob("*.pt")), "a checkpoint file was copied from storage"
+    assert_undisturbed_losses(tmp_path, spec, result)

@@ -56,6 +56,9 @@ LIST_TIMEOUT_S = 10.0
 # Fault injection for tests and benchmarks: seconds a rank's hand-over pauses before the keepers
 # get its shard, so a kill lands mid-snapshot ("S@R:N": rank R's of step N; `snapshot.write_delay`).
 DELAY_ENV = "TIDAL_MEMORY_SNAPSHOT_DELAY_S"
+# And one pause inside a restore from memory ("MARKER@S": the first rank to load creates the file
+# MARKER and waits S seconds before fetching; once MARKER exists no rank pauses), for a kill there.
+LOAD_PAUSE_ENV = "TIDAL_MEMORY_LOAD_PAUSE"
 
 
 def supported(spec: JobSpec) -> str | None:
@@ -217,6 +220,14 @@ def load(engine: Any, plan: Plan, dp_rank: int) -> dict[str, int]:
     first), served to DeepSpeed's own loader from memory. Returns the bytes fetched per file."""
     import ray
 
+    if pause := os.environ.get(LOAD_PAUSE_ENV):
+        marker, _, seconds = pause.rpartition("@")
+        try:
+            with open(marker, "x"):
+                pass
+            time.sleep(float(seconds))
+        except FileExistsError:
+            pass
     node = ray.get_runtime_context().get_node_id()
     listed = {n: size for shard in plan.shards.values() for n, size in shard.items()}
     mine = fetch.rank_files(listed, dp_rank)
