@@ -139,6 +139,7 @@ def _train(spec: JobSpec, run_dir: RunDir, job: dict[str, Any], tags: dict[str, 
     # leftovers of an earlier launch that Ray never registered (the best one stays, under keep_best)
     run_dir.prune(spec.checkpoint.keep, spare=eval_best.spared(spec, run_dir))
     ok = False
+    _free_memory_tier(spec, "left by an earlier driver of this job")  # before any group snapshots
     try:
         # site "any": on-prem first, cloud nodes after burst_after_s; Tidal's recovery defaults for Ray
         with burst.burst_capacity(spec), recovery_settings(spec):
@@ -155,12 +156,27 @@ def _train(spec: JobSpec, run_dir: RunDir, job: dict[str, Any], tags: dict[str, 
         raise TidalError(f"job {spec.name!r} failed {how}: {_root_cause(e)}\n"
                          f"Its checkpoints are in {run_dir.path}; run the same command again to resume.") from e
     finally:
+        _free_memory_tier(spec)
         run_id, latest, left = _close_tracker(spec, tracker, ok, t0, pump, lease)
         if left:
             print(f"[tidal] WARNING: {left} metric point(s) could not reach MLflow; they stay in "
                   f"{run_dir.path}/{BUFFER_DIR} and are sent when this job runs again", flush=True)
     return RunResult(spec.name, run_id or "", spec.tracking.uri, spec.checkpoint.storage, latest, time.time() - t0,
                      url=_safe_url(spec, run_id) if run_id else "")
+
+
+def _free_memory_tier(spec: JobSpec, why: str = "") -> None:
+    """checkpoint.memory: end the job's keepers (tidal.worker.checkpoint.keeper) and free what they
+    hold: at the job's end, and at its start those an earlier driver that died could not end."""
+    if spec.checkpoint.memory is None:
+        return
+    from tidal.worker.checkpoint import keeper
+
+    try:
+        if (n := keeper.remove(spec.name)) and why:
+            print(f"[tidal] removed {n} memory-tier keeper(s) {why}", flush=True)
+    except Exception as e:  # noqa: BLE001 - a keeper that outlives its job holds memory, nothing more
+        print(f"[tidal] WARNING: could not remove the job's memory-tier keepers ({type(e).__name__}: {e})", flush=True)
 
 
 def _fit(spec: JobSpec, trainer: TorchTrainer, callbacks: list[Any], seat: admission.Seat | None,

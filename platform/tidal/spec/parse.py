@@ -67,6 +67,8 @@ def apply_overrides(data: dict[str, Any], overrides: Mapping[str, Any] | list[st
         node = out
         for i, part in enumerate(parts[:-1]):
             child = node.setdefault(part, {})
+            if child is None:  # an optional section left unset (checkpoint.memory, eval): set a key in it
+                child = node[part] = {}
             if not isinstance(child, dict):
                 where = ".".join(parts[: i + 1])
                 raise SpecError([(dotted, f"cannot set a key inside {where}, which is not a section")])

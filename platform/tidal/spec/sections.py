@@ -262,6 +262,25 @@ class ScalingSpec(Part):
         return self
 
 
+class MemorySpec(Part):
+    """Snapshots in host memory between persistent checkpoints (off unless set): a worker's or a node's loss
+    then resumes from the newest complete snapshot, a few steps back, reading nothing from storage."""
+
+    every_steps: int = Field(
+        ge=1, description="steps between snapshots: each rank's state is copied to host memory on its node, held by "
+        "a keeper process that outlives the worker, and to a peer node; a restart at the same worker count resumes "
+        "from the newest complete one when it is newer than the last checkpoint in storage (a resize reads storage)"
+    )
+    peer: bool = Field(True, description="also keep each snapshot on the next node of the group, so a node's loss "
+                       "keeps it (no copy when the group runs on one node)")
+    max_gb: float | None = Field(
+        None, gt=0.0, description="host memory one node's keeper may hold, in GiB (its ranks' snapshots and the peer "
+        "copies it keeps: up to about 2 snapshots of each); a snapshot over it, or one that would leave under 10% of "
+        "the node's memory free, is refused (said once) and restarts use the previous one or storage. Default: half "
+        "the node's memory"
+    )
+
+
 class CheckpointSpec(Part):
     every_steps: int = Field(
         50, ge=1, description="steps between checkpoints; a fault costs the steps since the last one. Least lost: a "
@@ -286,6 +305,11 @@ class CheckpointSpec(Part):
         "DeepSpeed's universal format, converted once beside the checkpoint (global_stepN_universal), spread over "
         "the ranks. Checkpoints by_range does not cover (pipeline, bf16 with ZeRO-1, NVMe offload, ZeRO-3 with "
         "frozen parameters) always go universal"
+    )
+    memory: MemorySpec | None = Field(
+        None, description="a host-memory snapshot tier replicated to a peer node, e.g. {every_steps: 5}: a worker or "
+        "node loss redoes at most every_steps steps instead of up to checkpoint.every_steps. Off by default. Not for "
+        "streamed data or pipelines (their restarts read storage)"
     )
     safe_globals: list[str] = Field(
         default_factory=list, description="types and functions (module.name, as torch names them, e.g. numpy.dtype) "

@@ -48,6 +48,7 @@ def train_loop(config: dict[str, Any]) -> None:
         state.step, state.data_ended = step, s.batches.ended  # a stream of data.epochs ran out
         due = plan.due(step, s.cadence, state.data_ended)
         if due is None:
+            _snapshot_to_memory(s, step)
             continue
         times = s.clock.take()
         agreed = _agree(s, times, due.may_check_preemption, due.checkpoint)  # the log step's one collective
@@ -69,6 +70,7 @@ def train_loop(config: dict[str, Any]) -> None:
             if s.rank == 0:  # the goodput account: the gap until the next group is this end's (tidal/goodput)
                 s.events.ending(step, end)
             break
+        _snapshot_to_memory(s, step)
     if s.directive is not None:
         s.directive.close()
     s.events.drain()  # the last checkpoint's event and notes reach storage before this process ends
@@ -184,6 +186,16 @@ def _save(s: Session, p: plan.StepPlan, metrics: dict[str, Any]) -> None:
                 saved["checkpoint_ray_held_s"], s.spec.checkpoint.every_steps, os.environ.get(HEALTH_CHECK_INTERVAL))):
             s.events.say(note, p.step)
             s.backlog_said = True  # once per worker group: the cause does not change
+
+
+def _snapshot_to_memory(s: Session, step: int) -> None:
+    """checkpoint.memory: every rank's state to its node's and a peer's memory, every few steps
+    (a collective; after the step's checkpoint and evaluation, so it holds what they changed)."""
+    if s.memory is None or not s.memory.due(step) or step == s.cadence.last:
+        return
+    with s.watchdog.phase("save"):
+        s.memory.snapshot(s.engine, s.state, s.written_by, lambda line: s.events.say(line, step))
+    s.blocked_s += s.memory.take_stall()  # training waited for it: the checkpoint stall of the next log step
 
 
 def _train_step(engine: Any, clock: PhaseClock, step_fn: Callable[[Any, Any], torch.Tensor], batches: Any,

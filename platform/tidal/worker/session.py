@@ -73,6 +73,7 @@ class Session:
     target_by: str = ""  # who asked for the size rank 0 last sent (admission.directive.group_target)
     lease: LeaseCheck | None = None  # whether this attempt's driver still owns the job (tidal/lease.py)
     auto: microbatch.AutoMicroBatch | None = None  # train.micro_batch auto: halves it on out-of-memory errors
+    memory: Any = None  # checkpoint.memory: this worker's side of the memory tier (checkpoint/memory.py Tier)
 
     @property
     def samples_seen(self) -> int:
@@ -149,9 +150,23 @@ def open_session(config: dict[str, Any]) -> Session:
         directive=Directive(seat["job"], world) if seat and rank == 0 else None,
         launched_max=seat.get("launched_max"), lease=lease, auto=auto,
     )
+    session.memory = _memory_tier(spec, rank, world, events)
     if rank == 0:
         events.started(state.step, world, time.time() - began, restore_s)
     return session
+
+
+def _memory_tier(spec: JobSpec, rank: int, world: int, events: Emitter) -> Any:
+    """checkpoint.memory's snapshots for this group (a collective), or None without it."""
+    if spec.checkpoint.memory is None:
+        return None
+    from tidal.worker.checkpoint import memory
+
+    if (why := memory.supported(spec)) is not None:
+        if rank == 0:
+            events.say(f"checkpoint.memory is off for this job: {why}")
+        return None
+    return memory.Tier(spec, rank, world)
 
 
 def _batches(spec: JobSpec, config: dict[str, Any], engine: Any, rank: int, world: int,

@@ -52,6 +52,7 @@ from tidal.storage import (
 )
 from tidal.worker.checkpoint import (
     fetch,
+    memory,
     repartition,
     repartition_zero3,
     route,
@@ -80,6 +81,11 @@ def agree_on_resume_point(spec: JobSpec) -> tuple[Found, Route] | tuple[None, No
 
     def pick() -> tuple[str, dict[str, Any], dict[str, int] | None, Route] | None:
         found = find_resume_point(spec)
+        held, plan = _in_memory(spec)
+        if route.from_memory(found.step if found else None, held, spec, dist.get_world_size()):
+            assert plan is not None
+            # Not a path: what the resume line names (events.resumed), and the plan every rank loads.
+            return f"the in-memory snapshot {plan.where()}", plan.state, None, Route(Load.AS_SAVED, memory=plan)
         if found is None:
             return None
         step_tag = tag(found.step)
@@ -94,6 +100,17 @@ def agree_on_resume_point(spec: JobSpec) -> tuple[Found, Route] | tuple[None, No
     return Found(picked[0], RunDir(spec.checkpoint.storage, spec.name).fs, picked[1], picked[2]), picked[3]
 
 
+def _in_memory(spec: JobSpec) -> tuple[route.Held, memory.Plan] | tuple[None, None]:
+    """The memory tier's newest complete snapshot (rank 0), if the job has the tier."""
+    if spec.checkpoint.memory is None or memory.supported(spec) is not None:
+        return None, None
+    try:
+        return memory.newest_complete(spec)
+    except Exception as e:  # noqa: BLE001 - the tier is an optimisation: storage is always there
+        log.warning("could not list the memory tier's snapshots (%s: %s); resuming from storage", type(e).__name__, e)
+        return None, None
+
+
 def restore(engine: Any, found: Found, how: Route) -> TrainState:
     """Load `found` into `engine` the way rank 0 chose (`how`, tidal.worker.checkpoint.route): as
     saved, by byte range at the new size, or from a universal conversion made first.
@@ -101,6 +118,9 @@ def restore(engine: Any, found: Found, how: Route) -> TrainState:
     DeepSpeed reads a private copy of exactly this rank's listed files, checked weights-only
     there (tidal.worker.checkpoint.fetch): never the storage folder, whatever the filesystem."""
     state = TrainState.from_saved(found.state)
+    if how.memory is not None:  # the memory tier's snapshot, from the keepers: nothing read from storage
+        memory.load(engine, how.memory, _dp_rank(engine))
+        return state
     step_tag = tag(state.step)
     if how.load in (Load.RANGE_ZERO12, Load.RANGE_ZERO3):
         listed = tag_files(found, step_tag)

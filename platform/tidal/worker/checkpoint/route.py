@@ -12,6 +12,17 @@ built (`restore.agree_on_resume_point` hands the `Route` to every rank with the 
   data-parallel checkpoint, else on rank 0 alone (tidal.worker.checkpoint.universal); a ZeRO-3
   engine then reads only its slice of each universal file (tidal.worker.checkpoint.share).
 
+Before any of those, `from_memory` decides whether the group resumes from the memory tier's newest
+complete snapshot (tidal.worker.checkpoint.memory) rather than storage: the newest of the two wins,
+memory only at the world size and ZeRO stage that wrote it, where it loads as saved (each rank its
+own shard, served from the keepers). Resizing from memory is not supported: a resize reads storage.
+
+| the newest complete copy | the world size | how it loads |
+|---|---|---|
+| a memory snapshot, newer than (or as new as) storage's checkpoint | unchanged | as saved, from the keepers |
+| a memory snapshot | changed | not from memory: storage's checkpoint, by `decide` |
+| storage's checkpoint | unchanged / changed | `decide`: as saved / by range / universal |
+
 Nothing here reads storage, imports torch or asks the engine: the layout is what rank 0 read in
 the checkpoint's state file and listing, the rest is the spec and the new world size.
 """
@@ -20,7 +31,7 @@ from __future__ import annotations
 
 import enum
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tidal.spec.deepspeed import ds_config
@@ -73,6 +84,8 @@ class Route:
 
     load: Load
     convert: Convert | None = None
+    # From a snapshot the memory tier holds (a tidal.worker.checkpoint.memory.Plan), not from storage.
+    memory: Any = field(default=None, compare=False)
 
     @property
     def resized(self) -> bool:
@@ -94,6 +107,33 @@ def decide(layout: Layout, spec: JobSpec, world: int) -> Route:
     load = Load.UNIVERSAL_ZERO3 if spec.parallelism.zero_stage == 3 else Load.UNIVERSAL
     spread = layout.names is not None and plain_data_parallel(layout.names)
     return Route(load, Convert.SPREAD if spread else Convert.RANK0)
+
+
+@dataclass(frozen=True)
+class Held:
+    """The newest complete snapshot the job's memory tier holds, as rank 0 found it in the keepers
+    (tidal.worker.checkpoint.memory): its step, the world size and ZeRO stage that wrote it, and
+    whether it was written by a job of this spec's resume fingerprint."""
+
+    step: int
+    world_size: int
+    zero_stage: int
+    same_job: bool
+
+
+def from_memory(stored_step: int | None, held: Held | None, spec: JobSpec, world: int) -> bool:
+    """Whether a group of `world` ranks resumes from the memory tier's snapshot `held` rather than
+    from the newest complete checkpoint in storage (at `stored_step`; None: none).
+
+    The newest wins; at the same step memory, the nearer copy (the same state: snapshots and
+    checkpoints are taken after the same optimizer step). Memory loads only as saved: the same
+    world size and ZeRO stage, each rank its own shard. A snapshot at another size is not
+    resharded (a resize reads storage, by range or through a conversion: `decide`)."""
+    if held is None or not held.same_job or held.zero_stage != spec.parallelism.zero_stage:
+        return False
+    if held.world_size != world:
+        return False
+    return stored_step is None or held.step >= stored_step
 
 
 def by_range(layout: Layout, spec: JobSpec, world: int) -> bool:
@@ -136,3 +176,47 @@ def plain_data_parallel(names: frozenset[str]) -> bool:
         optims |= optim is not None
         model |= states is not None
     return model and optims
+
+
+@dataclass
+class Plan:
+    """The snapshot a group loads from memory, as rank 0 found it: for each shard (old rank), its
+    files (name -> size) and the keepers holding it (name -> node id)."""
+
+    attempt: str
+    step: int
+    state: dict[str, Any]
+    shards: dict[int, dict[str, int]]
+    holders: dict[int, dict[str, str]]
+    origin: dict[int, str] = field(default_factory=dict)  # the node each rank ran on when it was taken
+
+    def where(self) -> str:
+        """Where its copies are, for the person watching: the nodes, and whether peers held any."""
+        nodes = sorted({n for h in self.holders.values() for n in h.values()})
+        peers = any(self.origin.get(r) not in h.values() for r, h in self.holders.items())
+        shown = ", ".join(n[:8] for n in nodes)
+        return f"held on node{'s' if len(nodes) > 1 else ''} {shown}" + (" (a peer's copy)" if peers else "")
+
+
+def newest(listings: dict[str, list[dict[str, Any]]], fingerprint: str) -> tuple[Held, Plan] | tuple[None, None]:
+    """Of the shards the keepers list (keeper name -> `Keeper.listing`), the newest complete
+    snapshot: one attempt's shards of one step for every rank of the world size that wrote it,
+    wherever each is held. A partial snapshot (a rank's shard missing: a crash mid-snapshot, or
+    its node lost with no peer copy) is never one, nor are shards of different attempts."""
+    shards: dict[tuple[str, int], dict[int, dict[str, Any]]] = {}
+    holders: dict[tuple[str, int], dict[int, dict[str, str]]] = {}
+    for name, listing in listings.items():
+        for entry in listing:
+            key = (entry["attempt"], int(entry["step"]))
+            shards.setdefault(key, {})[int(entry["rank"])] = entry
+            holders.setdefault(key, {}).setdefault(int(entry["rank"]), {})[name] = entry["held_on"]
+    for (attempt, step) in sorted(shards, key=lambda k: k[1], reverse=True):
+        got = shards[(attempt, step)]
+        worlds = {int(e["world_size"]) for e in got.values()}
+        if len(worlds) != 1 or sorted(got) != list(range(worlds.pop())) or got[0].get("state") is None:
+            continue  # a partial snapshot: never a resume point
+        first = got[0]
+        plan = Plan(attempt, step, first["state"], {r: dict(e["sizes"]) for r, e in got.items()},
+                    holders[(attempt, step)], {r: e["node"] for r, e in got.items()})
+        return Held(step, len(got), int(first["zero_stage"]), first["fingerprint"] == fingerprint), plan
+    return None, None

@@ -1,0 +1,173 @@
+"""The memory tier against persistent checkpoints alone: a worker SIGKILLed between two persistent
+checkpoints, the same job with `checkpoint.memory` on and off, in alternating pairs. Measures steps
+replayed (the step reached at the kill less the step resumed from), seconds from the kill to the
+first step trained again (restart + restore), and to the first step past the one reached (the
+replay too), from rank 0's loss trace of every life of the job; and whether the restart read a
+checkpoint file from storage (the node's restore cache).
+
+    python -m benchmarks.memory_tier [--pairs 4] [--kill-at 90] [--every 50] [--memory-every 5]
+    python -m benchmarks.memory_tier --stall-probe [--memory-every 5]   # one run: a snapshot's stall and
+        # the next step's time against the other steps' (prints; the reading goes in docs/benchmarks.md by hand)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+
+import tidal
+from benchmarks.common import paired_rounds, read_trace, update_doc
+from tidal.spec.job import JobSpec
+from tidal.testing.processes import kill, our_processes, wait_for
+from tidal.testing.runs import prepared_store
+from tidal.worker.checkpoint import fetch
+from tidal.worker.metrics import LOSS_TRACE_ENV
+
+KINDS = ("memory", "storage")
+
+
+def spec_for(tmp: Path, kind: str, i: int, args: argparse.Namespace) -> JobSpec:
+    spec = JobSpec(
+        name=f"memtier-{kind}-{i}",
+        model={"n_layer": 4, "n_head": 4, "d_model": 256, "vocab_size": 256, "seq_len": 64},
+        train={"steps": args.steps, "micro_batch": 8, "global_batch": 32, "lr": 3e-4, "warmup_steps": 10,
+               "log_every": 1},
+        parallelism={"zero_stage": 2},
+        scaling={"min_workers": 2, "max_workers": 2},
+        checkpoint={"every_steps": args.every, "keep": 2, "storage": str(tmp / "runs")},
+        failure={"max_restarts": 3},
+        tracking={"uri": prepared_store(tmp / "mlflow.db"), "experiment": "bench"},
+        worker_env={LOSS_TRACE_ENV: str(tmp / "trace.jsonl"), fetch.CACHE_ENV: str(tmp / "cache")},
+    )
+    return spec.with_overrides({"checkpoint.memory.every_steps": args.memory_every}) if kind == "memory" else spec
+
+
+def measure(args: argparse.Namespace, i: int, kind: str) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        spec = spec_for(tmp, kind, i, args)
+        trace = tmp / "trace.jsonl"
+        killed: dict[str, float] = {}
+
+        def killer() -> None:
+            wait_for(f"step {args.kill_at}", lambda: any(r["step"] >= args.kill_at for r in read_trace(trace)), 600,
+                     every=0.05)
+            workers = our_processes("RayTrainWorker")
+            killed["t"] = time.time()
+            kill(workers[-1])
+
+        t = threading.Thread(target=killer, daemon=True)
+        t.start()
+        result = tidal.run(spec)
+        t.join(10)
+        assert result.error is None, result.error
+        records = read_trace(trace)
+        before = [r for r in records if r["ts"] <= killed["t"]]
+        after = [r for r in records if r["ts"] > killed["t"]]
+        reached = max(r["step"] for r in before)
+        first = after[0]
+        past = next(r for r in after if r["step"] > reached)
+        steps = sorted({r["step"] for r in records})
+        assert steps == list(range(1, args.steps + 1)), "every step trained"
+        # Mean, not median: a snapshot's stall falls on one step in `memory_every`.
+        first_timed = next(r for r in before if r["step"] == 11)
+        last = next(r for r in before if r["step"] == reached)
+        step_s = (last["ts"] - first_timed["ts"]) / (reached - 11)
+        return {f"{kind}_replayed": reached - (first["step"] - 1),
+                f"{kind}_back_s": first["ts"] - killed["t"],
+                f"{kind}_past_s": past["ts"] - killed["t"],
+                f"{kind}_read_storage": bool(list((tmp / "cache").rglob("*.pt"))),
+                f"{kind}_step_s": step_s}
+
+
+def stall_probe(args: argparse.Namespace) -> dict[str, Any]:
+    """One 60-step run with a snapshot every `memory_every` steps and no persistent checkpoint before
+    the last: each snapshot's stall (`checkpoint_blocked_max_s` of the step after it) and the time of
+    the step after it (the hand-over runs beside it) against the other steps', from MLflow."""
+    from mlflow.tracking import MlflowClient
+
+    every = args.memory_every
+    with tempfile.TemporaryDirectory() as d:
+        args.steps, args.every = 60, 1000
+        spec = spec_for(Path(d), "memory", 0, args)
+        result = tidal.run(spec)
+        client = MlflowClient(spec.tracking.uri)
+        blocked = {m.step: m.value for m in client.get_metric_history(result.mlflow_run_id, "checkpoint_blocked_max_s")}
+        step_s = {m.step: m.value for m in client.get_metric_history(result.mlflow_run_id, "step_time_s")}
+    snaps = range(2 * every, 60 - every + 1, every)  # past the first steps (warm-up, first copy)
+    stall = statistics.median(blocked[s + 1] for s in snaps)
+    after = statistics.median(step_s[s + 1] for s in snaps)
+    plain = statistics.median(step_s[s] for s in range(2 * every + 1, 60) if s % every not in (0, 1))
+    return {"stall_s": stall, "step_after_s": after, "plain_step_s": plain,
+            "cost": (stall + after - plain) / (every * plain)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--pairs", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=110)
+    ap.add_argument("--kill-at", type=int, default=90)
+    ap.add_argument("--every", type=int, default=50)
+    ap.add_argument("--memory-every", type=int, default=5)
+    ap.add_argument("--no-doc", action="store_true")
+    ap.add_argument("--stall-probe", action="store_true")
+    args = ap.parse_args()
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    if args.stall_probe:
+        r = stall_probe(args)
+        print(f"a snapshot every {args.memory_every} steps: stall {r['stall_s']:.3f} s, the step after it "
+              f"{r['step_after_s']:.3f} s, other steps {r['plain_step_s']:.3f} s: {r['cost']:.1%} of throughput")
+        ray.shutdown()
+        return
+    rounds = paired_rounds(
+        args.pairs, KINDS, lambda i, kind: measure(args, i, kind),
+        lambda r: {"saved_s": r["storage_past_s"] - r["memory_past_s"],
+                   "step_ratio": r["memory_step_s"] / r["storage_step_s"]},
+        lambda i, r: (f"pair {i + 1}: memory replayed {r['memory_replayed']} step(s), trained again after "
+                      f"{r['memory_back_s']:.1f} s, past the kill's step after {r['memory_past_s']:.1f} s; storage "
+                      f"replayed {r['storage_replayed']}, {r['storage_back_s']:.1f} s, {r['storage_past_s']:.1f} s"))
+    ray.shutdown()
+    med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0] if not k.endswith("read_storage")}
+    rows = "\n".join(
+        f"| {i + 1} | {r['memory_replayed']} / {r['storage_replayed']} | {r['memory_back_s']:.1f} / "
+        f"{r['storage_back_s']:.1f} | {r['memory_past_s']:.1f} / {r['storage_past_s']:.1f} | "
+        f"{'yes' if r['memory_read_storage'] else 'no'} / {'yes' if r['storage_read_storage'] else 'no'} | "
+        f"{r['memory_step_s'] * 1000:.0f} / {r['storage_step_s'] * 1000:.0f} |"
+        for i, r in enumerate(rounds))
+    command = (f"python -m benchmarks.memory_tier --pairs {args.pairs} --kill-at {args.kill_at} --every {args.every} "
+               f"--memory-every {args.memory_every}")
+    body = f"""Command: `{command}` ({time.strftime('%Y-%m-%d')}, 2-core CPU machine, one local Ray instance)
+
+A {args.steps}-step job (GPT d256, 4 layers, ZeRO-2, 2 workers, a persistent checkpoint every {args.every} steps,
+mean step {med['storage_step_s'] * 1000:.0f} ms without the tier) whose worker is SIGKILLed at step {args.kill_at}: with
+`checkpoint.memory: {{every_steps: {args.memory_every}}}` (memory) and without (storage), alternating, each pair
+in turn. From rank 0's loss trace of every life of the job: steps replayed (the step reached at the kill less
+the one resumed from), seconds from the kill to the first step trained again (restart and restore), and to the
+first step past the one reached (the replay too); whether a checkpoint file was copied from storage (the
+node's restore cache).
+
+| pair | steps replayed, memory / storage | kill to training again, s | kill to past the step reached, s | read storage | mean step before the kill, ms |
+|---|---|---|---|---|---|
+{rows}
+
+Medians: **{med['memory_replayed']:.0f} / {med['storage_replayed']:.0f}** steps replayed, training again after
+{med['memory_back_s']:.1f} / {med['storage_back_s']:.1f} s, past the step reached after
+**{med['memory_past_s']:.1f} / {med['storage_past_s']:.1f} s** (memory saves {med['saved_s']:.1f} s a fault here).
+Mean step time from step 11 to the kill, memory / storage: {med['step_ratio']:.3f} (median of the pairs'
+ratios; a snapshot every {args.memory_every} steps, one persistent checkpoint in both). Read it only on a quiet
+machine: rounds whose step times spread more than the tier could cost say nothing of its stall.
+"""
+    print(body)
+    if not args.no_doc:
+        update_doc("Memory tier: a worker killed between persistent checkpoints", body)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,268 @@
+"""The memory tier: every few steps each rank's state goes to host memory on its node and a peer node.
+
+Every `checkpoint.memory.every_steps` steps each rank takes the state a persistent checkpoint
+would hold for it (DeepSpeed's own `save_checkpoint` into `SnapshotEngine`'s reused host buffers:
+its module and optimizer partitions, the LR scheduler, the client state with Tidal's
+`TrainState`), and, off the training thread, serializes each file as the persistent write would
+(`torch.save`) and hands the bytes to its node's keeper and to the next node's
+(tidal.worker.checkpoint.keeper, a ring over the group's nodes). Data positions and RNG need
+nothing more: a step's samples and its seed follow from the step number (tidal.worker.data,
+`seed_step`); streamed data and pipelines are left to storage (`supported`).
+
+A snapshot is complete only when every rank's shard of the same attempt and step is held by a
+live keeper. Before each snapshot every rank waits for its previous one to be held and the ranks
+agree (one small collective) whether it is: only then do the keepers drop anything older, so
+they hold the newest complete snapshot and the one being written, and a crash mid-snapshot leaves
+the previous complete one. Memory snapshots never replace persistent checkpoints, which keep
+their own cadence; a step is durable only once its checkpoint is complete in storage.
+
+On a restart rank 0 reads every keeper's listing (`newest_complete`; `route.newest` says which
+snapshot is complete), and the one resume decision (tidal.worker.checkpoint.restore, with
+`route.from_memory`) takes the newest of that and the newest complete checkpoint in storage; a
+snapshot loads only at the world size that wrote it. Each rank then fetches the files it loads
+(its own partition, and the model states, as from storage) from a keeper, its own node's first,
+and DeepSpeed loads the very bytes a persistent checkpoint of that step holds, served from
+memory (`safe_load.safe_loading`'s `served`): nothing is read from storage or disk.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tidal.errors import CheckpointError
+from tidal.spec.job import JobSpec
+from tidal.worker.checkpoint import fetch, keeper, route, safe_load
+from tidal.worker.checkpoint.host_buffers import Buffers
+from tidal.worker.checkpoint.route import Held, Plan
+from tidal.worker.checkpoint.snapshot import COPY, SnapshotEngine, _without_crc32, write_delay
+
+log = logging.getLogger("tidal")
+
+CALL_TIMEOUT_S = 120.0  # a keeper that does not answer a put or a get within this is taken as lost
+LIST_TIMEOUT_S = 10.0
+# Fault injection for tests and benchmarks: seconds a rank's hand-over pauses before the keepers
+# get its shard, so a kill lands mid-snapshot ("S@R:N": rank R's of step N; `snapshot.write_delay`).
+DELAY_ENV = "TIDAL_MEMORY_SNAPSHOT_DELAY_S"
+# And one pause inside a restore from memory ("MARKER@S": the first rank to load creates the file
+# MARKER and waits S seconds before fetching; once MARKER exists no rank pauses), for a kill there.
+LOAD_PAUSE_ENV = "TIDAL_MEMORY_LOAD_PAUSE"
+
+
+def supported(spec: JobSpec) -> str | None:
+    """Why the memory tier cannot serve this job (None: it can)."""
+    if spec.data.streaming:
+        return "a streamed source's position is saved as files beside a persistent checkpoint only"
+    if spec.parallelism.pipeline_stages > 1:
+        return "pipeline checkpoints are written per stage; they resume from storage"
+    return None
+
+
+@dataclass
+class Pending:
+    """This rank's snapshot being handed to the keepers."""
+
+    step: int
+    thread: threading.Thread | None = None
+    error: str | None = None  # why its own node's keeper does not hold it
+    peer_error: str | None = None  # why the peer's does not
+
+
+class Tier:
+    """One worker's side of the memory tier, opened once per worker group (a collective)."""
+
+    def __init__(self, spec: JobSpec, rank: int, world: int) -> None:
+        import ray
+
+        mem = spec.checkpoint.memory
+        assert mem is not None
+        self.spec, self.rank, self.world, self.every = spec, rank, world, mem.every_steps
+        node = ray.get_runtime_context().get_node_id()
+        nodes: list[Any] = [None] * world
+        dist.all_gather_object(nodes, node)  # where every rank runs: the ring of the group's nodes
+        box = [uuid.uuid4().hex[:12] if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        self.attempt: str = box[0]
+        ring = sorted(set(nodes))
+        self.node = node
+        self.peer_node = ring[(ring.index(node) + 1) % len(ring)] if mem.peer and len(ring) > 1 else None
+        limit = int(mem.max_gb * 2**30) if mem.max_gb is not None else None
+        self.own = keeper.handle(spec.name, node, limit)
+        self.peer = keeper.handle(spec.name, self.peer_node, limit) if self.peer_node else None
+        self.single_node = len(ring) == 1
+        self.buffers = Buffers()
+        self.pending: Pending | None = None
+        self.complete: int | None = None  # the newest snapshot this group agreed is held by every rank
+        self.said: set[str] = set()
+        self.stall_s = 0.0  # seconds this rank's training waited for snapshots since `take_stall`
+
+    def due(self, step: int) -> bool:
+        return step % self.every == 0
+
+    def take_stall(self) -> float:
+        s, self.stall_s = self.stall_s, 0.0
+        return s
+
+    def snapshot(self, engine: Any, state: Any, written_by: Any, say: Any) -> None:
+        """Snapshot this rank's state at `state.step` (all ranks together: a collective)."""
+        t0 = time.perf_counter()
+        self._agree_previous(say)
+        step = state.step
+        root = Path(tempfile.mkdtemp(prefix="tidal-mem-"))  # DeepSpeed's few small files (latest, a script)
+        snap = SnapshotEngine(root, self.buffers, COPY)
+        saved_state = {**asdict(state), **asdict(written_by), "attempt": self.attempt}
+        before, engine.checkpoint_engine = engine.checkpoint_engine, snap
+        try:
+            engine.save_checkpoint(str(root), tag=f"global_step{step}",
+                                   client_state={"tidal": saved_state,
+                                                 "universal_checkpoint_info": {"universal_checkpoint_version": 0.4}})
+        finally:
+            engine.checkpoint_engine = before
+            shutil.rmtree(root, ignore_errors=True)
+        zipfile = getattr(engine.checkpoint_engine, "zipfile_serialization", True)
+        prefix = f"global_step{step}{os.sep}"
+        taken = {rel.removeprefix(prefix): st for rel, st in snap.taken.items()}
+        facts = {"world_size": self.world, "zero_stage": int(written_by.zero_stage),
+                 "fingerprint": self.spec.fingerprint_hash(), "node": self.node,
+                 "state": saved_state if self.rank == 0 else None}
+        pending = Pending(step)
+        pending.thread = threading.Thread(name="tidal-memory-snapshot", daemon=True,
+                                          target=self._hand_over, args=(pending, taken, zipfile, facts, self.complete))
+        self.pending = pending
+        pending.thread.start()
+        self.stall_s += time.perf_counter() - t0
+
+    def _agree_previous(self, say: Any) -> None:
+        """Wait for this rank's previous snapshot to be held, then agree with every rank whether
+        it is complete (held for every rank): only a complete one lets the keepers drop older ones."""
+        mine: tuple[int | None, str | None, str | None] = (None, None, None)
+        if self.pending is not None and self.pending.thread is not None:
+            self.pending.thread.join()
+            mine = (self.pending.step, self.pending.error, self.pending.peer_error)
+        everyone: list[Any] = [None] * self.world
+        dist.all_gather_object(everyone, mine)
+        steps = {s for s, _, _ in everyone}
+        if len(steps) == 1 and None not in steps and all(e is None for _, e, _ in everyone):
+            self.complete = steps.pop()
+        if self.rank == 0:
+            for why in [e for _, e, _ in everyone if e] + [p for _, _, p in everyone if p]:
+                self._say_once(say, f"a memory snapshot was not kept ({why}); restarts resume from the previous "
+                               "complete snapshot, or storage")
+            if self.single_node and self.spec.checkpoint.memory.peer:
+                self._say_once(say, "the memory tier has one node: its snapshots are lost with it (no peer copy)")
+
+    def _say_once(self, say: Any, line: str) -> None:
+        key = line.split("(", 1)[0]
+        if key not in self.said:
+            self.said.add(key)
+            say(line)
+
+    def _hand_over(self, pending: Pending, taken: dict[str, Any], zipfile: bool, facts: dict[str, Any],
+                   prune_below: int | None) -> None:
+        """Serialize each file as a persistent write would, and have both keepers hold the bytes."""
+        import ray
+
+        try:
+            files = {}
+            with _without_crc32():
+                for rel, st in taken.items():
+                    buf = io.BytesIO()
+                    torch.save(st, buf, _use_new_zipfile_serialization=zipfile)
+                    files[rel] = buf.getvalue()
+            if delay := write_delay(os.environ.get(DELAY_ENV, ""), self.rank, pending.step):
+                time.sleep(delay)
+            ref = ray.put(files)
+            args = (self.attempt, pending.step, self.rank, facts, ref, prune_below)
+            own = self.own.put.remote(*args)
+            peer = self.peer.put.remote(*args) if self.peer is not None else None
+            try:
+                pending.error = ray.get(own, timeout=CALL_TIMEOUT_S)
+            except Exception as e:  # noqa: BLE001 - the keeper is gone or stuck: this shard is not held
+                pending.error = f"this node's keeper failed: {type(e).__name__}: {str(e)[:200]}"
+            if peer is not None:
+                try:
+                    pending.peer_error = ray.get(peer, timeout=CALL_TIMEOUT_S)
+                except Exception as e:  # noqa: BLE001
+                    pending.peer_error = f"the peer node's keeper failed: {type(e).__name__}: {str(e)[:200]}"
+        except Exception as e:  # noqa: BLE001 - a snapshot that fails leaves the previous one
+            pending.error = f"{type(e).__name__}: {str(e)[:200]}"
+
+
+def newest_complete(spec: JobSpec) -> tuple[Held, Plan] | tuple[None, None]:
+    """The newest snapshot every rank of which a live keeper of the job holds (rank 0, on restore)."""
+    import ray
+
+    held = keeper.keepers(spec.name)
+    calls = {n: h.listing.remote() for n, h in held.items()}
+    listings: dict[str, list[dict[str, Any]]] = {}
+    for name, call in calls.items():
+        try:
+            listings[name] = ray.get(call, timeout=LIST_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - a keeper whose node is gone: its copies are too
+            log.info("memory tier: keeper %s did not answer (%s)", name, type(e).__name__)
+    return route.newest(listings, spec.fingerprint_hash())
+
+
+def load(engine: Any, plan: Plan, dp_rank: int) -> dict[str, int]:
+    """Load the snapshot `plan` into `engine`: this rank's files from the keepers (its node's
+    first), served to DeepSpeed's own loader from memory. Returns the bytes fetched per file."""
+    import ray
+
+    if pause := os.environ.get(LOAD_PAUSE_ENV):
+        marker, _, seconds = pause.rpartition("@")
+        try:
+            with open(marker, "x"):
+                pass
+            time.sleep(float(seconds))
+        except FileExistsError:
+            pass
+    node = ray.get_runtime_context().get_node_id()
+    listed = {n: size for shard in plan.shards.values() for n, size in shard.items()}
+    mine = fetch.rank_files(listed, dp_rank)
+    by_shard: dict[int, list[str]] = {}
+    for n in mine:
+        by_shard.setdefault(next(r for r, files in plan.shards.items() if n in files), []).append(n)
+    got: dict[str, bytes] = {}
+    for shard, names in sorted(by_shard.items()):
+        options = sorted(plan.holders[shard].items(), key=lambda kv: kv[1] != node)  # this node's keeper first
+        for name, _ in options:
+            try:
+                answer = ray.get(ray.get_actor(name, namespace=keeper.NAMESPACE).get.remote(
+                    plan.attempt, plan.step, shard, names), timeout=CALL_TIMEOUT_S)
+            except Exception as e:  # noqa: BLE001 - that keeper is gone: try the next copy
+                log.info("memory tier: keeper %s failed (%s)", name, type(e).__name__)
+                continue
+            if answer is not None:
+                got.update(answer)
+                break
+        else:
+            raise CheckpointError(f"the in-memory snapshot of step {plan.step} lost rank {shard}'s shard "
+                                  "while it was being restored; the next attempt resumes from what is complete")
+    states = {n: safe_load.safe_load(io.BytesIO(b), map_location="cpu") for n, b in got.items()}
+    step_tag = f"global_step{plan.step}"
+    folder = tempfile.mkdtemp(prefix="tidal-mem-load-")
+    try:
+        # DeepSpeed finds its checkpoint by listing the tag folder before it reads what is served.
+        os.makedirs(os.path.join(folder, step_tag))
+        for n in states:
+            open(os.path.join(folder, step_tag, n), "wb").close()
+        with safe_load.safe_loading(engine, served=states):
+            load_path, _ = engine.load_checkpoint(folder, tag=step_tag, load_optimizer_states=True,
+                                                  load_lr_scheduler_states=True)
+        if load_path is None:
+            raise CheckpointError(f"DeepSpeed found nothing to load in the in-memory snapshot of step {plan.step}")
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return {n: len(b) for n, b in got.items()}

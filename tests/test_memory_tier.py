@@ -1,0 +1,95 @@
+"""The memory tier's decisions, without Ray: when a restart resumes from memory rather than storage
+(route.from_memory, a table), which snapshot counts as complete (memory.newest: never a partial,
+never two attempts mixed, a peer's copy counts), and what a keeper keeps (prune, limit)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tidal.spec.job import JobSpec
+from tidal.worker.checkpoint import keeper
+from tidal.worker.checkpoint.keeper import Keeper
+from tidal.worker.checkpoint.route import Held, from_memory, newest
+
+SPEC = JobSpec().with_overrides({"parallelism.zero_stage": 2, "checkpoint.memory.every_steps": 3})
+
+
+@pytest.mark.parametrize(("stored", "held", "world", "memory"), [
+    (None, None, 2, False),                              # nothing anywhere
+    (None, Held(6, 2, 2, True), 2, True),                # no checkpoint yet: the snapshot
+    (20, Held(27, 2, 2, True), 2, True),                 # newer than storage's
+    (20, Held(20, 2, 2, True), 2, True),                 # the same step: the nearer copy
+    (20, Held(18, 2, 2, True), 2, False),                # older than storage's: storage
+    (20, Held(27, 2, 2, True), 1, False),                # another world size: not resharded from memory
+    (20, Held(27, 2, 3, True), 2, False),                # another ZeRO stage
+    (20, Held(27, 2, 2, False), 2, False),               # written by another job (fingerprint)
+])
+def test_where_a_restart_resumes_from(stored, held, world, memory):
+    assert from_memory(stored, held, SPEC, world) is memory
+
+
+def shard(attempt: str, step: int, rank: int, world: int = 2, node: str = "n0", held_on: str = "n0",
+          fingerprint: str = "fp") -> dict:
+    return {"attempt": attempt, "step": step, "rank": rank, "world_size": world, "zero_stage": 2,
+            "fingerprint": fingerprint, "node": node, "held_on": held_on,
+            "state": {"step": step, "world_size": world} if rank == 0 else None,
+            "sizes": {f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt": 10, **(
+                {"mp_rank_00_model_states.pt": 5} if rank == 0 else {})}}
+
+
+def test_the_newest_complete_snapshot_skips_a_partial_one():
+    listings = {"k0": [shard("a", 9, 0), shard("a", 12, 0)], "k1": [shard("a", 9, 1, node="n1", held_on="n1")]}
+    held, plan = newest(listings, "fp")
+    assert held == Held(9, 2, 2, True) and plan.step == 9 and plan.attempt == "a"
+    assert plan.holders == {0: {"k0": "n0"}, 1: {"k1": "n1"}}
+
+
+def test_shards_of_two_attempts_never_make_one_snapshot():
+    """Attempt a held rank 0's step 12 and died; attempt b held rank 1's: no complete step 12."""
+    listings = {"k0": [shard("a", 9, 0), shard("a", 9, 1), shard("a", 12, 0), shard("b", 12, 1)]}
+    held, plan = newest(listings, "fp")
+    assert held.step == 9 and plan.attempt == "a"
+
+
+def test_a_peers_copy_completes_a_snapshot_whose_node_is_gone():
+    """Node n1 is lost with its keeper: rank 1's shard of step 12 survives on n0's keeper, its peer."""
+    listings = {"k0": [shard("a", 12, 0), shard("a", 12, 1, node="n1", held_on="n0")]}
+    held, plan = newest(listings, "fp")
+    assert held.step == 12
+    assert "a peer's copy" in plan.where() and "n0" in plan.where()
+
+
+def test_no_snapshot_when_none_is_complete_or_the_world_disagrees():
+    assert newest({}, "fp") == (None, None)
+    assert newest({"k0": [shard("a", 12, 0)]}, "fp") == (None, None)
+    mixed = {"k0": [shard("a", 12, 0, world=2), shard("a", 12, 1, world=3)]}
+    assert newest(mixed, "fp") == (None, None)
+    held, _ = newest({"k0": [shard("a", 12, 0, fingerprint="x"), shard("a", 12, 1, fingerprint="x")]}, "fp")
+    assert held.same_job is False
+
+
+def test_a_keeper_keeps_the_complete_snapshot_and_the_one_being_written():
+    k = Keeper("job", "n0", limit_bytes=10_000)
+    for step in (3, 6):
+        for rank in (0, 1):
+            assert k.put("a", step, rank, {"world_size": 2}, {"f": b"x" * 100}) is None
+    # step 9's first shard arrives with step 6 agreed complete: 3 goes, 6 stays, 9 is being written
+    assert k.put("a", 9, 0, {"world_size": 2}, {"f": b"x" * 100}, prune_below=6) is None
+    assert sorted({(e["step"], e["rank"]) for e in k.listing()}) == [(6, 0), (6, 1), (9, 0)]
+    assert k.get("a", 6, 1, ["f"]) == {"f": b"x" * 100}
+    assert k.get("a", 3, 1, ["f"]) is None and k.get("a", 6, 1, ["missing"]) is None
+    assert all(e["held_on"] == "n0" for e in k.listing())
+
+
+def test_a_keeper_refuses_a_shard_over_its_limit_and_keeps_the_rest():
+    k = Keeper("job", "n0", limit_bytes=250)
+    assert k.put("a", 3, 0, {}, {"f": b"x" * 200}) is None
+    why = k.put("a", 6, 0, {}, {"f": b"x" * 100})
+    assert why is not None and "limit" in why and "checkpoint.memory.max_gb" in why
+    assert [(e["step"], e["rank"]) for e in k.listing()] == [(3, 0)]
+
+
+def test_keeper_names_carry_the_job_and_the_node():
+    name = keeper.name("my:job", "abc123")
+    assert keeper.job_of(name) == "my:job"
+    assert keeper.job_of("tidal-tracker:x") is None
