@@ -55,6 +55,7 @@ def test_a_killed_worker_resumes_from_memory_and_reads_no_checkpoint(tmp_path, c
     assert keeper.keepers(spec.name) == {}, "the job's keepers outlived it"
 
 
+@pytest.mark.extended  # outside the suite's budget (pyproject.toml): the completeness rule is unit-tested (test_memory_tier)
 def test_a_kill_during_a_snapshot_then_another_never_resumes_from_the_partial_one(tmp_path, capfd):
     """Rank 1's hand-over of step 12 waits 6 s: rank 0's shard of 12 is held, rank 1's not, when a
     worker is killed; the next attempt must resume from 9, and so must the one after the second kill
@@ -95,6 +96,7 @@ def test_a_kill_during_a_snapshot_then_another_never_resumes_from_the_partial_on
     assert_undisturbed_losses(tmp_path, spec, result)
 
 
+@pytest.mark.extended  # outside the suite's budget (pyproject.toml): the resume decision's table is unit-tested (test_memory_tier)
 def test_the_keepers_killed_then_a_worker_falls_back_to_storage(tmp_path, capfd):
     """The memory tier's processes die (every keeper of the job, after the checkpoint of step 20):
     the next snapshots are not kept (said once), and a worker killed afterwards resumes from storage's
@@ -126,6 +128,7 @@ def test_the_keepers_killed_then_a_worker_falls_back_to_storage(tmp_path, capfd)
     assert_undisturbed_losses(tmp_path, spec, result)
 
 
+@pytest.mark.extended  # outside the suite's budget (pyproject.toml): the killed-worker test checks the losses a restore from memory gives
 def test_a_snapshot_holds_exactly_what_the_checkpoint_of_its_step_holds(tmp_path):
     """Snapshot and persistent checkpoint at the same step (6): every file a keeper holds for it,
     unpickled, equals the file of that name in storage, tensor for tensor, all but the attempt id
@@ -194,6 +197,7 @@ def test_a_snapshot_holds_exactly_what_the_checkpoint_of_its_step_holds(tmp_path
     assert compared == 3, "the model states and both ranks' optimizer partitions"
 
 
+@pytest.mark.extended  # outside the suite's budget (pyproject.toml): a combination of the faults the slow tests run alone
 def test_a_worker_killed_inside_a_restore_from_memory_restores_again(tmp_path, capfd):
     """A worker killed at step 13 resumes from memory; a worker killed while that restore is under way
     (one rank pauses in it) leaves the snapshot where it was: the next attempt restores it again."""
