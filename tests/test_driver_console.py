@@ -33,6 +33,10 @@ DIED = ("A worker died or was killed while executing a task by an unexpected sys
     ("PreemptionWatcher: preemption detected \u2014 preempted_node_ids=['90bf'], preempted_ranks=[0], "
      "deadline_ms=1795866498070", "drop"),
     ("PreemptionWatcher poll failed", "ray"),
+    # Ray Train's cleaner where two Ray instances run on the machine: every second, in an in-process elastic run.
+    ("Found multiple active Ray instances: {'192.0.2.2:46867', '192.0.2.2:40857'}. Connecting to latest cluster at "
+     "192.0.2.2:46867. You can override this by setting the `--address` flag or `RAY_ADDRESS` environment variable.",
+     "drop"),
     ("Resharding: converting global_step4 of checkpoint_000000004 (4 files, 1 MiB) to universal form", "drop"),
     # The controller's C++ core worker on Ray's own PreemptionWatcher (ray#53727; nothing fails), which a
     # driver with Ray's deduplication off (RAY_DEDUP_LOGS=0) got with no skip pattern applied.

@@ -318,6 +318,11 @@ FORWARDED_CHATTER = (
     # own line says it ("preemption warning: saving an emergency checkpoint at step N") and what follows.
     # Its "PreemptionWatcher poll failed" stays: that one is news.
     "PreemptionWatcher: preemption detected",
+    # Ray's address lookup in an actor of the job (Ray Train's PlacementGroupCleaner) when several Ray
+    # instances run on one machine (a `ray start` cluster beside a local instance, test clusters): it
+    # names them all, once a second, and picks the newest for its State API queries. The job's own
+    # cluster is the one Tidal's line named when it connected (launch/connect.py).
+    "Found multiple active Ray instances",
 )
 COLOR_ENV = "RAY_COLOR_PREFIX"  # Ray's driver colours each forwarded line's origin unless it is "0"
 # Colour codes inside a line: Ray's deduplication adds a green " [repeated 2x across cluster]" whatever
