@@ -96,9 +96,7 @@ def save(engine: Any, state: TrainState, written_by: Provenance, metrics: dict[s
     local = Path(tempfile.mkdtemp(prefix="tidal-ckpt-"))  # only the few small files land here
     storage = ray.train.get_context().get_storage()
     attempt = _attempt(storage.storage_filesystem, storage.experiment_fs_path, state.step)
-    saved_state = {**asdict(state), **asdict(written_by), "attempt": attempt,
-                   # what a restarted group's watchdog arms its deadline with (worker/hang.resumed_step_times)
-                   **({"step_time_s": st} if isinstance(st := metrics.get("step_time_s"), float) and st == st else {})}
+    saved_state = {**asdict(state), **asdict(written_by), "attempt": attempt}
     # A pipeline engine is one with `train_batch` (tidal.worker.engine.is_pipeline; this package
     # sits below the rest of the worker and does not import it).
     pipeline = hasattr(engine, "train_batch")
@@ -119,7 +117,10 @@ def save(engine: Any, state: TrainState, written_by: Provenance, metrics: dict[s
     if save_data_position is not None:
         save_data_position(local)
     if rank == 0:
-        (local / STATE_FILE).write_text(json.dumps(saved_state, indent=2))
+        # The state file also says the step time: what a restarted group's watchdog arms its deadline
+        # with (worker/hang.resumed_step_times). Not in DeepSpeed's files: their state is the training's.
+        timing = {"step_time_s": st} if isinstance(st := metrics.get("step_time_s"), float) and st == st else {}
+        (local / STATE_FILE).write_text(json.dumps({**saved_state, **timing}, indent=2))
     save_s = time.perf_counter() - t0
     small = sum(p.stat().st_size for p in local.rglob("*") if p.is_file())
     state_bytes = _tensor_bytes(snap.taken) + small
