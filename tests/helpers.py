@@ -117,15 +117,10 @@ def driver_in(ray_tmpdir: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
 
 
-def run_killing_a_worker(spec: JobSpec, after_step: int) -> tuple[Any, bool]:
-    """`tidal.run(spec)` while a thread SIGKILLs one Ray Train worker once MLflow shows `after_step`;
-    returns (the run's result, whether a worker was killed)."""
-    import tidal
-
-    killed: list[int] = []
-
+def kill_a_worker_at(spec: JobSpec, step: int, killed: list[int]) -> threading.Thread:
+    """A started thread that SIGKILLs one Ray Train worker once MLflow shows `step`; the pid goes in `killed`."""
     def kill_one() -> None:
-        wait_for_step(spec, after_step)
+        wait_for_step(spec, step)
         workers = our_processes("RayTrainWorker")
         if workers:
             killed.append(workers[-1].pid)
@@ -133,6 +128,16 @@ def run_killing_a_worker(spec: JobSpec, after_step: int) -> tuple[Any, bool]:
 
     killer = threading.Thread(target=kill_one, daemon=True)
     killer.start()
+    return killer
+
+
+def run_killing_a_worker(spec: JobSpec, after_step: int) -> tuple[Any, bool]:
+    """`tidal.run(spec)` while a thread SIGKILLs one Ray Train worker once MLflow shows `after_step`;
+    returns (the run's result, whether a worker was killed)."""
+    import tidal
+
+    killed: list[int] = []
+    killer = kill_a_worker_at(spec, after_step, killed)
     result = tidal.run(spec)
     killer.join(timeout=5)
     return result, bool(killed)

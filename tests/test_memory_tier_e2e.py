@@ -12,25 +12,13 @@ import pytest
 
 import tidal
 from tests.conftest import metric_history, tiny_spec
-from tests.helpers import kill, our_processes, wait_for_step
+from tests.helpers import kill, kill_a_worker_at, our_processes, wait_for_step
 from tests.memory_jobs import assert_undisturbed_losses, memory_spec, resumes
 from tidal.testing.processes import wait_for
 from tidal.worker.checkpoint import keeper
 from tidal.worker.checkpoint.memory import DELAY_ENV, LOAD_PAUSE_ENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local")]
-
-def kill_a_worker_at(spec, step: int, killed: list[int]) -> threading.Thread:
-    def run() -> None:
-        wait_for_step(spec, step)
-        workers = our_processes("RayTrainWorker")
-        if workers:
-            killed.append(workers[-1].pid)
-            kill(workers[-1])
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t
 
 
 def test_a_killed_worker_resumes_from_memory_and_reads_no_checkpoint(tmp_path, capfd):
