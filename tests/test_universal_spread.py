@@ -188,12 +188,15 @@ def test_a_bundle_naming_another_ranks_parameter_is_refused(checkpoints, tmp_pat
     real = universal_spread._Convert._send
 
     def planted(self) -> None:  # rank 1 sends rank 0 a fragment of a parameter rank 1 merges
-        real(self)
-        if self.rank == 1:
-            theirs = next(n for n, r in self.own.items() if r == 1)
-            torch.save({f"{theirs}/0/fp32.00": torch.zeros(1)}, self.ctl / "bad.pt")
-            self._copy(str(self.ctl / "bad.pt"), pafs.LocalFileSystem(), f"{self.root}/frag-1-to-0.pt", self.found.fs)
-            fs.write_json(self.found.fs, f"{self.root}/extracted-1.json", {"to": {"0": 1}})
+        if self.rank != 1:
+            return real(self)
+        # planted before rank 1's report, as a real sender's bundles are: rank 0 reads the bundles once it
+        # has every report, so a bundle written after the report may never be read (CI, stop 69)
+        theirs = next(n for n, r in self.own.items() if r == 1)
+        torch.save({f"{theirs}/0/fp32.00": torch.zeros(1)}, self.ctl / "bad.pt")
+        self.found.fs.create_dir(self.root, recursive=True)
+        self._copy(str(self.ctl / "bad.pt"), pafs.LocalFileSystem(), f"{self.root}/frag-1-to-0.pt", self.found.fs)
+        fs.write_json(self.found.fs, f"{self.root}/extracted-1.json", {"to": {"0": 1}})
 
     monkeypatch.setattr(universal_spread._Convert, "_send", planted)
     errors = spread(found, 2)
