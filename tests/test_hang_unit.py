@@ -15,6 +15,7 @@ import pytest
 
 from tests.conftest import tiny_spec
 from tidal.storage import RunDir
+from tidal.testing.processes import wait_for
 from tidal.tracking.artifacts import hang_files
 from tidal.tracking.events import HangFound, parse
 from tidal.worker import avoidance, stacks
@@ -138,9 +139,7 @@ def test_a_rank_that_does_not_answer_the_declaration_is_named_and_read_from_outs
     declared = threading.Thread(target=lambda: said.append(c0.declare(57, "watchdog: rank 0 finished no step for 30s", 31.0)))
     said: list[str] = []
     declared.start()
-    deadline = time.monotonic() + 10
-    while not c2.answer_if_declared(57) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for("rank 2 to answer the declaration", lambda: c2.answer_if_declared(57), 10, every=0.05)
     declared.join()
     line = said[0]
     assert "hang after step 57: rank 1 on node 10.0.0.1" in line and "stopped answering (process state T (stopped)" in line
