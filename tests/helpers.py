@@ -26,6 +26,7 @@ from tidal.testing.processes import kill as kill
 from tidal.testing.processes import our_processes as our_processes
 from tidal.testing.runs import job_run_id as job_run_id
 from tidal.testing.runs import wait_for_step as wait_for_step
+from tidal.testing.runs import wait_for_world_size as wait_for_world_size
 
 ROOT = Path(__file__).resolve().parents[1]
 # The storages a storage-level test runs on: local in the quick tier, the S3 test server (a moto
@@ -250,3 +251,4 @@ def finished(t: threading.Thread, out: dict, timeout: float = 400) -> Any:
     if "error" in out:
         raise out["error"]
     return out["result"]
+

@@ -15,7 +15,13 @@ from ray.cluster_utils import Cluster
 from ray.core.generated import autoscaler_pb2
 
 from tests.conftest import metric_history, tiny_spec
-from tests.helpers import chatter_in, finished, run_in_background, wait_for_step
+from tests.helpers import (
+    chatter_in,
+    finished,
+    run_in_background,
+    wait_for_step,
+    wait_for_world_size,
+)
 from tests.slow_step import slow_env
 from tidal.storage import RunDir
 from tidal.testing.clusters import add_worker_node, raylet_cluster
@@ -141,18 +147,6 @@ def assert_gpu_hours_follow_the_world_size(spec, run_id: str) -> None:
     assert gpu_hours * 3600 == pytest.approx(integral, rel=0.05)
     assert gpu_hours * 3600 < 0.95 * naive, "not the final world size times the wall time"
     assert run.data.metrics["gpu_hours_cloud"] == 0, "no node here is labelled cloud"
-
-
-def wait_for_world_size(spec, size: int, timeout: float = 180) -> None:
-    from tests.helpers import job_run_id
-
-    client = __import__("mlflow").tracking.MlflowClient(spec.tracking.uri)
-    run_id = job_run_id(spec)
-    def at_size() -> bool:
-        hist = client.get_metric_history(run_id, "world_size")
-        return bool(hist) and max(hist, key=lambda m: m.step).value == size
-
-    wait_for(f"world size {size}", at_size, timeout)
 
 
 @pytest.mark.extended  # outside the suite's budget (pyproject.toml): sizing after a node loss also in the shrink/grow test

@@ -9,23 +9,34 @@ import pytest
 from tidal.spec.job import JobSpec
 from tidal.worker.checkpoint import keeper
 from tidal.worker.checkpoint.keeper import Keeper
-from tidal.worker.checkpoint.route import Held, from_memory, newest
+from tidal.worker.checkpoint.route import Held, Layout, Load, from_memory, newest
 
 SPEC = JobSpec().with_overrides({"parallelism.zero_stage": 2, "checkpoint.memory.every_steps": 3})
 
 
-@pytest.mark.parametrize(("stored", "held", "world", "memory"), [
-    (None, None, 2, False),                              # nothing anywhere
-    (None, Held(6, 2, 2, True), 2, True),                # no checkpoint yet: the snapshot
-    (20, Held(27, 2, 2, True), 2, True),                 # newer than storage's
-    (20, Held(20, 2, 2, True), 2, True),                 # the same step: the nearer copy
-    (20, Held(18, 2, 2, True), 2, False),                # older than storage's: storage
-    (20, Held(27, 2, 2, True), 1, False),                # another world size: not resharded from memory
-    (20, Held(27, 2, 3, True), 2, False),                # another ZeRO stage
-    (20, Held(27, 2, 2, False), 2, False),               # written by another job (fingerprint)
+def held(step: int, world: int = 2, stage: int = 2, same_job: bool = True) -> Held:
+    """A snapshot of `world` ranks of a plain data-parallel ZeRO job: the files its checkpoint would list."""
+    names = {f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(world)}
+    names |= ({f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(world)} if stage == 3
+              else {"mp_rank_00_model_states.pt"})
+    return Held(step, Layout(world, stage, 0 if stage == 3 else None, frozenset(names)), same_job)
+
+
+@pytest.mark.parametrize(("stored", "snapshot", "world", "spec", "load"), [
+    (None, None, 2, SPEC, None),                          # nothing anywhere
+    (None, held(6), 2, SPEC, Load.AS_SAVED),              # no checkpoint yet: the snapshot
+    (20, held(27), 2, SPEC, Load.AS_SAVED),               # newer than storage's
+    (20, held(20), 2, SPEC, Load.AS_SAVED),               # the same step: the nearer copy
+    (20, held(18), 2, SPEC, None),                        # older than storage's: storage
+    (20, held(27), 1, SPEC, Load.RANGE_ZERO12),           # another world size: by byte range, from the keepers
+    (20, held(27), 4, SPEC, Load.RANGE_ZERO12),           # and growing
+    (20, held(27, stage=3), 1, SPEC.with_overrides({"parallelism.zero_stage": 3}), Load.RANGE_ZERO3),
+    (20, held(27), 1, SPEC.with_overrides({"checkpoint.resize": "universal"}), None),  # a conversion: storage
+    (20, held(27, stage=3), 2, SPEC, None),               # another ZeRO stage
+    (20, held(27, same_job=False), 2, SPEC, None),        # written by another job (fingerprint)
 ])
-def test_where_a_restart_resumes_from(stored, held, world, memory):
-    assert from_memory(stored, held, SPEC, world) is memory
+def test_where_a_restart_resumes_from(stored, snapshot, world, spec, load):
+    assert from_memory(stored, snapshot, spec, world) is load
 
 
 def shard(attempt: str, step: int, rank: int, world: int = 2, node: str = "n0", held_on: str = "n0",
@@ -39,23 +50,23 @@ def shard(attempt: str, step: int, rank: int, world: int = 2, node: str = "n0", 
 
 def test_the_newest_complete_snapshot_skips_a_partial_one():
     listings = {"k0": [shard("a", 9, 0), shard("a", 12, 0)], "k1": [shard("a", 9, 1, node="n1", held_on="n1")]}
-    held, plan = newest(listings, "fp")
-    assert held == Held(9, 2, 2, True) and plan.step == 9 and plan.attempt == "a"
+    found, plan = newest(listings, "fp")
+    assert found == held(9) and plan.step == 9 and plan.attempt == "a"
     assert plan.holders == {0: {"k0": "n0"}, 1: {"k1": "n1"}}
 
 
 def test_shards_of_two_attempts_never_make_one_snapshot():
     """Attempt a held rank 0's step 12 and died; attempt b held rank 1's: no complete step 12."""
     listings = {"k0": [shard("a", 9, 0), shard("a", 9, 1), shard("a", 12, 0), shard("b", 12, 1)]}
-    held, plan = newest(listings, "fp")
-    assert held.step == 9 and plan.attempt == "a"
+    found, plan = newest(listings, "fp")
+    assert found.step == 9 and plan.attempt == "a"
 
 
 def test_a_peers_copy_completes_a_snapshot_whose_node_is_gone():
     """Node n1 is lost with its keeper: rank 1's shard of step 12 survives on n0's keeper, its peer."""
     listings = {"k0": [shard("a", 12, 0), shard("a", 12, 1, node="n1", held_on="n0")]}
-    held, plan = newest(listings, "fp")
-    assert held.step == 12
+    found, plan = newest(listings, "fp")
+    assert found.step == 12
     assert "a peer's copy" in plan.where() and "n0" in plan.where()
 
 

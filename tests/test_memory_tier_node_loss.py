@@ -1,7 +1,10 @@
-"""The memory tier's peer copy (checkpoint.memory.peer): a node lost between persistent checkpoints
-takes its ranks' own snapshots with it, and the group, restarted at the same size on the nodes left,
-resumes from the copies the next node's keeper held: no checkpoint from storage, a few steps
-replayed, the undisturbed run's losses. One raylet per simulated node (ray.cluster_utils.Cluster)."""
+"""The memory tier's peer copy (checkpoint.memory.peer) across a resize: an elastic job's node lost
+between persistent checkpoints takes its rank's own snapshots with it; the group, restarted at one
+worker on the node left, resumes from the copy that node's keeper held for its peer, by byte range
+at the smaller size; when a node returns it grows back from the one-worker snapshot the same way.
+No checkpoint file is read from storage (there is none before the end), a few steps are replayed
+each time, and the losses are the undisturbed run's. One raylet per simulated node
+(ray.cluster_utils.Cluster)."""
 
 from __future__ import annotations
 
@@ -12,50 +15,70 @@ import ray
 from ray.cluster_utils import Cluster
 
 from tests.conftest import metric_history
-from tests.helpers import finished, run_in_background, wait_for_step
+from tests.helpers import finished, run_in_background, wait_for_step, wait_for_world_size
 from tests.memory_jobs import assert_undisturbed_losses, memory_spec, resumes
-from tidal.testing.clusters import raylet_cluster
+from tests.slow_step import slow_env
+from tidal.testing.clusters import add_worker_node, raylet_cluster
 from tidal.testing.processes import wait_for
 from tidal.worker.checkpoint import keeper
 
 pytestmark = pytest.mark.slow
+EVERY = 3  # a snapshot every 3 steps; no persistent checkpoint before the last step
 
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    with raylet_cluster(workers=3) as c:  # two for the group, one to take the lost node's place
+    with raylet_cluster(workers=2) as c:  # one worker each
         yield c
 
 
-def complete_snapshot(job: str, at_least: int) -> int | None:
-    """The newest step every rank of which some keeper holds, if at least `at_least`."""
+def complete_snapshot(job: str, world: int, at_least: int) -> int | None:
+    """The newest step of `world` ranks every rank of which some keeper holds, if at least `at_least`."""
     ranks: dict[tuple[str, int], set[int]] = {}
     for k in keeper.keepers(job).values():
         for e in ray.get(k.listing.remote()):
-            ranks.setdefault((e["attempt"], e["step"]), set()).add(e["rank"])
-    done = [s for (_, s), r in ranks.items() if r == {0, 1}]
+            if e["world_size"] == world:
+                ranks.setdefault((e["attempt"], e["step"]), set()).add(e["rank"])
+    done = [s for (_, s), r in ranks.items() if r == set(range(world))]
     return max(done) if done and max(done) >= at_least else None
 
 
-def test_a_lost_node_resumes_from_its_peers_copy(cluster, tmp_path, capfd):
-    spec = memory_spec(tmp_path, "mem-node")
+def test_a_lost_node_resumes_smaller_from_its_peers_copy_then_grows_back_from_memory(cluster, tmp_path, capfd):
+    # Each micro-batch sleeps while the hold file exists (tests/slow_step.py; no number changes), so
+    # the job is still training when the returning node is seen, however long Ray takes.
+    hold = tmp_path / "hold"
+    hold.touch()
+    spec = memory_spec(tmp_path, "mem-node", every=EVERY, **slow_env(0.08, hold)).with_overrides({
+        "checkpoint.every_steps": 100, "scaling.min_workers": 1, "scaling.max_workers": 2,
+        "scaling.elastic_check_s": 2, "train.step_fn": "tests.slow_step:step"})
     t, out = run_in_background(spec)
-    wait_for_step(spec, 13)
-    wait_for("a complete snapshot past step 12", lambda: complete_snapshot(spec.name, 12), 120, every=0.1)
+    wait_for_world_size(spec, 2)
+    wait_for_step(spec, 7)
+    wait_for("a complete 2-worker snapshot past step 6", lambda: complete_snapshot(spec.name, 2, 6), 120, every=0.1)
     holders = {name.rsplit(":", 1)[1] for name in keeper.keepers(spec.name)}
     assert len(holders) == 2, f"one keeper on each of the group's nodes: {holders}"
     lost = next(n for n in cluster.worker_nodes if n.node_id in holders)
     cluster.remove_node(lost)
+    wait_for_world_size(spec, 1)
+    shrunk = resumes(capfd.readouterr().out)
+    wait_for("a 1-worker snapshot after the resume",
+             lambda: complete_snapshot(spec.name, 1, shrunk[-1][1] + EVERY) if shrunk else None, 120, every=0.1)
+    add_worker_node(cluster)
+    wait_for_world_size(spec, 2)
+    hold.unlink()
     result = finished(t, out)
     printed = capfd.readouterr().out
 
     assert result.error is None, result.error
-    (where, step, redo), = resumes(printed)
+    *_, (where, step, redo), (again, step2, redo2) = shrunk + resumes(printed)
     assert where.startswith("the in-memory snapshot") and "a peer's copy" in where, printed[-3000:]
     assert lost.node_id[:8] not in where, "the lost node's keeper cannot have served it"
-    assert 12 <= step < 20 and step % 3 == 0
-    replayed = metric_history(spec, result.mlflow_run_id, "max_steps_lost")[40]
-    assert replayed == redo and 0 <= replayed < 2 * 3, f"replayed {replayed} step(s)"
-    assert not list((tmp_path / "cache").rglob("*.pt")), "a checkpoint file was copied from storage"
+    assert again.startswith("the in-memory snapshot"), "grown back from the 1-worker snapshot, not storage"
+    assert step >= 6 and step % EVERY == 0 and step2 > step and step2 % EVERY == 0
+    world = metric_history(spec, result.mlflow_run_id, "world_size")
+    sizes = [world[s] for s in sorted(world)]
+    assert [a for a, b in zip(sizes, sizes[1:] + [None], strict=True) if a != b][-3:] == [2, 1, 2], sizes
+    assert 0 <= redo < 2 * EVERY and 0 <= redo2 < 2 * EVERY, f"replayed {redo} and {redo2} step(s)"
+    assert not list((tmp_path / "cache").rglob("*.pt")), "no checkpoint file copied, none left on the node"
     assert_undisturbed_losses(tmp_path, spec, result)
     assert keeper.keepers(spec.name) == {}, "the job's keepers outlived it"

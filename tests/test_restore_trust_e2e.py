@@ -4,7 +4,8 @@ more faults in the same resume, in tests/test_s3_checkpoints.py) writes nothing 
 restore cache, the checkpoint is condemned and the job goes on from the one before (a pickle
 planted in a published universal folder: tests/test_restore_e2e.py); a model whose state holds
 numpy values fails at its first save naming the types, and with them allowed in the spec trains,
-resumes and resizes."""
+resumes and resizes; with them removed again, the resume is refused naming them, and nothing is
+condemned."""
 
 from __future__ import annotations
 
@@ -68,6 +69,12 @@ def test_a_state_that_will_not_load_fails_at_the_first_save_until_its_types_are_
     allowed = {**common, "checkpoint.safe_globals": NUMPY_SCALAR}
     # Trains and saves at 2 workers, resizes to 1 (universal), resumes at 1, resizes back to 2.
     for n, until in ((2, 6), (1, 12), (2, 18)):
+        if until == 18:  # the entries removed again: every kept checkpoint refused, loudly, none condemned
+            with pytest.raises(TidalError) as removed:
+                tidal.run(tiny_spec(tmp_path, name="numpy-ok", **common, **workers(n), **{"train.stop_at": until}))
+            assert "Nothing was quarantined" in str(removed.value), removed.value
+            assert any(f"checkpoint.safe_globals: [{name}]" in str(removed.value) for name in NUMPY_SCALAR), removed.value
+            assert not [p for p in (tmp_path / "runs" / "numpy-ok").rglob(QUARANTINE_FILE)]
         result = tidal.run(tiny_spec(tmp_path, name="numpy-ok", **allowed, **workers(n), **{"train.stop_at": until}))
         assert result.error is None, result.error
     spec = tiny_spec(tmp_path, name="numpy-ok", **allowed)

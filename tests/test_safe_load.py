@@ -1,8 +1,9 @@
 """Loading a checkpoint never runs code (tidal.worker.checkpoint.safe_load): a pickle planted in a checkpoint
 folder on a real S3 API never runs. Unlisted, it is never opened: resume and export work and the
 checkpoint is not condemned. Replacing a listed file (same size, so only unpickling can tell), the
-load refuses it with a clear error, the checkpoint is quarantined as damaged, and the job goes on
-from scratch instead of crashing in a loop; an export of such a checkpoint is refused."""
+load refuses it and the job ends once, naming the type and what to do, instead of restarting in a
+loop; nothing is condemned (the same refusal follows an entry removed from checkpoint.safe_globals,
+where condemning would throw good checkpoints away); an export of such a checkpoint is refused."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from tests.conftest import tiny_spec
-from tidal.errors import CheckpointError
+from tidal.errors import CheckpointError, TidalError
 from tidal.worker.checkpoint.safe_load import (
     UnsafeCheckpointFile,
     allowed_globals,
@@ -37,8 +38,9 @@ class RunsCode:
 
 
 def evil_bytes(marker: Path, size: int = 0) -> bytes:
-    """A pickle that runs code, padded with zeros to `size` (unpickling stops at its STOP opcode)."""
-    data = pickle.dumps({"module": RunsCode(marker)})
+    """A pickle that runs code, padded with zeros to `size` (unpickling stops at its STOP opcode),
+    written with the protocol torch.save writes: what loading refuses for the type it names."""
+    data = pickle.dumps({"module": RunsCode(marker)}, protocol=2)
     return data + b"\0" * max(0, size - len(data))
 
 
@@ -67,12 +69,39 @@ def test_what_deepspeed_saves_loads() -> None:
     assert len(allowed_globals()) == 4
 
 
-def test_the_damage_check_counts_a_refused_pickle_as_damage(tmp_path) -> None:
+def test_a_refused_pickle_is_not_damage_and_ends_the_job_saying_what_to_do(tmp_path) -> None:
+    """An entry removed from checkpoint.safe_globals, or a library upgrade that moved a type, refuses
+    every kept checkpoint: that condemns none of them (it would start the job again from step 0), and
+    no restart cures it, so the job ends naming the type, the spec line to add, and what else it may be."""
+    from tidal.launch.recovery import not_retried
     from tidal.worker.checkpoint.restore import file_damage
+    from tidal.worker.checkpoint.safe_load import refusal
 
     marker = tmp_path / "ran"
-    damage = file_damage(io.BytesIO(evil_bytes(marker)))
-    assert damage is not None and "refused to load" in damage and not marker.exists()
+    with pytest.raises(UnsafeCheckpointFile) as refused:
+        file_damage(io.BytesIO(pickle.dumps({"module": RunsCode(marker)}, protocol=2)))
+    assert not marker.exists()
+    assert refused.value.refused == "posix.system", "torch names the global it refused"
+    error = refusal(refused.value, "checkpoint_000000008")
+    said = str(error)
+    assert said.startswith("checkpoint.safe_globals: refused to load") and "checkpoint_000000008" in said
+    assert "Nothing was quarantined" in said and "checkpoint.safe_globals: [posix.system]" in said
+    assert "planted" in said, "the other reading: a file nobody wrote"
+    assert not_retried({0: error}) is error, "a restart would refuse it again"
+    # bytes torch.save never writes (protocol 4's framing: no type named) are damage, as before
+    assert "does not unpickle" in file_damage(io.BytesIO(pickle.dumps({"module": RunsCode(marker)}, protocol=4)))
+    assert not marker.exists()
+
+
+def test_a_refusal_another_rank_reported_as_text_is_still_a_refusal() -> None:
+    """A spread conversion's rank reports its failure to the others as text (universal_spread)."""
+    from tidal.worker.checkpoint.restore import _refused
+
+    reported = CheckpointError("rank 1 could not do its share of the conversion of checkpoint_000000004: "
+                               "UnsafeCheckpointFile: refused to load x.pt: its pickle names posix.system, a type "
+                               "outside the allow-list")
+    assert _refused(reported).refused == "posix.system"
+    assert _refused(CheckpointError("rank 1 could not do its share: OSError: disk full")) is None
 
 
 # --- end to end, on the S3 test server --------------------------------------------------------------
@@ -112,14 +141,15 @@ def test_planted_pickles_never_run(tmp_path, bucket, capfd) -> None:
     listed = listed_files(run.fs, f"{run.path}/{four}")
     target = "global_step4/zero_pp_rank_0_mp_rank_00_optim_states.pt"
     _plant(run, f"{four}/{target}", evil_bytes(marker, listed[target]))
-    capfd.readouterr()
-    result = tidal.run(spec)
-    out = capfd.readouterr()
+    with pytest.raises(TidalError) as refused:  # once, not in a loop of restarts: no restart cures it
+        tidal.run(spec)
     assert not marker.exists()
-    assert result.error is None, result.error  # the next attempt starts over instead of failing in a loop
-    assert "refused to load" in out.out + out.err and "quarantined" in out.out + out.err
-    assert run.fs.get_file_info(f"{run.path}/{four}/{QUARANTINE_FILE}").is_file
-    assert result.path is not None and result.path.endswith(checkpoint_dir_name(8))
+    assert "refused to load" in str(refused.value) and "Nothing was quarantined" in str(refused.value)
+    assert not run.fs.get_file_info(f"{run.path}/{four}/{QUARANTINE_FILE}").is_file, "a refusal condemns nothing"
+    # The person who knows the file was planted moves its checkpoint aside; the job then starts over.
+    run.fs.move(f"{run.path}/{four}", f"{run.path}/set-aside-{four}")
+    result = tidal.run(spec)
+    assert result.error is None and result.path is not None and result.path.endswith(checkpoint_dir_name(8))
 
     # An export of a checkpoint with a listed file replaced is refused, and runs nothing.
     eight = checkpoint_dir_name(8)
@@ -150,10 +180,11 @@ def test_a_resize_never_runs_a_planted_pickle(tmp_path, bucket) -> None:
     target = "global_step4/zero_pp_rank_1_mp_rank_00_optim_states.pt"
     _plant(run, f"{four}/{target}", evil_bytes(marker, listed_files(run.fs, f"{run.path}/{four}")[target]))
 
-    result = tidal.run(spec.with_overrides({"scaling.min_workers": 1, "scaling.max_workers": 1}))
-    assert not marker.exists(), "the planted pickle ran during the resize's conversion"
-    assert result.error is None, result.error  # quarantined, then started over at 1 worker
-    assert run.fs.get_file_info(f"{run.path}/{four}/{QUARANTINE_FILE}").is_file
+    with pytest.raises(TidalError) as refused:
+        tidal.run(spec.with_overrides({"scaling.min_workers": 1, "scaling.max_workers": 1}))
+    assert not marker.exists(), "the planted pickle ran during the resize"
+    assert "refused to load" in str(refused.value) and "checkpoint.safe_globals" in str(refused.value)
+    assert not run.fs.get_file_info(f"{run.path}/{four}/{QUARANTINE_FILE}").is_file, "a refusal condemns nothing"
 
 
 def _selector(path: str):

@@ -86,6 +86,18 @@ def wait_for_step(spec: JobSpec, step: int, timeout: float = 180) -> int:
     return wait_for(f"job {spec.name} to reach step {step}", reached, timeout)
 
 
+def wait_for_world_size(spec: JobSpec, size: int, timeout: float = 180) -> None:
+    """Block until the job's latest logged `world_size` is `size` (an elastic group shrunk or grown)."""
+    run_id = job_run_id(spec, timeout)
+    client = MlflowClient(spec.tracking.uri)
+
+    def at_size() -> bool:
+        hist = client.get_metric_history(run_id, "world_size")
+        return bool(hist) and max(hist, key=lambda m: m.step).value == size
+
+    wait_for(f"job {spec.name} at world size {size}", at_size, timeout)
+
+
 def metric_history(spec: JobSpec, run_id: str, key: str) -> dict[int, float]:
     """step -> value; fails (AssertionError) if any step was logged twice."""
     hist = MlflowClient(spec.tracking.uri).get_metric_history(run_id, key)

@@ -18,15 +18,18 @@ their own cadence; a step is durable only once its checkpoint is complete in sto
 
 On a restart rank 0 reads every keeper's listing (`newest_complete`; `route.newest` says which
 snapshot is complete), and the one resume decision (tidal.worker.checkpoint.restore, with
-`route.from_memory`) takes the newest of that and the newest complete checkpoint in storage; a
-snapshot loads only at the world size that wrote it. Each rank then fetches the files it loads
-(its own partition, and the model states, as from storage) from a keeper, its own node's first,
-and DeepSpeed loads the very bytes a persistent checkpoint of that step holds, served from
-memory (`safe_load.safe_loading`'s `served`): nothing is read from storage or disk.
+`route.from_memory`) takes the newest of that and the newest complete checkpoint in storage. At
+the world size that wrote it each rank fetches the files it loads (its own partition, and the
+model states, as from storage) from a keeper, its own node's first, and DeepSpeed loads the very
+bytes a persistent checkpoint of that step holds, served from memory (`safe_load.safe_loading`'s
+`served`): nothing is read from storage or disk. At another size (`staged`) a rank fetches the
+shards its new partition comes from to its node and loads them by byte range, as a resize from
+storage does (tidal.worker.checkpoint.repartition).
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import os
@@ -35,15 +38,18 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import pyarrow.fs as pafs
 import torch
 import torch.distributed as dist
 
 from tidal.errors import CheckpointError
 from tidal.spec.job import JobSpec
+from tidal.storage import Found
 from tidal.worker.checkpoint import fetch, keeper, route, safe_load
 from tidal.worker.checkpoint.host_buffers import Buffers
 from tidal.worker.checkpoint.route import Held, Plan
@@ -216,40 +222,10 @@ def newest_complete(spec: JobSpec) -> tuple[Held, Plan] | tuple[None, None]:
 
 
 def load(engine: Any, plan: Plan, dp_rank: int) -> dict[str, int]:
-    """Load the snapshot `plan` into `engine`: this rank's files from the keepers (its node's
-    first), served to DeepSpeed's own loader from memory. Returns the bytes fetched per file."""
-    import ray
-
-    if pause := os.environ.get(LOAD_PAUSE_ENV):
-        marker, _, seconds = pause.rpartition("@")
-        try:
-            with open(marker, "x"):
-                pass
-            time.sleep(float(seconds))
-        except FileExistsError:
-            pass
-    node = ray.get_runtime_context().get_node_id()
-    listed = {n: size for shard in plan.shards.values() for n, size in shard.items()}
-    mine = fetch.rank_files(listed, dp_rank)
-    by_shard: dict[int, list[str]] = {}
-    for n in mine:
-        by_shard.setdefault(next(r for r, files in plan.shards.items() if n in files), []).append(n)
-    got: dict[str, bytes] = {}
-    for shard, names in sorted(by_shard.items()):
-        options = sorted(plan.holders[shard].items(), key=lambda kv: kv[1] != node)  # this node's keeper first
-        for name, _ in options:
-            try:
-                answer = ray.get(ray.get_actor(name, namespace=keeper.NAMESPACE).get.remote(
-                    plan.attempt, plan.step, shard, names), timeout=CALL_TIMEOUT_S)
-            except Exception as e:  # noqa: BLE001 - that keeper is gone: try the next copy
-                log.info("memory tier: keeper %s failed (%s)", name, type(e).__name__)
-                continue
-            if answer is not None:
-                got.update(answer)
-                break
-        else:
-            raise CheckpointError(f"the in-memory snapshot of step {plan.step} lost rank {shard}'s shard "
-                                  "while it was being restored; the next attempt resumes from what is complete")
+    """Load the snapshot `plan` into `engine` as saved: this rank's files from the keepers (its
+    node's first), served to DeepSpeed's own loader from memory. Returns the bytes fetched per file."""
+    _pause_for_tests()
+    got = _fetch(plan, list(fetch.rank_files(plan.files(), dp_rank)))
     states = {n: safe_load.safe_load(io.BytesIO(b), map_location="cpu") for n, b in got.items()}
     step_tag = f"global_step{plan.step}"
     folder = tempfile.mkdtemp(prefix="tidal-mem-load-")
@@ -266,3 +242,70 @@ def load(engine: Any, plan: Plan, dp_rank: int) -> dict[str, int]:
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     return {n: len(b) for n, b in got.items()}
+
+
+@contextlib.contextmanager
+def staged(plan: Plan, names: Iterable[str]) -> Iterator[Found]:
+    """The files `names` of the snapshot `plan`, fetched from the keepers into a folder on this
+    node's local disk laid out as a checkpoint's (`<folder>/global_stepN/<name>`), as a `Found` a
+    by-range resize reads (tidal.worker.checkpoint.repartition) exactly as it reads storage.
+
+    Why a folder and not the keepers' bytes directly: the by-range reader takes byte ranges through
+    a pyarrow filesystem, and a node-local folder is one with no new code; the bytes come from
+    memory, none from storage. Removed on the way out."""
+    _pause_for_tests()
+    got = _fetch(plan, sorted(set(names)))
+    root = os.environ.get(fetch.CACHE_ENV) or tempfile.gettempdir()
+    os.makedirs(root, exist_ok=True)
+    folder = tempfile.mkdtemp(prefix=f"tidal-mem-stage-{plan.step}-", dir=root)
+    try:
+        step_tag = f"global_step{plan.step}"
+        os.makedirs(os.path.join(folder, step_tag))
+        for name, data in got.items():
+            with open(os.path.join(folder, step_tag, name), "wb") as f:
+                f.write(data)
+        del got
+        files = {f"{step_tag}/{name}": size for name, size in plan.files().items()}
+        yield Found(folder, pafs.LocalFileSystem(), plan.state, files)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _fetch(plan: Plan, names: list[str]) -> dict[str, bytes]:
+    """The bytes of the files `names` of the snapshot `plan`, each from a keeper holding its shard,
+    this node's first; CheckpointError if every copy of a shard went while it was being read."""
+    import ray
+
+    node = ray.get_runtime_context().get_node_id()
+    by_shard: dict[int, list[str]] = {}
+    for n in names:
+        by_shard.setdefault(next(r for r, files in plan.shards.items() if n in files), []).append(n)
+    got: dict[str, bytes] = {}
+    for shard, wanted in sorted(by_shard.items()):
+        options = sorted(plan.holders[shard].items(), key=lambda kv: kv[1] != node)  # this node's keeper first
+        for name, _ in options:
+            try:
+                answer = ray.get(ray.get_actor(name, namespace=keeper.NAMESPACE).get.remote(
+                    plan.attempt, plan.step, shard, wanted), timeout=CALL_TIMEOUT_S)
+            except Exception as e:  # noqa: BLE001 - that keeper is gone: try the next copy
+                log.info("memory tier: keeper %s failed (%s)", name, type(e).__name__)
+                continue
+            if answer is not None:
+                got.update(answer)
+                break
+        else:
+            raise CheckpointError(f"the in-memory snapshot of step {plan.step} lost rank {shard}'s shard "
+                                  "while it was being restored; the next attempt resumes from what is complete")
+    return got
+
+
+def _pause_for_tests() -> None:
+    """`LOAD_PAUSE_ENV`'s one pause, for a kill inside a restore from memory."""
+    if pause := os.environ.get(LOAD_PAUSE_ENV):
+        marker, _, seconds = pause.rpartition("@")
+        try:
+            with open(marker, "x"):
+                pass
+            time.sleep(float(seconds))
+        except FileExistsError:
+            pass

@@ -121,12 +121,14 @@ def reads(cut: Cut, listed: dict[str, int]) -> dict[str, int]:
     return {rel: listed[rel] for rel in names}
 
 
-def restore(engine: Any, found: Found, step_tag: str, listed: dict[str, int], identity: str, cut: Cut) -> fetch.Fetched:
+def restore(engine: Any, found: Found, step_tag: str, listed: dict[str, int], identity: str, cut: Cut,
+            keep: bool = True) -> fetch.Fetched:
     """Load `found` (its tag folder's files: `listed`) into `engine` at this group's size, as `cut`
     says (`zero12(engine, old world)`, or `repartition_zero3.cut`); returns what this rank took
-    from storage (bytes read, for its sparse copies)."""
+    from storage (bytes read, for its sparse copies). `keep`: leave the node's copies for a later
+    restore (False for a source that is itself a copy, the memory tier's staged snapshot)."""
     old_world = int(found.state["world_size"])
-    with fetch.NodeCache(f"{found.path}/{step_tag}#{identity}", name=f"{found.name}-{step_tag}") as cache:
+    with fetch.NodeCache(f"{found.path}/{step_tag}#{identity}", name=f"{found.name}-{step_tag}", keep=keep) as cache:
         got = cache.fetch(found.fs, found.path, {f"{step_tag}/{cut.model_states}": listed[cut.model_states]})
         here = cache.path(f"{COPIES}{cut.world}-{cut.rank}")
         saved = {}

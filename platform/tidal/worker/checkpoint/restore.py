@@ -18,10 +18,12 @@ restart (tidal.worker.checkpoint.fetch), on every filesystem: DeepSpeed reads th
 storage.
 
 A checkpoint that fails to load is quarantined only when it is proven corrupt (a size that
-differs from its manifest, a file that does not unpickle, or one whose pickle names a type outside
-the allow-list of tidal.worker.checkpoint.safe_load, which is refused rather than run); any other failure fails the attempt
-and Ray's restart tries the same checkpoint again. Too little local disk is the node's fault:
-a clear error, and the checkpoint is kept.
+differs from its manifest, a file that does not unpickle); any other failure fails the attempt
+and Ray's restart tries the same checkpoint again. A pickle naming a type outside the allow-list
+of tidal.worker.checkpoint.safe_load is refused rather than run, and proves nothing against the
+checkpoint (an entry removed from the spec, a library upgrade that moved a type): the job ends
+with what to do, and nothing is condemned. Too little local disk is the node's fault: a clear
+error, and the checkpoint is kept.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import re
 import zipfile
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -82,10 +85,11 @@ def agree_on_resume_point(spec: JobSpec) -> tuple[Found, Route] | tuple[None, No
     def pick() -> tuple[str, dict[str, Any], dict[str, int] | None, Route] | None:
         found = find_resume_point(spec)
         held, plan = _in_memory(spec)
-        if route.from_memory(found.step if found else None, held, spec, dist.get_world_size()):
+        load = route.from_memory(found.step if found else None, held, spec, dist.get_world_size())
+        if load is not None:
             assert plan is not None
             # Not a path: what the resume line names (events.resumed), and the plan every rank loads.
-            return f"the in-memory snapshot {plan.where()}", plan.state, None, Route(Load.AS_SAVED, memory=plan)
+            return f"the in-memory snapshot {plan.where()}", plan.state, None, Route(load, memory=plan)
         if found is None:
             return None
         step_tag = tag(found.step)
@@ -119,15 +123,17 @@ def restore(engine: Any, found: Found, how: Route) -> TrainState:
     there (tidal.worker.checkpoint.fetch): never the storage folder, whatever the filesystem."""
     state = TrainState.from_saved(found.state)
     if how.memory is not None:  # the memory tier's snapshot, from the keepers: nothing read from storage
-        memory.load(engine, how.memory, _dp_rank(engine))
+        if how.load is Load.AS_SAVED:
+            memory.load(engine, how.memory, _dp_rank(engine))
+        else:
+            _by_range_from_memory(engine, how)
         return state
     step_tag = tag(state.step)
     if how.load in (Load.RANGE_ZERO12, Load.RANGE_ZERO3):
         listed = tag_files(found, step_tag)
         read: dict[str, int] = {}  # what this rank reads: what a failure has it check
         try:
-            cut_for = repartition_zero3.cut if how.load is Load.RANGE_ZERO3 else repartition.zero12
-            cut = cut_for(engine, int(found.state["world_size"]))
+            cut = _cut(engine, how.load, int(found.state["world_size"]))
             read = repartition.reads(cut, listed)
             repartition.restore(engine, found, step_tag, listed, _identity(found, found.files or {}), cut)
         except fetch.LocalDiskFull:
@@ -159,6 +165,23 @@ def restore(engine: Any, found: Found, how: Route) -> TrainState:
     return state
 
 
+def _cut(engine: Any, load: Load, old_world: int) -> repartition.Cut:
+    """This rank's part of a by-range resize from `old_world` ranks, for its ZeRO family."""
+    return (repartition_zero3.cut if load is Load.RANGE_ZERO3 else repartition.zero12)(engine, old_world)
+
+
+def _by_range_from_memory(engine: Any, how: Route) -> None:
+    """A by-range resize (`how.load`) of the memory tier's snapshot `how.memory`: the shards this
+    rank's new partition comes from, fetched from the keepers to this node, read as from storage.
+    A failure here proves nothing about any checkpoint: it fails the attempt, and the next one
+    resumes from the newest complete copy."""
+    plan = how.memory
+    listed = plan.files()
+    cut = _cut(engine, how.load, len(plan.shards))
+    with memory.staged(plan, repartition.reads(cut, listed)) as local:
+        repartition.restore(engine, local, tag(plan.step), listed, plan.attempt, cut, keep=False)
+
+
 def _identity(found: Found, listed: dict[str, int], extra: str = "") -> str:
     """What tells this checkpoint's content from another's under the same folder name: the attempt
     that wrote it and its whole file list with sizes (not the rank's: ranks of a node share a copy)."""
@@ -179,9 +202,14 @@ def _converted(found: Found, step_tag: str, convert: Convert | None) -> tuple[st
     except fetch.LocalDiskFull:
         raise
     except CheckpointError as e:
+        if (refused := _refused(e)) is not None:
+            raise safe_load.refusal(refused, found.name) from e
         if dist.get_rank() != 0:
             raise
-        corrupt = _safe_corruption(found, tag_files(found, step_tag), step_tag)
+        try:
+            corrupt = _safe_corruption(found, tag_files(found, step_tag), step_tag)
+        except safe_load.UnsafeCheckpointFile as refused_here:
+            raise safe_load.refusal(refused_here, found.name) from e
         if corrupt is None:
             raise
         quarantine(found, corrupt)
@@ -248,11 +276,17 @@ def _held_params(engine: Any) -> set[str] | None:
     return {names[p] for group in groups for p in group if getattr(p, "_hp_mapping", None) is not None}
 
 
-def _load_failed(found: Found, files: dict[str, int], step_tag: str, error: BaseException) -> CheckpointError:
+def _load_failed(found: Found, files: dict[str, int], step_tag: str, error: BaseException) -> Exception:
     """Condemn a checkpoint only when it is proven corrupt; any other failure (out of memory, a
-    network error, a bug) fails this attempt, and Ray's restart tries the same checkpoint again."""
+    network error, a bug) fails this attempt, and Ray's restart tries the same checkpoint again. A
+    pickle refused by the allow-list condemns nothing and ends the job (`safe_load.refusal`)."""
     why = f"{type(error).__name__}: {error}"
-    corrupt = _safe_corruption(found, files, step_tag)
+    if (refused := _refused(error)) is not None:
+        return safe_load.refusal(refused, found.name)
+    try:
+        corrupt = _safe_corruption(found, files, step_tag)
+    except safe_load.UnsafeCheckpointFile as e:  # the check met a refused pickle this rank did not load
+        return safe_load.refusal(e, found.name)
     if corrupt is None:
         return CheckpointError(
             f"loading {found.name} failed ({why}). Its files are intact (every size matches its manifest and "
@@ -267,6 +301,24 @@ def _load_failed(found: Found, files: dict[str, int], step_tag: str, error: Base
                            "resumes from the checkpoint before it")
 
 
+def _refused(error: BaseException) -> safe_load.UnsafeCheckpointFile | None:
+    """The allow-list refusal behind `error`, if one is: raised here, or by another rank of a spread
+    conversion (which reports it as text, tidal.worker.checkpoint.universal_spread)."""
+    seen: BaseException | None = error
+    for _ in range(8):
+        if seen is None:
+            break
+        if isinstance(seen, safe_load.UnsafeCheckpointFile):
+            return seen if seen.refused else None
+        seen = seen.__cause__ or seen.__context__
+    text = str(error)
+    if f"{safe_load.UnsafeCheckpointFile.__name__}: " in text:
+        told = text.split(f"{safe_load.UnsafeCheckpointFile.__name__}: ", 1)[1]
+        if named := re.search(r"its pickle names ([\w.]+), a type", told):
+            return safe_load.UnsafeCheckpointFile(told, named[1])
+    return None
+
+
 def _checks_listing() -> bool:
     """Whether this rank checks the whole listing after a failed load (rank 0, once); every other
     rank checks the files it read, so its requests do not grow with the world that wrote them."""
@@ -276,6 +328,8 @@ def _checks_listing() -> bool:
 def _safe_corruption(found: Found, files: dict[str, int], step_tag: str) -> str | None:
     try:
         return _corruption(found, files, step_tag)
+    except safe_load.UnsafeCheckpointFile:
+        raise  # not damage: the caller says what to do (`safe_load.refusal`)
     except Exception as e:  # noqa: BLE001 - the check could not run: nothing is proven
         log.warning("could not check %s for damage (%s: %s); keeping it", found.name, type(e).__name__, e)
         return None
@@ -339,9 +393,14 @@ def file_damage(f: Any) -> str | None:
             return f"fails its checksum (entry {bad})"
     f.seek(0)
     try:
-        # Weights-only: a pickle naming a type Tidal's checkpoints never hold is refused, never run,
-        # and counts as damage (safe_load.UnsafeCheckpointFile), so the checkpoint is quarantined.
+        # Weights-only: a pickle naming a type outside the allow-list is refused, never run, and is
+        # no proof of damage (it propagates: the caller ends the job); a pickle torch.save never
+        # writes (an opcode the weights-only unpickler does not know, no type named) is damage.
         safe_load.safe_load(f, map_location="meta")
+    except safe_load.UnsafeCheckpointFile as e:
+        if e.refused:  # a type torch named: the allow-list's verdict, not the bytes'
+            raise
+        return f"does not unpickle ({str(e)[:200]})"  # no global named: bytes torch.save never writes
     except (ImportError, AttributeError, MemoryError, OSError):
         raise
     except Exception as e:  # noqa: BLE001 - any other failure is the bytes'

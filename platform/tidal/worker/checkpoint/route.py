@@ -13,14 +13,17 @@ built (`restore.agree_on_resume_point` hands the `Route` to every rank with the 
   engine then reads only its slice of each universal file (tidal.worker.checkpoint.share).
 
 Before any of those, `from_memory` decides whether the group resumes from the memory tier's newest
-complete snapshot (tidal.worker.checkpoint.memory) rather than storage: the newest of the two wins,
-memory only at the world size and ZeRO stage that wrote it, where it loads as saved (each rank its
-own shard, served from the keepers). Resizing from memory is not supported: a resize reads storage.
+complete snapshot (tidal.worker.checkpoint.memory) rather than storage: the newest of the two wins.
+A snapshot holds the very files a checkpoint of its step holds, so it loads the ways those files
+load without a conversion: as saved at the world size that wrote it (each rank its own shard,
+served from the keepers), or by byte range at another size (the shards a new rank's partition
+comes from, fetched from the keepers). What only a universal conversion loads reads storage.
 
 | the newest complete copy | the world size | how it loads |
 |---|---|---|
 | a memory snapshot, newer than (or as new as) storage's checkpoint | unchanged | as saved, from the keepers |
-| a memory snapshot | changed | not from memory: storage's checkpoint, by `decide` |
+| a memory snapshot | changed, `by_range` | by byte range, from the keepers |
+| a memory snapshot | changed, otherwise | not from memory: storage's checkpoint, by `decide` |
 | storage's checkpoint | unchanged / changed | `decide`: as saved / by range / universal |
 
 Nothing here reads storage, imports torch or asks the engine: the layout is what rank 0 read in
@@ -112,28 +115,32 @@ def decide(layout: Layout, spec: JobSpec, world: int) -> Route:
 @dataclass(frozen=True)
 class Held:
     """The newest complete snapshot the job's memory tier holds, as rank 0 found it in the keepers
-    (tidal.worker.checkpoint.memory): its step, the world size and ZeRO stage that wrote it, and
-    whether it was written by a job of this spec's resume fingerprint."""
+    (tidal.worker.checkpoint.memory): its step, its layout (who wrote it and its files' names, as
+    a checkpoint of that step would list them), and whether a job of this spec's resume
+    fingerprint wrote it."""
 
     step: int
-    world_size: int
-    zero_stage: int
+    layout: Layout
     same_job: bool
 
 
-def from_memory(stored_step: int | None, held: Held | None, spec: JobSpec, world: int) -> bool:
-    """Whether a group of `world` ranks resumes from the memory tier's snapshot `held` rather than
-    from the newest complete checkpoint in storage (at `stored_step`; None: none).
+def from_memory(stored_step: int | None, held: Held | None, spec: JobSpec, world: int) -> Load | None:
+    """How a group of `world` ranks loads the memory tier's snapshot `held`, or None: it resumes from
+    the newest complete checkpoint in storage (at `stored_step`; None: none) instead.
 
     The newest wins; at the same step memory, the nearer copy (the same state: snapshots and
-    checkpoints are taken after the same optimizer step). Memory loads only as saved: the same
-    world size and ZeRO stage, each rank its own shard. A snapshot at another size is not
-    resharded (a resize reads storage, by range or through a conversion: `decide`)."""
-    if held is None or not held.same_job or held.zero_stage != spec.parallelism.zero_stage:
-        return False
-    if held.world_size != world:
-        return False
-    return stored_step is None or held.step >= stored_step
+    checkpoints are taken after the same optimizer step). Memory loads as saved at the world size
+    that wrote it and by byte range at another (`by_range`); a checkpoint that needs a universal
+    conversion is converted from storage, where the conversion is published for every rank."""
+    if held is None or not held.same_job or held.layout.zero_stage != spec.parallelism.zero_stage:
+        return None
+    if stored_step is not None and held.step < stored_step:
+        return None
+    if held.layout.world_size == world:
+        return Load.AS_SAVED
+    if by_range(held.layout, spec, world):
+        return Load.RANGE_ZERO3 if held.layout.zero_stage == 3 else Load.RANGE_ZERO12
+    return None
 
 
 def by_range(layout: Layout, spec: JobSpec, world: int) -> bool:
@@ -190,6 +197,10 @@ class Plan:
     holders: dict[int, dict[str, str]]
     origin: dict[int, str] = field(default_factory=dict)  # the node each rank ran on when it was taken
 
+    def files(self) -> dict[str, int]:
+        """Every shard's files (name in the tag folder -> size): what a checkpoint of its step lists."""
+        return {name: size for files in self.shards.values() for name, size in files.items()}
+
     def where(self) -> str:
         """Where its copies are, for the person watching: the nodes, and whether peers held any."""
         nodes = sorted({n for h in self.holders.values() for n in h.values()})
@@ -218,5 +229,8 @@ def newest(listings: dict[str, list[dict[str, Any]]], fingerprint: str) -> tuple
         first = got[0]
         plan = Plan(attempt, step, first["state"], {r: dict(e["sizes"]) for r, e in got.items()},
                     holders[(attempt, step)], {r: e["node"] for r, e in got.items()})
-        return Held(step, len(got), int(first["zero_stage"]), first["fingerprint"] == fingerprint), plan
+        frozen = first["state"].get("frozen_params")
+        layout = Layout(len(got), int(first["zero_stage"]), None if frozen is None else int(frozen),
+                        frozenset(plan.files()))
+        return Held(step, layout, first["fingerprint"] == fingerprint), plan
     return None, None

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import _weights_only_unpickler as weights_only  # torch's own list of what it loads
 
-from tidal.errors import CheckpointError
+from tidal.errors import CheckpointError, UserCodeError
 
 
 def allowed_globals() -> list[Any]:
@@ -46,6 +46,7 @@ def allowed_globals() -> list[Any]:
 _extra: list[Any] = []  # this job's checkpoint.safe_globals, resolved (`allow`)
 _checked: set[str] = set()  # files whose state `check_saveable` found loadable in this process
 FIELD = "checkpoint.safe_globals"
+_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")  # torch's weights-only refusal names the global it met so
 _loading = threading.Lock()
 
 
@@ -140,7 +141,31 @@ def check_saveable(rel: str, state: Any) -> None:
 
 
 class UnsafeCheckpointFile(CheckpointError):
-    """A checkpoint file whose pickle names a type outside the allow-list: refused, never run."""
+    """A checkpoint file whose pickle names a type outside the allow-list: refused, never run.
+
+    `refused`: the global the pickle names, where torch says which. Such a refusal is not damage:
+    the same follows removing an entry from `checkpoint.safe_globals`, or a library upgrade that
+    moved an allowed type, and a checkpoint is never condemned for either. "" where torch names
+    none (an opcode its weights-only unpickler does not know: bytes torch.save never writes)."""
+
+    def __init__(self, message: str, refused: str = "") -> None:
+        super().__init__(message)
+        self.refused = refused
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:
+        return (type(self), (str(self), self.refused))
+
+
+def refusal(error: UnsafeCheckpointFile, where: str) -> UserCodeError:
+    """What the user reads when a checkpoint (`where`) holds a refused pickle: the job ends, since every
+    restart would refuse it again (tidal.launch.recovery), nothing is condemned, and the two fixes."""
+    name = error.refused or "the type named above"
+    return UserCodeError(FIELD, (
+        f"{error} (in {where}). Nothing was quarantined: the refusal says nothing against the checkpoint, "
+        "but loading it could run code. If this is a type your model's state holds and the checkpoint is "
+        f"yours (an entry removed from {FIELD}, or a library upgrade that moved a type), allow it: "
+        f"{FIELD}: [{name}]. If you do not know the type, a file may have been planted: do not allow it; "
+        "move that checkpoint folder aside and run again to resume from the one before it."))
 
 
 @contextlib.contextmanager
@@ -162,9 +187,12 @@ def safe_load(f: Any, map_location: Any = "cpu", mmap: bool = False) -> Any:
             return torch.load(f, map_location=map_location, weights_only=True, mmap=mmap)
         except pickle.UnpicklingError as e:
             name = f if isinstance(f, (str, os.PathLike)) else getattr(f, "name", "the file")
+            named = _GLOBAL.search(str(e))
+            what = f"names {named[1]}, a type" if named else "names a type or instruction"
             raise UnsafeCheckpointFile(
-                f"refused to load {name}: its pickle names a type outside the allow-list of what Tidal's "
-                f"checkpoints hold, so loading it could run code ({str(e).splitlines()[0][:200]})") from e
+                f"refused to load {name}: its pickle {what} outside the allow-list of what Tidal's "
+                f"checkpoints hold, so loading it could run code ({str(e).splitlines()[0][:200]})",
+                named[1] if named else "") from e
 
 
 class SafeLoadEngine:
