@@ -164,6 +164,7 @@ def converters(me: psutil.Process) -> list[psutil.Process]:
     return found
 
 
+@pytest.mark.extended  # outside the suite's budget (pyproject.toml): a ZeRO-1/2 or -3 resize loads by byte range (test_chaos, test_elastic, test_user_code_e2e); the conversion left for the rest is tested in test_universal_spread
 def test_a_conversion_killed_half_way_is_made_again_and_loads(tmp_path, ray_local):
     """1 worker to step 6, then 2 workers: rank 0 converts while rank 1 waits on storage; the
     conversion is killed; the attempt fails, the next converts again, and training goes on with
