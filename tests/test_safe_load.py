@@ -93,6 +93,23 @@ def test_a_refused_pickle_is_not_damage_and_ends_the_job_saying_what_to_do(tmp_p
     assert not marker.exists()
 
 
+def test_a_checkpoint_records_its_libraries_and_a_refusal_says_when_they_changed() -> None:
+    import deepspeed
+
+    from tidal.worker.checkpoint.safe_load import refusal
+    from tidal.worker.checkpoint.save import Provenance, libraries_changed
+
+    written = Provenance(2, 2).libraries
+    assert written == {"torch": torch.__version__, "deepspeed": deepspeed.__version__}
+    assert libraries_changed({"libraries": written}) is None
+    assert libraries_changed({}) is None, "a checkpoint from before they were recorded"
+    older = {**written, "deepspeed": "0.18.0"}
+    changed = libraries_changed({"libraries": older})
+    assert changed == f"deepspeed 0.18.0 -> {deepspeed.__version__}"
+    said = str(refusal(UnsafeCheckpointFile("refused to load x.pt", "a.B"), "checkpoint_000000004", changed))
+    assert f"other library versions ({changed})" in said and "checkpoint.safe_globals: [a.B]" in said
+
+
 def test_a_refusal_another_rank_reported_as_text_is_still_a_refusal() -> None:
     """A spread conversion's rank reports its failure to the others as text (universal_spread)."""
     from tidal.worker.checkpoint.restore import _refused

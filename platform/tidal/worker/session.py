@@ -129,6 +129,8 @@ def open_session(config: dict[str, Any]) -> Session:
         restore_s += time.time() - t_load
         if rank == 0:
             events.resumed(found.name, state.step, int(found.state["world_size"]), world)
+            if changed := save.libraries_changed(found.state):
+                events.say(f"{found.name} was written with other library versions ({changed})")
     batches = _batches(spec, config, engine, rank, world, device)
     auto = (microbatch.AutoMicroBatch(spec, engine, batches, rank, events.say)
             if config["spec"]["train"]["micro_batch"] == "auto" else None)

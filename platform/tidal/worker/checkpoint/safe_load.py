@@ -156,15 +156,18 @@ class UnsafeCheckpointFile(CheckpointError):
         return (type(self), (str(self), self.refused))
 
 
-def refusal(error: UnsafeCheckpointFile, where: str) -> UserCodeError:
+def refusal(error: UnsafeCheckpointFile, where: str, libraries: str | None = None) -> UserCodeError:
     """What the user reads when a checkpoint (`where`) holds a refused pickle: the job ends, since every
-    restart would refuse it again (tidal.launch.recovery), nothing is condemned, and the two fixes."""
+    restart would refuse it again (tidal.launch.recovery), nothing is condemned, and the two fixes.
+    `libraries`: how the libraries that wrote it differ from this worker's (save.libraries_changed)."""
     name = error.refused or "the type named above"
+    upgraded = (f" It was written with other library versions ({libraries}): a type they moved is the "
+                "likelier reading." if libraries else "")
     return UserCodeError(FIELD, (
         f"{error} (in {where}). Nothing was quarantined: the refusal says nothing against the checkpoint, "
-        "but loading it could run code. If this is a type your model's state holds and the checkpoint is "
-        f"yours (an entry removed from {FIELD}, or a library upgrade that moved a type), allow it: "
-        f"{FIELD}: [{name}]. If you do not know the type, a file may have been planted: do not allow it; "
+        f"but loading it could run code.{upgraded} If this is a type your model's state holds and the "
+        f"checkpoint is yours (an entry removed from {FIELD}, or a library upgrade that moved a type), allow "
+        f"it: {FIELD}: [{name}]. If you do not know the type, a file may have been planted: do not allow it; "
         "move that checkpoint folder aside and run again to resume from the one before it."))
 
 

@@ -67,6 +67,24 @@ class Provenance:
     # Parameters the optimizer does not train: ZeRO-3 saves their fragments per rank, which only
     # a universal conversion cuts at another size (tidal.worker.checkpoint.route.by_range); None: unknown.
     frozen_params: int | None = None
+    # The libraries whose types the checkpoint's pickles name: a resume says when they changed
+    # (`libraries_changed`), since an upgrade that moves a type has the allow-list refuse it.
+    libraries: dict[str, str] = field(default_factory=lambda: library_versions())
+
+
+def library_versions() -> dict[str, str]:
+    """torch's and DeepSpeed's versions, as a checkpoint records them."""
+    import deepspeed
+
+    return {"torch": torch.__version__, "deepspeed": deepspeed.__version__}
+
+
+def libraries_changed(saved: dict[str, Any]) -> str | None:
+    """How the libraries that wrote a checkpoint (its saved state) differ from this worker's, as a
+    clause ("torch 2.13.0 -> 2.14.0"); None when the same, or not recorded (an older checkpoint)."""
+    then, now = saved.get("libraries") or {}, library_versions()
+    changed = [f"{name} {then[name]} -> {now[name]}" for name in sorted(now) if then.get(name, now[name]) != now[name]]
+    return ", ".join(changed) or None
 
 
 def tag(step: int) -> str:
