@@ -43,14 +43,19 @@ def complete_snapshot(job: str, world: int, at_least: int) -> int | None:
     return max(done) if done and max(done) >= at_least else None
 
 
-def test_a_lost_node_resumes_smaller_from_its_peers_copy_then_grows_back_from_memory(cluster, tmp_path, capfd):
-    # Each micro-batch sleeps while the hold file exists (tests/slow_step.py; no number changes), so
-    # the job is still training when the returning node is seen, however long Ray takes.
-    hold = tmp_path / "hold"
+def elastic_memory_spec(tmp_path, name: str, hold, **env: str):
+    """A 1-2 worker job with snapshots every EVERY steps and no persistent checkpoint before its end;
+    each micro-batch sleeps while the file `hold` exists (tests/slow_step.py; no number changes), so
+    the job is still training when a returning node is seen, however long Ray takes."""
     hold.touch()
-    spec = memory_spec(tmp_path, "mem-node", every=EVERY, **slow_env(0.08, hold)).with_overrides({
+    return memory_spec(tmp_path, name, every=EVERY, **slow_env(0.08, hold), **env).with_overrides({
         "checkpoint.every_steps": 100, "scaling.min_workers": 1, "scaling.max_workers": 2,
         "scaling.elastic_check_s": 2, "train.step_fn": "tests.slow_step:step"})
+
+
+def test_a_lost_node_resumes_smaller_from_its_peers_copy_then_grows_back_from_memory(cluster, tmp_path, capfd):
+    hold = tmp_path / "hold"
+    spec = elastic_memory_spec(tmp_path, "mem-node", hold)
     t, out = run_in_background(spec)
     wait_for_world_size(spec, 2)
     wait_for_step(spec, 7)
@@ -82,3 +87,37 @@ def test_a_lost_node_resumes_smaller_from_its_peers_copy_then_grows_back_from_me
     assert not list((tmp_path / "cache").rglob("*.pt")), "no checkpoint file copied, none left on the node"
     assert_undisturbed_losses(tmp_path, spec, result)
     assert keeper.keepers(spec.name) == {}, "the job's keepers outlived it"
+
+
+@pytest.mark.extended  # outside the suite's budget (pyproject.toml): the completeness rule is unit-tested (test_memory_tier) and a kill mid-snapshot runs in test_memory_tier_e2e
+def test_a_node_lost_while_its_snapshot_is_copied_resumes_from_the_complete_one_before(cluster, tmp_path, capfd):
+    """Rank 1's hand-over of step 9 waits 8 s (to its own keeper and its peer's): its node is removed
+    meanwhile, so step 9 is held for rank 0 only, and the group, restarted at one worker, resumes from
+    step 6, whose rank-1 shard the peer's keeper holds; never from the partial step 9."""
+    from tidal.worker.checkpoint.memory import DELAY_ENV
+
+    while len(cluster.worker_nodes) < 2:
+        add_worker_node(cluster)
+    hold = tmp_path / "hold"
+    spec = elastic_memory_spec(tmp_path, "mem-midcopy", hold, **{DELAY_ENV: "8@1:9"})
+    t, out = run_in_background(spec)
+
+    def rank_1_mid_copy() -> str | None:
+        """The node rank 1 ran on, once rank 0's shard of step 9 is held and rank 1's is not."""
+        shards = [e for k in keeper.keepers(spec.name).values() for e in ray.get(k.listing.remote())]
+        at_9 = {e["rank"] for e in shards if e["step"] == 9}
+        six = [e["node"] for e in shards if e["step"] == 6 and e["rank"] == 1]
+        return six[0] if at_9 == {0} and six else None
+
+    node_of_1 = wait_for("rank 1's snapshot of step 9 half handed over", rank_1_mid_copy, 180, every=0.1)
+    cluster.remove_node(next(n for n in cluster.worker_nodes if n.node_id == node_of_1))
+    wait_for_world_size(spec, 1)
+    hold.unlink()
+    result = finished(t, out)
+    printed = capfd.readouterr().out
+
+    assert result.error is None, result.error
+    (where, step, _), = resumes(printed)
+    assert step == 6 and where.startswith("the in-memory snapshot") and "a peer's copy" in where, printed[-3000:]
+    assert not list((tmp_path / "cache").rglob("*.pt")), "no checkpoint file copied, none left on the node"
+    assert_undisturbed_losses(tmp_path, spec, result)
