@@ -97,10 +97,15 @@ def test_a_checkpoint_records_its_libraries_and_a_refusal_says_when_they_changed
     import deepspeed
 
     from tidal.worker.checkpoint.safe_load import refusal
+    from dataclasses import asdict
+
+    from tidal.worker.checkpoint.safe_load import check_saveable
     from tidal.worker.checkpoint.save import Provenance, libraries_changed
 
     written = Provenance(2, 2).libraries
     assert written == {"torch": torch.__version__, "deepspeed": deepspeed.__version__}
+    assert {type(v) for v in written.values()} == {str}, "torch.__version__ is a TorchVersion, refused at every load"
+    check_saveable("mp_rank_00_model_states.pt", {"tidal": asdict(Provenance(2, 2))})  # what the first save checks
     assert libraries_changed({"libraries": written}) is None
     assert libraries_changed({}) is None, "a checkpoint from before they were recorded"
     older = {**written, "deepspeed": "0.18.0"}

@@ -73,10 +73,11 @@ class Provenance:
 
 
 def library_versions() -> dict[str, str]:
-    """torch's and DeepSpeed's versions, as a checkpoint records them."""
+    """torch's and DeepSpeed's versions, as a checkpoint records them: plain strings (torch's own
+    is a TorchVersion, a type the weights-only allow-list refuses)."""
     import deepspeed
 
-    return {"torch": torch.__version__, "deepspeed": deepspeed.__version__}
+    return {"torch": str(torch.__version__), "deepspeed": str(deepspeed.__version__)}
 
 
 def libraries_changed(saved: dict[str, Any]) -> str | None:
