@@ -93,13 +93,31 @@ def test_a_refused_pickle_is_not_damage_and_ends_the_job_saying_what_to_do(tmp_p
     assert not marker.exists()
 
 
-def test_a_checkpoint_records_its_libraries_and_a_refusal_says_when_they_changed() -> None:
-    import deepspeed
+def test_the_damage_check_reads_a_file_that_is_no_archive_from_storage(tmp_path) -> None:
+    """As the damage check reads storage (a pyarrow file): a pickle that is not a zip archive went to
+    torch's other reader, which needs `readline`, which pyarrow's files lack; the check failed, the
+    checkpoint was called intact, and every attempt loaded it again (a by-range resize on S3)."""
+    import pyarrow.fs as pafs
 
-    from tidal.worker.checkpoint.safe_load import refusal
+    from tidal.worker.checkpoint.restore import file_damage
+
+    marker = tmp_path / "ran"
+    (tmp_path / "planted.pt").write_bytes(evil_bytes(marker, 4096))
+    (tmp_path / "garbage.pt").write_bytes(b"\x80\x02garbage" + bytes(100))
+    local = pafs.LocalFileSystem()
+    with local.open_input_file(str(tmp_path / "planted.pt")) as f, pytest.raises(UnsafeCheckpointFile) as refused:
+        file_damage(f)
+    assert refused.value.refused == "posix.system" and not marker.exists()
+    with local.open_input_file(str(tmp_path / "garbage.pt")) as f:
+        assert "does not unpickle" in file_damage(f)
+
+
+def test_a_checkpoint_records_its_libraries_and_a_refusal_says_when_they_changed() -> None:
     from dataclasses import asdict
 
-    from tidal.worker.checkpoint.safe_load import check_saveable
+    import deepspeed
+
+    from tidal.worker.checkpoint.safe_load import check_saveable, refusal
     from tidal.worker.checkpoint.save import Provenance, libraries_changed
 
     written = Provenance(2, 2).libraries
@@ -137,6 +155,8 @@ def _plant(run, rel: str, data: bytes) -> None:
 @pytest.mark.slow
 @pytest.mark.usefixtures("s3_server", "ray_local")
 def test_planted_pickles_never_run(tmp_path, bucket, capfd) -> None:
+    import pyarrow.fs as pafs
+
     import tidal
     from tidal.storage import QUARANTINE_FILE, RunDir, checkpoint_dir_name, listed_files
 
@@ -168,8 +188,11 @@ def test_planted_pickles_never_run(tmp_path, bucket, capfd) -> None:
     assert not marker.exists()
     assert "refused to load" in str(refused.value) and "Nothing was quarantined" in str(refused.value)
     assert not run.fs.get_file_info(f"{run.path}/{four}/{QUARANTINE_FILE}").is_file, "a refusal condemns nothing"
-    # The person who knows the file was planted moves its checkpoint aside; the job then starts over.
-    run.fs.move(f"{run.path}/{four}", f"{run.path}/set-aside-{four}")
+    # The person who knows the file was planted moves its checkpoint aside (`aws s3 mv --recursive`);
+    # the job then starts over.
+    pafs.copy_files(f"{run.path}/{four}", f"{run.path}/set-aside-{four}", source_filesystem=run.fs,
+                    destination_filesystem=run.fs)
+    run.fs.delete_dir(f"{run.path}/{four}")
     result = tidal.run(spec)
     assert result.error is None and result.path is not None and result.path.endswith(checkpoint_dir_name(8))
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import logging
 import re
@@ -37,6 +38,7 @@ import zipfile
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import pyarrow as pa
 import pyarrow.fs as pafs
 import torch
 import torch.distributed as dist
@@ -392,6 +394,8 @@ def file_damage(f: Any) -> str | None:
         if bad is not None:
             return f"fails its checksum (entry {bad})"
     f.seek(0)
+    if isinstance(f, pa.NativeFile):  # torch's non-zip reader needs readline, which pyarrow's files lack
+        f = io.BufferedReader(f)
     try:
         # Weights-only: a pickle naming a type outside the allow-list is refused, never run, and is
         # no proof of damage (it propagates: the caller ends the job); a pickle torch.save never
