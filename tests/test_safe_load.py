@@ -86,7 +86,7 @@ def test_a_refused_pickle_is_not_damage_and_ends_the_job_saying_what_to_do(tmp_p
     said = str(error)
     assert said.startswith("checkpoint.safe_globals: refused to load") and "checkpoint_000000008" in said
     assert "Nothing was quarantined" in said and "checkpoint.safe_globals: [posix.system]" in said
-    assert "planted" in said, "the other reading: a file nobody wrote"
+    assert "planted" in said and "checkpoint_000000008/tidal-quarantined.json" in said, "the other reading, and its fix"
     assert not_retried({0: error}) is error, "a restart would refuse it again"
     # bytes torch.save never writes (protocol 4's framing: no type named) are damage, as before
     assert "does not unpickle" in file_damage(io.BytesIO(pickle.dumps({"module": RunsCode(marker)}, protocol=4)))
@@ -155,8 +155,6 @@ def _plant(run, rel: str, data: bytes) -> None:
 @pytest.mark.slow
 @pytest.mark.usefixtures("s3_server", "ray_local")
 def test_planted_pickles_never_run(tmp_path, bucket, capfd) -> None:
-    import pyarrow.fs as pafs
-
     import tidal
     from tidal.storage import QUARANTINE_FILE, RunDir, checkpoint_dir_name, listed_files
 
@@ -188,11 +186,10 @@ def test_planted_pickles_never_run(tmp_path, bucket, capfd) -> None:
     assert not marker.exists()
     assert "refused to load" in str(refused.value) and "Nothing was quarantined" in str(refused.value)
     assert not run.fs.get_file_info(f"{run.path}/{four}/{QUARANTINE_FILE}").is_file, "a refusal condemns nothing"
-    # The person who knows the file was planted moves its checkpoint aside (`aws s3 mv --recursive`);
-    # the job then starts over.
-    pafs.copy_files(f"{run.path}/{four}", f"{run.path}/set-aside-{four}", source_filesystem=run.fs,
-                    destination_filesystem=run.fs)
-    run.fs.delete_dir(f"{run.path}/{four}")
+    # The person who knows the file was planted sets its checkpoint aside as the error says (moving
+    # it would break Ray Train's run state, which names it); the job then starts over.
+    assert f"{run.path}/{four}/{QUARANTINE_FILE}" in str(refused.value)
+    _plant(run, f"{four}/{QUARANTINE_FILE}", b'{"error": "set aside by hand"}')
     result = tidal.run(spec)
     assert result.error is None and result.path is not None and result.path.endswith(checkpoint_dir_name(8))
 

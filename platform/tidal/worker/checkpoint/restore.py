@@ -205,13 +205,13 @@ def _converted(found: Found, step_tag: str, convert: Convert | None) -> tuple[st
         raise
     except CheckpointError as e:
         if (refused := _refused(e)) is not None:
-            raise safe_load.refusal(refused, found.name, libraries_changed(found.state)) from e
+            raise safe_load.refusal(refused, found.path, libraries_changed(found.state)) from e
         if dist.get_rank() != 0:
             raise
         try:
             corrupt = _safe_corruption(found, tag_files(found, step_tag), step_tag)
         except safe_load.UnsafeCheckpointFile as refused_here:
-            raise safe_load.refusal(refused_here, found.name, libraries_changed(found.state)) from e
+            raise safe_load.refusal(refused_here, found.path, libraries_changed(found.state)) from e
         if corrupt is None:
             raise
         quarantine(found, corrupt)
@@ -284,11 +284,11 @@ def _load_failed(found: Found, files: dict[str, int], step_tag: str, error: Base
     pickle refused by the allow-list condemns nothing and ends the job (`safe_load.refusal`)."""
     why = f"{type(error).__name__}: {error}"
     if (refused := _refused(error)) is not None:
-        return safe_load.refusal(refused, found.name, libraries_changed(found.state))
+        return safe_load.refusal(refused, found.path, libraries_changed(found.state))
     try:
         corrupt = _safe_corruption(found, files, step_tag)
     except safe_load.UnsafeCheckpointFile as e:  # the check met a refused pickle this rank did not load
-        return safe_load.refusal(e, found.name, libraries_changed(found.state))
+        return safe_load.refusal(e, found.path, libraries_changed(found.state))
     if corrupt is None:
         return CheckpointError(
             f"loading {found.name} failed ({why}). Its files are intact (every size matches its manifest and "

@@ -156,19 +156,26 @@ class UnsafeCheckpointFile(CheckpointError):
         return (type(self), (str(self), self.refused))
 
 
-def refusal(error: UnsafeCheckpointFile, where: str, libraries: str | None = None) -> UserCodeError:
-    """What the user reads when a checkpoint (`where`) holds a refused pickle: the job ends, since every
-    restart would refuse it again (tidal.launch.recovery), nothing is condemned, and the two fixes.
-    `libraries`: how the libraries that wrote it differ from this worker's (save.libraries_changed)."""
+def refusal(error: UnsafeCheckpointFile, checkpoint: str, libraries: str | None = None) -> UserCodeError:
+    """What the user reads when the checkpoint folder `checkpoint` holds a refused pickle: the job ends,
+    since every restart would refuse it again (tidal.launch.recovery), nothing is condemned, and the two
+    fixes. `libraries`: how the libraries that wrote it differ from this worker's (save.libraries_changed).
+
+    Set aside with Tidal's own marker, not moved: Ray Train's run state names every checkpoint it
+    reported, and refuses to start once one is gone."""
+    from tidal.storage import QUARANTINE_FILE
+
     name = error.refused or "the type named above"
     upgraded = (f" It was written with other library versions ({libraries}): a type they moved is the "
                 "likelier reading." if libraries else "")
     return UserCodeError(FIELD, (
-        f"{error} (in {where}). Nothing was quarantined: the refusal says nothing against the checkpoint, "
+        f"{error} (in {checkpoint}). Nothing was quarantined: the refusal says nothing against the checkpoint, "
         f"but loading it could run code.{upgraded} If this is a type your model's state holds and the "
         f"checkpoint is yours (an entry removed from {FIELD}, or a library upgrade that moved a type), allow "
         f"it: {FIELD}: [{name}]. If you do not know the type, a file may have been planted: do not allow it; "
-        "move that checkpoint folder aside and run again to resume from the one before it."))
+        f"set that checkpoint aside by writing a file {checkpoint}/{QUARANTINE_FILE} (any JSON, such as "
+        '{"error": "set aside by hand"}; moving or deleting the folder breaks Ray Train\'s run state) and '
+        "run again to resume from the checkpoint before it."))
 
 
 @contextlib.contextmanager
