@@ -207,7 +207,7 @@ def test_ray_trains_config_holds_no_credential_and_the_workers_get_the_whole_spe
     ("Request failed with status code 401: Unauthorized", False),
 ])
 def test_submit_tries_again_only_where_nothing_or_the_same_job_was_accepted(error, again):
-    from tidal.launch.jobs import retry_submission
+    from tidal.jobs_api import retry_submission
 
     assert retry_submission(error) is again
 
@@ -216,7 +216,7 @@ def test_a_starting_heads_refusal_is_retried_with_a_growing_pause_and_said_once(
     """Ray's Jobs API says to try again while the head's job agent registers: submit does, for a
     bounded time, with a pause that grows, saying so once. (A head answering that refusal on cue
     cannot be made here: its window is a race; this is the decision against Ray's own words.)"""
-    from tidal.launch import jobs
+    from tidal import jobs_api as jobs
 
     refusal = "Request failed with status code 500: No available agent to submit job, please try again later."
 
@@ -244,3 +244,38 @@ def test_a_starting_heads_refusal_is_retried_with_a_growing_pause_and_said_once(
     monkeypatch.setattr(jobs.time, "time", iter(range(0, 1000, 50)).__next__)
     with pytest.raises(RuntimeError, match="No available agent"):
         jobs.submit_accepted(NeverReady(), 120, say=lines.append, entrypoint="true", submission_id="s2")
+
+
+def test_tidal_queue_asks_a_starting_head_again_instead_of_failing(monkeypatch, capsys):
+    """`tidal queue --address` reads the queue through a job on the head: a head whose job agent is
+    not up yet refuses that job as it refuses a `tidal submit`, and it is tried again the same way."""
+    import json
+
+    from tidal import jobs_api
+    from tidal.admission.view import MARK, remote_queue
+
+    class StartingHead:
+        calls = 0
+
+        def submit_job(self, **job):
+            StartingHead.calls += 1
+            if StartingHead.calls == 1:
+                raise RuntimeError("Request failed with status code 500: No available agent to submit job, "
+                                   "please try again later.")
+
+        def get_job_status(self, sid):
+            return type("Status", (), {"value": "SUCCEEDED"})()
+
+        def get_job_logs(self, sid):
+            return "hello\n" + MARK + json.dumps({"version": 1, "jobs": []}) + "\n"
+
+        def stop_job(self, sid):
+            pass
+
+        def delete_job(self, sid):
+            pass
+
+    monkeypatch.setattr(jobs_api, "_pause", lambda s: None)
+    queue = remote_queue(StartingHead())
+    assert StartingHead.calls == 2 and queue.entries == ()
+    assert "still starting" in capsys.readouterr().err

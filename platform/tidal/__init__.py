@@ -16,7 +16,8 @@ each other); a module may import its own layer and any below it:
                                           decisions, its actor and seats)
     tidal.fs, tidal.exclusive, tidal.errors, tidal.output, tidal.version, tidal.ray_private,
       tidal.redact, tidal.ray_auth, tidal.sites, tidal.prices (a node's site and price),
-      tidal.goodput (the goodput account: pure, imports no Tidal)
+      tidal.goodput (the goodput account: pure, imports no Tidal), tidal.jobs_api (submitting
+      through a starting head's refusals)
     tidal.spec (beside all)               the job spec: imported by every layer, imports only the lowest
 
 `eval_best` (which checkpoints the best evaluation keeps) sits with the worker, which decides

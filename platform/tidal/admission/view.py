@@ -19,6 +19,7 @@ from typing import Any
 
 from tidal.admission.queue_doc import Entry, Queue, load_queue, parse_queue
 from tidal.errors import ClusterError
+from tidal.jobs_api import AGENT_WAIT_S, submit_accepted
 
 MARK = "TIDAL_QUEUE_DOCUMENT "  # the line of the head job's output that holds the document
 REMOTE_TIMEOUT_S = 120.0
@@ -67,8 +68,8 @@ def remote_queue(client: Any, timeout_s: float = REMOTE_TIMEOUT_S) -> Queue:
     job on the head prints the document; its output is read back and the job deleted. The
     document is checked like one read from storage (it is the cluster's word, not this machine's)."""
     sid = f"tidal-queue-{secrets.token_hex(4)}"
-    client.submit_job(entrypoint="python -m tidal.admission.view", submission_id=sid, entrypoint_num_cpus=0,
-                      metadata={"tidal.queue": "1"})
+    submit_accepted(client, AGENT_WAIT_S, entrypoint="python -m tidal.admission.view", submission_id=sid,
+                    entrypoint_num_cpus=0, metadata={"tidal.queue": "1"})
     deadline = time.time() + timeout_s
     try:
         while str(client.get_job_status(sid).value) not in ("SUCCEEDED", "FAILED", "STOPPED"):

@@ -13,7 +13,6 @@ import base64
 import json
 import os
 import secrets
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -25,6 +24,7 @@ from tidal.admission.naming import QUEUE_JOB_VAR
 from tidal.admission.quotas import cluster_quotas, resolve_scheduling
 from tidal.admission.view import queue_record, queue_rows
 from tidal.errors import ClusterError, SpecError, TidalError
+from tidal.jobs_api import AGENT_WAIT_S, submit_accepted
 from tidal.launch import chain, job_logs
 from tidal.launch.chain import TERMINAL
 from tidal.launch.connect import warn_plain_token
@@ -49,10 +49,6 @@ T = TypeVar("T")
 # `tidal list/status --output json` hold these always; progress fields are null before the first step is in MLflow.
 JOB_FIELDS = ("id", "name", "status", "team", "priority", "start_time")
 PROGRESS_FIELDS = ("step", "steps", "loss", "tokens_per_s", "world_size")
-# Ray's Jobs API before the head's node agent is up (Ray 2.60's message), and how long `submit`
-# tries again through that or dropped connections.
-NO_AGENT = "No available agent to submit job"
-AGENT_WAIT_S = 120
 
 
 def connect(address: str | None = None) -> Any:
@@ -303,42 +299,6 @@ def submit(spec: JobSpec, address: str | None = None, working_dir: str | os.Path
         except Exception as e:  # noqa: BLE001 - translate Ray's HTTP errors into a message that says what to do
             raise _friendly(e, address or os.environ.get("RAY_ADDRESS", ""), auth_token()) from None
     return Job(sid, client.get_address(), spec)
-
-
-def submit_accepted(client: Any, wait_s: float, say: Callable[[str], None] | None = None, **job: Any) -> None:
-    """`client.submit_job(**job)` (a `submission_id` among them), tried again with a growing pause
-    (1, 2, 4, then 8 s) for up to `wait_s` while `retry_submission` says nothing was accepted,
-    saying so once; Ray's error otherwise. A retry told that the id already exists had its
-    earlier attempt accepted (its answer was lost)."""
-    say = say or (lambda line: print(line, file=sys.stderr, flush=True))
-    deadline, tried, pause = time.time() + wait_s, False, 1.0
-    while True:
-        try:
-            client.submit_job(**job)
-            return
-        except Exception as e:
-            if tried and "already exists" in str(e):
-                return
-            if not (retry_submission(str(e)) and time.time() < deadline):
-                raise
-            if not tried:
-                why = "the head is still starting (its job agent is not up yet)" if NO_AGENT in str(e) \
-                    else "the head's dashboard dropped the connection"
-                say(f"[tidal] {why}: trying the submission again for up to {wait_s:.0f}s")
-            tried = True
-            _pause(min(pause, max(0.0, deadline - time.time())))
-            pause = min(pause * 2, 8.0)
-
-
-def _pause(seconds: float) -> None:
-    time.sleep(seconds)
-
-
-def retry_submission(error: str) -> bool:
-    """Whether a failed submit_job may be tried again: a head whose node agent has not registered
-    yet (Ray says to try again; nothing was accepted), or a connection a busy dashboard dropped
-    (the same submission id then tells whether it was accepted)."""
-    return any(s in error for s in (NO_AGENT, "Connection aborted", "RemoteDisconnected", "Connection reset"))
 
 
 def list_jobs(address: str | None = None) -> list[dict[str, Any]]:

@@ -129,8 +129,9 @@ def wait_accepting_jobs(address: str, timeout: float = 120) -> None:
     600 s by default): a first submission that waits for the agent (`submit` retries until it has
     registered) can find its package deleted before its runtime env downloads it, and the job fails
     ("Failed to download runtime_env file package"). Seen once on CI with a 10 s hold."""
+    from tidal.jobs_api import submit_accepted
     from tidal.launch.chain import TERMINAL
-    from tidal.launch.jobs import connect, submit_accepted
+    from tidal.launch.jobs import connect
 
     client, sid = connect(address), f"tidal-warmup-{secrets.token_hex(3)}"
     submit_accepted(client, timeout, entrypoint="true", submission_id=sid)
