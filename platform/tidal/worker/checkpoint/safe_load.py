@@ -46,7 +46,9 @@ def allowed_globals() -> list[Any]:
 _extra: list[Any] = []  # this job's checkpoint.safe_globals, resolved (`allow`)
 _checked: set[str] = set()  # files whose state `check_saveable` found loadable in this process
 FIELD = "checkpoint.safe_globals"
-_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")  # torch's weights-only refusal names the global it met so
+# torch's weights-only refusal names the global it met (`Unsupported global: GLOBAL mod.Name`): a
+# refusal that names one is the allow-list at work, not damage.
+_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
 _loading = threading.Lock()
 
 
