@@ -51,7 +51,8 @@ def wheres(problems: list[tuple[str, str]]) -> list[str]:
 
 def test_all_expected_configs_exist():
     names = {p.relative_to(ROOT / "cluster_configs").as_posix() for p in CONFIGS}
-    assert {"onprem.yaml", "aws-burst.yaml", "gcp-burst.yaml", "local-burst.yaml", "kuberay/raycluster.yaml"} <= names
+    assert {"onprem.yaml", "aws-burst.yaml", "gcp-burst.yaml", "azure-burst.yaml", "local-burst.yaml",
+            "kuberay/raycluster.yaml"} <= names
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
@@ -70,7 +71,7 @@ def test_every_node_type_has_site_label_and_resource(path: Path):
 
 
 def test_burst_configs_have_spot_and_on_demand_gpu_types():
-    for name in ("aws-burst.yaml", "gcp-burst.yaml"):
+    for name in ("aws-burst.yaml", "gcp-burst.yaml", "azure-burst.yaml"):
         types = load(ROOT / "cluster_configs" / name)["available_node_types"]
         markets = {n["labels"].get("tidal.io/market") for n in types.values() if n["resources"].get("GPU")}
         assert markets == {"spot", "on-demand"}, name
@@ -183,7 +184,7 @@ def start_index(commands: list[str]) -> int:
     return next(i for i, c in enumerate(commands) if "ray start" in c)
 
 
-LAUNCHERS = ["aws-burst.yaml", "gcp-burst.yaml", "onprem.yaml"]
+LAUNCHERS = ["aws-burst.yaml", "gcp-burst.yaml", "azure-burst.yaml", "onprem.yaml"]
 CLUSTER_VARS = ["TIDAL_STORAGE", "MLFLOW_TRACKING_URI"]
 
 

@@ -114,7 +114,7 @@ def test_grace_period_covers_a_step_a_save_and_the_margin(save_s, step_s, want):
     assert grace_period_s(save_s, step_s) >= save_s + step_s + 15
 
 
-@pytest.mark.parametrize("config, cloud", [("aws-burst.yaml", "aws"), ("gcp-burst.yaml", "gcp")])
+@pytest.mark.parametrize("config, cloud", [("aws-burst.yaml", "aws"), ("gcp-burst.yaml", "gcp"), ("azure-burst.yaml", "azure")])
 def test_cloud_configs_start_the_watcher_after_ray_on_every_worker(config, cloud):
     import yaml
 
