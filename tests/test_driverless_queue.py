@@ -23,7 +23,8 @@ from tidal.testing.heads import ray_head, wait_accepting_jobs
 from tidal.testing.processes import scaled, wait_for
 from tidal.testing.runs import job_run_id, metric_history
 
-pytestmark = pytest.mark.slow
+# extended: outside the suite's budget (pyproject.toml), in CI's rotation: its own head and three jobs; parking's rules are tested against a recorder in test_admission_parking
+pytestmark = [pytest.mark.slow, pytest.mark.extended]
 PIN_S = 15  # how long the head keeps an upload whatever holds it (Ray's default: 600)
 
 

@@ -29,7 +29,8 @@ from tidal.testing.processes import free_port, wait_for
 from tidal.testing.runs import job_run_id, metric_history, wait_for_step
 from tidal.testing.servers import gcs_ft_env, redis_server
 
-pytestmark = pytest.mark.slow
+# extended: outside the suite's budget (pyproject.toml), in CI's rotation: a second head, Redis and two jobs; the relaunch's rules are unit-tested in test_admission_relaunch
+pytestmark = [pytest.mark.slow, pytest.mark.extended]
 QUOTAS = {"unit": "workers", "capacity": 1, "min_resize_interval_s": 5}
 
 
