@@ -104,6 +104,21 @@ def test_a_stopped_process_is_read_from_outside():
         child.wait()
 
 
+def test_a_process_wedged_in_native_code_is_read_with_its_native_frames():
+    """A live Python that does not answer (here: asleep in C, in time.sleep): py-spy pauses it and
+    reads its C frames too, where a rank wedged in a collective's or a driver's code waits."""
+    if stacks.py_spy() is None:
+        pytest.skip("py-spy is not installed (pip install py-spy): the native frames need it")
+    child = subprocess.Popen([sys.executable, "-c", "import time\ndef parked():\n    time.sleep(60)\nparked()"])
+    try:
+        time.sleep(0.3)
+        seen = stacks.inspect_process(child.pid)
+        assert "parked" in seen["stacks"] and "time_sleep" in seen["stacks"], seen["stacks"]
+    finally:
+        child.kill()
+        child.wait()
+
+
 class Said:
     def __init__(self) -> None:
         self.found: list[tuple] = []

@@ -4,8 +4,8 @@ and what a stack says (waiting in a collective, or not, and where).
 A rank reads its own stacks from a thread of its own (`sys._current_frames`): the training thread
 blocked in a collective releases the GIL, so the watchdog's thread still runs. A rank that does
 not answer (stopped by SIGSTOP, or wedged with the GIL held) is read from outside: py-spy
-(`dump --nonblocking` reads a process's memory without pausing it, and works on a stopped one)
-where it is installed (`pip install py-spy`, or tidal's `debug` extra), and always the kernel's
+(`dump --native` pauses it and adds the C frames where it waits; a stopped one cannot be paused, and
+`dump --nonblocking` reads its memory, Python frames only) where it is installed (`pip install py-spy`, or tidal's `debug` extra), and always the kernel's
 view of it (`/proc/PID/status`'s state, T for stopped, and `wchan`, the kernel function it sleeps
 in). Both are read on the process's own node, by a Ray task placed there (`inspect_on_node`).
 """
@@ -114,13 +114,25 @@ def inspect_process(pid: int) -> dict[str, Any]:
         stacks = ("py-spy is not installed on this node, so this process's Python stacks cannot be read from "
                   "outside it (pip install py-spy, or tidal[debug]); its kernel state is above")
     else:
-        try:
-            out = subprocess.run([tool, "dump", "--pid", str(pid), "--nonblocking"], capture_output=True,
-                                 text=True, timeout=PY_SPY_TIMEOUT_S)
-            stacks = out.stdout if out.returncode == 0 else f"py-spy dump failed ({out.returncode}): {out.stderr.strip()}"
-        except (OSError, subprocess.TimeoutExpired) as e:
-            stacks = f"py-spy dump failed: {type(e).__name__}: {e}"
+        # Native frames first (where a rank wedged in C code, a collective or a driver, waits): py-spy
+        # pauses the process for that, which it cannot do to one already stopped (SIGSTOP: "Failed to
+        # suspend process"); that one is read without pausing, its Python frames only.
+        stacks = _py_spy_dump(tool, pid, "--native")
+        if stacks.startswith("py-spy dump failed"):
+            stacks = _py_spy_dump(tool, pid, "--nonblocking")
     return {"state": state, "host": socket.gethostname(), "stacks": stacks}
+
+
+def _py_spy_dump(tool: str, pid: int, mode: str) -> str:
+    """`py-spy dump` of `pid` in `mode` (--native, --nonblocking): its text, or why it failed."""
+    try:
+        out = subprocess.run([tool, "dump", "--pid", str(pid), mode], capture_output=True, text=True,
+                             timeout=PY_SPY_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"py-spy dump failed: {type(e).__name__}: {e}"
+    if out.returncode != 0:
+        return f"py-spy dump failed ({out.returncode}): {(out.stderr or out.stdout).strip()[:500]}"
+    return out.stdout
 
 
 def inspect_on_node(node_id: str, pid: int, timeout_s: float = 30.0) -> dict[str, Any]:
