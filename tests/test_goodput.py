@@ -225,6 +225,35 @@ def test_the_trackers_ledger_keeps_the_account_across_its_own_restart(mlflow_uri
     assert sorted(metric_history(spec, run_id, "goodput_so_far")) == [1, 2, 3]
 
 
+def test_with_the_account_off_the_ledger_sends_the_steps_and_no_goodput(mlflow_uri, tmp_path, monkeypatch):
+    """TIDAL_GOODPUT=0 (what benchmarks.goodput_overhead measures against): the same steps reach
+    MLflow, and no account is kept, carried or closed."""
+    import time
+
+    from tests.conftest import metric_history
+    from tests.ledger_fakes import STEP, Server, ledger, setup
+    from tidal.tracking.emitter import Emitter
+    from tidal.tracking.events import Launched
+    from tidal.tracking.writer import RunWriter
+
+    monkeypatch.setenv("TIDAL_GOODPUT", "0")
+    spec, run, buffer = setup(tmp_path, mlflow_uri, name="goodput-off")
+    run_id = RunWriter(spec).start(None)
+    buffer.append({**Launched(0, {"t0": time.time() - 5, "queue_s": 1.0}).entry(), "ts": int(time.time() * 1000)})
+    events = Emitter(spec.checkpoint.storage, spec.name)
+    events.started(0, 2, 2.0, 0.0)
+    for s in (1, 2):
+        events.metrics({"step": s, **STEP, "step_time_s": 0.001})
+    events.drain()
+    off = ledger(spec, run, Server(spec), run_id)
+    off.poll()
+    assert off.flush() == 0
+    assert sorted(metric_history(spec, run_id, "loss")) == [1, 2]
+    assert metric_history(spec, run_id, "goodput_so_far") == {}
+    state = off.finish_goodput(time.time())
+    assert state.goodput is None and final_metrics(state) == {} and line(state) is None
+
+
 def test_the_sdks_result_gives_the_account_and_its_summary_names_it():
     from tidal.launch.result import RunResult
 

@@ -46,6 +46,7 @@ Events (their `kind`, tracking/events.py) and the interval each one closes:
 from __future__ import annotations
 
 import math
+import os
 import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -57,6 +58,14 @@ HANG_MIN_S = 5.0  # ...and this many seconds more than one is a hang
 BASELINE_KEEP = 20  # recent clean step times the post-save slowdown is measured against
 SEEN_KEEP = 512  # ids of the last events taken (a re-read log is skipped by them)
 RESIZE_REASONS = ("resize", "straggler", "preemption")  # a group_ending reason whose gap is resize_preemption
+# TIDAL_GOODPUT=0 in the driver's environment: the job's tracker keeps no account (no `goodput*`
+# metric, gauge or summary line). For measuring what the account costs (benchmarks.goodput_overhead).
+OFF_VAR = "TIDAL_GOODPUT"
+
+
+def kept() -> bool:
+    """Whether this process's tracker keeps the goodput account (the default)."""
+    return os.environ.get(OFF_VAR, "1") != "0"
 
 
 def _zeros() -> dict[str, float]:

@@ -81,6 +81,7 @@ class Ledger:
         # Where the job's wall time went (tidal/goodput), kept in the mark: the events it came from
         # are forgotten once handled, so the account is built as they are read, never re-read.
         self.goodput = account.State.load(self.mark.get("goodput"))
+        self.keeps_account = account.kept()
         self.failed_since_resume = False
         self.pending: list[dict[str, Any]] = []
         self.known: set[str] = set()  # ids read and still in the buffer
@@ -104,7 +105,8 @@ class Ledger:
                 self.recovered = {e["id"] for e in new}
             for e in sorted(new, key=happened):
                 self.known.add(e["id"])
-                account.fold(self.goodput, {**e, "kind": kind_of(e)})
+                if self.keeps_account:
+                    account.fold(self.goodput, {**e, "kind": kind_of(e)})
                 if not self._take(e):
                     self.unsaved.append(e)
             # Counters first: a handled event is forgotten only once a saved mark counts it, else
