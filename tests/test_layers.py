@@ -45,6 +45,12 @@ class Edge:
         return f"{self.path.relative_to(ROOT)}:{self.line} imports {self.target}"
 
 
+@functools.cache
+def tree_of(path: Path) -> ast.Module:
+    """`path` parsed, once for every test here (the checks walk the same files many times)."""
+    return ast.parse(path.read_text())
+
+
 def modules() -> dict[str, Path]:
     out = {}
     for p in sorted(PACKAGE.rglob("*.py")):
@@ -65,7 +71,7 @@ def _type_checking_nodes(tree: ast.AST) -> set[int]:
 def imports(name: str, path: Path, mods: dict[str, Path]) -> list[tuple[str, int]]:
     """(imported module, line) for every import in `path`, resolved to absolute names: `from pkg
     import x` imports the module pkg.x if there is one, else pkg itself."""
-    tree = ast.parse(path.read_text())
+    tree = tree_of(path)
     skip = _type_checking_nodes(tree)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = []
@@ -193,10 +199,11 @@ def test_the_checker_sees_two_folders_importing_each_other():
     assert not two_way_folders(planted[1:])
 
 
+@functools.cache
 def imported_names(path: Path) -> set[str]:
     """The names `path` binds by importing them (anywhere in it), not by defining them."""
     names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree_of(path)):
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             names |= {(a.asname or a.name).split(".")[0] for a in node.names}
     return names
@@ -208,7 +215,7 @@ def through_a_re_export(files: list[Path], mods: dict[str, Path]) -> list[tuple[
     module holds its own."""
     found = []
     for path in files:
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(tree_of(path)):
             if not (isinstance(node, ast.ImportFrom) and node.module in mods and not node.level):
                 continue
             home = mods[node.module]
@@ -254,7 +261,7 @@ def test_ray_private_names_only_in_the_adapter():
     for name, path in modules().items():
         if name == ADAPTER:
             continue
-        tree = ast.parse(path.read_text())
+        tree = tree_of(path)
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
@@ -273,7 +280,7 @@ def test_tests_and_benchmarks_never_import_each_other():
     bad = []
     for folder, other in (("tests", "benchmarks"), ("benchmarks", "tests")):
         for path in sorted((ROOT / folder).glob("*.py")):
-            for node in ast.walk(ast.parse(path.read_text())):
+            for node in ast.walk(tree_of(path)):
                 names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                     [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
                 bad += [f"{folder}/{path.name}:{node.lineno} imports {n}" for n in names if n.split(".")[0] == other]
