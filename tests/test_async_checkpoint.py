@@ -21,6 +21,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local")]
 LONG = {"train.steps": 40, "train.global_batch": 64, "checkpoint.every_steps": 10}
 
 
+@pytest.mark.extended  # outside the suite's budget (pyproject.toml): a save that died, then a resize, runs in test_attempts
 def test_worker_killed_during_a_background_write_resumes_from_the_previous_checkpoint(tmp_path, capfd):
     # the undisturbed run's losses, stored (tests/golden.py regenerates them)
     expected = reference_losses("async-checkpoint-undisturbed", tiny_spec(tmp_path, name="undisturbed", **LONG))

@@ -19,6 +19,7 @@ from tidal.launch.jobs import Job, connect, submit
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.extended  # outside the suite's budget (pyproject.toml): every submission's own package; tidal submit runs in test_jobs
 def test_ten_jobs_from_one_folder_all_start(head, tmp_path, monkeypatch, capsys):
     """Ten jobs submitted one after another from the same folder, through `tidal submit` and the
     SDK: each starts (its entrypoint runs and it succeeds) from a package of its own. The first trains
