@@ -5,11 +5,14 @@ times. Reports faults injected and survived, steps lost per fault, and effective
     python -m benchmarks.chaos [--faults 5] [--steps 300] [--seed 0]   # writes docs/reliability.md
     python -m benchmarks.chaos --fault-every-s 120 --steps 12000 --every 100
         # a fault every 2 minutes of wall time, no reference run; a section of docs/benchmarks.md
+    python -m benchmarks.chaos --fault-every-s 120 --steps 2000 --every 50 --memory-pairs 4 [--memory-every 5]
+        # the same with the memory tier on and off, in alternating pairs; a section of docs/benchmarks.md
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -18,7 +21,7 @@ from typing import Any
 import ray
 
 from benchmarks import goodput_check
-from benchmarks.common import update_doc
+from benchmarks.common import paired_rounds, update_doc
 from tidal.testing.chaos import run_chaos, run_periodic
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "reliability.md"
@@ -83,6 +86,52 @@ def _ledger_rows(r: dict[str, Any]) -> str:
     return out.rstrip("\n")
 
 
+MEMORY_KINDS = ("memory", "storage")
+
+
+def memory_pairs(args: argparse.Namespace) -> str:
+    """The periodic job with the memory tier on and off, alternating; each run's effective time,
+    steps replayed and the platform's account beside the benchmark's."""
+    def measure(i: int, kind: str) -> dict[str, Any]:
+        with tempfile.TemporaryDirectory() as d:
+            r = run_periodic(Path(d), args.fault_every_s, args.steps, args.every, args.seed + i,
+                             args.memory_every if kind == "memory" else None)
+            g = goodput_check.ledger(r["uri"], r["run_id"])
+            agree = goodput_check.agreement(g, r["useful_s"], r["wall_s"])
+        return {f"{kind}_{k}": v for k, v in {
+            "effective": r["useful_s"] / r["training_wall_s"], "faults": len(r["faults"]),
+            "lost": r["steps_lost"], "done": r["steps_done"], "ledger": agree}.items()}
+
+    rounds = paired_rounds(
+        args.memory_pairs, MEMORY_KINDS, measure,
+        lambda r: {"gain": r["memory_effective"] - r["storage_effective"]},
+        lambda i, r: (f"pair {i + 1}: memory {r['memory_effective']:.1%} ({r['memory_faults']} faults, "
+                      f"{r['memory_lost']} steps replayed), storage {r['storage_effective']:.1%} "
+                      f"({r['storage_faults']} faults, {r['storage_lost']} replayed)"))
+    rows = "\n".join(
+        f"| {i + 1} | {r['memory_effective']:.1%} / {r['storage_effective']:.1%} | {r['memory_faults']} / "
+        f"{r['storage_faults']} | {r['memory_lost']} / {r['storage_lost']} | "
+        f"{'yes' if r['memory_done'] and r['storage_done'] else 'NO'} | {goodput_check.said(r['memory_ledger'])} / "
+        f"{goodput_check.said(r['storage_ledger'])} |" for i, r in enumerate(rounds))
+    med = {k: statistics.median(r[f"{k}_effective"] for r in rounds) for k in MEMORY_KINDS}
+    cmd = (f"python -m benchmarks.chaos --fault-every-s {args.fault_every_s:g} --steps {args.steps} --every {args.every} "
+           f"--memory-pairs {args.memory_pairs} --memory-every {args.memory_every} --seed {args.seed}")
+    return f"""Command: `{cmd}` ({time.strftime('%Y-%m-%d')}, 2-core CPU machine, one local Ray instance)
+
+The periodic chaos job ({args.steps} steps, tiny GPT, ZeRO-2, 2 workers, log every step, a persistent checkpoint
+every {args.every} steps) with a Ray Train worker SIGKILLed every {args.fault_every_s:.0f} s of wall time from its first
+step, with `checkpoint.memory: {{every_steps: {args.memory_every}}}` (memory) and without (storage), alternating,
+each pair in turn (pair i's kills drawn with seed {args.seed} + i in both kinds). Effective training time: useful
+step time (each step once, from MLflow) over the wall time from the first step to the last.
+
+| pair | effective time, memory / storage | faults | steps replayed | every step once | the platform's account against the benchmark's (buckets summed / wall; effective), memory / storage |
+|---|---|---|---|---|---|
+{rows}
+
+Medians: **{med['memory']:.1%}** with the memory tier, {med['storage']:.1%} without (goal: at least 95% with it).
+"""
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--faults", type=int, default=5)
@@ -92,8 +141,20 @@ def main() -> None:
     ap.add_argument("--fault-every-s", type=float, default=None,
                     help="kill a worker every this many seconds of wall time instead of --faults at spread steps")
     ap.add_argument("--no-doc", action="store_true", help="print the report only (a short invocation)")
+    ap.add_argument("--memory-pairs", type=int, default=0,
+                    help="with --fault-every-s: this many alternating pairs, memory tier on and off")
+    ap.add_argument("--memory-every", type=int, default=5, help="checkpoint.memory.every_steps of --memory-pairs")
     args = ap.parse_args()
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    if args.memory_pairs:
+        try:
+            body = memory_pairs(args)
+        finally:
+            ray.shutdown()
+        print(body)
+        if not args.no_doc:
+            update_doc("Effective training time under a fault every 2 minutes: memory tier on and off", body)
+        return
     try:
         with tempfile.TemporaryDirectory() as d:
             if args.fault_every_s:

@@ -67,8 +67,9 @@ def write_spec(spec: JobSpec, path: Path) -> Path:
     return path
 
 
-def tidal_run(spec_path: Path, *args: str, timeout: float = 900) -> str:
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+def tidal_run(spec_path: Path, *args: str, timeout: float = 900, env_extra: dict[str, str] | None = None) -> str:
+    """`tidal run` in a process of its own (its own local Ray instance, which inherits `env_extra`)."""
+    env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, **(env_extra or {})}
     proc = subprocess.run([sys.executable, "-m", "tidal", "run", str(spec_path), *args], capture_output=True,
                           text=True, timeout=timeout, env=env)
     if proc.returncode:

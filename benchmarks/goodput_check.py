@@ -52,3 +52,10 @@ def rows(name: str, g: dict[str, float], a: dict[str, Any]) -> str:
             f"| {name}: goodput (productive / wall), and where the rest went | {a['goodput']:.1%}; "
             f"{g.get('goodput_restarts', 0):.0f} restart(s), {g.get('goodput_replayed_steps', 0):.0f} step(s) replayed; "
             f"{parts} |\n")
+
+
+def said(a: dict[str, Any]) -> str:
+    """One job's agreement in a table cell: the buckets' sum off the wall, and the effective time's gap."""
+    if "sum_s" not in a:
+        return a["why"]
+    return f"{a['sum_off_frac']:.2%}; {a['effective_off_points']:+.2f} pt"

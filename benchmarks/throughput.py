@@ -69,9 +69,9 @@ def bare_ray(spec_path: Path) -> dict:
     return {**r, "launch_s": r["warm_at"] - t0}
 
 
-def tidal(spec: JobSpec, spec_path: Path) -> dict:
+def tidal(spec: JobSpec, spec_path: Path, env_extra: dict[str, str] | None = None) -> dict:
     t0 = time.time()
-    tidal_run(spec_path, "--restart")
+    tidal_run(spec_path, "--restart", env_extra=env_extra)
     run_id = latest_run_id(spec)
     loss = history(spec, run_id, "loss")
     # Rank 0's wall clock between logging step WARMUP and step N-10: everything Tidal adds

@@ -20,9 +20,10 @@ from tidal.testing.runs import job_run_id, metric_history, prepared_store, wait_
 from tidal.worker.metrics import LOSS_TRACE_ENV
 
 
-def chaos_spec(tmp: Path, name: str, steps: int, every: int) -> JobSpec:
-    """The job; rank 0 traces every life's loss of every step into `<tmp>/<name>.trace`."""
-    return JobSpec(
+def chaos_spec(tmp: Path, name: str, steps: int, every: int, memory_every: int | None = None) -> JobSpec:
+    """The job; rank 0 traces every life's loss of every step into `<tmp>/<name>.trace`; with
+    `memory_every`, the memory tier snapshots every that many steps (checkpoint.memory)."""
+    spec = JobSpec(
         name=name,
         model={"n_layer": 2, "n_head": 2, "d_model": 64, "vocab_size": 64, "seq_len": 16},
         train={"steps": steps, "micro_batch": 4, "global_batch": 64, "lr": 1e-2, "warmup_steps": 5, "log_every": 1},
@@ -33,6 +34,7 @@ def chaos_spec(tmp: Path, name: str, steps: int, every: int) -> JobSpec:
         tracking={"uri": prepared_store(tmp / "mlflow.db"), "experiment": "chaos"},
         worker_env={LOSS_TRACE_ENV: str(tmp / f"{name}.trace")},
     )
+    return spec if memory_every is None else spec.with_overrides({"checkpoint.memory.every_steps": memory_every})
 
 
 def traced(spec: JobSpec) -> list[tuple[int, float]]:
@@ -99,10 +101,11 @@ def run_chaos(tmp: Path, faults: int, steps: int, every: int, seed: int,
     }
 
 
-def run_periodic(tmp: Path, period_s: float, steps: int, every: int, seed: int) -> dict[str, Any]:
+def run_periodic(tmp: Path, period_s: float, steps: int, every: int, seed: int,
+                 memory_every: int | None = None) -> dict[str, Any]:
     """The same job with a worker SIGKILLed every `period_s` of wall time from its first step
     (the issue's "a fault every 2 minutes"); no reference run, since the job is long."""
-    spec = chaos_spec(tmp, "periodic", steps, every)
+    spec = chaos_spec(tmp, "periodic", steps, every, memory_every)
     rng = random.Random(seed)
     stop = threading.Event()
     kill_times: list[tuple[float, int]] = []
@@ -143,6 +146,7 @@ def _periodic_summary(spec: JobSpec, run_id: str, kills: list[tuple[float, int]]
     steps = spec.train.steps
     return {"period_s": period_s, "faults": [s for _, s in kills], "every_steps": every, "steps": steps,
             "restarts": int(metric_history(spec, run_id, "restarts")[steps]),
+            "steps_lost": int(metric_history(spec, run_id, "steps_lost")[steps]),
             "steps_done": sorted(m.step for m in hist) == list(range(1, steps + 1)),
             "recovery_s": _recovery_seconds(spec, run_id, kills), "useful_s": useful,
             "wall_s": wall, "training_wall_s": last - first, "run_id": run_id, "uri": spec.tracking.uri}
