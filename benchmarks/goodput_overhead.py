@@ -13,7 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import in_turn, median, pair_args, settle, update_doc, write_spec
+from benchmarks.common import median, pair_args, paired_rounds, settle, update_doc, write_spec
 from benchmarks.throughput import bench_spec
 from benchmarks.throughput import tidal as timed_tidal_run
 from tidal.goodput.account import OFF_VAR
@@ -23,22 +23,22 @@ KINDS = ("on", "off")
 
 def main() -> None:
     args = pair_args(__doc__)
-    pairs: list[dict[str, float]] = []
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         # log every step: the account's per-step work (folding each metrics event, the goodput so far
         # on each step sent to MLflow) at its most
         spec = bench_spec(tmp, args.steps).with_overrides({"name": "bench-goodput", "train.log_every": 1})
         path = write_spec(spec, tmp / "job.yaml")
-        for i in range(args.pairs):
-            pair: dict[str, float] = {}
-            for kind in in_turn(i, *KINDS):
-                settle()
-                pair[kind] = timed_tidal_run(spec, path, {OFF_VAR: "0"} if kind == "off" else None)["step_s"]
-            pairs.append(pair)
-            print(f"pair {i + 1}: account on {pair['on'] * 1000:.1f} ms/step, off {pair['off'] * 1000:.1f} ms/step, "
-                  f"throughput on/off {pair['off'] / pair['on']:.3f}", flush=True)
-    ratios = [p["off"] / p["on"] for p in pairs]
+
+        def step_s(i: int, kind: str) -> float:
+            settle()
+            return timed_tidal_run(spec, path, {OFF_VAR: "0"} if kind == "off" else None)["step_s"]
+
+        pairs = paired_rounds(
+            args.pairs, KINDS, step_s, lambda p: {"ratio": p["off"] / p["on"]},
+            lambda i, p: (f"pair {i + 1}: account on {p['on'] * 1000:.1f} ms/step, off {p['off'] * 1000:.1f} ms/step, "
+                          f"throughput on/off {p['ratio']:.3f}"))
+    ratios = [p["ratio"] for p in pairs]
     rows = "\n".join(f"| {i + 1} | {p['on'] * 1000:.1f} | {p['off'] * 1000:.1f} | {r:.3f} |"
                      for i, (p, r) in enumerate(zip(pairs, ratios, strict=True)))
     body = f"""Command: `python -m benchmarks.goodput_overhead --pairs {args.pairs} --steps {args.steps}` ({time.strftime('%Y-%m-%d')}, 2-core CPU machine, CPU only)
