@@ -70,6 +70,10 @@ def main(out: str, stage: int, rank: int, world: int, port: int, width: int = 13
     # what Tidal saves beside the state (tidal.worker.checkpoint.save): DeepSpeed converts nothing without it
     saver.save_checkpoint(out, tag="global_step2",
                            client_state={"universal_checkpoint_info": {"universal_checkpoint_version": 0.4}})
+    # End the group before the interpreter does: a gloo thread still joinable at exit aborted a rank
+    # ("terminate called without an active exception", exit -6) once in the extended run of 2026-12-06.
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
