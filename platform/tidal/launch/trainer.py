@@ -45,7 +45,8 @@ RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by Ray's job supervisor for a
 
 
 def run(spec: JobSpec, restart: bool = False, mlflow_tags: dict[str, str] | None = None,
-        callbacks: list[Any] | None = None, wait: bool = False, trial: bool = False) -> RunResult:
+        callbacks: list[Any] | None = None, wait: bool = False, trial: bool = False,
+        began: float | None = None) -> RunResult:
     """Train `spec` to its last step, resuming from its latest complete checkpoint.
 
     `mlflow_tags` are added to the job's MLflow run (e.g. `mlflow.parentRunId` for a sweep
@@ -53,11 +54,13 @@ def run(spec: JobSpec, restart: bool = False, mlflow_tags: dict[str, str] | None
     A job has one live driver (tidal/lease.py): a second start of a running job is refused
     (JobAlreadyRunning, naming the live one), or with `wait` (or TIDAL_RUN_WAIT=1, which a
     relaunch after a head restart sets) starts once that one has ended. `trial`: a sweep's trial,
-    the one kind of job whose name may end in `-tN`.
+    the one kind of job whose name may end in `-tN`. `began`: when the job was submitted, the goodput
+    account's first second (the CLI passes its process's start, so an interpreter's start and imports
+    count as start-up); by default this call.
     """
     if not trial and (why := trial_name(spec.name)):
         raise SpecError([("name", why)])
-    t0 = time.time()
+    t0 = time.time() if began is None else began
     wait = wait or os.environ.get(WAIT_VAR) == "1"
     if restart and os.environ.get(RELAUNCHED_VAR) == "1":
         # A driver submitted again from an earlier one's record replays its `--restart`: the first
