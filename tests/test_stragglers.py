@@ -7,7 +7,7 @@ import pytest
 import tidal
 from tests.conftest import metric_history, tiny_spec
 from tidal.testing.processes import wait_for
-from tidal.worker.stragglers import Spread, StragglerWatch, spread
+from tidal.worker.stragglers import PersistentWait, Spread, StragglerWatch, spread
 
 
 def test_spread_compares_the_slowest_rank_with_the_median():
@@ -65,3 +65,18 @@ def _wait_for_output(capfd, text: str, timeout: float = 20) -> str:
 
     wait_for(f"{text!r} printed", printed, timeout, context=lambda: "".join(out)[-3000:])
     return "".join(out)
+
+
+def test_the_wait_for_a_straggler_counts_a_persistently_slow_rank_not_jitter():
+    """Two balanced ranks taking turns at being slower wait for no straggler (each sample alone said 0.05 s a
+    step: 7% of a quickstart's wall on 2 cores); a rank slower at every sample costs its mean excess."""
+    jitter = PersistentWait()
+    waits = [jitter.update([0.10, 0.15] if i % 2 else [0.15, 0.10]) for i in range(8)]
+    assert waits[-1] == pytest.approx(0.0, abs=1e-9)
+    slow = PersistentWait()
+    waits = [slow.update([0.10 + 0.01 * (i % 2), 0.20]) for i in range(8)]
+    assert waits[-1] == pytest.approx(0.20 - 0.105)
+    assert PersistentWait().update([0.1, 0.1, 0.4, 0.1]) == pytest.approx(0.3)  # a sample alone: as before
+    grown = PersistentWait()
+    grown.update([0.1, 0.3])
+    assert grown.update([0.1, 0.1, 0.1]) == pytest.approx(0.0)  # another group size starts over

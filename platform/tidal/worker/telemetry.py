@@ -38,6 +38,7 @@ from tidal.worker.input_bound import InputWatch, Interval, PhaseTotals
 from tidal.worker.metrics import Every, gpu_stats
 from tidal.worker.stragglers import (
     ExclusionWatch,
+    PersistentWait,
     Spread,
     StragglerWatch,
     exclusion_on,
@@ -171,6 +172,7 @@ class Telemetry:
         self.tags = {JOB_LABEL: spec.name, "rank": str(self.rank), "node": self.place.node, "site": self.place.site}
         f = spec.failure
         self.watch = StragglerWatch(f.straggler_ratio, f.straggler_intervals)
+        self.waits = PersistentWait()
         on = exclusion_on(f.straggler_exclude, spec.elastic) and self.rank == 0
         self.exclusion = ExclusionWatch(f.straggler_exclude_ratio, f.straggler_exclude_after_s) if on else None
         self.avoided = avoidance.read(spec) if on else None  # a node this job avoids now (record's state)
@@ -194,10 +196,10 @@ class Telemetry:
         local: dict[str, float] = {}
         if busy_s is not None:  # a sampled step in this interval (the same on every rank)
             s, median = spread(busy_s), statistics.median_low(busy_s)
-            # How long the median rank waited for the slowest in the sampled step: the goodput
-            # account's straggler wait per step (tidal/goodput).
+            # How long a step waits for a persistently slow rank: the goodput account's
+            # straggler wait per step (tidal/goodput); jitter stays in the step time.
             extra |= {"straggler_ratio": s.ratio, "straggler_rank": float(s.slowest_rank),
-                      "straggler_wait_s": max(0.0, max(busy_s) - median)}
+                      "straggler_wait_s": self.waits.update(busy_s)}
             local["rank_slowness"] = busy_s[self.rank] / median if median > 0 else 1.0
             if self.rank == 0:
                 self._warn(s, busy_s, median, int(metrics["step"]))
