@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from typing import Any
 from benchmarks.common import update_doc
 from tidal.spec.job import JobSpec
 from tidal.testing.clusters import add_worker_node, raylet_cluster
-from tidal.testing.runs import prepared_store
+from tidal.testing.runs import finished, prepared_store, run_in_background
 
 
 def soak_spec(tmp: Path, args: argparse.Namespace, steps: int, name: str = "no-false-hang") -> JobSpec:
@@ -56,7 +55,6 @@ def probed_steps(tmp: Path, args: argparse.Namespace) -> int:
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     from mlflow.tracking import MlflowClient
 
-    import tidal
 
     with tempfile.TemporaryDirectory() as d, raylet_cluster(workers=2) as cluster:
         tmp = Path(d)
@@ -64,21 +62,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         steps = args.steps or probed_steps(tmp, args)
         spec = soak_spec(tmp, args, steps)
         out: dict[str, Any] = {}
-        done: dict[str, Any] = {}
-
-        def job() -> None:
-            t = time.time()
-            try:
-                done["result"] = tidal.run(spec)
-            except BaseException as e:  # noqa: BLE001 - raised again in the main thread
-                done["error"] = e
-            done["wall_s"] = time.time() - t
-
         # The job in a thread, the cluster's changes here: Ray's add_node sets a signal handler, which
         # only the main thread may (a first version that resized from a thread could not add the node back).
         t0 = time.time()
-        runner = threading.Thread(target=job, daemon=True)
-        runner.start()
+        runner, done = run_in_background(spec)
         runner.join(args.minutes * 60 / 3)  # a third of the way in, a node goes (the group trains on at 1)...
         if runner.is_alive():
             out["lost_at_s"] = time.time() - t0
@@ -87,9 +74,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         if runner.is_alive():
             add_worker_node(cluster)
             out["returned_at_s"] = time.time() - t0
-        runner.join()
-        if "error" in done:
-            raise done["error"]
+        finished(runner, done, timeout=None)
         result, wall = done["result"], done["wall_s"]
         assert result.error is None, result.error
         client = MlflowClient(spec.tracking.uri)

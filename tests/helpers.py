@@ -227,28 +227,3 @@ def prestop_command(path: Path | None = None) -> list[str]:
     return [str(w) for w in ray["lifecycle"]["preStop"]["exec"]["command"]]
 
 
-def run_in_background(spec: JobSpec) -> tuple[threading.Thread, dict]:
-    """`tidal.run(spec)` in a daemon thread: its result or its error lands in the returned dict."""
-    import tidal  # the SDK imports Ray: only the tests that run a job pay for it
-
-    out: dict = {}
-
-    def target() -> None:
-        try:
-            out["result"] = tidal.run(spec)
-        except BaseException as e:  # noqa: BLE001 - surfaced by the test
-            out["error"] = e
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    return t, out
-
-
-def finished(t: threading.Thread, out: dict, timeout: float = 400) -> Any:
-    """The result of a `run_in_background` job once its thread ends, or the error it raised."""
-    t.join(timeout)
-    assert not t.is_alive(), "job did not finish"
-    if "error" in out:
-        raise out["error"]
-    return out["result"]
-

@@ -17,8 +17,6 @@ from ray.core.generated import autoscaler_pb2
 from tests.conftest import metric_history, tiny_spec
 from tests.helpers import (
     chatter_in,
-    finished,
-    run_in_background,
     wait_for_step,
     wait_for_world_size,
 )
@@ -26,6 +24,7 @@ from tests.slow_step import slow_env
 from tidal.storage import RunDir
 from tidal.testing.clusters import add_worker_node, raylet_cluster
 from tidal.testing.processes import wait_for
+from tidal.testing.runs import finished, run_in_background
 
 pytestmark = pytest.mark.slow
 

@@ -15,11 +15,12 @@ import ray
 from ray.cluster_utils import Cluster
 
 from tests.conftest import metric_history
-from tests.helpers import finished, run_in_background, wait_for_step, wait_for_world_size
+from tests.helpers import wait_for_step, wait_for_world_size
 from tests.memory_jobs import assert_undisturbed_losses, memory_spec, resumes
 from tests.slow_step import slow_env
 from tidal.testing.clusters import add_worker_node, raylet_cluster
 from tidal.testing.processes import wait_for
+from tidal.testing.runs import finished, run_in_background
 from tidal.worker.checkpoint import keeper
 
 pytestmark = pytest.mark.slow

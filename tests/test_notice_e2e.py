@@ -20,11 +20,14 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT, metric_history, tiny_spec
-from tests.helpers import finished, prestop_command, run_in_background
+from tests.helpers import prestop_command
 from tests.slow_step import slow_env
+from tidal.storage import RunDir, check_complete, checkpoint_dir_name
 from tidal.testing.clusters import add_worker_node, raylet_cluster
 from tidal.testing.metadata import MetadataState, metadata_server
 from tidal.testing.processes import start_in_session, stop_session, wait_for
+from tidal.testing.runs import finished, run_in_background
+from tidal.worker.checkpoint.snapshot import WRITE_DELAY_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -50,16 +53,18 @@ def node_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, "RAY_AUTH_MODE": "token"}
 
 
-def warned_job(tmp: Path, name: str) -> tuple:
+def warned_job(tmp: Path, name: str, **extra: object) -> tuple:
     """A 1-2 worker elastic job, each step held to ~0.1 s per micro-batch until `hold` is removed
     (the job must still train when the node returns); a periodic checkpoint only every 100 steps, so
-    that a save at another step is the emergency one."""
+    that a save at another step is the emergency one. `extra`: more of the spec, and `env` more of the
+    workers' environment."""
     hold, trace = tmp / "hold", tmp / "loss.trace"
     hold.touch()
+    env = dict(extra.pop("env", {}))  # type: ignore[arg-type]
     spec = tiny_spec(tmp, name=name, **{
         "train.steps": 300, "checkpoint.every_steps": 100, "scaling.min_workers": 1, "scaling.max_workers": 2,
-        "scaling.elastic_check_s": 2, "train.step_fn": "tests.slow_step:step",
-    }, worker_env={**slow_env(0.05, hold), "TIDAL_LOSS_TRACE": str(trace)})
+        "scaling.elastic_check_s": 2, "train.step_fn": "tests.slow_step:step", **extra,
+    }, worker_env={**slow_env(0.05, hold), "TIDAL_LOSS_TRACE": str(trace), **env})
     return spec, hold, trace
 
 
@@ -78,12 +83,14 @@ def assert_saved_at_the_step_reached_and_resumed_there(out: str, trace: Path) ->
 
 
 def warned_run(cluster, tmp: Path, capfd, cloud: str, warn: Callable[[MetadataState], None],
-               advice: Callable[[MetadataState], None] | None = None) -> str:
+               advice: Callable[[MetadataState], None] | None = None, warn_at: int = 20,
+               **job: object) -> tuple[str, int]:
     """The job on two nodes; `advice` (a notice that announces no interruption) after 20 steps, then
-    `warn` (the cloud's interruption notice) on the first node's metadata service; that node goes once
-    the job trains at 1 worker, and capacity returns. Returns the watcher's log."""
+    `warn` (the cloud's interruption notice) after `warn_at` on the first node's metadata service; that
+    node goes once the job trains at 1 worker, and capacity returns. Returns the watcher's log and the
+    emergency checkpoint's step. `job`: more of warned_job's spec."""
     a, _b = add_worker_node(cluster), add_worker_node(cluster)
-    spec, hold, trace = warned_job(tmp, f"noticed-{cloud}")
+    spec, hold, trace = warned_job(tmp, f"noticed-{cloud}", **job)
     with metadata_server(cloud) as md:
         watcher = start_in_session(
             [sys.executable, "-m", "tidal", "cluster", "watch-notices", "--cloud", cloud, "--endpoint", md.url,
@@ -100,6 +107,8 @@ def warned_run(cluster, tmp: Path, capfd, cloud: str, warn: Callable[[MetadataSt
                 reached = records(trace)[-1]["step"]
                 wait_for("10 more steps", lambda: records(trace)[-1]["step"] >= reached + 10, timeout=120)
                 assert {r["world"] for r in records(trace)} == {2}, "advice drains nothing"
+            if warn_at > 20:
+                wait_for(f"step {warn_at}", lambda: records(trace)[-1]["step"] >= warn_at, timeout=300)
             warn(md)
             wait_for("the group at 1 worker", lambda: any(r["world"] == 1 for r in records(trace)), timeout=180,
                      context=lambda: (tmp / "watcher.log").read_text())
@@ -117,17 +126,32 @@ def warned_run(cluster, tmp: Path, capfd, cloud: str, warn: Callable[[MetadataSt
     assert sorted(loss) == list(range(1, 301)), "every step done, each logged once"
     sizes = [r["world"] for r in records(trace)]
     assert [s for i, s in enumerate(sizes) if i == 0 or s != sizes[i - 1]][-3:] == [2, 1, 2], sizes
-    assert n >= 20
+    assert n >= warn_at
     for node in list(cluster.worker_nodes):  # the next test starts from an empty cluster
         cluster.remove_node(node)
-    return log
+    return log, n
 
 
 def test_aws_spot_notice_saves_at_the_step_reached_then_the_job_shrinks_and_grows_back(cluster, tmp_path, capfd):
     """A rebalance recommendation first (advice: no drain), then the spot interruption notice: one
     emergency checkpoint, at the step the interruption found."""
-    log = warned_run(cluster, tmp_path, capfd, "aws", lambda md: md.aws_interrupt(in_s=DEADLINE_S), MetadataState.aws_rebalance)
+    log, _ = warned_run(cluster, tmp_path, capfd, "aws", lambda md: md.aws_interrupt(in_s=DEADLINE_S),
+                        MetadataState.aws_rebalance)
     assert log.count("aws rebalance recommendation: advice") == 1, log
+
+
+@pytest.mark.extended  # outside the suite's budget (pyproject.toml): the order of saves is unit-tested (test_warnings)
+def test_a_notice_during_a_periodic_save_lets_it_finish_then_saves_at_the_step_reached(cluster, tmp_path, capfd):
+    """The spot notice arrives while step 100's periodic checkpoint is still being written in the
+    background (its write held 6 s, as a slow store holds it): that save completes (it stays a resume
+    point, not a partial folder) and the emergency one follows at the step reached, inside the notice's
+    12 s; the job resumes there at 1 worker, nothing lost, nothing twice."""
+    _, n = warned_run(cluster, tmp_path, capfd, "aws", lambda md: md.aws_interrupt(in_s=DEADLINE_S), warn_at=100,
+                      env={WRITE_DELAY_ENV: "6:100"})  # tiny_spec keeps 10 checkpoints: step 100 stays
+    assert n > 100, "the emergency save came after the periodic one it found being written"
+    run = RunDir(str(tmp_path / "runs"), "noticed-aws")
+    for step in (100, n):
+        assert check_complete(run.fs, f"{run.path}/{checkpoint_dir_name(step)}")[0] is None, step
 
 
 @pytest.mark.extended  # outside the suite's budget (pyproject.toml): the AWS test above runs the same path
@@ -135,7 +159,7 @@ def test_aws_spot_notice_saves_at_the_step_reached_then_the_job_shrinks_and_grow
 def test_gce_and_azure_notices_save_at_the_step_reached_then_the_job_shrinks_and_grows_back(cluster, tmp_path, capfd,
                                                                                           cloud):
     warn = {"gcp": MetadataState.gce_preempt, "azure": lambda md: md.azure_preempt(in_s=DEADLINE_S)}[cloud]
-    log = warned_run(cluster, tmp_path, capfd, cloud, warn)
+    log, _ = warned_run(cluster, tmp_path, capfd, cloud, warn)
     assert {"gcp": "gce preempted", "azure": "azure Preempt"}[cloud] in log, log
 
 

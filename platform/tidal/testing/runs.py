@@ -8,7 +8,10 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
 from mlflow.tracking import MlflowClient
 
@@ -105,3 +108,33 @@ def metric_history(spec: JobSpec, run_id: str, key: str) -> dict[int, float]:
     if len(steps) != len(set(steps)):
         raise AssertionError(f"{key}: steps logged more than once: {sorted(steps)}")
     return {m.step: m.value for m in hist}
+
+
+def run_in_background(spec: JobSpec) -> tuple[threading.Thread, dict[str, Any]]:
+    """`tidal.run(spec)` in a daemon thread: its result (or its error) and its wall time (`wall_s`) land
+    in the returned dict. The caller's thread stays free for what only a main thread may do, such as
+    `Cluster.add_node` (it sets a signal handler)."""
+    import tidal  # the SDK imports Ray: only the callers that run a job pay for it
+
+    out: dict[str, Any] = {}
+
+    def target() -> None:
+        t0 = time.time()
+        try:
+            out["result"] = tidal.run(spec)
+        except BaseException as e:  # noqa: BLE001 - raised again by `finished`, in the caller's thread
+            out["error"] = e
+        out["wall_s"] = time.time() - t0
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    return t, out
+
+
+def finished(t: threading.Thread, out: dict[str, Any], timeout: float | None = 400) -> Any:
+    """The result of a `run_in_background` job once its thread ends, or the error it raised."""
+    t.join(timeout)
+    assert not t.is_alive(), "job did not finish"
+    if "error" in out:
+        raise out["error"]
+    return out["result"]
