@@ -14,12 +14,13 @@ from tidal.worker.checkpoint.route import Held, Layout, Load, from_memory, newes
 SPEC = JobSpec().with_overrides({"parallelism.zero_stage": 2, "checkpoint.memory.every_steps": 3})
 
 
-def held(step: int, world: int = 2, stage: int = 2, same_job: bool = True) -> Held:
-    """A snapshot of `world` ranks of a plain data-parallel ZeRO job: the files its checkpoint would list."""
+def held(step: int, world: int = 2, stage: int = 2, same_job: bool = True, cut: int | None = None) -> Held:
+    """A snapshot of `world` ranks of a plain data-parallel ZeRO job: the files its checkpoint would list
+    (`cut`: the ZeRO-3 sub_group_size it recorded)."""
     names = {f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(world)}
     names |= ({f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(world)} if stage == 3
               else {"mp_rank_00_model_states.pt"})
-    return Held(step, Layout(world, stage, 0 if stage == 3 else None, frozenset(names)), same_job)
+    return Held(step, Layout(world, stage, 0 if stage == 3 else None, frozenset(names), cut), same_job)
 
 
 @pytest.mark.parametrize(("stored", "snapshot", "world", "spec", "load"), [
@@ -34,6 +35,9 @@ def held(step: int, world: int = 2, stage: int = 2, same_job: bool = True) -> He
     (20, held(27), 1, SPEC.with_overrides({"checkpoint.resize": "universal"}), None),  # a conversion: storage
     (20, held(27, stage=3), 2, SPEC, None),               # another ZeRO stage
     (20, held(27, same_job=False), 2, SPEC, None),        # written by another job (fingerprint)
+    # ZeRO-3 partitions cut at another sub_group_size: only storage's conversion reads them, at any size
+    (20, held(27, stage=3, cut=4096), 2, SPEC.with_overrides({"parallelism.zero_stage": 3}), None),
+    (20, held(27, stage=3, cut=1_000_000_000), 2, SPEC.with_overrides({"parallelism.zero_stage": 3}), Load.AS_SAVED),
 ])
 def test_where_a_restart_resumes_from(stored, snapshot, world, spec, load):
     assert from_memory(stored, snapshot, spec, world) is load

@@ -209,3 +209,28 @@ def test_a_conversion_killed_half_way_is_made_again_and_loads(tmp_path, ray_loca
     assert not marker.exists(), "the planted pickle ran"
     assert again.error is None, again.error
     assert metric_history(spec, again.mlflow_run_id, "world_size")[7] == 2
+
+
+@pytest.mark.extended  # outside the suite's budget (pyproject.toml): the decision is a row of tests/test_route.py's table
+def test_a_zero3_checkpoint_cut_at_another_sub_group_size_loads_through_the_conversion(tmp_path, ray_local):
+    """2 workers to step 6 with DeepSpeed's default ZeRO-3 sub-groups, then 1 worker with
+    `sub_group_size` 4096 (the partitions cut into many sub-groups): neither a by-range load nor
+    DeepSpeed's own can read partitions cut otherwise, and each attempt failed on them until the
+    restarts ran out. Now the resume converts, and the losses are those of a run that never changed."""
+    common = {"train.steps": 12, "checkpoint.every_steps": 6, "parallelism.zero_stage": 3}
+    # the undisturbed run's losses, stored (tests/golden.py regenerates them)
+    expected = reference_losses("restore-e2e-steady3", tiny_spec(tmp_path, name="steady", **common,
+                                                                 **{"checkpoint.resize": "universal"}))
+    spec = tiny_spec(tmp_path, name="recut", **common)
+    tidal.run(spec.with_overrides({"train.stop_at": 6}))
+    recut = spec.with_overrides({"parallelism.deepspeed": {"zero_optimization": {"sub_group_size": 4096}},
+                                 "scaling.min_workers": 1, "scaling.max_workers": 1, "failure.max_restarts": 0})
+    result = tidal.run(recut)
+    assert result.error is None, result.error
+    got = metric_history(recut, result.mlflow_run_id, "loss")
+    assert sorted(got) == list(range(1, 13))
+    for step in range(7, 13):
+        assert got[step] == pytest.approx(expected[step], rel=1e-4), step
+    ckpt = RunDir(spec.checkpoint.storage, spec.name)
+    assert fs.published(ckpt.fs, f"{ckpt.path}/{checkpoint_dir_name(6)}/global_step6_universal",
+                        f"{ckpt.path}/{checkpoint_dir_name(6)}/{universal.marker('global_step6')}"), "it converted"

@@ -29,6 +29,7 @@ ROUND_ROBIN = {"parallelism.deepspeed": {"zero_optimization": {"round_robin_grad
 UNIVERSAL = {"checkpoint.resize": "universal"}
 TP = {f"{TAG}/zero_pp_rank_0_mp_rank_01_optim_states.pt": 100}
 PIPELINE = {f"{TAG}/layer_01-model_states.pt": 5}
+CUT_4096 = {"parallelism.deepspeed": {"zero_optimization": {"sub_group_size": 4096}}}
 
 
 @pytest.mark.parametrize("case,expected", [
@@ -59,6 +60,13 @@ PIPELINE = {f"{TAG}/layer_01-model_states.pt": 5}
     ({"stage": 3, "zero3": True, "frozen": 0, "extra": TP}, RANK0_3),
     ({"files": None}, RANK0),
     ({"stage": 3, "files": None}, RANK0_3),
+    # ZeRO-3 partitions cut at another sub_group_size than the spec's: only the conversion reads them,
+    # at any size (DeepSpeed's own load and a by-range one failed every attempt on them)
+    ({"stage": 3, "zero3": True, "frozen": 0, "cut": 1_000_000_000}, RANGE3),  # DeepSpeed's default, recorded
+    ({"stage": 3, "zero3": True, "frozen": 0, "cut": 4096}, SPREAD3),
+    ({"world": 2, "stage": 3, "zero3": True, "frozen": 0, "cut": 4096}, SPREAD3),
+    ({"world": 2, "stage": 3, "zero3": True, "frozen": 0, "cut": 4096, "overrides": CUT_4096}, SAME),
+    ({"stage": 3, "zero3": True, "frozen": 0, "overrides": CUT_4096}, RANGE3),  # not recorded: as before
 ])
 def test_one_decision_says_how_each_checkpoint_loads(tmp_path, case, expected):
     stage = case.get("stage", 2)
@@ -66,7 +74,8 @@ def test_one_decision_says_how_each_checkpoint_loads(tmp_path, case, expected):
     files.pop(case.get("drop", ""), None)
     spec = tiny_spec(tmp_path, **{"parallelism.zero_stage": stage, **case.get("overrides", {})})
     state = {"step": 8, "world_size": 2, "zero_stage": stage,
-             **({"frozen_params": case["frozen"]} if "frozen" in case else {})}
+             **({"frozen_params": case["frozen"]} if "frozen" in case else {}),
+             **({"sub_group_size": case["cut"]} if "cut" in case else {})}
     layout = Layout.of(state, case.get("files", files), TAG)
     route = decide(layout, spec, case.get("world", 1))
     assert route == expected

@@ -11,6 +11,8 @@ from tidal.spec.schedule import DEEPSPEED_SCHEDULES
 
 # DeepSpeed's default gradient bucket, in elements (deepspeed.runtime.zero.config).
 DEEPSPEED_REDUCE_BUCKET = 500_000_000
+# DeepSpeed's default ZeRO-3 sub-group, in elements (deepspeed.runtime.zero.config).
+DEEPSPEED_SUB_GROUP = 1_000_000_000
 
 
 def ds_config(spec: JobSpec, world_size: int, on_gpu: bool, load_universal: bool = False,
@@ -49,6 +51,17 @@ def ds_config(spec: JobSpec, world_size: int, on_gpu: bool, load_universal: bool
         "wall_clock_breakdown": False,
     }
     return merged(derived, p.deepspeed)  # keys Tidal derives were refused at load (tidal.spec.passthrough)
+
+
+def sub_group_size(spec: JobSpec) -> int | None:
+    """The elements a ZeRO-3 optimizer sub-group closes at (`parallelism.deepspeed`'s
+    `zero_optimization.sub_group_size`, else DeepSpeed's default): it cuts a ZeRO-3 checkpoint's
+    partitions, so a checkpoint cut at another loads only through a conversion
+    (tidal.worker.checkpoint.route). None for other stages."""
+    if spec.parallelism.zero_stage != 3:
+        return None
+    zero = (spec.parallelism.deepspeed or {}).get("zero_optimization") or {}
+    return int(zero.get("sub_group_size", DEEPSPEED_SUB_GROUP))
 
 
 def _reduce_bucket(zero_stage: int, trainable_params: int | None) -> dict[str, int]:

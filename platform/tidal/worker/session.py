@@ -25,6 +25,7 @@ from tidal.lease import LeaseCheck
 from tidal.redact import install as install_redaction
 from tidal.spec import secrets
 from tidal.spec.compile import compile_note, warmup_steps
+from tidal.spec.deepspeed import sub_group_size
 from tidal.spec.job import JobSpec
 from tidal.tracking.emitter import Emitter
 from tidal.worker import hang, microbatch
@@ -139,7 +140,7 @@ def open_session(config: dict[str, Any]) -> Session:
     session = Session(
         spec, rank, world, device, events, engine, state,
         save.Provenance(world, spec.parallelism.zero_stage, spec.resume_fingerprint(),
-                              sum(not p.requires_grad for p in engine.module.parameters())),
+                        sum(not p.requires_grad for p in engine.module.parameters()), sub_group_size(spec)),
         batches, _evaluator(spec, rank, world, device, batches),
         hang.watchdog(spec, rank, world, events, found),  # the step deadline, and a hang explained (worker/hang.py)
         telemetry, auto.step_fn(step_function(spec)) if auto else step_function(spec),  # train.step_fn, or model(*batch)

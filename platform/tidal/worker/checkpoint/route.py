@@ -26,6 +26,9 @@ comes from, fetched from the keepers). What only a universal conversion loads re
 | a memory snapshot | changed, otherwise | not from memory: storage's checkpoint, by `decide` |
 | storage's checkpoint | unchanged / changed | `decide`: as saved / by range / universal |
 
+A ZeRO-3 checkpoint whose partitions were cut at another `sub_group_size` than the spec's (`recut`)
+loads only through the universal conversion, at any world size, and never from memory.
+
 Nothing here reads storage, imports torch or asks the engine: the layout is what rank 0 read in
 the checkpoint's state file and listing, the rest is the spec and the new world size.
 """
@@ -37,7 +40,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from tidal.spec.deepspeed import ds_config
+from tidal.spec.deepspeed import ds_config, sub_group_size
 from tidal.spec.job import JobSpec
 
 # File names in a DeepSpeed tag folder, relative to it (checked against 0.19.8).
@@ -71,14 +74,16 @@ class Layout:
     zero_stage: int
     frozen_params: int | None
     names: frozenset[str] | None
+    sub_group_size: int | None = None  # ZeRO-3's, as the writer recorded it (None: not recorded)
 
     @classmethod
     def of(cls, state: dict[str, Any], files: dict[str, int] | None, step_tag: str) -> Layout:
         """From a checkpoint's saved state and its listing (paths relative to the run folder)."""
         prefix = f"{step_tag}/"
         names = None if files is None else frozenset(rel[len(prefix):] for rel in files if rel.startswith(prefix))
-        frozen = state.get("frozen_params")
-        return cls(int(state["world_size"]), int(state["zero_stage"]), None if frozen is None else int(frozen), names)
+        frozen, cut = state.get("frozen_params"), state.get("sub_group_size")
+        return cls(int(state["world_size"]), int(state["zero_stage"]), None if frozen is None else int(frozen), names,
+                   None if cut is None else int(cut))
 
 
 @dataclass(frozen=True)
@@ -92,7 +97,7 @@ class Route:
 
     @property
     def resized(self) -> bool:
-        """Loaded at another world size than the one that wrote it."""
+        """Not loaded as saved: at another world size than the one that wrote it (or a ZeRO-3 cut changed)."""
         return self.load is not Load.AS_SAVED
 
     @property
@@ -103,7 +108,7 @@ class Route:
 
 def decide(layout: Layout, spec: JobSpec, world: int) -> Route:
     """The one way `layout` loads into a group of `world` ranks running `spec`."""
-    if layout.world_size == world or layout.zero_stage == 0:
+    if layout.zero_stage == 0 or (layout.world_size == world and not recut(layout, spec)):
         return Route(Load.AS_SAVED)  # ZeRO 1-3 partition by rank; stage 0 keeps the state whole
     if by_range(layout, spec, world):
         return Route(Load.RANGE_ZERO3 if layout.zero_stage == 3 else Load.RANGE_ZERO12)
@@ -136,6 +141,8 @@ def from_memory(stored_step: int | None, held: Held | None, spec: JobSpec, world
         return None
     if stored_step is not None and held.step < stored_step:
         return None
+    if recut(held.layout, spec):
+        return None
     if held.layout.world_size == world:
         return Load.AS_SAVED
     if by_range(held.layout, spec, world):
@@ -156,8 +163,8 @@ def by_range(layout: Layout, spec: JobSpec, world: int) -> bool:
         return False
     if stage == 1 and p.precision == "bf16":
         return False  # DeepSpeed's BF16 optimizer, another checkpoint layout
-    if stage == 3 and layout.frozen_params != 0:
-        return False  # frozen parameters, or a checkpoint from before Tidal recorded them
+    if stage == 3 and (layout.frozen_params != 0 or recut(layout, spec)):
+        return False  # frozen parameters, or a checkpoint from before Tidal recorded them; another cut
     zero = ds_config(spec, world, on_gpu=False)["zero_optimization"]
     if zero.get("round_robin_gradients") or zero.get("elastic_checkpoint"):
         return False
@@ -170,6 +177,15 @@ def by_range(layout: Layout, spec: JobSpec, world: int) -> bool:
         models = {m.group(1) for n in names if (m := ZERO3_MODEL_STATES.fullmatch(n))}
         return optim == ranks and models == ranks and len(names) == 2 * old
     return MODEL_STATES in names and optim == ranks and len(names) == old + 1
+
+
+def recut(layout: Layout, spec: JobSpec) -> bool:
+    """Whether a ZeRO-3 checkpoint's partitions were cut into sub-groups at another size than this
+    spec's (`zero_optimization.sub_group_size` changed since): neither DeepSpeed's own load nor a
+    by-range one can read them, at any world size (each attempt failed on it, until the restarts
+    ran out); the universal conversion is cut-free. Unknown for checkpoints that did not record it."""
+    return (layout.zero_stage == 3 and layout.sub_group_size is not None
+            and layout.sub_group_size != sub_group_size(spec))
 
 
 def plain_data_parallel(names: frozenset[str]) -> bool:
@@ -229,8 +245,8 @@ def newest(listings: dict[str, list[dict[str, Any]]], fingerprint: str) -> tuple
         first = got[0]
         plan = Plan(attempt, step, first["state"], {r: dict(e["sizes"]) for r, e in got.items()},
                     holders[(attempt, step)], {r: e["node"] for r, e in got.items()})
-        frozen = first["state"].get("frozen_params")
+        frozen, cut = first["state"].get("frozen_params"), first["state"].get("sub_group_size")
         layout = Layout(len(got), int(first["zero_stage"]), None if frozen is None else int(frozen),
-                        frozenset(plan.files()))
+                        frozenset(plan.files()), None if cut is None else int(cut))
         return Held(step, layout, first["fingerprint"] == fingerprint), plan
     return None, None

@@ -59,7 +59,7 @@ class TrainState:
 class Provenance:
     """Who wrote a checkpoint, saved beside its TrainState and never restored into it:
     `tidal.storage.check_complete` reads `world_size`, `check_compatible` the `fingerprint`,
-    `route.Layout` `world_size`, `zero_stage` and `frozen_params`."""
+    `route.Layout` `world_size`, `zero_stage`, `frozen_params` and `sub_group_size`."""
 
     world_size: int
     zero_stage: int
@@ -67,6 +67,9 @@ class Provenance:
     # Parameters the optimizer does not train: ZeRO-3 saves their fragments per rank, which only
     # a universal conversion cuts at another size (tidal.worker.checkpoint.route.by_range); None: unknown.
     frozen_params: int | None = None
+    # ZeRO-3's sub-group size (tidal.spec.deepspeed.sub_group_size), which cuts its partitions: one
+    # changed since loads only through a conversion (route.decide); None: not ZeRO-3, or unknown.
+    sub_group_size: int | None = None
     # The libraries whose types the checkpoint's pickles name: a resume says when they changed
     # (`libraries_changed`), since an upgrade that moves a type has the allow-list refuse it.
     libraries: dict[str, str] = field(default_factory=lambda: library_versions())
