@@ -286,3 +286,18 @@ def test_a_survivors_traceback_for_a_lost_peer_is_dropped_unless_tidal_debug(mon
         assert says(USERS) == [USERS]
     finally:
         logging.getLogger(TRAIN_USER_ERROR_LOGGER).filters[:] = saved
+
+
+def test_a_rank_whose_peer_died_says_so_in_tidals_words():
+    """gloo's error names a socket and ends "GLHF!": the console line says the rank lost a peer instead
+    (seen after a worker was killed: `worker rank 0 failed: [.../pair.cc:537] Read error ... GLHF! 🏖️`)."""
+    from tidal.launch.callbacks import failure_line
+
+    gloo = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+                        "[127.0.0.1]:58002: Connection reset by peer. This is typically caused by a remote worker "
+                        "hanging or bugs in the application. Check the logs of the remote worker before reporting "
+                        "an error. GLHF! 🏖️")
+    line = failure_line(gloo)
+    assert line.startswith("its collective lost a peer (Connection reset by peer)") and "GLHF" not in line
+    assert failure_line(ValueError("first\nthe last line")) == "the last line"
+    assert failure_line(KeyError()) == "KeyError"

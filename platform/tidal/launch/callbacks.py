@@ -15,7 +15,7 @@ from tidal.ray_private import recompute_reserved_resources, worker_error
 from tidal.spec.job import JobSpec
 from tidal.storage import RunDir
 from tidal.tracking.emitter import Emitter
-from tidal.tracking.quiet import quiet_controller
+from tidal.tracking.quiet import PEER_LOST, quiet_controller
 
 log = logging.getLogger("tidal")
 
@@ -41,12 +41,17 @@ class FailureNotifier(UserCallback):
         if mistake is not None:  # before the event: no restart to count or announce
             raise mistake  # an error Ray Train's controller did not expect: it ends the run, retrying nothing
         events = Emitter(self.storage, self.name)
-        events.failed({r: _last_line(e) for r, e in worker_exceptions.items()})
+        events.failed({r: failure_line(e) for r, e in worker_exceptions.items()})
         events.drain(timeout_s=10.0)  # a storage outage must not hold up Ray's restart
 
 
-def _last_line(e: BaseException) -> str:
+def failure_line(e: BaseException) -> str:
+    """Why a rank failed, for its `worker rank N failed: ...` line: its error's last line, or, for a
+    rank whose collective lost its peer, that in Tidal's words. gloo's own is a transport error
+    naming a socket and ending "GLHF! 🏖️", which reads as if this rank were the one at fault."""
     text = str(e).strip()
+    if lost := PEER_LOST.search(text):
+        return f"its collective lost a peer ({lost.group(0)}): another rank's process or node went away"
     return text.splitlines()[-1][:300] if text else type(e).__name__
 
 
