@@ -2,11 +2,12 @@
 exclusive create (GCS's `ifGenerationMatch=0` on a GCS JSON API on 127.0.0.1), a clear refusal
 where a store has none or ignores it (a filesystem without an exclusive create, a GCS endpoint
 that ignores the precondition, an S3-compatible store that ignores `If-None-Match`: moto's server
-behind a proxy that drops it), the user's explicit opt-out, and a tie made visible by the nonce
-each creator writes."""
+behind a proxy that drops it), Azure Blob Storage's `If-None-Match: *` on Azurite, the user's
+explicit opt-out, and a tie made visible by the nonce each creator writes."""
 
 from __future__ import annotations
 
+import base64
 import json
 import threading
 from pathlib import Path
@@ -19,7 +20,14 @@ from tidal import lease as lease_mod
 from tidal.errors import JobAlreadyRunning
 from tidal.exclusive import NotExclusive
 from tidal.lease import Lease
-from tidal.testing.object_stores import gcs_filesystem, gcs_server, if_none_match_dropped
+from tidal.testing.object_stores import (
+    azure_filesystem,
+    azurite_blob,
+    azurite_path,
+    gcs_filesystem,
+    gcs_server,
+    if_none_match_dropped,
+)
 
 
 def on_store(monkeypatch, store: pafs.FileSystem, root: str) -> None:
@@ -174,3 +182,34 @@ def test_a_conditional_put_keeps_the_stores_session_token(tmp_path, monkeypatch)
         with patched_env({"AWS_ACCESS_KEY_ID": sts["access_key"], "AWS_SECRET_ACCESS_KEY": sts["secret_key"],
                           "AWS_SESSION_TOKEN": sts["session_token"]}):
             assert Lease("s3://tidal-sts/env-runs", "job").acquire() == 1
+
+
+needs_azurite = pytest.mark.skipif(azurite_path() is None, reason="Azurite is not installed (npm install -g azurite; "
+                                   ".ci/run installs it where npm is)")
+
+
+@pytest.mark.slow
+@needs_azurite
+def test_on_azure_blob_storage_exactly_one_of_racing_starts_wins(tmp_path, monkeypatch):
+    """Azure was refused before (no exclusive create Tidal used): a Put Blob with If-None-Match, signed
+    with the filesystem's account key, on Azure's own emulator, which checks both."""
+    monkeypatch.delenv(exclusive.UNFENCED_ENV, raising=False)
+    with azurite_blob(tmp_path) as endpoint:
+        on_store(monkeypatch, azure_filesystem(endpoint), "tidal/runs")
+        assert race("abfs://tidal/runs") == ["refused", "refused", "refused", "won"]
+        holder = lease_mod.latest(azure_filesystem(endpoint), "tidal/runs/job.lease")
+        assert holder is not None and holder.generation == 1
+        names = [i.base_name for i in azure_filesystem(endpoint).get_file_info(
+            pafs.FileSelector("tidal/runs/job.lease"))]
+        assert names == ["000000000001.json"], "the probe left nothing behind"
+        exclusive._PROBED.clear()
+        wrong = azure_filesystem(endpoint, key=base64.b64encode(b"x" * 64).decode())  # Azurite checks the signature
+        with pytest.raises(OSError, match="HTTP 403"):
+            exclusive.create_exclusive(wrong, "tidal/runs/other.json", {})
+
+
+def test_azure_without_a_key_or_sas_is_refused_naming_what_to_set(monkeypatch):
+    monkeypatch.delenv(exclusive.UNFENCED_ENV, raising=False)
+    store = azure_filesystem("127.0.0.1:9", key=None)  # nothing listens: the refusal needs no request
+    with pytest.raises(NotExclusive, match="AZURE_STORAGE_ACCOUNT_KEY or a SAS token"):
+        exclusive.check_store(store, "tidal/runs/job.lease/000000000001.json")

@@ -5,7 +5,8 @@ of two starts that create the same generation file, exactly one must win. Each s
 exclusive create does it: an `O_EXCL` create on a local disk and on NFS (v3 and later); on S3
 and S3-compatible stores a conditional PUT (`If-None-Match: *`), through boto3 for that one
 object with every option the pyarrow filesystem has (session token, role, CA, proxy); on GCS an insert with `ifGenerationMatch=0` through the JSON API (pyarrow's GCS client
-offers no precondition either). An S3 or GCS endpoint is probed once per process and bucket
+offers no precondition either); on Azure Blob Storage a Put Blob with `If-None-Match: *` through its
+REST API, signed with the filesystem's account key or SAS token. An S3, GCS or Azure endpoint is probed once per process and bucket
 (the same probe object created twice: the second must be refused), because some S3-compatible
 stores ignore the condition (both creates win) and others reject it (every create fails).
 
@@ -64,6 +65,8 @@ def create_exclusive(store: pafs.FileSystem, path: str, data: dict[str, Any]) ->
         return _probed_create("s3", store, path, blob, _s3_create_exclusive)
     if isinstance(store, pafs.GcsFileSystem):
         return _probed_create("gs", store, path, blob, _gcs_create_exclusive)
+    if _is_azure(store):
+        return _probed_create("abfs", store, path, blob, _azure_create_exclusive)
     return _unfenced(store, path, blob, f"{store.type_name} storage has no exclusive create Tidal can use")
 
 
@@ -77,6 +80,8 @@ def check_store(store: pafs.FileSystem, path: str) -> None:
         why = _probed("s3", store, path, _s3_create_exclusive)
     elif isinstance(store, pafs.GcsFileSystem):
         why = _probed("gs", store, path, _gcs_create_exclusive)
+    elif _is_azure(store):
+        why = _azure_refusal(store) or _probed("abfs", store, path, _azure_create_exclusive)
     else:
         why = f"{store.type_name} storage has no exclusive create Tidal can use"
     if why:
@@ -85,7 +90,9 @@ def check_store(store: pafs.FileSystem, path: str) -> None:
 
 def _probed(kind: str, store: pafs.FileSystem, path: str, create: Any) -> str:
     bucket = path.partition("/")[0]
-    key = (kind, str(_options(store).get("endpoint_override") or ""), bucket)
+    options = _options(store)
+    endpoint = options.get("endpoint_override") or options.get("blob_storage_authority") or ""
+    key = (kind, str(endpoint), str(options.get("account_name") or ""), bucket)
     with _PROBE_LOCK:
         if key not in _PROBED:
             _PROBED[key] = _probe(store, path, create)
@@ -122,7 +129,8 @@ def _refuse_unless_opted_out(why: str) -> None:
             f"{why}, so Tidal cannot guarantee one live attempt per job there (two starts of one job at the "
             "same instant could both train into the same checkpoints and MLflow run).\n"
             "  use a storage with an exclusive create: a local or shared (NFS) path, AWS S3 or an S3-compatible "
-            "store that honours If-None-Match (MinIO, Ceph RGW 18+), or gs:// on Google Cloud Storage\n"
+            "store that honours If-None-Match (MinIO, Ceph RGW 18+), gs:// on Google Cloud Storage, or Azure Blob "
+            "Storage with an account key or SAS token\n"
             f"  or accept a check-then-write lease on this storage: set {UNFENCED_ENV}=1 (docs/reliability.md)")
 
 
@@ -143,8 +151,9 @@ class _Rejected(OSError):
 
 
 def _describe(store: pafs.FileSystem, path: str) -> str:
-    endpoint = _options(store).get("endpoint_override")
-    scheme = {"s3": "s3", "gcs": "gs"}.get(store.type_name, store.type_name)
+    options = _options(store)
+    endpoint = options.get("endpoint_override") or options.get("blob_storage_authority")
+    scheme = {"s3": "s3", "gcs": "gs", "abfs": "abfs"}.get(store.type_name, store.type_name)
     return f"{scheme}://{path.partition('/')[0]}" + (f" (endpoint {endpoint})" if endpoint else "")
 
 
@@ -310,3 +319,84 @@ def _gcs_token(options: dict[str, Any]) -> str:
     credentials, _ = google.auth.default(scopes=[GCS_SCOPE])
     credentials.refresh(google.auth.transport.requests.Request())
     return str(credentials.token)
+
+
+# --- Azure Blob Storage ---------------------------------------------------------------------------
+AZURE_API = "2021-08-06"  # the Blob service version these requests are signed for
+AZURE_DEFAULT_AUTHORITY = "blob.core.windows.net"
+
+
+def _is_azure(store: pafs.FileSystem) -> bool:
+    return store.type_name == "abfs"
+
+
+def _azure_refusal(store: pafs.FileSystem) -> str:
+    """Why the lease cannot create on this Azure filesystem ("" when it can): it signs with the
+    account key or a SAS token the filesystem holds; Entra ID credentials would need their own
+    token flow (azure-identity), which Tidal does not carry."""
+    options = _options(store)
+    if options.get("account_key") or options.get("sas_token"):
+        return ""
+    return (f"{_describe(store, '')} is reached with Entra ID credentials, with which Tidal's lease cannot "
+            "create a blob conditionally (it signs with an account key or a SAS token: set "
+            "AZURE_STORAGE_ACCOUNT_KEY or a SAS token for the storage)")
+
+
+def _azure_create_exclusive(store: pafs.FileSystem, path: str, blob: bytes) -> bool:
+    """A Put Blob with `If-None-Match: *` ("only if no blob has this name": else 409 or 412) to the
+    account the pyarrow filesystem reaches, signed as it signs (Shared Key) or with its SAS token:
+    pyarrow's Azure filesystem has no conditional create."""
+    options = _options(store)
+    if why := _azure_refusal(store):
+        raise _Rejected(why)
+    account, authority = str(options["account_name"]), options.get("blob_storage_authority") or ""
+    scheme = options.get("blob_storage_scheme") or "https"
+    # pyarrow's own addressing: the account's host on Azure, the account as the first path segment elsewhere (Azurite)
+    if not authority or authority == AZURE_DEFAULT_AUTHORITY:
+        base, resource = f"https://{account}.{AZURE_DEFAULT_AUTHORITY}", f"/{account}"
+    else:
+        base, resource = f"{scheme}://{authority}/{account}", f"/{account}/{account}"
+    quoted = urllib.parse.quote(path)
+    headers = {"x-ms-blob-type": "BlockBlob", "x-ms-date": _http_date(), "x-ms-version": AZURE_API,
+               "If-None-Match": "*", "Content-Type": "application/octet-stream", "Content-Length": str(len(blob))}
+    url = f"{base}/{quoted}"
+    if sas := options.get("sas_token"):
+        url += "?" + str(sas).lstrip("?")
+    else:
+        headers["Authorization"] = _shared_key(account, str(options["account_key"]), "PUT", headers,
+                                               f"{resource}/{quoted}")
+    request = urllib.request.Request(url, data=blob, method="PUT", headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=60):
+            return True
+    except urllib.error.HTTPError as e:
+        if e.code in (409, 412):  # BlobAlreadyExists / ConditionNotMet: another create won
+            return False
+        if e.code in (400, 501):
+            raise _Rejected(f"HTTP {e.code}") from None
+        raise OSError(f"could not create abfs://{path}: HTTP {e.code} {e.reason}") from None
+    except urllib.error.URLError as e:
+        raise OSError(f"could not create abfs://{path}: {e.reason}") from None
+
+
+def _http_date() -> str:
+    import email.utils
+
+    return email.utils.formatdate(usegmt=True)
+
+
+def _shared_key(account: str, key: str, verb: str, headers: dict[str, str], resource: str) -> str:
+    """The Authorization header of Azure Storage's Shared Key scheme (its documented string to sign)."""
+    import base64
+    import hashlib
+    import hmac
+
+    h = {k.lower(): v for k, v in headers.items()}
+    length = h.get("content-length", "")
+    standard = [verb, h.get("content-encoding", ""), h.get("content-language", ""), "" if length == "0" else length,
+                h.get("content-md5", ""), h.get("content-type", ""), "", h.get("if-modified-since", ""),
+                h.get("if-match", ""), h.get("if-none-match", ""), h.get("if-unmodified-since", ""), h.get("range", "")]
+    ms = "".join(f"{k}:{v.strip()}\n" for k, v in sorted(h.items()) if k.startswith("x-ms-"))
+    to_sign = "\n".join(standard) + "\n" + ms + resource
+    digest = hmac.new(base64.b64decode(key), to_sign.encode(), hashlib.sha256).digest()
+    return f"SharedKey {account}:{base64.b64encode(digest).decode()}"

@@ -1,12 +1,14 @@
 """Object stores beside S3 for the lease's tests (tidal/exclusive.py), on 127.0.0.1: a GCS JSON
 API (gcp-storage-emulator's server, with or without the `ifGenerationMatch=0` precondition GCS
-documents for inserts: the emulator ignores it, as some stores do) and an S3-compatible store
+documents for inserts: the emulator ignores it, as some stores do), Azure Blob Storage (Azurite,
+Microsoft's emulator, which checks Shared Key signatures and `If-None-Match`) and an S3-compatible store
 that ignores `If-None-Match` (moto's server behind a proxy that drops the header, as stores
 without conditional writes do). Each in a process of its own, stopped by PID."""
 
 from __future__ import annotations
 
 import contextlib
+import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -121,3 +123,43 @@ def gcs_filesystem(endpoint: str):  # noqa: ANN201 - pyarrow's GcsFileSystem
 
     return pafs.GcsFileSystem(anonymous=True, endpoint_override=endpoint, scheme="http",
                               retry_time_limit=datetime.timedelta(seconds=5))
+
+
+# Azurite's documented development account (public: it opens only the emulator).
+AZURITE_ACCOUNT = "devstoreaccount1"
+AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+
+
+def azurite_path() -> str | None:
+    """Azurite's blob server (`npm install -g azurite`), if installed."""
+    return shutil.which("azurite-blob")
+
+
+@contextlib.contextmanager
+def azurite_blob(folder: Path) -> Iterator[str]:
+    """Azure Blob Storage's emulator on 127.0.0.1, its data and log under `folder`, with a container
+    `tidal`; yields its `host:port`."""
+    server = azurite_path()
+    if server is None:
+        raise RuntimeError("Azurite is not installed: npm install -g azurite")
+    port = free_port()
+    log = folder / "azurite.log"
+    proc = start_in_session([server, "--blobHost", "127.0.0.1", "--blobPort", str(port), "--location",
+                             str(folder / "azurite"), "--silent", "--skipApiVersionCheck"], log)
+    try:
+        wait_for_server(lambda: listens(port), proc, log, "Azurite", timeout=60)
+        azure_filesystem(f"127.0.0.1:{port}").create_dir("tidal")
+        yield f"127.0.0.1:{port}"
+    finally:
+        stop_session(proc, grace_s=5)
+
+
+def azure_filesystem(endpoint: str, key: str | None = AZURITE_KEY):  # noqa: ANN201 - pyarrow's AzureFileSystem
+    """pyarrow's Azure filesystem on Azurite at `endpoint` with the development account's key (`key`
+    None: no key, so Entra ID's credentials would be used)."""
+    import pyarrow.fs as pafs
+
+    auth = {"account_key": key} if key else {}
+    return pafs.AzureFileSystem(account_name=AZURITE_ACCOUNT, blob_storage_authority=endpoint,
+                                dfs_storage_authority=endpoint, blob_storage_scheme="http",
+                                dfs_storage_scheme="http", **auth)
