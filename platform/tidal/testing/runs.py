@@ -1,4 +1,4 @@
-"""A running job's progress as MLflow and its run folder show it."""
+"""A job run for a test or benchmark: in the background (`run_in_background`), and its progress as MLflow and its run folder show it."""
 
 from __future__ import annotations
 
