@@ -10,6 +10,9 @@ checkpoint file from storage (the node's restore cache).
         # the next step's time against the other steps' (prints; the reading goes in docs/benchmarks.md by hand)
     python -m benchmarks.memory_tier --stall-pairs [--pairs 4] [--memory-every 10]   # what the tier costs
         # training: the same job with snapshots and without, no fault, in alternating pairs
+    python -m benchmarks.memory_tier --node-loss [--pairs 4] [--kill-at 17] [--every 10] [--memory-every 3]
+        # a node lost at a ~1.5 GB state (GPT d1024, 8 layers): the group resumes at one worker from the
+        # peer's copy in memory, or from storage (one raylet per simulated node)
 """
 
 from __future__ import annotations
@@ -155,6 +158,93 @@ Median throughput with / without: **{ratio:.3f}** (goal: at least 0.98, a cost u
         update_doc("Memory tier: what snapshots cost training", body)
 
 
+def node_loss_spec(tmp: Path, kind: str, i: int, args: argparse.Namespace) -> JobSpec:
+    """resize_cost's ~1.5 GB state (GPT d1024, 8 layers, ZeRO-2: fp32 weights, Adam's moments), elastic 1-2."""
+    spec = JobSpec(
+        name=f"memnode-{kind}-{i}",
+        model={"n_layer": 8, "n_head": 16, "d_model": 1024, "vocab_size": 256, "seq_len": 64},
+        train={"steps": args.steps, "micro_batch": 2, "global_batch": 4, "lr": 1e-4, "warmup_steps": 1, "log_every": 1},
+        parallelism={"zero_stage": 2},
+        scaling={"min_workers": 1, "max_workers": 2, "elastic_check_s": 2},
+        checkpoint={"every_steps": args.every, "keep": 2, "storage": str(tmp / "runs")},
+        failure={"max_restarts": 3},
+        tracking={"uri": prepared_store(tmp / "mlflow.db"), "experiment": "bench"},
+        worker_env={LOSS_TRACE_ENV: str(tmp / "trace.jsonl"), fetch.CACHE_ENV: str(tmp / "cache")},
+    )
+    return spec.with_overrides({"checkpoint.memory.every_steps": args.memory_every}) if kind == "memory" else spec
+
+
+def node_loss(cluster: Any, args: argparse.Namespace, i: int, kind: str) -> dict[str, Any]:
+    """One run: the node of one of the two workers removed once rank 0 logged step `kill_at`; the seconds
+    from the removal to the first step at one worker and to the first past the step reached, the steps
+    replayed, whether the restore copied a checkpoint file from storage. The node comes back after the run."""
+    from tidal.testing.clusters import add_worker_node
+    from tidal.testing.runs import finished, run_in_background
+
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        spec = node_loss_spec(tmp, kind, i, args)
+        trace = tmp / "trace.jsonl"
+        t, out = run_in_background(spec)  # the cluster changes here: Ray's add_node must run in the main thread
+        wait_for(f"step {args.kill_at}", lambda: not t.is_alive() or any(r["step"] >= args.kill_at
+                                                                        for r in read_trace(trace)), 1800, every=0.05)
+        if not t.is_alive():
+            finished(t, out)  # raises the job's error
+        lost_at = time.time()
+        cluster.remove_node(next(iter(cluster.worker_nodes)))
+        result = finished(t, out, timeout=1800)
+        assert result.error is None, result.error
+        records = read_trace(trace)
+        before = [r for r in records if r["ts"] <= lost_at]
+        after = [r for r in records if r["ts"] > lost_at and r["world"] == 1]
+        reached = max(r["step"] for r in before)
+        past = next(r for r in after if r["step"] > reached)
+        assert sorted({r["step"] for r in records}) == list(range(1, args.steps + 1)), "every step trained"
+        read_storage = bool(list((tmp / "cache").rglob("*.pt")))
+    add_worker_node(cluster)  # for the next run
+    return {f"{kind}_replayed": reached - (after[0]["step"] - 1), f"{kind}_back_s": after[0]["ts"] - lost_at,
+            f"{kind}_past_s": past["ts"] - lost_at, f"{kind}_read_storage": read_storage}
+
+
+def node_loss_pairs(args: argparse.Namespace) -> None:
+    from tidal.testing.clusters import raylet_cluster
+
+    with raylet_cluster(workers=2) as cluster:
+        rounds = paired_rounds(
+            args.pairs, KINDS, lambda i, kind: node_loss(cluster, args, i, kind),
+            lambda r: {"saved_s": r["storage_past_s"] - r["memory_past_s"]},
+            lambda i, r: (f"pair {i + 1}: memory replayed {r['memory_replayed']}, at one worker after "
+                          f"{r['memory_back_s']:.1f} s, past the step reached after {r['memory_past_s']:.1f} s "
+                          f"(storage read: {r['memory_read_storage']}); storage replayed {r['storage_replayed']}, "
+                          f"{r['storage_back_s']:.1f} s, {r['storage_past_s']:.1f} s"))
+    rows = "\n".join(
+        f"| {i + 1} | {r['memory_replayed']} / {r['storage_replayed']} | {r['memory_back_s']:.1f} / "
+        f"{r['storage_back_s']:.1f} | {r['memory_past_s']:.1f} / {r['storage_past_s']:.1f} | "
+        f"{'yes' if r['memory_read_storage'] else 'no'} / {'yes' if r['storage_read_storage'] else 'no'} |"
+        for i, r in enumerate(rounds))
+    med = {k: statistics.median(r[k] for r in rounds) for k in ("memory_back_s", "storage_back_s", "memory_past_s",
+                                                               "storage_past_s")}
+    body = f"""Command: `python -m benchmarks.memory_tier --node-loss --pairs {args.pairs} --steps {args.steps} \
+--kill-at {args.kill_at} --every {args.every} --memory-every {args.memory_every}` ({time.strftime('%Y-%m-%d')}, 2-core CPU
+machine, a Ray cluster of one raylet per simulated node, 1 CPU each, storage on the local disk)
+
+A {args.steps}-step elastic job (1-2 workers) at about 1.5 GB of state (GPT d1024, 8 layers, ZeRO-2: fp32 weights
+and Adam's moments), a persistent checkpoint every {args.every} steps, one worker's node removed once step
+{args.kill_at} is logged; with `checkpoint.memory: {{every_steps: {args.memory_every}}}` (memory: the group resumes at one
+worker from the copy the surviving node's keeper holds for its lost peer) and without (storage), alternating.
+
+| pair | steps replayed, memory / storage | node lost to training at one worker (s) | to past the step reached (s) | a checkpoint file read from storage |
+|---|---|---|---|---|
+{rows}
+
+Medians: training at one worker again after **{med['memory_back_s']:.1f} s** from memory, {med['storage_back_s']:.1f} s
+from storage; past the step reached after **{med['memory_past_s']:.1f} s** / {med['storage_past_s']:.1f} s.
+"""
+    print(body)
+    if not args.no_doc:
+        update_doc("Memory tier: a node lost at a 1.5 GB state", body)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--pairs", type=int, default=4)
@@ -165,7 +255,11 @@ def main() -> None:
     ap.add_argument("--no-doc", action="store_true")
     ap.add_argument("--stall-probe", action="store_true")
     ap.add_argument("--stall-pairs", action="store_true", help="throughput with snapshots / without, no fault")
+    ap.add_argument("--node-loss", action="store_true", help="a node lost at a ~1.5 GB state, memory / storage")
     args = ap.parse_args()
+    if args.node_loss:
+        node_loss_pairs(args)  # a cluster of raylets of its own
+        return
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
     if args.stall_pairs:
         stall_pairs(args)
