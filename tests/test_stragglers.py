@@ -80,3 +80,5 @@ def test_the_wait_for_a_straggler_counts_a_persistently_slow_rank_not_jitter():
     grown = PersistentWait()
     grown.update([0.1, 0.3])
     assert grown.update([0.1, 0.1, 0.1]) == pytest.approx(0.0)  # another group size starts over
+    one = PersistentWait(window=1)
+    assert [one.update([0.1, b]) for b in (0.5, 0.2)] == [pytest.approx(0.4), pytest.approx(0.1)]  # the last only

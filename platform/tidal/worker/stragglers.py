@@ -54,7 +54,8 @@ class PersistentWait:
         if len(busy_s) != len(self.samples):  # the first sample, or another group size
             self.samples = [[] for _ in busy_s]
         for kept, b in zip(self.samples, busy_s, strict=True):
-            kept[:] = [*kept[-(self.window - 1):], b]
+            kept.append(b)
+            del kept[:-self.window]  # the last `window` samples
         means = [statistics.fmean(kept) for kept in self.samples]
         return max(0.0, max(means) - statistics.median_low(means)) if means else 0.0
 
