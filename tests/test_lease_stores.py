@@ -53,6 +53,16 @@ def race(storage: str, n: int = 4) -> list[str]:
     return sorted(results)
 
 
+def one_won_leaving_one_generation(storage: str, store: pafs.FileSystem) -> None:
+    """Of 4 racing starts on `storage` (its bucket/prefix `tidal/runs` on `store`), one won generation 1,
+    and the store's probe left nothing behind."""
+    assert race(storage) == ["refused", "refused", "refused", "won"]
+    holder = lease_mod.latest(store, "tidal/runs/job.lease")
+    assert holder is not None and holder.generation == 1
+    names = [i.base_name for i in store.get_file_info(pafs.FileSelector("tidal/runs/job.lease"))]
+    assert names == ["000000000001.json"], "the probe left nothing behind"
+
+
 def no_exclusive_create(tmp_path: Path) -> pafs.FileSystem:
     """A filesystem pyarrow can use but that has no exclusive create (fsspec's, through pyarrow)."""
     import fsspec
@@ -112,12 +122,7 @@ def test_a_create_whose_read_back_shows_another_nonce_is_lost(tmp_path, monkeypa
 def test_on_gcs_exactly_one_of_racing_starts_wins(tmp_path, monkeypatch):
     with gcs_server(tmp_path / "gcs.log") as endpoint:
         on_store(monkeypatch, gcs_filesystem(endpoint), "tidal/runs")
-        assert race("gs://tidal/runs") == ["refused", "refused", "refused", "won"]
-        holder = lease_mod.latest(gcs_filesystem(endpoint), "tidal/runs/job.lease")
-        assert holder is not None and holder.generation == 1
-        names = [i.base_name for i in gcs_filesystem(endpoint).get_file_info(
-            pafs.FileSelector("tidal/runs/job.lease"))]
-        assert names == ["000000000001.json"], "the probe left nothing behind"
+        one_won_leaving_one_generation("gs://tidal/runs", gcs_filesystem(endpoint))
 
 
 @pytest.mark.slow
@@ -196,12 +201,7 @@ def test_on_azure_blob_storage_exactly_one_of_racing_starts_wins(tmp_path, monke
     monkeypatch.delenv(exclusive.UNFENCED_ENV, raising=False)
     with azurite_blob(tmp_path) as endpoint:
         on_store(monkeypatch, azure_filesystem(endpoint), "tidal/runs")
-        assert race("abfs://tidal/runs") == ["refused", "refused", "refused", "won"]
-        holder = lease_mod.latest(azure_filesystem(endpoint), "tidal/runs/job.lease")
-        assert holder is not None and holder.generation == 1
-        names = [i.base_name for i in azure_filesystem(endpoint).get_file_info(
-            pafs.FileSelector("tidal/runs/job.lease"))]
-        assert names == ["000000000001.json"], "the probe left nothing behind"
+        one_won_leaving_one_generation("abfs://tidal/runs", azure_filesystem(endpoint))
         exclusive._PROBED.clear()
         wrong = azure_filesystem(endpoint, key=base64.b64encode(b"x" * 64).decode())  # Azurite checks the signature
         with pytest.raises(OSError, match="HTTP 403"):

@@ -150,6 +150,23 @@ class _Rejected(OSError):
     """The store answered a conditional create with 'not supported' (not a precondition failure)."""
 
 
+def _conditional(request: urllib.request.Request, where: str, taken: tuple[int, ...]) -> bool:
+    """Send a conditional create through a store's REST API: True when it created `where`, False when
+    the store answered one of `taken` (another create won); _Rejected when it does not support the
+    condition, OSError for any other failure."""
+    try:
+        with urllib.request.urlopen(request, timeout=60):
+            return True
+    except urllib.error.HTTPError as e:
+        if e.code in taken:
+            return False
+        if e.code in (400, 501):
+            raise _Rejected(f"HTTP {e.code}") from None
+        raise OSError(f"could not create {where}: HTTP {e.code} {e.reason}") from None
+    except urllib.error.URLError as e:
+        raise OSError(f"could not create {where}: {e.reason}") from None
+
+
 def _describe(store: pafs.FileSystem, path: str) -> str:
     options = _options(store)
     endpoint = options.get("endpoint_override") or options.get("blob_storage_authority")
@@ -283,18 +300,7 @@ def _gcs_create_exclusive(store: pafs.GcsFileSystem, path: str, blob: bytes) -> 
     headers = {"Content-Type": "application/octet-stream"}
     if token := _gcs_token(options):
         headers["Authorization"] = f"Bearer {token}"
-    request = urllib.request.Request(url, data=blob, method="POST", headers=headers)
-    try:
-        with urllib.request.urlopen(request, timeout=60):
-            return True
-    except urllib.error.HTTPError as e:
-        if e.code == 412:
-            return False
-        if e.code in (400, 501):
-            raise _Rejected(f"HTTP {e.code}") from None
-        raise OSError(f"could not create gs://{path}: HTTP {e.code} {e.reason}") from None
-    except urllib.error.URLError as e:
-        raise OSError(f"could not create gs://{path}: {e.reason}") from None
+    return _conditional(urllib.request.Request(url, data=blob, method="POST", headers=headers), f"gs://{path}", (412,))
 
 
 def _gcs_base(options: dict[str, Any]) -> str:
@@ -365,18 +371,9 @@ def _azure_create_exclusive(store: pafs.FileSystem, path: str, blob: bytes) -> b
     else:
         headers["Authorization"] = _shared_key(account, str(options["account_key"]), "PUT", headers,
                                                f"{resource}/{quoted}")
-    request = urllib.request.Request(url, data=blob, method="PUT", headers=headers)
-    try:
-        with urllib.request.urlopen(request, timeout=60):
-            return True
-    except urllib.error.HTTPError as e:
-        if e.code in (409, 412):  # BlobAlreadyExists / ConditionNotMet: another create won
-            return False
-        if e.code in (400, 501):
-            raise _Rejected(f"HTTP {e.code}") from None
-        raise OSError(f"could not create abfs://{path}: HTTP {e.code} {e.reason}") from None
-    except urllib.error.URLError as e:
-        raise OSError(f"could not create abfs://{path}: {e.reason}") from None
+    # 409 BlobAlreadyExists or 412 ConditionNotMet: another create won
+    return _conditional(urllib.request.Request(url, data=blob, method="PUT", headers=headers), f"abfs://{path}",
+                        (409, 412))
 
 
 def _http_date() -> str:
