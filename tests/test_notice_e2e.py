@@ -41,6 +41,16 @@ def cluster() -> Iterator:
         yield c
 
 
+@pytest.fixture(autouse=True)
+def nodes_removed_after(cluster) -> Iterator[None]:
+    """Each test starts from a cluster with no worker node, whether the one before passed or not: a
+    failed test's nodes left behind took the next test's job, so that its warned node sat idle and Ray
+    drained it at once (the full extended run of 2026-12-06)."""
+    yield
+    for node in list(cluster.worker_nodes):
+        cluster.remove_node(node)
+
+
 def records(trace: Path) -> list[dict]:
     """Every log step rank 0 trained, in every life of the job (worker/metrics.trace_loss)."""
     return [json.loads(line) for line in trace.read_text().splitlines()] if trace.exists() else []
@@ -68,13 +78,20 @@ def warned_job(tmp: Path, name: str, **extra: object) -> tuple:
     return spec, hold, trace
 
 
-def assert_saved_at_the_step_reached_and_resumed_there(out: str, trace: Path) -> int:
+def shrank_since(trace: Path, warned_at: int) -> bool:
+    """Whether a group at 1 worker trained after the warning (`warned_at`: how many records the trace held
+    then). An elastic job may start at 1 worker, before Ray sees the second node's CPU, and grow to 2:
+    that early group is not the shrink the warning brings."""
+    return any(r["world"] == 1 for r in records(trace)[warned_at:])
+
+
+def assert_saved_at_the_step_reached_and_resumed_there(out: str, trace: Path, warned_at: int) -> int:
     """The emergency checkpoint's step N; the group at 2 trained up to N and no further, and the
-    group at 1 started at N + 1: no step lost, none trained twice."""
+    group at 1 started at N + 1: no step lost, none trained twice (records since the warning)."""
     said = re.findall(r"preemption warning: saving an emergency checkpoint at step (\d+)", out)
     assert len(said) == 1, f"one emergency checkpoint, not {said}"
     n = int(said[0])
-    recs = records(trace)
+    recs = records(trace)[warned_at:]
     first_small = next(i for i, r in enumerate(recs) if r["world"] == 1)
     assert max(r["step"] for r in recs[:first_small]) == n, "no step trained past the save on the warned group"
     assert recs[first_small]["step"] == n + 1, f"resumed at {recs[first_small]['step']}, saved at {n}"
@@ -109,8 +126,9 @@ def warned_run(cluster, tmp: Path, capfd, cloud: str, warn: Callable[[MetadataSt
                 assert {r["world"] for r in records(trace)} == {2}, "advice drains nothing"
             if warn_at > 20:
                 wait_for(f"step {warn_at}", lambda: records(trace)[-1]["step"] >= warn_at, timeout=300)
+            warned_at = len(records(trace))
             warn(md)
-            wait_for("the group at 1 worker", lambda: any(r["world"] == 1 for r in records(trace)), timeout=180,
+            wait_for("the group at 1 worker", lambda: shrank_since(trace, warned_at), timeout=180,
                      context=lambda: (tmp / "watcher.log").read_text())
             cluster.remove_node(a)  # the deadline passed: the cloud takes the instance
             add_worker_node(cluster)  # capacity returns
@@ -121,14 +139,12 @@ def warned_run(cluster, tmp: Path, capfd, cloud: str, warn: Callable[[MetadataSt
             stop_session(watcher, grace_s=5)
     log = (tmp / "watcher.log").read_text()
     assert "drained this Ray node" in log and log.count("drained this Ray node") == 1, log
-    n = assert_saved_at_the_step_reached_and_resumed_there(capfd.readouterr().out, trace)
+    n = assert_saved_at_the_step_reached_and_resumed_there(capfd.readouterr().out, trace, warned_at)
     loss = metric_history(spec, out["result"].mlflow_run_id, "loss")
     assert sorted(loss) == list(range(1, 301)), "every step done, each logged once"
     sizes = [r["world"] for r in records(trace)]
     assert [s for i, s in enumerate(sizes) if i == 0 or s != sizes[i - 1]][-3:] == [2, 1, 2], sizes
     assert n >= warn_at
-    for node in list(cluster.worker_nodes):  # the next test starts from an empty cluster
-        cluster.remove_node(node)
     return log, n
 
 
@@ -169,8 +185,6 @@ def test_kubernetes_prestop_run_as_the_pod_runs_it_saves_at_the_step_reached(clu
     kubelet runs it (exec, the container's environment: KubeRay's RAY_ADDRESS and MY_POD_IP, token
     auth) on the raylet of a simulated pod at its own address; only its deadline is shortened (105 s
     there). Kubernetes then stops the pod: the raylet goes."""
-    for node in list(cluster.worker_nodes):
-        cluster.remove_node(node)
     pod = cluster.add_node(num_cpus=1, node_ip_address=POD_IP)
     add_worker_node(cluster)
     spec, hold, trace = warned_job(tmp_path, "evicted")
@@ -180,16 +194,15 @@ def test_kubernetes_prestop_run_as_the_pod_runs_it_saves_at_the_step_reached(clu
     t, out = run_in_background(spec)
     wait_for("20 steps at 2 workers",
              lambda: any(r["step"] >= 20 and r["world"] == 2 for r in records(trace)), timeout=300)
+    warned_at = len(records(trace))
     stop = subprocess.run(command, env=env, capture_output=True, text=True, timeout=DEADLINE_S + 60)
     assert stop.returncode == 0, stop.stdout + stop.stderr
     assert f"drained node {pod.node_id}" in stop.stdout, stop.stdout
     cluster.remove_node(pod)  # the preStop returned: Kubernetes stops the pod
-    wait_for("the group at 1 worker", lambda: any(r["world"] == 1 for r in records(trace)), timeout=180)
+    wait_for("the group at 1 worker", lambda: shrank_since(trace, warned_at), timeout=180)
     add_worker_node(cluster)  # the pod's replacement
     wait_for("the group back at 2", lambda: records(trace)[-1]["world"] == 2, timeout=240)
     hold.unlink()
     finished(t, out)
-    assert_saved_at_the_step_reached_and_resumed_there(capfd.readouterr().out, trace)
+    assert_saved_at_the_step_reached_and_resumed_there(capfd.readouterr().out, trace, warned_at)
     assert sorted(metric_history(spec, out["result"].mlflow_run_id, "loss")) == list(range(1, 301))
-    for node in list(cluster.worker_nodes):
-        cluster.remove_node(node)
