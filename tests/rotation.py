@@ -14,7 +14,8 @@ yet counts as `UNMEASURED_S`. Regenerate after adding extended tests:
 
     python -m pytest -m extended --durations=0 | python -m tests.rotation --record
 
-A test that failed is not recorded (it stopped early); one measured before keeps the longer of its times.
+A test that failed is not recorded (it stopped early); one measured before keeps the longer of its times; a test
+that is not extended (any more) is dropped.
 """
 
 from __future__ import annotations
@@ -127,8 +128,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         measured = parse_durations(sys.stdin)
         kept = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
         kept |= {test: max(s, kept.get(test, 0.0)) for test, s in measured.items()}
+        # Only extended tests: a report of a run that also took suite tests, or a test renamed or moved back
+        # into the suite, would otherwise leave entries the rotation never reads.
+        extended, before = set(_collect()), len(kept)
+        kept = {test: s for test, s in kept.items() if test in extended}
+        dropped = before - len(kept)
         DURATIONS.write_text(json.dumps(dict(sorted(kept.items())), indent=1) + "\n")
-        print(f"recorded {len(measured)} durations in {DURATIONS.relative_to(ROOT)} ({len(kept)} in all)", file=sys.stderr)
+        print(f"recorded {len(measured)} durations in {DURATIONS.relative_to(ROOT)} ({len(kept)} in all; "
+              f"{dropped} of tests that are not extended dropped)", file=sys.stderr)
         return 0
     measured = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
     commits, sha = _commit()
