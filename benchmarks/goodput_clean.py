@@ -14,6 +14,7 @@ to time: its only cost in the workers is one event per group and two clock reads
 from __future__ import annotations
 
 import argparse
+import math
 import tempfile
 import time
 from pathlib import Path
@@ -41,7 +42,21 @@ def run_once(tmp: Path, steps: int, i: int) -> dict[str, float]:
     wall = time.time() - t0
     g = goodput_check.ledger(spec.tracking.uri, result.mlflow_run_id)
     after = g["goodput_wall_s"] - g["goodput_queue_s"] - g["goodput_startup_s"] - g["goodput_restore_s"]
-    return {**g, "bench_wall_s": wall, "after_start_s": after, "productive_after": g["goodput_productive_s"] / after}
+    return {**g, "bench_wall_s": wall, "after_start_s": after, "productive_after": g["goodput_productive_s"] / after,
+            **_slowest(spec.tracking.uri, result.mlflow_run_id)}
+
+
+def _slowest(uri: str, run_id: str) -> dict[str, float]:
+    """Which rank was the slowest at the sampled log steps, and by how much (the straggler wait's
+    source): `slowest_rank0_share`, the share of log steps where rank 0 was; `median_ratio`, the
+    median of the slowest rank's busy time over the median rank's."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    ranks = [m.value for m in client.get_metric_history(run_id, "straggler_rank")]
+    ratios = sorted(m.value for m in client.get_metric_history(run_id, "straggler_ratio"))
+    return {"slowest_rank0_share": ranks.count(0.0) / len(ranks) if ranks else math.nan,
+            "median_ratio": ratios[len(ratios) // 2] if ratios else math.nan}
 
 
 SHOWN = ("productive", "queue", "startup", "restore", "checkpoint_stall", "post_save_slowdown", "other")
@@ -58,13 +73,15 @@ def report(runs: list[dict[str, float]], command: str) -> str:
              "one local Ray instance)", "",
              "| run | wall (account / benchmark) | start-up (queue + start-up + restore) | wall after start-up | "
              "productive / wall after start-up | checkpoint stall | post-save slowdown | other (logging, teardown) | "
-             "goodput of the whole wall | every other bucket over 0.05 s |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "goodput of the whole wall | every other bucket over 0.05 s | slowest rank: rank 0's share of log steps, "
+             "median slowest / median busy time |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for i, r in enumerate(runs, start=1):
         start = r["goodput_queue_s"] + r["goodput_startup_s"] + r["goodput_restore_s"]
         lines.append(f"| {i} | {r['goodput_wall_s']:.1f} s / {r['bench_wall_s']:.1f} s | {start:.1f} s | "
                      f"{r['after_start_s']:.1f} s | **{r['productive_after']:.1%}** (claim >= {CLAIM:.0%}) | "
                      f"{r['goodput_checkpoint_stall_s']:.2f} s | {r['goodput_post_save_slowdown_s']:.2f} s | "
-                     f"{r['goodput_other_s']:.2f} s | {r['goodput']:.1%} | {_rest(r)} |")
+                     f"{r['goodput_other_s']:.2f} s | {r['goodput']:.1%} | {_rest(r)} | "
+                     f"{r['slowest_rank0_share']:.0%}, {r['median_ratio']:.3f} |")
     return "\n".join(lines) + "\n"
 
 
