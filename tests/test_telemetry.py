@@ -59,7 +59,10 @@ def test_flops_formula_matches_a_hand_count():
 @pytest.mark.usefixtures("ray_local")
 def test_run_leaves_metrics_artifacts_and_tables(tmp_path, capsys):
     spec = tiny_spec(tmp_path, name="telemetry", **{"train.steps": 10, "train.log_every": 2, **ONE_WORKER})
-    run_id = tidal.run(spec).mlflow_run_id
+    result = tidal.run(spec)
+    run_id = result.mlflow_run_id
+    # the link the end summary prints, built by the tracker (the driver does not import MLflow for it)
+    assert result.url == f"mlflow ui --backend-store-uri {spec.tracking.uri}   (then open http://127.0.0.1:5000, run {run_id})"
     for key in EXPECTED:
         assert sorted(metric_history(spec, run_id, key)) == [2, 4, 6, 8, 10], key
     for key in HOST:  # from the first log step on, at log steps only

@@ -5,6 +5,7 @@ The CLI, the SDK and the Ray Jobs entrypoint all end here.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -160,12 +161,12 @@ def _train(spec: JobSpec, run_dir: RunDir, job: dict[str, Any], tags: dict[str, 
                          f"Its checkpoints are in {run_dir.path}; run the same command again to resume.") from e
     finally:
         _free_memory_tier(spec)
-        run_id, latest, left = _close_tracker(spec, tracker, ok, t0, pump, lease)
+        (run_id, latest, left), url = _close_tracker(spec, tracker, ok, t0, pump, lease)
         if left:
             print(f"[tidal] WARNING: {left} metric point(s) could not reach MLflow; they stay in "
                   f"{run_dir.path}/{BUFFER_DIR} and are sent when this job runs again", flush=True)
     return RunResult(spec.name, run_id or "", spec.tracking.uri, spec.checkpoint.storage, latest, time.time() - t0,
-                     url=_safe_url(spec, run_id) if run_id else "")
+                     url=url or (_safe_url(spec, run_id) if run_id else ""))
 
 
 def _free_memory_tier(spec: JobSpec, why: str = "") -> None:
@@ -290,16 +291,18 @@ def _check_vocab(spec: JobSpec) -> None:
 
 
 def _close_tracker(spec: JobSpec, tracker: Any, ok: bool, t0: float, pump: ConsolePump,
-                   lease: Lease) -> tuple[str | None, dict[str, float], int]:
+                   lease: Lease) -> tuple[tuple[str | None, dict[str, float], int], str | None]:
     """Stop the tracker, first giving an unreachable MLflow up to `tracking.flush_timeout_s` to
     come back; it ends the run. If the actor cannot be reached, one in this process does.
-    A driver whose job was taken over by a newer start ends nothing: the run is the newer one's."""
+    A driver whose job was taken over by a newer start ends nothing: the run is the newer one's.
+    Returns what the run's close returns (run id, last values, points unsent) and the run's link
+    as the tracker built it (None: build it here)."""
     import ray
 
     if lease.lost.is_set():
         pump.stop()
         ray.kill(tracker)
-        return None, {}, 0
+        return (None, {}, 0), None
 
     timeout_s = spec.tracking.flush_timeout_s
     try:
@@ -314,9 +317,13 @@ def _close_tracker(spec: JobSpec, tracker: Any, ok: bool, t0: float, pump: Conso
     except ray.exceptions.RayError as e:
         print(f"[tidal] the tracker actor is gone ({type(e).__name__}); finishing tracking in the driver", flush=True)
         closed = None
+    url = None
+    if closed is not None:
+        with contextlib.suppress(ray.exceptions.RayError):  # a link MLflow cannot build now: the driver's fallback
+            url = ray.get(tracker.run_url.remote(), timeout=timeout_s)
     pump.stop()  # before the kill: the lines the tracker printed while closing the run
     ray.kill(tracker)
-    return closed if closed is not None else _finish_here(spec, ok, t0, lease)
+    return (closed if closed is not None else _finish_here(spec, ok, t0, lease)), url
 
 
 def _finish_here(spec: JobSpec, ok: bool, t0: float, lease: Lease) -> tuple[str | None, dict[str, float], int]:
