@@ -11,10 +11,12 @@ from tidal.cli import main
 from tidal.launch import jobs
 from tidal.output import print_record
 from tidal.storage import RunDir
+from tidal.testing.processes import free_port
 from tidal.tracking.buffer import MetricsBuffer
 from tidal.tracking.console import Console
 from tidal.tracking.emitter import Emitter
 from tidal.tracking.ledger import Ledger
+from tidal.tracking.reader import safe_run_url
 from tidal.tracking.writer import RunWriter
 
 
@@ -129,3 +131,13 @@ def test_follow_ends_with_the_job_not_with_rays_stream(monkeypatch):
     follower.join(30)
     assert not follower.is_alive(), "follow waited for Ray to close the stream of a job that had ended"
     assert got == ["a", "b", "c"] and client.tailed, "streamed, then the rest read once the job had ended"
+
+
+def test_a_runs_link_names_its_store_and_is_the_servers_address_once_the_server_is_gone(tmp_path):
+    """The end summary's link (built by the tracker at the job's end): a local store's `mlflow ui` command;
+    for a server that no longer answers, its address, without failing the finished job."""
+    spec = tiny_spec(tmp_path, name="link")
+    assert safe_run_url(spec, "abc") == (f"mlflow ui --backend-store-uri {spec.tracking.uri}   "
+                                         "(then open http://127.0.0.1:5000, run abc)")
+    gone = tiny_spec(tmp_path, name="link", **{"tracking.uri": f"http://127.0.0.1:{free_port()}"})
+    assert safe_run_url(gone, "abc") == gone.tracking.uri

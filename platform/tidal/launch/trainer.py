@@ -166,7 +166,7 @@ def _train(spec: JobSpec, run_dir: RunDir, job: dict[str, Any], tags: dict[str, 
             print(f"[tidal] WARNING: {left} metric point(s) could not reach MLflow; they stay in "
                   f"{run_dir.path}/{BUFFER_DIR} and are sent when this job runs again", flush=True)
     return RunResult(spec.name, run_id or "", spec.tracking.uri, spec.checkpoint.storage, latest, time.time() - t0,
-                     url=url or (_safe_url(spec, run_id) if run_id else ""))
+                     url=url or (_link_here(spec, run_id) if run_id else ""))
 
 
 def _free_memory_tier(spec: JobSpec, why: str = "") -> None:
@@ -319,7 +319,7 @@ def _close_tracker(spec: JobSpec, tracker: Any, ok: bool, t0: float, pump: Conso
         closed = None
     url = None
     if closed is not None:
-        with contextlib.suppress(ray.exceptions.RayError):  # a link MLflow cannot build now: the driver's fallback
+        with contextlib.suppress(ray.exceptions.RayError):  # the tracker gone or stuck: the driver builds it
             url = ray.get(tracker.run_url.remote(), timeout=timeout_s)
     pump.stop()  # before the kill: the lines the tracker printed while closing the run
     ray.kill(tracker)
@@ -419,14 +419,11 @@ def _ray_tags(spec: JobSpec, run_dir: RunDir) -> dict[str, str]:
     return tags
 
 
-def _safe_url(spec: JobSpec, run_id: str) -> str:
-    from tidal.tracking.reader import run_url
+def _link_here(spec: JobSpec, run_id: str) -> str:
+    """The run's link when the tracker could not build it (it is gone): MLflow loaded in this process."""
+    from tidal.tracking.reader import safe_run_url
 
-    try:
-        return run_url(spec, run_id)
-    except Exception as e:  # noqa: BLE001 - the job is done: a link MLflow cannot build now falls back to the store's address
-        log.debug("no MLflow link for run %s: %s: %s", run_id, type(e).__name__, e)
-        return spec.tracking.uri
+    return safe_run_url(spec, run_id)
 
 
 def _describe_scaling(spec: JobSpec) -> str:

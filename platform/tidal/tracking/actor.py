@@ -52,10 +52,10 @@ class TrackerActor:
     def run_url(self) -> str | None:
         """How a person opens the run (tracking/reader.py), built here, where MLflow is loaded: the
         driver importing MLflow for this one link cost each `tidal run` about 1 s after its job ended."""
-        from tidal.tracking.reader import run_url
+        from tidal.tracking.reader import safe_run_url
 
         run_id = self.tracker.run_id()
-        return run_url(self.tracker.spec, run_id) if run_id else None
+        return safe_run_url(self.tracker.spec, run_id) if run_id else None
 
 
 def start_tracker(spec: JobSpec, tags: dict[str, str], record: dict[str, Any] | None,

@@ -6,6 +6,7 @@ Everything Tidal writes to MLflow goes through tracking/writer.py; this module o
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import Any
 
@@ -18,6 +19,7 @@ from tidal.spec.job import JobSpec
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
 PROGRESS_TAG = "tidal.progress"
+log = logging.getLogger("tidal")
 
 
 def client(spec: JobSpec) -> MlflowClient:
@@ -31,6 +33,16 @@ def run_url(spec: JobSpec, run_id: str) -> str:
         exp = client(spec).get_run(run_id).info.experiment_id
         return f"{uri.rstrip('/')}/#/experiments/{exp}/runs/{run_id}"
     return f"mlflow ui --backend-store-uri {uri}   (then open http://127.0.0.1:5000, run {run_id})"
+
+
+def safe_run_url(spec: JobSpec, run_id: str) -> str:
+    """`run_url`, or the store's address when MLflow cannot say which experiment holds the run (the
+    job is done: a server that went away costs the link, not the job)."""
+    try:
+        return run_url(spec, run_id)
+    except Exception as e:  # noqa: BLE001 - any failure to reach the store: its address is still a way in
+        log.debug("no MLflow link for run %s: %s: %s", run_id, type(e).__name__, e)
+        return spec.tracking.uri
 
 
 def read_progress(tracking_uri: str, run_id: str) -> dict[str, Any]:
