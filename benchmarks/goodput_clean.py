@@ -22,8 +22,9 @@ from pathlib import Path
 import ray
 
 from benchmarks import goodput_check
-from benchmarks.common import ROOT, update_doc
+from benchmarks.common import ROOT, history, update_doc
 from tidal.goodput.account import BUCKETS
+from tidal.spec.job import JobSpec
 from tidal.spec.load import load_spec
 from tidal.testing.runs import prepared_store
 
@@ -43,18 +44,15 @@ def run_once(tmp: Path, steps: int, i: int) -> dict[str, float]:
     g = goodput_check.ledger(spec.tracking.uri, result.mlflow_run_id)
     after = g["goodput_wall_s"] - g["goodput_queue_s"] - g["goodput_startup_s"] - g["goodput_restore_s"]
     return {**g, "bench_wall_s": wall, "after_start_s": after, "productive_after": g["goodput_productive_s"] / after,
-            **_slowest(spec.tracking.uri, result.mlflow_run_id)}
+            **_slowest(spec, result.mlflow_run_id)}
 
 
-def _slowest(uri: str, run_id: str) -> dict[str, float]:
+def _slowest(spec: JobSpec, run_id: str) -> dict[str, float]:
     """Which rank was the slowest at the sampled log steps, and by how much (the straggler wait's
     source): `slowest_rank0_share`, the share of log steps where rank 0 was; `median_ratio`, the
     median of the slowest rank's busy time over the median rank's."""
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(uri)
-    ranks = [m.value for m in client.get_metric_history(run_id, "straggler_rank")]
-    ratios = sorted(m.value for m in client.get_metric_history(run_id, "straggler_ratio"))
+    ranks = [v for v, _ in history(spec, run_id, "straggler_rank").values()]
+    ratios = sorted(v for v, _ in history(spec, run_id, "straggler_ratio").values())
     return {"slowest_rank0_share": ranks.count(0.0) / len(ranks) if ranks else math.nan,
             "median_ratio": ratios[len(ratios) // 2] if ratios else math.nan}
 
