@@ -4,10 +4,12 @@ never two attempts mixed, a peer's copy counts), and what a keeper keeps (prune,
 
 from __future__ import annotations
 
+import pyarrow.fs as pafs
 import pytest
+import torch
 
 from tidal.spec.job import JobSpec
-from tidal.worker.checkpoint import keeper
+from tidal.worker.checkpoint import held_files, keeper
 from tidal.worker.checkpoint.keeper import Keeper
 from tidal.worker.checkpoint.route import Held, Layout, Load, from_memory, newest
 
@@ -91,7 +93,7 @@ def test_a_keeper_keeps_the_complete_snapshot_and_the_one_being_written():
     # step 9's first shard arrives with step 6 agreed complete: 3 goes, 6 stays, 9 is being written
     assert k.put("a", 9, 0, {"world_size": 2}, {"f": b"x" * 100}, prune_below=6) is None
     assert sorted({(e["step"], e["rank"]) for e in k.listing()}) == [(6, 0), (6, 1), (9, 0)]
-    assert k.get("a", 6, 1, ["f"]) == {"f": b"x" * 100}
+    assert {n: bytes(b) for n, b in k.get("a", 6, 1, ["f"]).items()} == {"f": b"x" * 100}
     assert k.get("a", 3, 1, ["f"]) is None and k.get("a", 6, 1, ["missing"]) is None
     assert all(e["held_on"] == "n0" for e in k.listing())
 
@@ -108,3 +110,27 @@ def test_keeper_names_carry_the_job_and_the_node():
     name = keeper.name("my:job", "abc123")
     assert keeper.job_of(name) == "my:job"
     assert keeper.job_of("tidal-tracker:x") is None
+
+
+def test_a_snapshot_in_memory_reads_as_a_checkpoint_folder_and_refuses_writes(tmp_path):
+    """What a by-range resize calls on storage, on the keepers' buffers (held_files): the tag folder's listing,
+    sizes, byte ranges, a whole-file copy into the node's cache; and a write is refused, not half done."""
+    k = Keeper("job", "n0", limit_bytes=None)
+    torch.save({"w": torch.arange(1000.0)}, tmp_path / "saved.pt")
+    data = (tmp_path / "saved.pt").read_bytes()
+    assert k.put("a", 3, 0, {}, {"zero_pp_rank_0_mp_rank_00_optim_states.pt": data}) is None
+    got = k.get("a", 3, 0, ["zero_pp_rank_0_mp_rank_00_optim_states.pt"])
+    held = held_files.filesystem({f"memory-3/global_step3/{n}": b for n, b in got.items()})
+    path = "memory-3/global_step3/zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    [info] = held.get_file_info([path])
+    assert (info.type, info.size) == (pafs.FileType.File, len(data))
+    assert [i.path for i in held.get_file_info(pafs.FileSelector("memory-3/global_step3"))] == [path]
+    assert held.get_file_info(["memory-3/global_step4"])[0].type == pafs.FileType.NotFound
+    with held.open_input_file(path) as f:
+        assert f.read_at(100, len(data) - 100) == data[-100:]
+    pafs.copy_files(path, str(tmp_path / "copy.pt"), source_filesystem=held,
+                    destination_filesystem=pafs.LocalFileSystem())
+    assert torch.equal(torch.load(tmp_path / "copy.pt")["w"], torch.arange(1000.0))
+    with pytest.raises(OSError, match="read-only"):
+        held.delete_file(path)
+    assert k.get("a", 3, 0, ["another.pt"]) is None

@@ -86,12 +86,16 @@ class Keeper:
         return [{"attempt": a, "step": s, "rank": r, **facts, "sizes": {n: len(b) for n, b in files.items()}}
                 for (a, s, r), (facts, files) in self.shards.items()]
 
-    def get(self, attempt: str, step: int, rank: int, names: list[str]) -> dict[str, bytes] | None:
-        """The files `names` of a shard, or None if it is not held (any more)."""
+    def get(self, attempt: str, step: int, rank: int, names: list[str]) -> dict[str, Any] | None:
+        """The files `names` of a shard (each a numpy uint8 view of the bytes held), or None if it is
+        not held (any more). As numpy arrays, Ray copies them once into its object store and the
+        caller reads them there without a copy; as bytes they were pickled and unpickled whole."""
+        import numpy as np
+
         shard = self.shards.get((attempt, step, rank))
         if shard is None or any(n not in shard[1] for n in names):
             return None
-        return {n: shard[1][n] for n in names}
+        return {n: np.frombuffer(shard[1][n], dtype=np.uint8) for n in names}
 
     def stats(self) -> dict[str, Any]:
         return {"node_id": self.node_id, "bytes": self.held_bytes(), "shards": len(self.shards),
