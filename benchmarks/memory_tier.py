@@ -8,8 +8,9 @@ checkpoint file from storage (the node's restore cache).
     python -m benchmarks.memory_tier [--pairs 4] [--kill-at 90] [--every 50] [--memory-every 5]
     python -m benchmarks.memory_tier --stall-probe [--memory-every 5]   # one run: a snapshot's stall and
         # the next step's time against the other steps' (prints; the reading goes in docs/benchmarks.md by hand)
-    python -m benchmarks.memory_tier --stall-pairs [--pairs 4] [--memory-every 10]   # what the tier costs
-        # training: the same job with snapshots and without, no fault, in alternating pairs
+    python -m benchmarks.memory_tier --stall-pairs [--pairs 4] [--memory-every 10] [--large]   # what the tier
+        # costs training: the same job with snapshots and without, no fault, in alternating pairs (--large:
+        # the node-loss rounds' ~1.5 GB state on two raylets, each snapshot copied to the peer's keeper too)
     python -m benchmarks.memory_tier --node-loss [--pairs 4] [--kill-at 17] [--every 10] [--memory-every 3]
         # a node lost at a ~1.5 GB state (GPT d1024, 8 layers): the group resumes at one worker from the
         # peer's copy in memory, or from storage (one raylet per simulated node)
@@ -36,14 +37,23 @@ from tidal.worker.checkpoint import fetch
 from tidal.worker.metrics import LOSS_TRACE_ENV
 
 KINDS = ("memory", "storage")
+# Each simulated node's object store at the ~1.5 GB state: a rank's shard (~0.77 GB) handed over, a peer's
+# copy pulled in, a restore's shards fetched. Ray's test clusters give 150 MiB (a real node: 30% of its
+# memory); past it Ray allocates objects on disk, which the invocations before 2026-12-06 15:30 measured.
+NODE_STORE_BYTES = 3 * 2**30
+
+
+LARGE_MODEL = {"n_layer": 8, "n_head": 16, "d_model": 1024, "vocab_size": 256, "seq_len": 64}  # ~1.5 GB of state
+LARGE_TRAIN = {"micro_batch": 2, "global_batch": 4, "lr": 1e-4, "warmup_steps": 1, "log_every": 1}
 
 
 def spec_for(tmp: Path, kind: str, i: int, args: argparse.Namespace) -> JobSpec:
+    large = getattr(args, "large", False)
     spec = JobSpec(
         name=f"memtier-{kind}-{i}",
-        model={"n_layer": 4, "n_head": 4, "d_model": 256, "vocab_size": 256, "seq_len": 64},
-        train={"steps": args.steps, "micro_batch": 8, "global_batch": 32, "lr": 3e-4, "warmup_steps": 10,
-               "log_every": 1},
+        model=LARGE_MODEL if large else {"n_layer": 4, "n_head": 4, "d_model": 256, "vocab_size": 256, "seq_len": 64},
+        train={"steps": args.steps, **(LARGE_TRAIN if large else {"micro_batch": 8, "global_batch": 32, "lr": 3e-4,
+                                                                  "warmup_steps": 10, "log_every": 1})},
         parallelism={"zero_stage": 2},
         scaling={"min_workers": 2, "max_workers": 2},
         checkpoint={"every_steps": args.every, "keep": 2, "storage": str(tmp / "runs")},
@@ -115,17 +125,18 @@ def stall_probe(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def throughput(args: argparse.Namespace, i: int, kind: str) -> dict[str, Any]:
-    """Seconds a step, from rank 0's loss trace between step 21 and the last (past the first
-    snapshots' warm-up and the first copy to the peer), of a run with no fault and no persistent
-    checkpoint before its end: a snapshot's stall and the slowdown of the steps beside its hand-over
-    are inside the wall-clock steps, whatever part of the step they fall in."""
+    """Seconds a step, from rank 0's loss trace between step `first` (21; 6 with --large) and the last
+    (past the first snapshots' warm-up and the first copy to the peer), of a run with no fault and no
+    persistent checkpoint before its end: a snapshot's stall and the slowdown of the steps beside its
+    hand-over are inside the wall-clock steps, whatever part of the step they fall in."""
+    first = 5 if args.large else 20
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         spec = spec_for(tmp, kind, i, args)
         result = tidal.run(spec)
         assert result.error is None, result.error
         ts = {r["step"]: r["ts"] for r in read_trace(tmp / "trace.jsonl")}
-    return {f"{kind}_step_s": (ts[args.steps] - ts[20]) / (args.steps - 20)}
+    return {f"{kind}_step_s": (ts[args.steps] - ts[first]) / (args.steps - first)}
 
 
 def stall_pairs(args: argparse.Namespace) -> None:
@@ -138,12 +149,16 @@ def stall_pairs(args: argparse.Namespace) -> None:
     rows = "\n".join(f"| {i + 1} | {r['memory_step_s'] * 1000:.1f} | {r['storage_step_s'] * 1000:.1f} | {r['ratio']:.3f} |"
                      for i, r in enumerate(rounds))
     ratio = statistics.median(r["ratio"] for r in rounds)
+    where, job, first = ((f"a Ray cluster of two 1-CPU raylets with a {NODE_STORE_BYTES / 2**30:.0f} GiB object store each, so each snapshot "
+                          "is also copied to the peer's keeper",
+                          "GPT d1024, 8 layers: about 1.5 GB of state", 6) if args.large else
+                         ("one local Ray instance", "GPT d256, 4 layers", 21))
     body = f"""Command: `python -m benchmarks.memory_tier --stall-pairs --pairs {args.pairs} --steps {args.steps} \
---memory-every {args.memory_every}` ({time.strftime('%Y-%m-%d')}, 2-core CPU machine, one local Ray instance)
+--memory-every {args.memory_every}{' --large' if args.large else ''}` ({time.strftime('%Y-%m-%d')}, 2-core CPU machine, {where})
 
-The same job as the worker-kill rounds (GPT d256, 4 layers, ZeRO-2, 2 workers, {args.steps} steps, no fault, no
+The same job as the {'node-loss rounds' if args.large else 'worker-kill rounds'} ({job}, ZeRO-2, 2 workers, {args.steps} steps, no fault, no
 persistent checkpoint before the end) with `checkpoint.memory: {{every_steps: {args.memory_every}}}` and without,
-alternating, which goes first alternating too. Seconds a step from rank 0's loss trace, steps 21 to {args.steps}:
+alternating, which goes first alternating too. Seconds a step from rank 0's loss trace, steps {first} to {args.steps}:
 wall clock, so a snapshot's stall and the slowdown beside its hand-over to the node's keeper and the copy to the
 peer are inside it.
 
@@ -155,7 +170,7 @@ Median throughput with / without: **{ratio:.3f}** (goal: at least 0.98, a cost u
 """
     print(body)
     if not args.no_doc:
-        update_doc("Memory tier: what snapshots cost training", body)
+        update_doc("Memory tier: what snapshots cost training" + (", at a 1.5 GB state" if args.large else ""), body)
 
 
 def node_loss_spec(tmp: Path, kind: str, i: int, args: argparse.Namespace) -> JobSpec:
@@ -201,7 +216,7 @@ def node_loss(cluster: Any, args: argparse.Namespace, i: int, kind: str) -> dict
         past = next(r for r in after if r["step"] > reached)
         assert sorted({r["step"] for r in records}) == list(range(1, args.steps + 1)), "every step trained"
         read_storage = bool(list((tmp / "cache").rglob("*.pt")))
-    add_worker_node(cluster)  # for the next run
+    add_worker_node(cluster, object_store_bytes=NODE_STORE_BYTES)  # for the next run
     return {f"{kind}_replayed": reached - (after[0]["step"] - 1), f"{kind}_back_s": after[0]["ts"] - lost_at,
             f"{kind}_past_s": past["ts"] - lost_at, f"{kind}_read_storage": read_storage}
 
@@ -209,7 +224,7 @@ def node_loss(cluster: Any, args: argparse.Namespace, i: int, kind: str) -> dict
 def node_loss_pairs(args: argparse.Namespace) -> None:
     from tidal.testing.clusters import raylet_cluster
 
-    with raylet_cluster(workers=2) as cluster:
+    with raylet_cluster(workers=2, object_store_bytes=NODE_STORE_BYTES) as cluster:
         rounds = paired_rounds(
             args.pairs, KINDS, lambda i, kind: node_loss(cluster, args, i, kind),
             lambda r: {"saved_s": r["storage_past_s"] - r["memory_past_s"]},
@@ -226,7 +241,8 @@ def node_loss_pairs(args: argparse.Namespace) -> None:
                                                                "storage_past_s")}
     body = f"""Command: `python -m benchmarks.memory_tier --node-loss --pairs {args.pairs} --steps {args.steps} \
 --kill-at {args.kill_at} --every {args.every} --memory-every {args.memory_every}` ({time.strftime('%Y-%m-%d')}, 2-core CPU
-machine, a Ray cluster of one raylet per simulated node, 1 CPU each, storage on the local disk)
+machine, a Ray cluster of one raylet per simulated node, 1 CPU and a {NODE_STORE_BYTES / 2**30:.0f} GiB object store each, storage
+on the local disk)
 
 A {args.steps}-step elastic job (1-2 workers) at about 1.5 GB of state (GPT d1024, 8 layers, ZeRO-2: fp32 weights
 and Adam's moments), a persistent checkpoint every {args.every} steps, one worker's node removed once step
@@ -256,9 +272,17 @@ def main() -> None:
     ap.add_argument("--stall-probe", action="store_true")
     ap.add_argument("--stall-pairs", action="store_true", help="throughput with snapshots / without, no fault")
     ap.add_argument("--node-loss", action="store_true", help="a node lost at a ~1.5 GB state, memory / storage")
+    ap.add_argument("--large", action="store_true",
+                    help="with --stall-pairs: a ~1.5 GB state on two raylets (a snapshot copied to the peer too)")
     args = ap.parse_args()
     if args.node_loss:
         node_loss_pairs(args)  # a cluster of raylets of its own
+        return
+    if args.stall_pairs and args.large:
+        from tidal.testing.clusters import raylet_cluster
+
+        with raylet_cluster(workers=2, object_store_bytes=NODE_STORE_BYTES):
+            stall_pairs(args)
         return
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
     if args.stall_pairs:

@@ -4,6 +4,7 @@ never two attempts mixed, a peer's copy counts), and what a keeper keeps (prune,
 
 from __future__ import annotations
 
+import numpy as np
 import pyarrow.fs as pafs
 import pytest
 import torch
@@ -118,7 +119,9 @@ def test_a_snapshot_in_memory_reads_as_a_checkpoint_folder_and_refuses_writes(tm
     k = Keeper("job", "n0", limit_bytes=None)
     torch.save({"w": torch.arange(1000.0)}, tmp_path / "saved.pt")
     data = (tmp_path / "saved.pt").read_bytes()
-    assert k.put("a", 3, 0, {}, {"zero_pp_rank_0_mp_rank_00_optim_states.pt": data}) is None
+    sent = np.frombuffer(bytearray(data), dtype=np.uint8)  # as a worker hands it over: a view of its buffer
+    assert k.put("a", 3, 0, {}, {"zero_pp_rank_0_mp_rank_00_optim_states.pt": sent}) is None
+    sent[:] = 0  # the sender's buffer reused (Ray frees its copy): the keeper's own is untouched
     got = k.get("a", 3, 0, ["zero_pp_rank_0_mp_rank_00_optim_states.pt"])
     held = held_files.filesystem({f"memory-3/global_step3/{n}": b for n, b in got.items()})
     path = "memory-3/global_step3/zero_pp_rank_0_mp_rank_00_optim_states.pt"

@@ -59,11 +59,12 @@ class Keeper:
     def held_bytes(self) -> int:
         return sum(len(b) for _, files in self.shards.values() for b in files.values())
 
-    def put(self, attempt: str, step: int, rank: int, facts: dict[str, Any], files: dict[str, bytes],
+    def put(self, attempt: str, step: int, rank: int, facts: dict[str, Any], files: dict[str, Any],
             prune_below: int | None = None) -> str | None:
-        """Keep one rank's shard of the snapshot of `step`; first drop every shard older than
-        `prune_below` (the newest snapshot known complete). Returns None, or why it was refused
-        (the memory limit): the previous complete snapshot then stays the resume point."""
+        """Keep one rank's shard of the snapshot of `step` (`files`: name -> bytes, or a numpy uint8
+        view of them); first drop every shard older than `prune_below` (the newest snapshot known
+        complete). Returns None, or why it was refused (the memory limit): the previous complete
+        snapshot then stays the resume point."""
         import psutil
 
         self.touched = time.time()
@@ -78,7 +79,9 @@ class Keeper:
         if psutil.virtual_memory().available - size < self.reserve:
             return (f"node {self.node_id[:8]} has {psutil.virtual_memory().available / 2**30:.2f} GiB free, too little "
                     f"for a {size / 2**30:.2f} GiB shard and the {self.reserve / 2**30:.2f} GiB kept free")
-        self.shards[(attempt, step, rank)] = ({**facts, "held_on": self.node_id}, dict(files))
+        # Bytes of its own: a worker's numpy views are Ray's object-store copy, freed after this call.
+        owned = {n: b if isinstance(b, bytes) else bytes(b) for n, b in files.items()}
+        self.shards[(attempt, step, rank)] = ({**facts, "held_on": self.node_id}, owned)
         return None
 
     def listing(self) -> list[dict[str, Any]]:

@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -185,7 +186,9 @@ class Tier:
                 for rel, st in taken.items():
                     buf = io.BytesIO()
                     torch.save(st, buf, _use_new_zipfile_serialization=zipfile)
-                    files[rel] = buf.getvalue()
+                    # A numpy view, not bytes: Ray copies it once into its object store, outside the
+                    # pickle (bytes are pickled whole, a copy more, holding the GIL the training thread needs).
+                    files[rel] = np.frombuffer(buf.getbuffer(), dtype=np.uint8)
             if delay := write_delay(os.environ.get(DELAY_ENV, ""), self.rank, pending.step):
                 time.sleep(delay)
             ref = ray.put(files)
