@@ -253,8 +253,7 @@ def staged(plan: Plan, names: Iterable[str]) -> Iterator[Found]:
     reads exactly as it reads storage: through a read-only pyarrow filesystem over the fetched buffers
     (tidal.worker.checkpoint.held_files), which are views of Ray's object store. Nothing is read from
     storage, and nothing is written to disk but what the resize itself writes (the node's copy of the
-    model states, its sparse copies). They once went to a folder on the node's disk first: two whole
-    local writes of a lost node's shards, 9 s of a restore at a 1.5 GB state."""
+    model states, its sparse copies); they once went whole to a folder on the node's disk first."""
     _pause_for_tests()
     got = _fetch(plan, sorted(set(names)))
     root, step_tag = f"memory-{plan.step}", f"global_step{plan.step}"
