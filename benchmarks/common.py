@@ -142,7 +142,8 @@ def update_doc(section: str, body: str, doc: Path = DOC) -> None:
     text = doc.read_text() if doc.exists() else "# Benchmarks\n\nEvery figure below is a ratio or a time measured in one invocation on one machine; the command that produced it is given with it.\n"
     parts = text.split("\n## ")
     new = f"{section}\n\n{body.strip()}\n"
-    sections = [new if p.startswith(section) else p.rstrip() + "\n" for p in parts[1:]]
+    # the whole title line, not a prefix: "X" must not replace "X, at a 1.5 GB state" too
+    sections = [new if p.split("\n", 1)[0] == section else p.rstrip() + "\n" for p in parts[1:]]
     if new not in sections:  # a new section goes last; an existing one keeps its place
         sections.append(new)
     text = "\n## ".join([parts[0].rstrip() + "\n", *sections]).rstrip() + "\n"

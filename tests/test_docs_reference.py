@@ -104,3 +104,14 @@ def test_the_benchmarks_table_says_at_a_glance_which_goal_is_met():
         assert met.split(":")[0].split(" (")[0] in ({"no goal"} if goal == "-" else {"yes", "no", "not proven"}), line
         for cell in (goal, today, met):
             assert len(cell) <= 60, f"{figure}: a cell of the table is a line, its reading goes below: {cell!r}"
+
+
+def test_a_benchmark_replaces_its_own_section_and_not_one_whose_title_it_begins(tmp_path):
+    """`--stall-pairs` writes "Memory tier: what snapshots cost training" and `--stall-pairs --large` the same
+    title with ", at a 1.5 GB state": the first must not overwrite the second (it once matched by prefix)."""
+    from benchmarks.common import update_doc
+
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("# B\n\n## X\n\nold x\n\n## X, at a 1.5 GB state\n\nold large\n")
+    update_doc("X", "new x", doc)
+    assert doc.read_text() == "# B\n\n## X\n\nnew x\n\n## X, at a 1.5 GB state\n\nold large\n"
