@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from tidal.spec.job import JobSpec
+from tidal.testing.doc_sections import with_section
 from tidal.testing.processes import kill_session, start_in_session, venv_tools_first, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -140,15 +141,8 @@ def median(xs: list[float]) -> float:
 def update_doc(section: str, body: str, doc: Path = DOC) -> None:
     """Replace `## section` in `doc` (docs/benchmarks.md) where it is (or append it), keeping the other sections."""
     text = doc.read_text() if doc.exists() else "# Benchmarks\n\nEvery figure below is a ratio or a time measured in one invocation on one machine; the command that produced it is given with it.\n"
-    parts = text.split("\n## ")
-    new = f"{section}\n\n{body.strip()}\n"
-    # the whole title line, not a prefix: "X" must not replace "X, at a 1.5 GB state" too
-    sections = [new if p.split("\n", 1)[0] == section else p.rstrip() + "\n" for p in parts[1:]]
-    if new not in sections:  # a new section goes last; an existing one keeps its place
-        sections.append(new)
-    text = "\n## ".join([parts[0].rstrip() + "\n", *sections]).rstrip() + "\n"
     doc.parent.mkdir(parents=True, exist_ok=True)
-    doc.write_text(text)
+    doc.write_text(with_section(text, section, body))
 
 
 def read_trace(path: Path) -> list[dict[str, Any]]:

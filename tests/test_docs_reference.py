@@ -106,12 +106,11 @@ def test_the_benchmarks_table_says_at_a_glance_which_goal_is_met():
             assert len(cell) <= 60, f"{figure}: a cell of the table is a line, its reading goes below: {cell!r}"
 
 
-def test_a_benchmark_replaces_its_own_section_and_not_one_whose_title_it_begins(tmp_path):
+def test_a_benchmark_replaces_its_own_section_and_not_one_whose_title_it_begins():
     """`--stall-pairs` writes "Memory tier: what snapshots cost training" and `--stall-pairs --large` the same
     title with ", at a 1.5 GB state": the first must not overwrite the second (it once matched by prefix)."""
-    from benchmarks.common import update_doc
+    from tidal.testing.doc_sections import with_section
 
-    doc = tmp_path / "benchmarks.md"
-    doc.write_text("# B\n\n## X\n\nold x\n\n## X, at a 1.5 GB state\n\nold large\n")
-    update_doc("X", "new x", doc)
-    assert doc.read_text() == "# B\n\n## X\n\nnew x\n\n## X, at a 1.5 GB state\n\nold large\n"
+    page = "# B\n\n## X\n\nold x\n\n## X, at a 1.5 GB state\n\nold large\n"
+    assert with_section(page, "X", "new x") == "# B\n\n## X\n\nnew x\n\n## X, at a 1.5 GB state\n\nold large\n"
+    assert with_section(page, "Y", "y").endswith("old large\n\n## Y\n\ny\n")  # a new section goes last
