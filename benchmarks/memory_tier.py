@@ -41,14 +41,13 @@ KINDS = ("memory", "storage")
 # copy pulled in, a restore's shards fetched. Ray's test clusters give 150 MiB (a real node: 30% of its
 # memory); past it Ray allocates objects on disk, which the invocations before 2026-12-06 15:30 measured.
 NODE_STORE_BYTES = 3 * 2**30
-
-
-LARGE_MODEL = {"n_layer": 8, "n_head": 16, "d_model": 1024, "vocab_size": 256, "seq_len": 64}  # ~1.5 GB of state
+# resize_cost's ~1.5 GB state (GPT d1024, 8 layers, ZeRO-2: fp32 weights, Adam's moments): --node-loss, --large
+LARGE_MODEL = {"n_layer": 8, "n_head": 16, "d_model": 1024, "vocab_size": 256, "seq_len": 64}
 LARGE_TRAIN = {"micro_batch": 2, "global_batch": 4, "lr": 1e-4, "warmup_steps": 1, "log_every": 1}
 
 
 def spec_for(tmp: Path, kind: str, i: int, args: argparse.Namespace) -> JobSpec:
-    large = getattr(args, "large", False)
+    large = args.large
     spec = JobSpec(
         name=f"memtier-{kind}-{i}",
         model=LARGE_MODEL if large else {"n_layer": 4, "n_head": 4, "d_model": 256, "vocab_size": 256, "seq_len": 64},
@@ -124,12 +123,17 @@ def stall_probe(args: argparse.Namespace) -> dict[str, Any]:
             "cost": (stall + after - plain) / (every * plain)}
 
 
+def first_timed(args: argparse.Namespace) -> int:
+    """The first step a throughput round times: past the first snapshots' warm-up (fewer steps at 1.5 GB)."""
+    return 6 if args.large else 21
+
+
 def throughput(args: argparse.Namespace, i: int, kind: str) -> dict[str, Any]:
-    """Seconds a step, from rank 0's loss trace between step `first` (21; 6 with --large) and the last
+    """Seconds a step, from rank 0's loss trace between step `first_timed` (21; 6 with --large) and the last
     (past the first snapshots' warm-up and the first copy to the peer), of a run with no fault and no
     persistent checkpoint before its end: a snapshot's stall and the slowdown of the steps beside its
     hand-over are inside the wall-clock steps, whatever part of the step they fall in."""
-    first = 5 if args.large else 20
+    first = first_timed(args) - 1
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         spec = spec_for(tmp, kind, i, args)
@@ -149,10 +153,10 @@ def stall_pairs(args: argparse.Namespace) -> None:
     rows = "\n".join(f"| {i + 1} | {r['memory_step_s'] * 1000:.1f} | {r['storage_step_s'] * 1000:.1f} | {r['ratio']:.3f} |"
                      for i, r in enumerate(rounds))
     ratio = statistics.median(r["ratio"] for r in rounds)
-    where, job, first = ((f"a Ray cluster of two 1-CPU raylets with a {NODE_STORE_BYTES / 2**30:.0f} GiB object store each, so each snapshot "
-                          "is also copied to the peer's keeper",
-                          "GPT d1024, 8 layers: about 1.5 GB of state", 6) if args.large else
-                         ("one local Ray instance", "GPT d256, 4 layers", 21))
+    where, job = ((f"a Ray cluster of two 1-CPU raylets with a {NODE_STORE_BYTES / 2**30:.0f} GiB object store each, so "
+                   "each snapshot is also copied to the peer's keeper", "GPT d1024, 8 layers: about 1.5 GB of state")
+                  if args.large else ("one local Ray instance", "GPT d256, 4 layers"))
+    first = first_timed(args)
     body = f"""Command: `python -m benchmarks.memory_tier --stall-pairs --pairs {args.pairs} --steps {args.steps} \
 --memory-every {args.memory_every}{' --large' if args.large else ''}` ({time.strftime('%Y-%m-%d')}, 2-core CPU machine, {where})
 
@@ -174,11 +178,11 @@ Median throughput with / without: **{ratio:.3f}** (goal: at least 0.98, a cost u
 
 
 def node_loss_spec(tmp: Path, kind: str, i: int, args: argparse.Namespace) -> JobSpec:
-    """resize_cost's ~1.5 GB state (GPT d1024, 8 layers, ZeRO-2: fp32 weights, Adam's moments), elastic 1-2."""
+    """The ~1.5 GB state (LARGE_MODEL), elastic 1-2."""
     spec = JobSpec(
         name=f"memnode-{kind}-{i}",
-        model={"n_layer": 8, "n_head": 16, "d_model": 1024, "vocab_size": 256, "seq_len": 64},
-        train={"steps": args.steps, "micro_batch": 2, "global_batch": 4, "lr": 1e-4, "warmup_steps": 1, "log_every": 1},
+        model=LARGE_MODEL,
+        train={"steps": args.steps, **LARGE_TRAIN},
         parallelism={"zero_stage": 2},
         scaling={"min_workers": 1, "max_workers": 2, "elastic_check_s": 2},
         checkpoint={"every_steps": args.every, "keep": 2, "storage": str(tmp / "runs")},
