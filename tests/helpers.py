@@ -13,6 +13,7 @@ import random
 import re
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -24,9 +25,11 @@ from tidal.spec.job import JobSpec
 from tidal.storage import STATE_FILE, RunDir, checkpoint_dir_name, manifest_name
 from tidal.testing.processes import kill as kill
 from tidal.testing.processes import our_processes as our_processes
+from tidal.testing.processes import wait_for
 from tidal.testing.runs import job_run_id as job_run_id
 from tidal.testing.runs import wait_for_step as wait_for_step
 from tidal.testing.runs import wait_for_world_size as wait_for_world_size
+from tidal.worker.hold import HOLD_ENV, RELEASE_SUFFIX
 
 ROOT = Path(__file__).resolve().parents[1]
 # The storages a storage-level test runs on: local in the quick tier, the S3 test server (a moto
@@ -118,28 +121,34 @@ def driver_in(ray_tmpdir: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
 
 
-def kill_a_worker_at(spec: JobSpec, step: int, killed: list[int]) -> threading.Thread:
-    """A started thread that SIGKILLs one Ray Train worker once MLflow shows `step`; the pid goes in `killed`."""
+def kill_a_worker_at(spec: JobSpec, step: int, killed: list[int]) -> tuple[JobSpec, threading.Thread]:
+    """The job, its rank 0 held once `step` is done (tidal.worker.hold), and a started thread that
+    SIGKILLs one Ray Train worker while it holds (the pid goes in `killed`), then lets it go. Run the
+    returned spec: the kill lands after `step` however fast the machine trains."""
+    marker = Path(tempfile.mkdtemp(prefix="tidal-hold-")) / "held"
+    held = spec.with_overrides({"worker_env": {**spec.worker_env, HOLD_ENV: f"{step}@{marker}"}})
+
     def kill_one() -> None:
-        wait_for_step(spec, step)
+        wait_for(f"rank 0 to hold after step {step}", marker.exists, 600, every=0.05)
         workers = our_processes("RayTrainWorker")
         if workers:
             killed.append(workers[-1].pid)
             kill(workers[-1])
+        marker.with_name(marker.name + RELEASE_SUFFIX).touch()
 
     killer = threading.Thread(target=kill_one, daemon=True)
     killer.start()
-    return killer
+    return held, killer
 
 
 def run_killing_a_worker(spec: JobSpec, after_step: int) -> tuple[Any, bool]:
-    """`tidal.run(spec)` while a thread SIGKILLs one Ray Train worker once MLflow shows `after_step`;
+    """`tidal.run(spec)` while a thread SIGKILLs one Ray Train worker once `after_step` is done;
     returns (the run's result, whether a worker was killed)."""
     import tidal
 
     killed: list[int] = []
-    killer = kill_a_worker_at(spec, after_step, killed)
-    result = tidal.run(spec)
+    held, killer = kill_a_worker_at(spec, after_step, killed)
+    result = tidal.run(held)
     killer.join(timeout=5)
     return result, bool(killed)
 

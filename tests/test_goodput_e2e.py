@@ -7,32 +7,25 @@ from __future__ import annotations
 
 import json
 import math
-import threading
 from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
 
 import tidal
+from tests.helpers import kill_a_worker_at
 from tidal.goodput.account import BUCKETS
 from tidal.testing.chaos import chaos_spec
-from tidal.testing.processes import kill, our_processes, wait_for
-from tidal.testing.runs import metric_history, wait_for_step
+from tidal.testing.runs import metric_history
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local")]
 
 
 def test_a_killed_worker_shows_in_the_account_of_the_whole_wall_time(tmp_path, capfd):
-    spec = chaos_spec(tmp_path, "goodput", steps=40, every=10)
-
-    def inject() -> None:
-        wait_for_step(spec, 15, timeout=600)
-        kill(wait_for("a training worker", lambda: our_processes("RayTrainWorker"), 60)[0])
-
-    injector = threading.Thread(target=inject, daemon=True)
-    injector.start()
+    killed: list[int] = []
+    spec, killer = kill_a_worker_at(chaos_spec(tmp_path, "goodput", steps=40, every=10), 15, killed)
     result = tidal.run(spec)
-    injector.join(timeout=10)
+    killer.join(timeout=10)
 
     g = result.goodput
     assert math.fsum(g[f"goodput_{b}_s"] for b in BUCKETS) == pytest.approx(g["goodput_wall_s"], rel=1e-6)
@@ -41,7 +34,7 @@ def test_a_killed_worker_shows_in_the_account_of_the_whole_wall_time(tmp_path, c
     assert result.wall_s - 15 <= g["goodput_wall_s"] <= result.wall_s
     run_id = result.mlflow_run_id
     lost = metric_history(spec, run_id, "steps_lost")[40]
-    assert lost >= 1 and g["goodput_replayed_steps"] == lost, "the account replays what the ledger counted lost"
+    assert killed and lost == 5 and g["goodput_replayed_steps"] == lost, "the account replays what the ledger counted lost"
     step_times = metric_history(spec, run_id, "step_time_s").values()
     # Each replayed step's own time, and the steps trained after the last log step before the kill (one interval).
     assert lost * min(step_times) <= g["goodput_replayed_s"] <= (lost + 1) * max(step_times) * 1.05

@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local")]
 def test_a_killed_worker_resumes_from_memory_and_reads_no_checkpoint(tmp_path, capfd):
     spec = memory_spec(tmp_path, "mem-kill")
     killed: list[int] = []
-    killer = kill_a_worker_at(spec, 13, killed)
+    spec, killer = kill_a_worker_at(spec, 13, killed)
     result = tidal.run(spec)
     killer.join(timeout=5)
     out = capfd.readouterr().out

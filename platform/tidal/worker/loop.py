@@ -20,7 +20,7 @@ import torch
 from tidal.admission.directive import NONE, group_target, resize_to
 from tidal.ray_private import HEALTH_CHECK_INTERVAL
 from tidal.spec.secrets import with_carried_spec
-from tidal.worker import plan
+from tidal.worker import hold, plan
 from tidal.worker import warning as short_warning
 from tidal.worker.checkpoint import save
 from tidal.worker.device import seed_step
@@ -37,6 +37,7 @@ def train_loop(config: dict[str, Any]) -> None:
     s = open_session(config)
     spec, state = s.spec, s.state
     for step in s.steps():
+        hold.before_step(s.rank, step)  # tests only: a fault lands after a known step (TIDAL_TEST_HOLD_AFTER_STEP)
         seed_step(s.device, spec.train.seed * 1_000_003 + step * 1_009 + s.rank)  # dropout depends on the step only
         s.clock.start_step(sync=step % spec.train.log_every == 0)
         train = partial(_train_step, s.engine, s.clock, s.step_fn, s.batches, step)
