@@ -13,7 +13,6 @@ import random
 import re
 import subprocess
 import sys
-import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -25,11 +24,10 @@ from tidal.spec.job import JobSpec
 from tidal.storage import STATE_FILE, RunDir, checkpoint_dir_name, manifest_name
 from tidal.testing.processes import kill as kill
 from tidal.testing.processes import our_processes as our_processes
-from tidal.testing.processes import wait_for
+from tidal.testing.runs import StepHolds
 from tidal.testing.runs import job_run_id as job_run_id
 from tidal.testing.runs import wait_for_step as wait_for_step
 from tidal.testing.runs import wait_for_world_size as wait_for_world_size
-from tidal.worker.hold import HOLD_ENV, RELEASE_SUFFIX
 
 ROOT = Path(__file__).resolve().parents[1]
 # The storages a storage-level test runs on: local in the quick tier, the S3 test server (a moto
@@ -122,23 +120,22 @@ def driver_in(ray_tmpdir: Path) -> subprocess.CompletedProcess[str]:
 
 
 def kill_a_worker_at(spec: JobSpec, step: int, killed: list[int]) -> tuple[JobSpec, threading.Thread]:
-    """The job, its rank 0 held once `step` is done (tidal.worker.hold), and a started thread that
-    SIGKILLs one Ray Train worker while it holds (the pid goes in `killed`), then lets it go. Run the
-    returned spec: the kill lands after `step` however fast the machine trains."""
-    marker = Path(tempfile.mkdtemp(prefix="tidal-hold-")) / "held"
-    held = spec.with_overrides({"worker_env": {**spec.worker_env, HOLD_ENV: f"{step}@{marker}"}})
+    """The job, its rank 0 held once `step` is done (StepHolds), and a started thread that SIGKILLs
+    one Ray Train worker while it holds (the pid goes in `killed`), then lets it go. Run the returned
+    spec: the kill lands after `step` however fast the machine trains."""
+    holds = StepHolds(step)
 
     def kill_one() -> None:
-        wait_for(f"rank 0 to hold after step {step}", marker.exists, 600, every=0.05)
+        holds.wait(step)
         workers = our_processes("RayTrainWorker")
         if workers:
             killed.append(workers[-1].pid)
             kill(workers[-1])
-        marker.with_name(marker.name + RELEASE_SUFFIX).touch()
+        holds.release(step)
 
     killer = threading.Thread(target=kill_one, daemon=True)
     killer.start()
-    return held, killer
+    return holds.spec(spec), killer
 
 
 def run_killing_a_worker(spec: JobSpec, after_step: int) -> tuple[Any, bool]:

@@ -12,9 +12,10 @@ import pytest
 
 import tidal
 from tests.conftest import metric_history, tiny_spec
-from tests.helpers import kill, kill_a_worker_at, our_processes, wait_for_step
+from tests.helpers import kill, kill_a_worker_at, our_processes
 from tests.memory_jobs import assert_undisturbed_losses, memory_spec, resumes
 from tidal.testing.processes import wait_for
+from tidal.testing.runs import StepHolds
 from tidal.worker.checkpoint import keeper
 from tidal.worker.checkpoint.memory import DELAY_ENV, LOAD_PAUSE_ENV
 
@@ -91,19 +92,22 @@ def test_the_keepers_killed_then_a_worker_falls_back_to_storage(tmp_path, capfd)
     checkpoint 20, nothing lost and nothing trained twice in MLflow."""
     import ray
 
-    spec = memory_spec(tmp_path, "mem-keepers")
+    holds = StepHolds(22, 32)
+    spec = holds.spec(memory_spec(tmp_path, "mem-keepers"))
     killed: list[int] = []
 
     def chaos() -> None:
-        wait_for_step(spec, 22)
+        holds.wait(22)
         for actor in keeper.keepers(spec.name).values():
             ray.kill(actor, no_restart=True)
-        # past the snapshot of 30: the first snapshot after the kill is not kept, and the next one finds
-        # that and says so (24 and 27, or 27 and 30 where the kill landed after 24 was held)
-        wait_for_step(spec, 32)
+        holds.release(22)
+        # past the snapshot of 30: the first snapshot after the kill (24) is not kept, and the next one
+        # (27) finds that and says so
+        holds.wait(32)
         workers = our_processes("RayTrainWorker")
         killed.append(workers[-1].pid)
         kill(workers[-1])
+        holds.release(32)
 
     t = threading.Thread(target=chaos, daemon=True)
     t.start()
@@ -192,14 +196,16 @@ def test_a_worker_killed_inside_a_restore_from_memory_restores_again(tmp_path, c
     """A worker killed at step 13 resumes from memory; a worker killed while that restore is under way
     (one rank pauses in it) leaves the snapshot where it was: the next attempt restores it again."""
     marker = tmp_path / "restoring"
-    spec = memory_spec(tmp_path, "mem-restore-kill", **{LOAD_PAUSE_ENV: f"{marker}@8"})
+    holds = StepHolds(13)
+    spec = holds.spec(memory_spec(tmp_path, "mem-restore-kill", **{LOAD_PAUSE_ENV: f"{marker}@8"}))
     killed: list[int] = []
 
     def twice() -> None:
-        wait_for_step(spec, 13)
+        holds.wait(13)
         first = our_processes("RayTrainWorker")
         killed.append(first[-1].pid)
         kill(first[-1])
+        holds.release(13)
         wait_for("a rank inside the restore from memory", marker.exists, 240, every=0.05)
         workers = [p for p in our_processes("RayTrainWorker") if p.pid not in {w.pid for w in first}]
         killed.append(workers[-1].pid)

@@ -18,6 +18,7 @@ from mlflow.tracking import MlflowClient
 from tidal.spec.job import JobSpec
 from tidal.storage import RunDir
 from tidal.testing.processes import wait_for
+from tidal.worker import hold
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,27 @@ def wait_for_step(spec: JobSpec, step: int, timeout: float = 180) -> int:
 
     # each look reads the whole loss history while the workers hold both cores: every 0.2 s
     return wait_for(f"job {spec.name} to reach step {step}", reached, timeout)
+
+
+class StepHolds:
+    """A job's rank 0 held after each of `steps` (tidal.worker.hold) until the test lets it go: a
+    fault injected while it holds lands after that step, however fast the machine trains (a wait
+    on MLflow lands some steps later). Run `spec(job)`, then `wait(step)`, act, `release(step)`."""
+
+    def __init__(self, *steps: int) -> None:
+        self.steps = steps
+        self.base = str(Path(tempfile.mkdtemp(prefix="tidal-hold-")) / "held")
+
+    def spec(self, spec: JobSpec) -> JobSpec:
+        steps = ",".join(map(str, self.steps))
+        return spec.with_overrides({"worker_env": {**spec.worker_env, hold.HOLD_ENV: f"{steps}@{self.base}"}})
+
+    def wait(self, step: int, timeout: float = 600) -> None:
+        wait_for(f"rank 0 to hold after step {step}", lambda: os.path.exists(hold.marked(self.base, step)),
+                 timeout, every=0.05)
+
+    def release(self, step: int) -> None:
+        Path(hold.released(self.base, step)).touch()
 
 
 def wait_for_world_size(spec: JobSpec, size: int, timeout: float = 180) -> None:
