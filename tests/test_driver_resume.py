@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -123,3 +124,24 @@ def test_driver_killed_with_checkpoints_on_s3_loses_and_repeats_no_metric_point(
     out = finish(start(path))
     assert f"resuming job 'driver-dies-s3' from checkpoint_{last.step:09d}" in out
     assert sorted(metric_history(spec, run_id, "loss")) == list(range(1, STEPS + 1))  # each exactly once
+
+
+def test_ctrl_c_ends_the_run_gracefully_exits_130_and_says_how_to_resume(tmp_path):
+    """Ctrl-C in a terminal (SIGINT to the foreground process group) while the job trains: Ray Train
+    aborts its run, the job's summary and the hint to resume are printed, the exit status is 130
+    (as documented), and the checkpoints written before it are there for the next run."""
+    spec = tiny_spec(tmp_path, name="ctrl-c", **LONG)
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
+    proc = start(path)
+    try:
+        wait_for_step(spec, 12)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        kill_session(proc)
+    assert proc.returncode == 130, out[-3000:]
+    assert "interrupted; run the same command again to resume from the latest checkpoint" in out, out[-3000:]
+    assert "[tidal] goodput " in out and "Traceback" not in out, out[-3000:]
+    last = RunDir(spec.checkpoint.storage, spec.name).latest_complete()
+    assert last is not None and last.step >= 10

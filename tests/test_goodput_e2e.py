@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 from pathlib import Path
 
 import pytest
@@ -24,8 +25,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local")]
 def test_a_killed_worker_shows_in_the_account_of_the_whole_wall_time(tmp_path, capfd):
     killed: list[int] = []
     spec, killer = kill_a_worker_at(chaos_spec(tmp_path, "goodput", steps=40, every=10), 15, killed)
+    sigint_before = signal.getsignal(signal.SIGINT)
     result = tidal.run(spec)
     killer.join(timeout=10)
+    assert signal.getsignal(signal.SIGINT) is sigint_before, "Ray Train's Ctrl-C handler outlived the run"
 
     g = result.goodput
     assert math.fsum(g[f"goodput_{b}_s"] for b in BUCKETS) == pytest.approx(g["goodput_wall_s"], rel=1e-6)

@@ -19,6 +19,7 @@ from tidal.cluster import burst
 from tidal.errors import SpecError, TidalError, UserCodeError
 from tidal.launch.connect import connect_ray
 from tidal.launch.console_pump import ConsolePump
+from tidal.launch.interrupt import ctrl_c_interrupts
 from tidal.launch.recovery import mistake_message, recovery_settings
 from tidal.launch.result import RunResult
 from tidal.lease import Lease, driver_command, submission_id
@@ -191,7 +192,8 @@ def _fit(spec: JobSpec, trainer: TorchTrainer, callbacks: list[Any], seat: admis
     also ends early to take a persistent straggler's node out, and to bring it back once this job
     no longer avoids it (worker/avoidance.py): it restarts at once, the selector following the record."""
     while True:
-        trainer.fit()
+        with ctrl_c_interrupts():  # Ray Train aborts the run on Ctrl-C; the CLI then says how to resume
+            trainer.fit()
         if not lease.renew():  # at once: the renewal thread may not have looked since fit() returned
             return  # a newer start owns the job: this driver's workers stopped themselves (worker/loop.py)
         avoided = avoidance.restart_for(spec)  # the group ended to take a straggler's node out, or back in
