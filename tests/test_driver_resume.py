@@ -17,14 +17,15 @@ import pytest
 import yaml
 
 from tests.conftest import metric_history, tiny_spec
-from tests.helpers import job_run_id, wait_for_step
+from tests.helpers import job_run_id
 from tidal.storage import RunDir
 from tidal.testing.processes import kill_session
+from tidal.testing.runs import StepHolds
 
 pytestmark = pytest.mark.slow
 
-# Long enough that the driver is surely still training when the test kills it at step 12 (the kill
-# lands within a second of MLflow showing that step: a few steps later), short for the rerun.
+# The driver is killed (or stopped with Ctrl-C) while its rank 0 holds after step 12 (StepHolds):
+# 60 steps leave a rerun something to train.
 STEPS = 60
 LONG = {"train.steps": STEPS, "train.global_batch": 64, "checkpoint.every_steps": 10}
 
@@ -36,15 +37,24 @@ def start(job: Path, *args: str) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
 
 
+def held_at(spec, path: Path, step: int) -> StepHolds:
+    """`path` becomes the job with its rank 0 held once `step` is done (the same command run again
+    does not hold: the hold is once per job)."""
+    holds = StepHolds(step)
+    path.write_text(yaml.safe_dump(holds.spec(spec).model_dump(mode="json")))
+    return holds
+
+
 def kill_mid_run(spec, path: Path) -> tuple:
-    """Start the job, SIGKILL its driver's session at step 12; (MLflow run id, newest complete checkpoint)."""
+    """Start the job, SIGKILL its driver's session after step 12; (MLflow run id, newest complete checkpoint)."""
+    holds = held_at(spec, path, 12)
     first = start(path)
     try:
-        wait_for_step(spec, 12)
+        holds.wait(12)
     finally:
         kill_session(first)
     last = RunDir(spec.checkpoint.storage, spec.name).latest_complete()
-    assert last is not None and 10 <= last.step < STEPS
+    assert last is not None and last.step == 10
     return job_run_id(spec), last
 
 
@@ -132,10 +142,10 @@ def test_ctrl_c_ends_the_run_gracefully_exits_130_and_says_how_to_resume(tmp_pat
     (as documented), and the checkpoints written before it are there for the next run."""
     spec = tiny_spec(tmp_path, name="ctrl-c", **LONG)
     path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
+    holds = held_at(spec, path, 12)
     proc = start(path)
     try:
-        wait_for_step(spec, 12)
+        holds.wait(12)
         os.killpg(proc.pid, signal.SIGINT)
         out, _ = proc.communicate(timeout=180)
     finally:
@@ -144,4 +154,4 @@ def test_ctrl_c_ends_the_run_gracefully_exits_130_and_says_how_to_resume(tmp_pat
     assert "interrupted; run the same command again to resume from the latest checkpoint" in out, out[-3000:]
     assert "[tidal] goodput " in out and "Traceback" not in out, out[-3000:]
     last = RunDir(spec.checkpoint.storage, spec.name).latest_complete()
-    assert last is not None and last.step >= 10
+    assert last is not None and last.step == 10
