@@ -16,7 +16,7 @@ STEPS, EVERY = 120, 10
 
 def test_three_faults_survived_with_exact_losses(tmp_path):
     expected = reference_losses("chaos-undisturbed", chaos_spec(tmp_path, "undisturbed", STEPS, EVERY))
-    r = run_chaos(tmp_path, faults=3, steps=STEPS, every=EVERY, seed=0, expected=expected)
+    r = run_chaos(tmp_path, faults=3, steps=STEPS, every=EVERY, seed=0, expected=expected, held=True)
     assert len(r["faults_injected"]) == 3
     assert r["restarts"] >= 3
     assert r["steps_done"], "every step done and logged exactly once"

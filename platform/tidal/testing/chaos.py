@@ -16,7 +16,7 @@ from typing import Any
 import tidal
 from tidal.spec.job import JobSpec
 from tidal.testing.processes import kill, our_processes, wait_for
-from tidal.testing.runs import job_run_id, metric_history, prepared_store, wait_for_step
+from tidal.testing.runs import StepHolds, job_run_id, metric_history, prepared_store, wait_for_step
 from tidal.worker.metrics import LOSS_TRACE_ENV
 
 
@@ -45,10 +45,12 @@ def traced(spec: JobSpec) -> list[tuple[int, float]]:
 
 
 def run_chaos(tmp: Path, faults: int, steps: int, every: int, seed: int,
-              expected: dict[int, float] | None = None) -> dict[str, Any]:
+              expected: dict[int, float] | None = None, held: bool = False) -> dict[str, Any]:
     """Runs the job under faults and compares every execution of every step with `expected`
     (step -> loss of the undisturbed job: a test's stored reference), or with an undisturbed
-    run made here first (the benchmark); returns what happened."""
+    run made here first (the benchmark); returns what happened. `held` (tests): rank 0 holds after
+    each fault's step until its kill lands (StepHolds), so every planned fault lands however fast the
+    machine trains; without it (the benchmarks) a kill lands wherever the job is when MLflow shows the step."""
     ref: dict[str, Any] = {}
     if expected is None:
         reference = chaos_spec(tmp, "undisturbed", steps, every)
@@ -64,17 +66,25 @@ def run_chaos(tmp: Path, faults: int, steps: int, every: int, seed: int,
     # over it and none is planned in the last slice: the job could end before the kill lands.
     width = steps // (faults + 2)
     targets = sorted(rng.randrange(k * width + 5, (k + 1) * width) for k in range(1, faults + 1))
+    holds = StepHolds(*targets) if held else None
+    spec = holds.spec(spec) if holds else spec
     injected: list[int] = []
     kill_times: list[tuple[float, int]] = []  # (wall time of the kill, highest step logged by then)
 
     def inject() -> None:
         for step in targets:
-            seen = wait_for_step(spec, step, timeout=600)
+            if holds:
+                holds.wait(step)
+                seen = step
+            else:
+                seen = wait_for_step(spec, step, timeout=600)
             workers = _workers_within(our_processes, 60)  # none while a restarted group is starting
             if workers:
                 kill(rng.choice(workers))
                 kill_times.append((time.time(), seen))
                 injected.append(step)
+            if holds:
+                holds.release(step)
             time.sleep(1.0)
 
     injector = threading.Thread(target=inject, daemon=True)
