@@ -75,3 +75,41 @@ def test_the_train_requester_id_is_rays():
 
     assert ray_private.train_requester(Trainer()) == "train-abc"
     assert ray_private.train_requester(object()) is None
+
+
+def test_rays_replica_group_hook_is_where_tidal_uses_it():
+    """Replacing one lost rank in place (issue 75) rests on one Backend attribute that Ray Train's
+    controller and worker group read, and on the two methods that replace a replica group: fails,
+    naming what moved, when an upgrade renames or stops reading any of them."""
+    from ray.train.backend import Backend
+
+    hook = ray_private.REPLICA_GROUP_HOOK
+    assert hasattr(Backend, hook), f"ray.train.backend.Backend no longer has {hook!r}"
+    for module, cls_name, method in ray_private.REPLICA_GROUP_CALLS:
+        cls = getattr(importlib.import_module(module), cls_name)
+        assert hasattr(cls, method), (f"Ray's {module}.{cls_name} no longer has {method}: Ray Train replaces a "
+                                      f"failed replica group another way now (checked against "
+                                      f"{ray_private.CHECKED_AGAINST})")
+        source = inspect.getsource(cls)
+        assert f"backend_cls.{hook}" in source, (f"Ray's {module}.{cls_name} no longer reads Backend.{hook}: "
+                                                 "a Backend setting it would restart the whole group")
+    controller = importlib.import_module(ray_private.REPLICA_GROUP_CALLS[0][0])
+    assert "self._replace_bad_workers(" in inspect.getsource(controller.TrainController), (
+        "Ray Train's controller no longer calls _replace_bad_workers on a failure")
+
+
+def test_rays_prestart_workers_rpc_and_channel_are_where_tidal_uses_them():
+    """Warm spares (tidal/launch/spares.py) call the raylet's PrestartWorkers through the token-aware
+    channel: fails, naming what moved, when the RPC, its request's fields or the channel change."""
+    from ray._private.grpc_utils import init_grpc_channel
+    from ray.core.generated import node_manager_pb2, node_manager_pb2_grpc
+
+    fields = node_manager_pb2.PrestartWorkersRequest.DESCRIPTOR.fields_by_name
+    missing = [f for f in ray_private.PRESTART_FIELDS if f not in fields]
+    assert not missing, f"Ray's PrestartWorkersRequest no longer has {missing} (has {sorted(fields)})"
+    assert "serialized_runtime_env" in fields["runtime_env_info"].message_type.fields_by_name
+    stub_source = inspect.getsource(node_manager_pb2_grpc.NodeManagerServiceStub)
+    assert "/ray.rpc.NodeManagerService/PrestartWorkers" in stub_source, (
+        "the raylet's NodeManagerService no longer has PrestartWorkers")
+    assert "address" in inspect.signature(init_grpc_channel).parameters, (
+        "ray._private.grpc_utils.init_grpc_channel no longer takes an address")

@@ -43,7 +43,28 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("ray._raylet", "Config"),
     ("ray._raylet", "GcsClient"),
     ("ray._common.constants", "HEAD_NODE_RESOURCE_NAME"),
+    # warm spares (tidal/launch/spares.py): the raylet's PrestartWorkers RPC, its stubs and channel
+    ("ray._private.grpc_utils", "init_grpc_channel"),
+    ("ray.core.generated.node_manager_pb2", "PrestartWorkersRequest"),
+    ("ray.core.generated.node_manager_pb2_grpc", "NodeManagerServiceStub"),
+    ("ray.core.generated.runtime_environment_pb2", "RuntimeEnvInfo"),
+    ("ray.core.generated.common_pb2", "Language"),
+    # Ray Train's replica-group replacement (issue 75): the hook a Backend sets and the code that reads it
+    ("ray.train.backend", "Backend"),
+    ("ray.train.v2._internal.execution.controller.controller", "TrainController"),
+    ("ray.train.v2._internal.execution.worker_group.worker_group", "WorkerGroup"),
 )
+# Ray Train's replica-group hook (2.60): a Backend class attribute that, when true, has the controller
+# replace only a failed worker (TrainController._replace_bad_workers ->
+# WorkerGroup._replace_replica_group_impl, same placement-group bundle, survivors left running)
+# instead of restarting the whole group. tests/test_ray_private.py checks Ray still reads it there.
+REPLICA_GROUP_HOOK = "has_replica_groups"
+REPLICA_GROUP_CALLS = (("ray.train.v2._internal.execution.controller.controller", "TrainController",
+                        "_replace_bad_workers"),
+                       ("ray.train.v2._internal.execution.worker_group.worker_group", "WorkerGroup",
+                        "_replace_replica_group_impl"))
+# The fields Tidal fills in the raylet's PrestartWorkersRequest (src/ray/protobuf/node_manager.proto).
+PRESTART_FIELDS = ("language", "job_id", "runtime_env_info", "keep_alive_duration_secs", "num_workers")
 # The resource every head node has and no other node (ray._common.constants.HEAD_NODE_RESOURCE_NAME;
 # spelled out so that importing this module imports no Ray). Ray Train's own state actor asks for
 # 0.001 of it to live on the head, whichever head the cluster has now: no public API says "the head".
@@ -242,3 +263,29 @@ def alive_nodes(gcs_address: str) -> dict[str, str]:
     infos = GcsClient(address=gcs_address).get_all_node_info(timeout=10)
     return {info.node_id.hex(): info.node_manager_address for info in infos.values()
             if info.state == gcs_pb2.GcsNodeInfo.GcsNodeState.ALIVE}
+
+
+def prestart_workers(raylet: str, job_id: str, runtime_env: str, count: int, keep_alive_s: int,
+                     timeout_s: float = 10.0) -> None:
+    """Have the raylet at `raylet` (host:port of its node manager) start `count` idle Python workers
+    for job `job_id` (hex) with the runtime env `runtime_env` (the exact serialized string an actor's
+    runtime env becomes: `ray.get_runtime_context().get_runtime_env_string()` inside one), kept
+    alive `keep_alive_s` whatever the raylet's idle-worker limit. An actor of that job with that
+    exact runtime env then takes one instead of starting a process. Ray 2.60: the raylet's
+    `NodeManagerService.PrestartWorkers` RPC has no Python API (the core worker calls it only for
+    tasks); the channel must come from `init_grpc_channel`, which adds the cluster's token (a bare
+    channel is refused: UNAUTHENTICATED). Raises grpc.RpcError when the raylet refuses or is gone."""
+    from ray._private.grpc_utils import init_grpc_channel
+    from ray.core.generated import common_pb2, node_manager_pb2, node_manager_pb2_grpc
+    from ray.core.generated.runtime_environment_pb2 import RuntimeEnvInfo
+
+    channel = init_grpc_channel(raylet)
+    try:
+        node_manager_pb2_grpc.NodeManagerServiceStub(channel).PrestartWorkers(
+            node_manager_pb2.PrestartWorkersRequest(
+                language=common_pb2.Language.PYTHON, job_id=bytes.fromhex(job_id),
+                runtime_env_info=RuntimeEnvInfo(serialized_runtime_env=runtime_env),
+                keep_alive_duration_secs=int(keep_alive_s), num_workers=int(count)),
+            timeout=timeout_s)
+    finally:
+        channel.close()
