@@ -150,3 +150,30 @@ def test_an_adaptive_deadline_arms_after_the_first_steps_and_exits_naming_itself
     """, deadline="Deadline(None, 10.0, 1.0)")
     assert rc == EXIT_CODE and len(notes) == 1, (rc, notes)
     assert "finished no step for 1s after step 69" in notes[0] and "adaptive deadline 1s" in notes[0], notes
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_local")
+def test_a_final_background_upload_longer_than_the_step_deadline_is_not_taken_for_a_hang(tmp_path):
+    """The last checkpoint's write runs in Ray's upload thread after the train function returned
+    (checkpoint.async_upload, the default); it takes 8 s here against a 3 s step deadline. The
+    watchdog, never disarmed when training ended, declared it a hang and killed the worker
+    mid-write: "job failed", its newest checkpoint never finished (issue 77)."""
+    spec = tiny_spec(tmp_path, name="slowlast", **{
+        "train.steps": 16, "checkpoint.every_steps": 8, "checkpoint.async_upload": True,
+        "failure.step_timeout_floor_s": 3.0, "failure.max_restarts": 0,
+        "worker_env": {"TIDAL_CHECKPOINT_WRITE_DELAY_S": "8:16"},  # only the final write is slow
+    })
+    result = tidal.run(spec)
+    assert sorted(metric_history(spec, result.mlflow_run_id, "loss")) == list(range(1, 17))
+    assert metric_history(spec, result.mlflow_run_id, "restarts")[16] == 0
+    assert RunDir(spec.checkpoint.storage, spec.name).latest_complete().step == 16, "the final checkpoint is whole"
+
+
+@pytest.mark.slow
+def test_after_the_last_step_the_process_waits_under_the_phase_deadline_not_the_steps(tmp_path):
+    rc, notes = run_watchdog(tmp_path, """
+        wd.end()
+        time.sleep(3.0)  # the final background upload: three step deadlines
+    """)
+    assert (rc, notes) == (0, [])

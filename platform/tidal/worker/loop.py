@@ -72,6 +72,7 @@ def train_loop(config: dict[str, Any]) -> None:
                 s.events.ending(step, end)
             break
         _snapshot_to_memory(s, step)
+    s.watchdog.end()  # the final background upload and the last writes are no step (worker/watchdog.py)
     if s.directive is not None:
         s.directive.close()
     s.events.drain()  # the last checkpoint's event and notes reach storage before this process ends

@@ -75,7 +75,7 @@ def step_deadline(recent_s: Sequence[float], rule: Deadline, arm_after: int = AR
 
 @dataclass(frozen=True)
 class Phase:
-    name: str  # "save", "eval", "drain"
+    name: str  # "save", "eval", "drain", "upload" (after the last step)
     deadline_s: float
     started: float  # time.monotonic()
 
@@ -127,6 +127,13 @@ class StepWatchdog:
             self.current = None
             if self.last_beat is not None:
                 self.last_beat = time.monotonic()
+
+    def end(self) -> None:
+        """Training ended on this rank. What its process still does is no step: the final
+        checkpoint's background write, which Ray waits for after the train function returns, and
+        the event log's last writes. It runs as the phase "upload" (the phase deadline) for as long
+        as the process lives: a step deadline here killed a healthy job's final save mid-write."""
+        self.current = Phase("upload", self.phase_timeout_s, time.monotonic())
 
     def _watch(self) -> None:
         said = False
