@@ -11,6 +11,6 @@ from tidal.launch.recovery import POLL_INTERVAL, START_TIMEOUT, recovery_env
 def test_recovery_defaults_honour_the_users_values(tmp_path: Path):
     elastic = tiny_spec(tmp_path, **{"scaling.min_workers": 1})
     fixed = tiny_spec(tmp_path)
-    assert recovery_env(elastic, {}) == {START_TIMEOUT: "5", POLL_INTERVAL: "0.5"}
-    assert recovery_env(fixed, {}) == {POLL_INTERVAL: "0.5"}, "a fixed-size job waits for its nodes as long as Ray does"
+    assert recovery_env(elastic, {}) == {START_TIMEOUT: "5", POLL_INTERVAL: "0.25"}
+    assert recovery_env(fixed, {}) == {POLL_INTERVAL: "0.25"}, "a fixed-size job waits for its nodes as long as Ray does"
     assert recovery_env(elastic, {START_TIMEOUT: "90", POLL_INTERVAL: "2"}) == {}
