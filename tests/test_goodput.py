@@ -174,7 +174,8 @@ def test_worker_hours_and_cost_follow_the_group_and_its_price():
 def test_the_summary_line_names_what_was_lost():
     events, end, _ = CASES["a kill, a restore and replayed steps"]
     s = account(events, end)
-    assert line(s) == ("goodput 42.9% of 1m10s (0.0333 worker-hours): lost 34.3% to start-up (1 restart), "
+    # worker-hours: 2 workers from each group's start to its failure or the end (Ray's 2 s regrouping: none)
+    assert line(s) == ("goodput 42.9% of 1m10s (0.0322 worker-hours): lost 34.3% to start-up (1 restart), "
                        "17.1% to replays (10 steps), 4.3% to restores, 1.4% to checkpoint stalls")
     assert live_metrics(s) == {"goodput_so_far": pytest.approx(30 / 70), "goodput_so_far_wall_s": 70}
     assert live_metrics(account(events[1:], end)) == {}, "no launch in the log: no live figure"
@@ -328,3 +329,66 @@ def test_the_trackers_close_ends_the_account_prints_it_and_stores_its_table(mlfl
     # Running the finished job's tracker again (nothing trained since) logs nothing twice.
     Tracker(spec, system_metrics=False, background=False).close(True, 0.0)
     assert metric_history(spec, run_id, "goodput") == {1: pytest.approx(latest["goodput"])}
+
+
+def suspended_log(at) -> list[dict]:
+    """100 s at 4 workers, suspended by admission for an hour (the group ended, the driver waited
+    for its seat: nothing held), then 100 s more at 4; the nodes cost 8/hour (2 per worker-hour)."""
+    from tidal.tracking.events import GroupEnded, GroupEnding, GroupStarted, Launched, StepMetrics
+
+    step = {"loss": 2.0, "world_size": 4.0, "step_time_s": 10.0, "cost_per_hour": 8.0}
+    return [{**Launched(0, {"t0": at(0) / 1000, "queue_s": 0.0}).entry(), "ts": at(0)},
+            {**GroupStarted(0, {"world": 4.0, "setup_s": 0.0, "restore_s": 0.0}).entry(), "ts": at(0)},
+            {**StepMetrics(10, step).entry(), "ts": at(100)},
+            {**GroupEnding(10, "resize").entry(), "ts": at(100)},
+            {**GroupEnded(10).entry(), "ts": at(101)},  # the driver's fit() returned: the group is gone
+            {**GroupStarted(10, {"world": 4.0, "setup_s": 0.0, "restore_s": 0.0}).entry(), "ts": at(3701)},
+            {**StepMetrics(20, step).entry(), "ts": at(3801)}]
+
+
+def test_a_suspended_job_holds_no_workers_and_pays_nothing_while_it_waits():
+    s = State()
+    for i, e in enumerate(suspended_log(lambda t: int((T0 + t) * 1000))):
+        fold(s, {**e, "id": str(i)})
+    finish(s, T0 + 3801)
+    m = final_metrics(s)
+    worker_hours = sum(v for k, v in m.items() if k.endswith("_worker_hours"))
+    assert worker_hours == pytest.approx(804 / 3600), "4 x (100 + 1 + 100) s: the hour suspended held nothing"
+    assert sum(v for k, v in m.items() if k.endswith("_cost")) == pytest.approx(2 * 804 / 3600)
+    assert s.seconds["resize_preemption"] == pytest.approx(3601), "the wall time still counts the wait"
+
+
+def test_a_failed_group_holds_no_workers_until_the_next_starts():
+    s = account([launch(), ev("group_started", 10, 0, world=4), ev("metrics", 20, 10, step_time_s=1.0),
+                 ev("failure", 21), ev("group_started", 621, 10, world=4, setup_s=1)], 621)
+    # the launch's 10 s and Ray's 10 minutes finding workers held none; the new group's 1 s of setup did
+    assert s.worker_s["startup"] == pytest.approx(4 * 1), "Ray's 10 minutes finding workers: none held"
+
+
+def test_tidal_runs_by_team_and_mlflow_carry_the_suspended_jobs_worker_hours(mlflow_uri, tmp_path, capsys):
+    """The same suspended job through the tracker that closes it (MLflow's final metrics) and
+    `tidal runs --by-team`: 0.22 worker-hours, not 4."""
+    import time
+
+    from tests.conftest import metric_history, tiny_spec
+    from tidal.cli import main
+    from tidal.storage import RunDir
+    from tidal.tracking.buffer import MetricsBuffer
+    from tidal.tracking.tracker import Tracker
+
+    spec = tiny_spec(tmp_path, name="suspended", **{"tracking.uri": mlflow_uri})
+    run = RunDir(spec.checkpoint.storage, spec.name)
+    start = time.time() - 3801
+    buffer = MetricsBuffer(run.fs, run.path)
+    for e in suspended_log(lambda t: int((start + t) * 1000)):
+        buffer.append(e)
+    tracker = Tracker(spec, tags={"tidal.team": "vision"}, system_metrics=False, background=False)
+    run_id, latest, _ = tracker.close(True, 3801.0)
+    hours = sum(v for k, v in latest.items() if k.startswith("goodput_") and k.endswith("_worker_hours"))
+    assert hours == pytest.approx(804 / 3600, abs=0.01)
+    cost = sum(metric_history(spec, run_id, f"goodput_{b}_cost").get(20, 0.0) for b in BUCKETS)
+    assert cost == pytest.approx(2 * 804 / 3600, abs=0.02)
+    capsys.readouterr()
+    assert main(["runs", "--uri", mlflow_uri, "--by-team"]) == 0
+    vision = next(x.split() for x in capsys.readouterr().out.splitlines() if x.startswith("vision"))
+    assert vision[3] == "0.22"

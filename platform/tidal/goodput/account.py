@@ -40,6 +40,12 @@ Events (their `kind`, tracking/events.py) and the interval each one closes:
 - `group_ending` (rank 0: admission's resize, a straggler's node out or back, a preemption's
   drain): the time until the next group starts is resize_preemption; so is the gap before a group
   of another size that follows a running one with no failure (Ray Train's elastic regrowth).
+- `group_ended` (driver: Ray Train's `fit()` returned, the group is gone): the group's end since
+  the last event is resize_preemption after a resize's ending, else `other`.
+
+Worker-seconds (and cost) are seconds times the workers held: a group's workers from its
+`group_started` to its `failure` or `group_ended`, none between groups (Ray starting a group,
+a suspended job's wait for its seat) nor between launches (the workers went with their driver).
 - the job's end (`finish`): the last save's upload and the group's teardown are `other`.
 """
 
@@ -142,7 +148,8 @@ def fold(state: State, entry: dict[str, Any]) -> State:
     if state.start is None:  # a log from before launches were recorded: the account starts here
         state.start = state.cursor = ts
     handler = {"group_started": _group_started, "metrics": _metrics, "checkpoint": _checkpoint,
-               "hang": _hang, "failure": _failure, "group_ending": _group_ending}.get(kind)
+               "hang": _hang, "failure": _failure, "group_ending": _group_ending,
+               "group_ended": _group_ended}.get(kind)
     if handler is not None:
         handler(state, ts, entry, values)
     return state
@@ -162,7 +169,8 @@ def _launched(state: State, ts: float, t0: float, queue_s: float) -> None:
     state.launches += 1
     if state.start is None:
         state.start = state.cursor = t0
-    else:  # a relaunch: no driver ran since the last event
+    else:  # a relaunch: no driver ran since the last event, and no workers outlive their driver
+        state.world = 0
         _spend(state, _take(state, t0), [], "other")
     state.world, state.mode = 0, "launching"
     span = _take(state, ts)
@@ -245,10 +253,11 @@ def _failure(state: State, ts: float, entry: dict[str, Any], values: dict[str, A
     if state.mode == "hung":  # declared by a rank: until the group ended, the hang's cost
         state.restarts += 1
         _spend(state, span, [], "hang")
-        state.mode = "failed"
+        state.mode, state.world = "failed", 0
         return
     if state.mode == "ending" and state.ending in RESIZE_REASONS:  # Ray ending a drained group
         _spend(state, span, [], "resize_preemption")
+        state.world = 0
         return
     state.restarts += 1
     # The steps trained since the last event are lost with the group: they are trained again.
@@ -256,12 +265,21 @@ def _failure(state: State, ts: float, entry: dict[str, Any], values: dict[str, A
     lost = min(span, expected) if state.mode == "running" else 0.0
     hung = span > HANG_RATIO * expected and span - expected > HANG_MIN_S and state.mode == "running"
     _spend(state, span, [("replayed", lost)], "hang" if hung else "other")
-    state.mode, state.warm_held = "failed", []
+    state.mode, state.warm_held, state.world = "failed", [], 0  # until the next group starts, none held
 
 
 def _group_ending(state: State, ts: float, entry: dict[str, Any], values: dict[str, Any]) -> None:
     _spend(state, _take(state, ts), [], "other")
     state.mode, state.ending = "ending", str(entry.get("reason", ""))
+
+
+def _group_ended(state: State, ts: float, entry: dict[str, Any], values: dict[str, Any]) -> None:
+    """The driver saw the group end (fit() returned): its workers are released here."""
+    resizing = state.mode == "ending" and state.ending in RESIZE_REASONS
+    _spend(state, _take(state, ts), [], "resize_preemption" if resizing else "other")
+    state.world, state.warm_held = 0, []
+    if state.mode == "running":
+        state.mode, state.ending = "ending", ""
 
 
 def _first_step(state: State, first: float | None, n: int, st: float, given: tuple[str, float]) -> None:

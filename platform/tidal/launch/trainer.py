@@ -31,7 +31,7 @@ from tidal.spec.sections import trial_name
 from tidal.spec.user_refs import check_calls
 from tidal.storage import JOB_FILE, Found, RunDir, find_resume_point
 from tidal.tracking.buffer import BUFFER_DIR, MetricsBuffer
-from tidal.tracking.events import Launched
+from tidal.tracking.events import GroupEnded, Launched
 from tidal.version import __version__
 from tidal.worker import avoidance
 from tidal.worker.device import dist_backend
@@ -196,6 +196,8 @@ def _fit(spec: JobSpec, trainer: TorchTrainer, callbacks: list[Any], seat: admis
             trainer.fit()
         if not lease.renew():  # at once: the renewal thread may not have looked since fit() returned
             return  # a newer start owns the job: this driver's workers stopped themselves (worker/loop.py)
+        # The goodput account holds no workers from here until the next group starts (tidal/goodput).
+        MetricsBuffer(run_dir.fs, run_dir.path).append({**GroupEnded(0).entry(), "ts": int(time.time() * 1000)})
         avoided = avoidance.restart_for(spec)  # the group ended to take a straggler's node out, or back in
         found = find_resume_point(spec) if seat is not None or avoided else None
         if found is None or _already_complete(spec, found.state):

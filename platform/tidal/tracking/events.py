@@ -137,6 +137,16 @@ class GroupEnding(Event):
 
 
 @dataclass(frozen=True)
+class GroupEnded(Event):
+    """The driver saw its worker group end with no failure (Ray Train's `fit()` returned: a
+    resize, a suspension, a straggler's node, or the job's end): from here no workers are held
+    until the next group starts."""
+
+    KIND: ClassVar[str] = "group_ended"
+    step: int
+
+
+@dataclass(frozen=True)
 class HangFound(Event):
     """A hung worker group explained (worker/hang.py): `folder` (under the job's folder) holds every
     rank's stacks and the verdict, which the tracker stores in the MLflow run; `culprits`: the ranks
@@ -153,7 +163,7 @@ class HangFound(Event):
 
 KINDS: dict[str, type[Event]] = {cls.KIND: cls for cls in
                                  (StepMetrics, CheckpointSaved, Resumed, Note, WorkersFailed, Resized, TrackingDown,
-                                  TrackingBack, Launched, GroupStarted, GroupEnding, HangFound)}
+                                  TrackingBack, Launched, GroupStarted, GroupEnding, GroupEnded, HangFound)}
 
 
 def parse(entry: Mapping[str, Any]) -> Event | None:
