@@ -116,6 +116,13 @@ CASES = {
         # step to start-up (6 s, against the 1 s each of the other four).
         {"startup": 10 + 9 + 4 + 3 + 5, "productive": 10 + 1 + 5, "replayed": 1 + 1 + 1},
     ),
+    "a compiled model's warm-up steps beside timed ones: start-up, as the docs say": (
+        [launch(), ev("group_started", 10, 0, world=1),
+         # 10 steps: 2 compiling (20 s, left out of step_time_s), 8 timed at 1 s; 1 s of logging
+         ev("metrics", 39, 10, step_time_s=1.0, warmup_steps=2, warmup_s=20.0)],
+        39,
+        {"startup": 10 + 20, "productive": 8, "other": 1},
+    ),
     "stragglers, a background write the optimizer waited for, warm-up steps": (
         [launch(), ev("group_started", 10, 0, world=2),
          ev("metrics", 20, 10, step_time_s=math.nan),  # compile warm-up only: start-up
@@ -392,3 +399,25 @@ def test_tidal_runs_by_team_and_mlflow_carry_the_suspended_jobs_worker_hours(mlf
     assert main(["runs", "--uri", mlflow_uri, "--by-team"]) == 0
     vision = next(x.split() for x in capsys.readouterr().out.splitlines() if x.startswith("vision"))
     assert vision[3] == "0.22"
+
+
+def test_the_clock_reports_the_warm_up_steps_it_left_out(monkeypatch):
+    """What the account books to start-up: the compile steps the clock left out of step_time_s."""
+    import torch
+
+    from tidal.worker import metrics
+    from tidal.worker.metrics import PhaseClock
+
+    now = [0.0]
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: now[0])
+    clock = PhaseClock(torch.device("cpu"), comms=None, warmup_steps=2)
+    for seconds in (15.0, 5.0, 1.0, 1.0):
+        clock.start_step(sync=False)
+        now[0] += seconds
+        clock.end_step()
+    first = clock.take()
+    assert (first["warmup_steps"], first["warmup_s"], first["step_time_s"]) == (2, 20.0, 1.0)
+    clock.start_step(sync=False)
+    now[0] += 1.0
+    clock.end_step()
+    assert "warmup_s" not in clock.take(), "only the interval that held them says so"

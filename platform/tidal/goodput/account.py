@@ -30,7 +30,7 @@ Events (their `kind`, tracking/events.py) and the interval each one closes:
   from the step's bucket to start-up, so a replayed step costs what a step costs and a warm-up
   is paid by the restart that caused it (with one step per log interval, at the next one).
 - `checkpoint` (rank 0, after a save): the save's stall.
-- `hang` (the rank that declared a hang, worker/hang.py): the steps finished since the last event
+- `hang` (the rank that declared a hang, worker/health/hang.py): the steps finished since the last event
   are lost with the group (replayed); the rest, from the last finished step to the detection and
   the stacks' capture, is the hang, and so is the time until the group's failure (ending it).
 - `failure` (controller): the steps since the last event are lost with the group (replayed);
@@ -207,9 +207,13 @@ def _metrics(state: State, ts: float, entry: dict[str, Any], v: dict[str, Any]) 
     warm = st is None  # every step of the interval was a warm-up step (compilation): start-up
     st = st or 0.0
     eval_s = min(_num(v.get("eval_s")) or 0.0, span)
-    train = min(n * st, span - eval_s)
+    # a compiled model's warm-up steps beside timed ones: left out of step_time_s, their time is start-up
+    warm_n = 0 if warm else min(n, int(_num(v.get("warmup_steps")) or 0))
+    warm_s = min(_num(v.get("warmup_s")) or 0.0, span - eval_s) if warm_n else 0.0
+    train = min((n - warm_n) * st, span - eval_s - warm_s)
     replay_n = max(0, min(step, state.reported) - state.last_step)
-    replay = train * replay_n / n if n else 0.0
+    timed = n - warm_n  # the warm-up steps come first: a restart's replayed steps are warm-up first
+    replay = train * max(0, replay_n - warm_n) / timed if timed else 0.0
     fresh = train - replay
     baseline = statistics.median(state.clean) if state.clean else None
     parts = {"checkpoint_stall": _num(v.get("checkpoint_gate_s")) or 0.0,  # the optimizer waited for a write
@@ -221,12 +225,14 @@ def _metrics(state: State, ts: float, entry: dict[str, Any], v: dict[str, Any]) 
         parts[name] = min(max(0.0, want), left)
         left -= parts[name]
     rest = "startup" if warm or state.mode != "running" else "other"
-    _spend(state, span, [("eval", eval_s), ("replayed", replay), *parts.items(), ("productive", left)], rest)
+    _spend(state, span, [("eval", eval_s), ("startup", warm_s), ("replayed", replay), *parts.items(),
+                         ("productive", left)], rest)
     state.step_s += fresh
     state.replayed_steps += replay_n
     state.reported = max(state.reported, step)
-    if n and not warm:
-        _first_step(state, _num(v.get("first_step_s")), n, st, ("replayed", replay) if replay_n else ("productive", left))
+    if timed and not warm:
+        _first_step(state, _num(v.get("first_step_s")), timed, st,
+                    ("replayed", replay) if replay_n > warm_n else ("productive", left))
         state.step_time, state.last_train = st, train
         if not state.after_save:
             state.clean = [*state.clean[-(BASELINE_KEEP - 1):], st]

@@ -93,7 +93,8 @@ class PhaseClock:
 
     The first `warmup_steps` steps of the clock's life (one attempt: a compiled model compiles
     there) count in no figure. A log interval made of warm-up steps only reports NaN times, so
-    that no throughput is made of compile time. The first timed step's own time is reported once
+    that no throughput is made of compile time; an interval that held some reports how many and
+    their seconds (`warmup_steps`, `warmup_s`: the goodput account's start-up). The first timed step's own time is reported once
     as `first_step_s`: it carries the attempt's one-time costs (the first collectives' set-up,
     allocations), which the goodput account charges to start-up rather than to the step.
     """
@@ -108,6 +109,7 @@ class PhaseClock:
         self.comms = comms if comms is not None else _comm_clock()
         self.totals = dict.fromkeys(self.PHASES, 0.0)
         self.step_total, self.steps = 0.0, 0
+        self.warm_total, self.warm_steps = 0.0, 0  # the warm-up steps left out (the goodput account's start-up)
         self._step_t0 = 0.0
         self.sampled: tuple[float, float] | None = None  # (step seconds, comm seconds) of the last sample
         self.first: float | None = None  # the first timed step's seconds, until taken
@@ -125,6 +127,8 @@ class PhaseClock:
         took = time.perf_counter() - self._step_t0
         if self.warmup_left > 0:  # forget the step: its phases too
             self.warmup_left -= 1
+            self.warm_total += took
+            self.warm_steps += 1
             self.totals = self._totals_at_start
             if self.sample and self.comms is not None:
                 self.comms.stop()
@@ -152,8 +156,11 @@ class PhaseClock:
                     "busy_s": max(0.0, step_s - comm_s)}
         if self.first is not None:
             out["first_step_s"] = self.first
+        if self.warm_steps:
+            out |= {"warmup_steps": self.warm_steps, "warmup_s": self.warm_total}
         self.totals = dict.fromkeys(self.PHASES, 0.0)
         self.step_total, self.steps, self.sampled, self.first = 0.0, 0, None, None
+        self.warm_total, self.warm_steps = 0.0, 0
         return out
 
     def _barrier(self) -> None:
