@@ -116,6 +116,14 @@ CASES = {
         # step to start-up (6 s, against the 1 s each of the other four).
         {"startup": 10 + 9 + 4 + 3 + 5, "productive": 10 + 1 + 5, "replayed": 1 + 1 + 1},
     ),
+    "a withdrawn drain: the wait for a deadline that ended nothing is the preemption's": (
+        [launch(), ev("group_started", 10, 0, world=2), ev("metrics", 20, 10, step_time_s=1.0),
+         ev("checkpoint", 21, 10), ev("group_ending", 21, 10, reason="preemption"),
+         # the node was not taken: 31 s waited for the deadline, then 10 steps more in the same group
+         ev("metrics", 62, 20, step_time_s=1.0)],
+        62,
+        {"startup": 10, "productive": 20, "checkpoint_stall": 1, "resize_preemption": 31},
+    ),
     "a compiled model's warm-up steps beside timed ones: start-up, as the docs say": (
         [launch(), ev("group_started", 10, 0, world=1),
          # 10 steps: 2 compiling (20 s, left out of step_time_s), 8 timed at 1 s; 1 s of logging

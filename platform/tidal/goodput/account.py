@@ -40,6 +40,8 @@ Events (their `kind`, tracking/events.py) and the interval each one closes:
 - `group_ending` (rank 0: admission's resize, a straggler's node out or back, a preemption's
   drain): the time until the next group starts is resize_preemption; so is the gap before a group
   of another size that follows a running one with no failure (Ray Train's elastic regrowth).
+  A drain withdrawn (its deadline passed, the node kept, the same group trains on): the wait, up
+  to its next log step, is resize_preemption too.
 - `group_ended` (driver: Ray Train's `fit()` returned, the group is gone): the group's end since
   the last event is resize_preemption after a resize's ending, else `other`.
 
@@ -224,7 +226,9 @@ def _metrics(state: State, ts: float, entry: dict[str, Any], v: dict[str, Any]) 
     for name, want in parts.items():  # each out of the first executions' step time, never beyond it
         parts[name] = min(max(0.0, want), left)
         left -= parts[name]
-    rest = "startup" if warm or state.mode != "running" else "other"
+    # A drain whose deadline passed with the node kept (withdrawn): the wait was the preemption's.
+    withdrawn = state.mode == "ending" and state.ending in RESIZE_REASONS
+    rest = "resize_preemption" if withdrawn else "startup" if warm or state.mode != "running" else "other"
     _spend(state, span, [("eval", eval_s), ("startup", warm_s), ("replayed", replay), *parts.items(),
                          ("productive", left)], rest)
     state.step_s += fresh
