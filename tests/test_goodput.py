@@ -429,3 +429,90 @@ def test_the_clock_reports_the_warm_up_steps_it_left_out(monkeypatch):
     now[0] += 1.0
     clock.end_step()
     assert "warmup_s" not in clock.take(), "only the interval that held them says so"
+
+
+def long_log(tmp_path, mlflow_uri, name, steps):
+    """A job's log of a launch, a group and `steps` log steps, as its workers and driver write it."""
+    import time
+
+    from tests.ledger_fakes import STEP, setup
+    from tidal.tracking.emitter import Emitter
+    from tidal.tracking.events import Launched
+    from tidal.tracking.writer import RunWriter
+
+    spec, run, buffer = setup(tmp_path, mlflow_uri, name=name)
+    run_id = RunWriter(spec).start(None)
+    t0 = time.time() - 60
+    buffer.append({**Launched(0, {"t0": t0, "queue_s": 0.0}).entry(), "ts": int(t0 * 1000) + 1})
+    events = Emitter(spec.checkpoint.storage, spec.name)
+    events.started(0, 2, 1.0, 0.0)
+    for s in range(1, steps + 1):
+        events.metrics({"step": s, **STEP, "step_time_s": 0.001})
+    assert events.drain(timeout_s=60)
+    return spec, run, run_id
+
+
+@pytest.mark.slow
+def test_a_long_log_read_again_by_a_restarted_tracker_is_counted_once(mlflow_uri, tmp_path):
+    """MLflow down after the tracker took in 600 log steps (they stay in the log, unsent), then the
+    tracker restarts: the new one reads the whole log again and must not count it twice."""
+    from tests.ledger_fakes import Server, ledger
+
+    spec, run, run_id = long_log(tmp_path, mlflow_uri, "long-log", 600)
+    server = Server(spec)
+    first = ledger(spec, run, server, run_id)
+    first.poll()  # MLflow answered what it holds: all 600 are taken in (and folded)
+    server.down = True
+    assert first.flush() == 600, "MLflow went down: every point waits in the log"
+    once = dict(first.goodput.seconds)
+    server.down = False
+    second = ledger(spec, run, server, run_id)  # the restarted tracker, from the first one's mark
+    second.poll()
+    assert second.flush() == 0
+    assert second.goodput.replayed_steps == 0, "no step of the log was trained twice"
+    assert second.goodput.seconds == once
+    assert second.goodput.seen == set(), "every event sent and dropped from the log: no id kept for it"
+
+
+def test_running_a_finished_job_again_ends_its_account_where_the_job_ended(mlflow_uri, tmp_path, capsys):
+    """The job ended an hour ago with its last events unsent (MLflow down); running it again sends
+    them and closes the account at the job's own last event, not an hour later."""
+    import time
+
+    from tests.conftest import tiny_spec
+    from tidal.launch.trainer import _complete
+    from tidal.storage import Found, RunDir
+    from tidal.tracking.buffer import MetricsBuffer
+    from tidal.tracking.events import GroupStarted, Launched, StepMetrics
+
+    spec = tiny_spec(tmp_path, name="done", **{"tracking.uri": mlflow_uri})
+    run = RunDir(spec.checkpoint.storage, spec.name)
+    ended = time.time() - 3600
+    at = lambda t: int((ended - 100 + t) * 1000)  # noqa: E731 - the job ran 100 s, ending an hour ago
+    buffer = MetricsBuffer(run.fs, run.path)
+    for e in ({**Launched(0, {"t0": at(0) / 1000, "queue_s": 0.0}).entry(), "ts": at(0)},
+              {**GroupStarted(0, {"world": 1.0, "setup_s": 5.0, "restore_s": 0.0}).entry(), "ts": at(10)},
+              {**StepMetrics(spec.train.steps, {"loss": 1.0, "world_size": 1.0, "step_time_s": 0.5}).entry(),
+               "ts": at(100)}):
+        buffer.append(e)
+
+    class NoLease:
+        def config(self):
+            return None
+
+    found = Found(f"{run.path}/checkpoint_x", run.fs, {"step": spec.train.steps})
+    result = _complete(spec, found, {}, run, time.time(), NoLease())
+    assert result.metrics["step"] == spec.train.steps
+    latest = MetricsBuffer(run.fs, run.path).load()
+    assert latest == [], "the events left were sent"
+    mark = run.read_json("tidal-mlflow-sent.json")
+    assert mark["goodput"]["cursor"] - mark["goodput"]["start"] == pytest.approx(100, abs=1), (
+        "the account ends at the job's last event: the hour since it ended is no time of the job's")
+
+
+def test_an_event_from_before_the_end_read_after_it_reopens_nothing():
+    events, end, _ = CASES["a kill, a restore and replayed steps"]
+    s = account(events, end)
+    fold(s, ev("metrics", 65, 25, step_time_s=1.0))  # written before the end, read after the account closed
+    finish(s, T0 + end + 3600)  # the finished job run again an hour later
+    assert s.wall == pytest.approx(end) and s.mode == "ended"

@@ -10,8 +10,10 @@ restart, resize, preemption and relaunch. The account keeps a cursor: each event
 happened in it, and moves the cursor to `ts`. The shares of one interval are each clamped to
 what is left of it, and the last share takes the rest, so the buckets always sum to the time
 since the first launch (up to floating-point rounding). An event older than the cursor (read
-late) hands out nothing; an event read twice (a tracker that died before its mark was saved
-reads the log again) is skipped by its id.
+late) hands out nothing; an event read twice (a tracker restarted while MLflow was down, or
+before its mark was saved, reads the log again) is skipped by its id: the account keeps the id
+of every event it took that the log may still hold, and forgets an id only once the log has
+dropped that event (`forget`, by the tracker), so a re-read of any length is folded once.
 
 Events (their `kind`, tracking/events.py) and the interval each one closes:
 - `launched` (driver): queue wait (the admission's seat), then start-up (Ray, trainer). The time
@@ -64,7 +66,6 @@ BUCKETS = ("productive", "replayed", "queue", "startup", "restore", "checkpoint_
 HANG_RATIO = 3.0  # a gap before a failure longer than this many expected intervals...
 HANG_MIN_S = 5.0  # ...and this many seconds more than one is a hang
 BASELINE_KEEP = 20  # recent clean step times the post-save slowdown is measured against
-SEEN_KEEP = 512  # ids of the last events taken (a re-read log is skipped by them)
 RESIZE_REASONS = ("resize", "straggler", "preemption")  # a group_ending reason whose gap is resize_preemption
 # TIDAL_GOODPUT=0 in the driver's environment: the job's tracker keeps no account (no `goodput*`
 # metric, gauge or summary line). For measuring what the account costs (benchmarks.goodput_overhead).
@@ -108,7 +109,7 @@ class State:
     step_s: float = 0.0  # step time of first executions (what a benchmark counting step times sees)
     first_due: bool = False  # the group's first timed step is still to be logged
     warm_held: list[Any] = field(default_factory=list)  # [bucket, seconds it may give, first step's s]
-    seen: list[str] = field(default_factory=list)
+    seen: set[str] = field(default_factory=set)  # ids of the events taken that the log may still hold
 
     @classmethod
     def load(cls, data: dict[str, Any] | None) -> State:
@@ -116,13 +117,14 @@ class State:
             return cls()
         names = set(cls.__dataclass_fields__)
         state = cls(**{k: v for k, v in data.items() if k in names})
+        state.seen = set(state.seen)
         for d in (state.seconds, state.worker_s, state.cost, state.unpriced):
             for b in BUCKETS:  # a bucket a later Tidal added
                 d.setdefault(b, 0.0)
         return state
 
     def dump(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "seen": sorted(self.seen)}
 
     @property
     def wall(self) -> float:
@@ -140,8 +142,10 @@ def fold(state: State, entry: dict[str, Any]) -> State:
     if eid is not None:
         if eid in state.seen:
             return state
-        state.seen = [*state.seen[-(SEEN_KEEP - 1):], eid]
+        state.seen.add(eid)
     ts = float(entry.get("ts", 0)) / 1000
+    if state.mode == "ended" and ts <= (state.end or 0.0):  # from before the end, read after it: spent already
+        return state
     kind = entry.get("kind") or ("checkpoint" if "checkpoint_bytes" in entry.get("values", {}) else "metrics")
     values = entry.get("values") or {}
     if kind == "launched":
@@ -155,6 +159,11 @@ def fold(state: State, entry: dict[str, Any]) -> State:
     if handler is not None:
         handler(state, ts, entry, values)
     return state
+
+
+def forget(state: State, ids: set[str]) -> None:
+    """Events the log no longer holds (sent and dropped): they cannot be read again."""
+    state.seen -= ids
 
 
 def finish(state: State, now: float) -> State:

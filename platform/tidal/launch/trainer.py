@@ -260,7 +260,7 @@ def _complete(spec: JobSpec, found: Found, job: dict[str, Any], run_dir: RunDir,
           "  start over:    --restart (the old run's folder is kept aside)", flush=True)
     run_id, uri = job.get("mlflow_run_id") or None, job.get("tracking_uri") or spec.tracking.uri
     if MetricsBuffer(run_dir.fs, run_dir.path).load():
-        run_id, _, left = _finish_here(spec, True, t0, lease)
+        run_id, _, left = _finish_here(spec, True, t0, lease, ran=False)
         if left:
             print(f"[tidal] WARNING: {left} metric point(s) still wait for MLflow in {run_dir.path}/{BUFFER_DIR}",
                   flush=True)
@@ -330,13 +330,15 @@ def _close_tracker(spec: JobSpec, tracker: Any, ok: bool, t0: float, pump: Conso
     return (closed if closed is not None else _finish_here(spec, ok, t0, lease)), url
 
 
-def _finish_here(spec: JobSpec, ok: bool, t0: float, lease: Lease) -> tuple[str | None, dict[str, float], int]:
-    """The tracker, in this process: sends what the event log still holds and ends the run."""
+def _finish_here(spec: JobSpec, ok: bool, t0: float, lease: Lease,
+                 ran: bool = True) -> tuple[str | None, dict[str, float], int]:
+    """The tracker, in this process: sends what the event log still holds and ends the run
+    (`ran` False: nothing trained in this launch; the goodput account ends at the job's last event)."""
     from tidal.tracking.tracker import Tracker
 
     rec = job_record(spec, None)
     return Tracker(spec, record=rec, system_metrics=False, background=False,
-                   lease=lease.config()).close(ok, time.time() - t0)
+                   lease=lease.config()).close(ok, time.time() - t0, ran)
 
 
 def _announce(spec: JobSpec, run_id: str | None) -> None:

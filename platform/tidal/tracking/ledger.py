@@ -85,6 +85,7 @@ class Ledger:
         self.failed_since_resume = False
         self.pending: list[dict[str, Any]] = []
         self.known: set[str] = set()  # ids read and still in the buffer
+        self.read_whole_log = False
         self.recovered: set[str] | None = None  # ids an earlier ledger left: some may be in MLflow
         self.retry_at, self.down_since, self.failures = 0.0, None, 0
         self.unsaved: list[dict[str, Any]] = []  # handled, but the mark that counts them failed to save
@@ -97,6 +98,9 @@ class Ledger:
         `force` asks the sink now even while its backoff runs (the job's end: nothing comes later)."""
         with self.lock:
             new = self.buffer.load(self.known)
+            if not self.read_whole_log:  # this ledger's first read is the whole log: an id it lacks was dropped
+                account.forget(self.goodput, self.goodput.seen - {e["id"] for e in new})
+                self.read_whole_log = True
             self.untaken = 0
             if not self._learn_highs(new, force):
                 self.untaken = len(new)  # left in the log: read again once the sink answers
@@ -222,10 +226,12 @@ class Ledger:
                 self.down_since = None
             return len(self.pending)
 
-    def finish_goodput(self, now: float) -> account.State:
-        """Close the goodput account at the job's (this launch's) end and keep it in the mark."""
+    def finish_goodput(self, now: float | None) -> account.State:
+        """Close the goodput account at the job's (this launch's) end and keep it in the mark;
+        `now` None: nothing ran in this launch (a finished job run again), so the account ends at
+        its last event, not with the idle time since."""
         with self.lock:
-            account.finish(self.goodput, now)
+            account.finish(self.goodput, self.goodput.cursor if now is None else now)
             self._save_mark()
             return self.goodput
 
@@ -281,7 +287,9 @@ class Ledger:
             self.buffer.forget(entries)
         except OSError:  # left in the log: a later poll or ledger finds them handled (by the mark)
             return
-        self.known -= {e["id"] for e in entries}
+        ids = {e["id"] for e in entries}
+        self.known -= ids
+        account.forget(self.goodput, ids)  # out of the log: no re-read can bring them back
 
     def notify(self, event: Event) -> None:
         for subscriber in self.subscribers:

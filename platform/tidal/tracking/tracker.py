@@ -82,9 +82,10 @@ class Tracker:
         self.gauges.update(self.ledger.goodput)
         return self.ledger.flush(force) + self.ledger.untaken
 
-    def close(self, ok: bool, wall_s: float) -> tuple[str | None, dict[str, float], int]:
-        """One more try to send, then end the run (usage, artifacts, status `ok`).
-        Returns (MLflow run id, last values seen, points still unsent)."""
+    def close(self, ok: bool, wall_s: float, ran: bool = True) -> tuple[str | None, dict[str, float], int]:
+        """One more try to send, then end the run (usage, artifacts, status `ok`); `ran` False: no
+        training ran in this launch (a finished job run again), so the goodput account ends at the
+        job's last event. Returns (MLflow run id, last values seen, points still unsent)."""
         self.stopped.set()
         if self.thread.is_alive():
             self.thread.join()
@@ -96,7 +97,7 @@ class Tracker:
         def account() -> tuple[dict[str, float], list[dict[str, Any]]]:
             """The goodput account, ended as late as the run's last writes allow (the usage and the
             artifacts take seconds, and they are the job's time too)."""
-            state = self.ledger.finish_goodput(time.time())
+            state = self.ledger.finish_goodput(time.time() if ran else None)
             self.gauges.update(state, force=True)
             if (said := line(state)) is not None:
                 print(f"[tidal] {said}", flush=True)
