@@ -107,10 +107,20 @@ def test_a_keeper_refuses_a_shard_over_its_limit_and_keeps_the_rest():
     assert [(e["step"], e["rank"]) for e in k.listing()] == [(3, 0)]
 
 
-def test_keeper_names_carry_the_job_and_the_node():
-    name = keeper.name("my:job", "abc123")
-    assert keeper.job_of(name) == "my:job"
-    assert keeper.job_of("tidal-tracker:x") is None
+def test_keeper_names_carry_the_job_its_storage_its_drivers_generation_and_the_node():
+    a = keeper.Owner.of(SPEC.with_overrides({"name": "job", "checkpoint.storage": "/runs/a"}), 3)
+    b = keeper.Owner.of(SPEC.with_overrides({"name": "job", "checkpoint.storage": "/runs/b"}), 3)
+    assert a != b and a.job == b.job == "job", "one name on two storages: two owners"
+    assert keeper.owner_of(keeper.name(a, "abc123")) == a
+    assert keeper.owner_of(keeper.name(keeper.Owner("my:job", "s", 0), "n")) == keeper.Owner("my:job", "s", 0)
+    assert keeper.owner_of("tidal-tracker:x") is None and keeper.owner_of("tidal-keeper:job:n") is None
+
+
+def test_a_keepers_storage_digest_carries_no_credential():
+    secret = SPEC.with_overrides({"checkpoint.storage": "s3://KEY:SECRET@bucket/runs"})
+    other_secret = SPEC.with_overrides({"checkpoint.storage": "s3://KEY:OTHER@bucket/runs"})
+    owner = keeper.Owner.of(secret, 1)
+    assert "SECRET" not in keeper.name(owner, "n") and owner == keeper.Owner.of(other_secret, 1)
 
 
 def test_a_snapshot_in_memory_reads_as_a_checkpoint_folder_and_refuses_writes(tmp_path):

@@ -41,7 +41,7 @@ def test_a_killed_worker_resumes_from_memory_and_reads_no_checkpoint(tmp_path, c
     g = result.goodput  # the restore from memory is the account's restore, its replay the replayed steps
     assert g["goodput_restarts"] >= 1 and g["goodput_restore_s"] > 0 and g["goodput_replayed_steps"] == lost
     assert_undisturbed_losses(tmp_path, spec, result)
-    assert keeper.keepers(spec.name) == {}, "the job's keepers outlived it"
+    assert keeper.named(spec.name) == {}, "the job's keepers outlived it"
 
 
 @pytest.mark.extended  # outside the suite's budget (pyproject.toml): the completeness rule is unit-tested (test_memory_tier)
@@ -56,7 +56,7 @@ def test_a_kill_during_a_snapshot_then_another_never_resumes_from_the_partial_on
         """An attempt whose rank 0 handed step 12 over and whose rank 1 has not: mid-snapshot."""
         import ray
 
-        shards = [e for k in keeper.keepers(spec.name).values() for e in ray.get(k.listing.remote()) if e["step"] == 12]
+        shards = [e for k in keeper.named(spec.name).values() for e in ray.get(k.listing.remote()) if e["step"] == 12]
         ranks: dict[str, set[int]] = {}
         for e in shards:
             ranks.setdefault(e["attempt"], set()).add(e["rank"])
@@ -98,7 +98,7 @@ def test_the_keepers_killed_then_a_worker_falls_back_to_storage(tmp_path, capfd)
 
     def chaos() -> None:
         holds.wait(22)
-        for actor in keeper.keepers(spec.name).values():
+        for actor in keeper.named(spec.name).values():
             ray.kill(actor, no_restart=True)
         holds.release(22)
         # past the snapshot of 30: the first snapshot after the kill (24) is not kept, and the next one
@@ -150,7 +150,7 @@ def test_a_snapshot_holds_exactly_what_the_checkpoint_of_its_step_holds(tmp_path
                  and check_complete(run.fs, ckpt)[0] is None, 240, every=0.1)
 
         def shards() -> bool:
-            for k in keeper.keepers(spec.name).values():
+            for k in keeper.named(spec.name).values():
                 for e in ray.get(k.listing.remote()):
                     if e["step"] == 6 and e["rank"] not in held:
                         held[e["rank"]] = ray.get(k.get.remote(e["attempt"], 6, e["rank"], list(e["sizes"])))

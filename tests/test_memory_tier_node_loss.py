@@ -36,7 +36,7 @@ def cluster() -> Iterator[Cluster]:
 def complete_snapshot(job: str, world: int, at_least: int) -> int | None:
     """The newest step of `world` ranks every rank of which some keeper holds, if at least `at_least`."""
     ranks: dict[tuple[str, int], set[int]] = {}
-    for k in keeper.keepers(job).values():
+    for k in keeper.named(job).values():
         for e in ray.get(k.listing.remote()):
             if e["world_size"] == world:
                 ranks.setdefault((e["attempt"], e["step"]), set()).add(e["rank"])
@@ -61,7 +61,7 @@ def test_a_lost_node_resumes_smaller_from_its_peers_copy_then_grows_back_from_me
     wait_for_world_size(spec, 2)
     wait_for_step(spec, 7)
     wait_for("a complete 2-worker snapshot past step 6", lambda: complete_snapshot(spec.name, 2, 6), 120, every=0.1)
-    holders = {name.rsplit(":", 1)[1] for name in keeper.keepers(spec.name)}
+    holders = {name.rsplit(":", 1)[1] for name in keeper.named(spec.name)}
     assert len(holders) == 2, f"one keeper on each of the group's nodes: {holders}"
     lost = next(n for n in cluster.worker_nodes if n.node_id in holders)
     cluster.remove_node(lost)
@@ -87,7 +87,7 @@ def test_a_lost_node_resumes_smaller_from_its_peers_copy_then_grows_back_from_me
     assert 0 <= redo < 2 * EVERY and 0 <= redo2 < 2 * EVERY, f"replayed {redo} and {redo2} step(s)"
     assert not list((tmp_path / "cache").rglob("*.pt")), "no checkpoint file copied, none left on the node"
     assert_undisturbed_losses(tmp_path, spec, result)
-    assert keeper.keepers(spec.name) == {}, "the job's keepers outlived it"
+    assert keeper.named(spec.name) == {}, "the job's keepers outlived it"
 
 
 @pytest.mark.extended  # outside the suite's budget (pyproject.toml): the completeness rule is unit-tested (test_memory_tier) and a kill mid-snapshot runs in test_memory_tier_e2e
@@ -105,7 +105,7 @@ def test_a_node_lost_while_its_snapshot_is_copied_resumes_from_the_complete_one_
 
     def rank_1_mid_copy() -> str | None:
         """The node rank 1 ran on, once rank 0's shard of step 9 is held and rank 1's is not."""
-        shards = [e for k in keeper.keepers(spec.name).values() for e in ray.get(k.listing.remote())]
+        shards = [e for k in keeper.named(spec.name).values() for e in ray.get(k.listing.remote())]
         at_9 = {e["rank"] for e in shards if e["step"] == 9}
         six = [e["node"] for e in shards if e["step"] == 6 and e["rank"] == 1]
         return six[0] if at_9 == {0} and six else None

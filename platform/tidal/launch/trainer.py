@@ -9,6 +9,7 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -144,10 +145,11 @@ def _train(spec: JobSpec, run_dir: RunDir, job: dict[str, Any], tags: dict[str, 
     # leftovers of an earlier launch that Ray never registered (the best one stays, under keep_best)
     run_dir.prune(spec.checkpoint.keep, spare=eval_best.spared(spec, run_dir))
     ok = False
-    _free_memory_tier(spec, "left by an earlier driver of this job")  # before any group snapshots
+    _free_memory_tier(spec, lease, "left by an earlier driver of this job")  # before any group snapshots
     try:
-        # site "any": on-prem first, cloud nodes after burst_after_s; Tidal's recovery defaults for Ray
-        with burst.burst_capacity(spec), recovery_settings(spec):
+        # site "any": on-prem first, cloud nodes after burst_after_s; Tidal's recovery defaults for Ray;
+        # this driver's keepers touched while it lives (they end themselves once it is gone)
+        with burst.burst_capacity(spec), recovery_settings(spec), _keepers_touched(spec, lease):
             _fit(spec, trainer, callbacks, seat, run_dir, lease)
         ok = not lease.lost.is_set()
         if ok:
@@ -161,7 +163,7 @@ def _train(spec: JobSpec, run_dir: RunDir, job: dict[str, Any], tags: dict[str, 
         raise TidalError(f"job {spec.name!r} failed {how}: {_root_cause(e)}\n"
                          f"Its checkpoints are in {run_dir.path}; run the same command again to resume.") from e
     finally:
-        _free_memory_tier(spec)
+        _free_memory_tier(spec, lease)
         (run_id, latest, left), url = _close_tracker(spec, tracker, ok, t0, pump, lease)
         if left:
             print(f"[tidal] WARNING: {left} metric point(s) could not reach MLflow; they stay in "
@@ -170,18 +172,34 @@ def _train(spec: JobSpec, run_dir: RunDir, job: dict[str, Any], tags: dict[str, 
                      url=url or (_link_here(spec, run_id) if run_id else ""))
 
 
-def _free_memory_tier(spec: JobSpec, why: str = "") -> None:
+def _free_memory_tier(spec: JobSpec, lease: Lease, why: str = "") -> None:
     """checkpoint.memory: end the job's keepers (tidal.worker.checkpoint.keeper) and free what they
-    hold: at the job's end, and at its start those an earlier driver that died could not end."""
+    hold: at the job's end, and at its start those an earlier driver that died could not end. Only
+    while this driver holds the lease, and never a newer driver's (keeper.remove: this generation
+    and older)."""
     if spec.checkpoint.memory is None:
         return
     from tidal.worker.checkpoint import keeper
 
+    if lease.lost.is_set() or not lease.renew():
+        return  # a newer start owns the job: its keepers are its own; this driver's end themselves
     try:
-        if (n := keeper.remove(spec.name)) and why:
+        if (n := keeper.remove(keeper.Owner.of(spec, lease.generation))) and why:
             print(f"[tidal] removed {n} memory-tier keeper(s) {why}", flush=True)
     except Exception as e:  # noqa: BLE001 - a keeper that outlives its job holds memory, nothing more
         print(f"[tidal] WARNING: could not remove the job's memory-tier keepers ({type(e).__name__}: {e})", flush=True)
+
+
+@contextlib.contextmanager
+def _keepers_touched(spec: JobSpec, lease: Lease) -> Iterator[None]:
+    """checkpoint.memory: this driver's keepers are touched while it trains (keeper.heartbeat)."""
+    if spec.checkpoint.memory is None:
+        yield
+        return
+    from tidal.worker.checkpoint import keeper
+
+    with keeper.heartbeat(keeper.Owner.of(spec, lease.generation)):
+        yield
 
 
 def _fit(spec: JobSpec, trainer: TorchTrainer, callbacks: list[Any], seat: admission.Seat | None,

@@ -114,7 +114,8 @@ def open_session(config: dict[str, Any]) -> Session:
         abort_dead_uploads(spec, events)
 
     t_found = time.time()
-    found, route = restore.agree_on_resume_point(spec)  # rank 0 decides which and how; every rank loads that
+    generation = lease.generation if lease is not None else 0  # whose keepers hold this driver's snapshots
+    found, route = restore.agree_on_resume_point(spec, generation)  # rank 0 decides which and how; every rank loads that
     restore_s = time.time() - t_found
     # train.micro_batch auto: the size this job chose, or searched now (a collective); a number from here on.
     spec = microbatch.choose(spec, world, device, rank, events.say,
@@ -153,13 +154,13 @@ def open_session(config: dict[str, Any]) -> Session:
         directive=Directive(seat["job"], world) if seat and rank == 0 else None,
         launched_max=seat.get("launched_max"), lease=lease, auto=auto,
     )
-    session.memory = _memory_tier(spec, rank, world, events)
+    session.memory = _memory_tier(spec, rank, world, events, generation)
     if rank == 0:
         events.started(state.step, world, time.time() - began, restore_s)
     return session
 
 
-def _memory_tier(spec: JobSpec, rank: int, world: int, events: Emitter) -> Any:
+def _memory_tier(spec: JobSpec, rank: int, world: int, events: Emitter, generation: int) -> Any:
     """checkpoint.memory's snapshots for this group (a collective), or None without it."""
     if spec.checkpoint.memory is None:
         return None
@@ -169,7 +170,7 @@ def _memory_tier(spec: JobSpec, rank: int, world: int, events: Emitter) -> Any:
         if rank == 0:
             events.say(f"checkpoint.memory is off for this job: {why}")
         return None
-    return memory.Tier(spec, rank, world)
+    return memory.Tier(spec, rank, world, generation)
 
 
 def _batches(spec: JobSpec, config: dict[str, Any], engine: Any, rank: int, world: int,

@@ -1,25 +1,35 @@
 """The memory tier's keepers: one Ray actor per node per job that holds ranks' snapshots in host memory.
 
 A keeper is a detached actor pinned to its node (`NodeAffinitySchedulingStrategy(soft=False)`),
-named for the job and the node, so it outlives the training workers: a worker's own objects die
-with it, a keeper's copies do not (it keeps them in its own heap, not as references to a
-worker's objects). Each rank hands its shard of a snapshot to its node's keeper and to the keeper
-of the next node of its group (a ring): a worker's death leaves its node's copy, a node's loss
-the peer's. A keeper keeps what it was given until a rank tells it which snapshot is complete
-(`prune_below`): then only that one and newer ones stay (the newest complete one and the one
-being written). It never decides completeness: rank 0 does, from every keeper's listing
-(tidal.worker.checkpoint.route.newest).
+so it outlives the training workers: a worker's own objects die with it, a keeper's copies do not
+(it keeps them in its own heap, not as references to a worker's objects). Each rank hands its
+shard of a snapshot to its node's keeper and to the keeper of the next node of its group (a
+ring): a worker's death leaves its node's copy, a node's loss the peer's. A keeper keeps what it
+was given until a rank tells it which snapshot is complete (`prune_below`): then only that one
+and newer ones stay (the newest complete one and the one being written). It never decides
+completeness: rank 0 does, from every keeper's listing (tidal.worker.checkpoint.route.newest).
 
-The driver removes the job's keepers when the job ends, and any left from an earlier driver of
-the same job when it starts (a driver that died could not). Only Ray's public API is used here,
-and no torch: the driver imports this module.
+A cluster is shared, so a keeper is named for its job's identity (`Owner`): the job's name, its
+storage (two jobs of one name on two storages are two jobs) and the lease generation of the
+driver that runs it (tidal/lease.py), then the node. A job's restore lists only its own keepers,
+so a snapshot is never loaded into another job. Only the lease holder ends keepers (`remove`):
+those of its generation and older ones left by earlier drivers, never a newer driver's. A keeper
+ends itself once nothing has touched it for its expiry (`heartbeat`, the driver's; a put counts
+too): a dead driver's keepers free their node's memory. Four calls may run at once (a snapshot's
+puts, a restore's listing and gets), so its shard table is locked. Only Ray's public API is
+used here, and no torch: the driver imports this module.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
+import os
+import threading
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 log = logging.getLogger("tidal")
@@ -28,25 +38,47 @@ NAMESPACE = "tidal-memory"
 PREFIX = "tidal-keeper"
 DEFAULT_SHARE = 0.5  # of the node's memory a keeper may hold when checkpoint.memory.max_gb is unset
 RESERVE_SHARE = 0.1  # a put is refused when it would leave less than this share of the node's memory free
+EXPIRY_S = 120.0  # a keeper nothing touched for this long ends itself (its driver is gone)
+HEARTBEAT_S = 15.0  # how often a driver touches its keepers: well inside their expiry
 
 
-def name(job: str, node_id: str) -> str:
-    return f"{PREFIX}:{job}:{node_id}"
+@dataclass(frozen=True)
+class Owner:
+    """The job a keeper serves: its name, its storage (a digest: a URI may carry a credential, and
+    an actor's name is visible to all) and its driver's lease generation."""
+
+    job: str
+    storage: str
+    generation: int
+
+    @classmethod
+    def of(cls, spec: Any, generation: int) -> Owner:
+        """The owner of `spec`'s keepers (a resolved spec: its storage absolute) under the lease
+        `generation` (0: a group run without a lease)."""
+        from tidal.redact import redact_uri
+
+        storage = redact_uri(spec.checkpoint.storage).rstrip("/")
+        return cls(spec.name, hashlib.sha256(storage.encode()).hexdigest()[:12], int(generation))
 
 
-def job_of(actor_name: str) -> str | None:
-    """The job a keeper's name belongs to (None: not a keeper's name)."""
+def name(owner: Owner, node_id: str) -> str:
+    return f"{PREFIX}:{owner.job}:{owner.storage}:{owner.generation}:{node_id}"
+
+
+def owner_of(actor_name: str) -> Owner | None:
+    """The owner a keeper's name belongs to (None: not a keeper's name)."""
     head, _, rest = actor_name.partition(":")
-    if head != PREFIX or ":" not in rest:
+    parts = rest.rsplit(":", 3)
+    if head != PREFIX or len(parts) != 4 or not parts[2].isdigit():
         return None
-    return rest.rsplit(":", 1)[0]
+    return Owner(parts[0], parts[1], int(parts[2]))
 
 
 class Keeper:
     """Holds shards of snapshots: (attempt, step, rank) -> the shard's files (name -> bytes) and
     its facts (world size, node of the rank, fingerprint...). Run as a Ray actor (`handle`)."""
 
-    def __init__(self, job: str, node_id: str, limit_bytes: int | None) -> None:
+    def __init__(self, job: str, node_id: str, limit_bytes: int | None, expiry_s: float | None = None) -> None:
         import psutil
 
         self.job, self.node_id = job, node_id
@@ -54,10 +86,31 @@ class Keeper:
         self.limit = limit_bytes if limit_bytes is not None else int(total * DEFAULT_SHARE)
         self.reserve = int(total * RESERVE_SHARE)
         self.shards: dict[tuple[str, int, int], tuple[dict[str, Any], dict[str, bytes]]] = {}
+        self.incoming = 0  # bytes of puts admitted under the limit and still being copied in
+        self.lock = threading.Lock()  # the shard table and `incoming`: four calls run at once
+        self.touched = time.time()
+        if expiry_s is not None:
+            threading.Thread(target=self._expire, args=(expiry_s,), daemon=True, name="tidal-keeper-expiry").start()
+
+    def touch(self) -> None:
+        """A driver of the job is alive (`heartbeat`)."""
         self.touched = time.time()
 
+    def _expire(self, expiry_s: float) -> None:
+        """End this actor once nothing has touched it for `expiry_s`: its driver is gone, and what it
+        holds would otherwise stay in the node's memory until the same job ran again."""
+        while time.time() - self.touched < expiry_s:
+            time.sleep(min(expiry_s / 4, 5.0))
+        log.warning("memory tier: keeper %s on node %s untouched for %.0fs, ending itself", self.job,
+                    self.node_id[:8], expiry_s)
+        os._exit(0)  # a detached actor with max_restarts=0: Ray frees its name and memory
+
     def held_bytes(self) -> int:
-        return sum(len(b) for _, files in self.shards.values() for b in files.values())
+        with self.lock:
+            return self._held()
+
+    def _held(self) -> int:
+        return self.incoming + sum(len(b) for _, files in self.shards.values() for b in files.values())
 
     def put(self, attempt: str, step: int, rank: int, facts: dict[str, Any], files: dict[str, Any],
             prune_below: int | None = None) -> str | None:
@@ -68,26 +121,35 @@ class Keeper:
         import psutil
 
         self.touched = time.time()
-        if prune_below is not None:
-            for key in [k for k in self.shards if k[1] < prune_below]:
-                del self.shards[key]
-        self.shards.pop((attempt, step, rank), None)  # a retry of the same shard replaces it
         size = sum(len(b) for b in files.values())
-        if self.held_bytes() + size > self.limit:
-            return (f"the keeper on node {self.node_id[:8]} would hold {(self.held_bytes() + size) / 2**30:.2f} GiB, "
-                    f"over its limit of {self.limit / 2**30:.2f} GiB (checkpoint.memory.max_gb)")
-        if psutil.virtual_memory().available - size < self.reserve:
-            return (f"node {self.node_id[:8]} has {psutil.virtual_memory().available / 2**30:.2f} GiB free, too little "
-                    f"for a {size / 2**30:.2f} GiB shard and the {self.reserve / 2**30:.2f} GiB kept free")
-        # Bytes of its own: a worker's numpy views are Ray's object-store copy, freed after this call.
-        owned = {n: b if isinstance(b, bytes) else bytes(b) for n, b in files.items()}
-        self.shards[(attempt, step, rank)] = ({**facts, "held_on": self.node_id}, owned)
+        with self.lock:  # admitted under the limit as one step: two puts never both fit in one gap
+            if prune_below is not None:
+                for key in [k for k in self.shards if k[1] < prune_below]:
+                    del self.shards[key]
+            self.shards.pop((attempt, step, rank), None)  # a retry of the same shard replaces it
+            if self._held() + size > self.limit:
+                return (f"the keeper on node {self.node_id[:8]} would hold {(self._held() + size) / 2**30:.2f} GiB, "
+                        f"over its limit of {self.limit / 2**30:.2f} GiB (checkpoint.memory.max_gb)")
+            if psutil.virtual_memory().available - size < self.reserve:
+                return (f"node {self.node_id[:8]} has {psutil.virtual_memory().available / 2**30:.2f} GiB free, too "
+                        f"little for a {size / 2**30:.2f} GiB shard and the {self.reserve / 2**30:.2f} GiB kept free")
+            self.incoming += size
+        try:  # the copy outside the lock: a restore's gets go on while a snapshot lands
+            # Bytes of its own: a worker's numpy views are Ray's object-store copy, freed after this call.
+            owned = {n: b if isinstance(b, bytes) else bytes(b) for n, b in files.items()}
+        finally:
+            with self.lock:
+                self.incoming -= size
+        with self.lock:
+            self.shards[(attempt, step, rank)] = ({**facts, "held_on": self.node_id}, owned)
         return None
 
     def listing(self) -> list[dict[str, Any]]:
         """Every shard held: its key, facts and file sizes (no bytes)."""
+        with self.lock:
+            held = list(self.shards.items())
         return [{"attempt": a, "step": s, "rank": r, **facts, "sizes": {n: len(b) for n, b in files.items()}}
-                for (a, s, r), (facts, files) in self.shards.items()]
+                for (a, s, r), (facts, files) in held]
 
     def get(self, attempt: str, step: int, rank: int, names: list[str]) -> dict[str, Any] | None:
         """The files `names` of a shard (each a numpy uint8 view of the bytes held), or None if it is
@@ -95,48 +157,87 @@ class Keeper:
         caller reads them there without a copy; as bytes they were pickled and unpickled whole."""
         import numpy as np
 
-        shard = self.shards.get((attempt, step, rank))
+        with self.lock:
+            shard = self.shards.get((attempt, step, rank))
         if shard is None or any(n not in shard[1] for n in names):
             return None
         return {n: np.frombuffer(shard[1][n], dtype=np.uint8) for n in names}
 
     def stats(self) -> dict[str, Any]:
-        return {"node_id": self.node_id, "bytes": self.held_bytes(), "shards": len(self.shards),
-                "limit": self.limit, "touched": self.touched}
+        with self.lock:
+            return {"node_id": self.node_id, "bytes": self._held(), "shards": len(self.shards),
+                    "limit": self.limit, "touched": self.touched}
 
 
-def handle(job: str, node_id: str, limit_bytes: int | None) -> Any:
-    """The keeper of `job` on `node_id`, started there if it is not running yet."""
+def handle(owner: Owner, node_id: str, limit_bytes: int | None, expiry_s: float = EXPIRY_S) -> Any:
+    """The keeper of `owner` on `node_id`, started there if it is not running yet; it ends itself
+    once nothing has touched it for `expiry_s`."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     actor = ray.remote(Keeper).options(
-        name=name(job, node_id), namespace=NAMESPACE, lifetime="detached", get_if_exists=True, num_cpus=0,
+        name=name(owner, node_id), namespace=NAMESPACE, lifetime="detached", get_if_exists=True, num_cpus=0,
         max_restarts=0, max_concurrency=4,  # a restore's gets go on while a snapshot's put lands
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
-    return actor.remote(job, node_id, limit_bytes)
+    return actor.remote(owner.job, node_id, limit_bytes, expiry_s)
 
 
-def keepers(job: str) -> dict[str, Any]:
-    """The job's live keepers: actor name -> handle (a keeper whose node is gone is not listed, or
-    fails when asked: callers skip those)."""
+def keepers(owner: Owner) -> dict[str, Any]:
+    """The live keepers of `owner` (this job, this storage, this driver's generation): actor name ->
+    handle (a keeper whose node is gone is not listed, or fails when asked: callers skip those)."""
+    return _found(lambda o: o == owner)
+
+
+def named(job: str) -> dict[str, Any]:
+    """Every live keeper of a job of this name, on any storage, of any driver (what a person
+    looking for leftovers, or a test, asks)."""
+    return _found(lambda o: o.job == job)
+
+
+def _found(wanted: Any) -> dict[str, Any]:
     import ray
 
     out = {}
     for entry in ray.util.list_named_actors(all_namespaces=True):
-        if entry.get("namespace") != NAMESPACE or job_of(entry.get("name", "")) != job:
+        owner = owner_of(entry.get("name", ""))
+        if entry.get("namespace") != NAMESPACE or owner is None or not wanted(owner):
             continue
         with contextlib.suppress(ValueError):  # gone between the listing and the lookup
             out[entry["name"]] = ray.get_actor(entry["name"], namespace=NAMESPACE)
     return out
 
 
-def remove(job: str) -> int:
-    """Kill the job's keepers, freeing what they hold; returns how many."""
+def remove(owner: Owner) -> int:
+    """Kill the keepers of `owner`'s job and storage of its generation or older (an earlier driver's,
+    which could not end its own), freeing what they hold; returns how many. Only the lease holder
+    calls this: a newer driver's keepers (a higher generation) are never touched."""
     import ray
 
-    found = keepers(job)
+    found = _found(lambda o: (o.job, o.storage) == (owner.job, owner.storage) and o.generation <= owner.generation)
     for actor in found.values():
         with contextlib.suppress(Exception):  # already dead with its node
             ray.kill(actor, no_restart=True)
     return len(found)
+
+
+@contextlib.contextmanager
+def heartbeat(owner: Owner, every_s: float = HEARTBEAT_S) -> Iterator[None]:
+    """While the block runs (a driver's job), touch `owner`'s keepers every `every_s` so that they
+    do not expire; a driver that dies stops touching them and they end themselves."""
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(every_s):
+            try:
+                for actor in keepers(owner).values():
+                    actor.touch.remote()  # not awaited: a keeper gone with its node is simply not touched
+            except Exception as e:  # noqa: BLE001 - Ray unreachable for a moment: the next beat retries
+                log.debug("memory tier: could not touch the keepers (%s: %s)", type(e).__name__, e)
+
+    thread = threading.Thread(target=beat, daemon=True, name="tidal-keeper-heartbeat")
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=5)

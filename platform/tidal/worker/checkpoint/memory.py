@@ -89,7 +89,9 @@ class Pending:
 class Tier:
     """One worker's side of the memory tier, opened once per worker group (a collective)."""
 
-    def __init__(self, spec: JobSpec, rank: int, world: int) -> None:
+    def __init__(self, spec: JobSpec, rank: int, world: int, generation: int = 0) -> None:
+        """`generation`: the lease generation of this group's driver (tidal/lease.py), part of the
+        keepers' owner: a newer driver of the job has keepers of its own."""
         import ray
 
         mem = spec.checkpoint.memory
@@ -105,8 +107,9 @@ class Tier:
         self.node = node
         self.peer_node = ring[(ring.index(node) + 1) % len(ring)] if mem.peer and len(ring) > 1 else None
         limit = int(mem.max_gb * 2**30) if mem.max_gb is not None else None
-        self.own = keeper.handle(spec.name, node, limit)
-        self.peer = keeper.handle(spec.name, self.peer_node, limit) if self.peer_node else None
+        owner = keeper.Owner.of(spec, generation)
+        self.own = keeper.handle(owner, node, limit)
+        self.peer = keeper.handle(owner, self.peer_node, limit) if self.peer_node else None
         self.single_node = len(ring) == 1
         self.buffers = Buffers()
         self.pending: Pending | None = None
@@ -208,11 +211,13 @@ class Tier:
             pending.error = f"{type(e).__name__}: {str(e)[:200]}"
 
 
-def newest_complete(spec: JobSpec) -> tuple[Held, Plan] | tuple[None, None]:
-    """The newest snapshot every rank of which a live keeper of the job holds (rank 0, on restore)."""
+def newest_complete(spec: JobSpec, generation: int = 0) -> tuple[Held, Plan] | tuple[None, None]:
+    """The newest snapshot every rank of which a live keeper of the job holds (rank 0, on restore):
+    of this job's keepers only (its name, its storage, its driver's lease `generation`), so a
+    snapshot of another job of the same name is never a candidate."""
     import ray
 
-    held = keeper.keepers(spec.name)
+    held = keeper.keepers(keeper.Owner.of(spec, generation))
     calls = {n: h.listing.remote() for n, h in held.items()}
     listings: dict[str, list[dict[str, Any]]] = {}
     for name, call in calls.items():

@@ -72,7 +72,7 @@ log = logging.getLogger("tidal")
 T = TypeVar("T")
 CHUNK = 8 * 2**20  # a damage check holds at most this much of a file at once
 
-def agree_on_resume_point(spec: JobSpec) -> tuple[Found, Route] | tuple[None, None]:
+def agree_on_resume_point(spec: JobSpec, generation: int = 0) -> tuple[Found, Route] | tuple[None, None]:
     """Rank 0 picks the newest complete checkpoint and how it loads (`route.decide`, once), and
     every rank takes both, with the checkpoint's list of files: rank 0 lists and verifies the
     checkpoint once, and no other rank reads a manifest, so a rank's storage requests grow with
@@ -86,7 +86,7 @@ def agree_on_resume_point(spec: JobSpec) -> tuple[Found, Route] | tuple[None, No
 
     def pick() -> tuple[str, dict[str, Any], dict[str, int] | None, Route] | None:
         found = find_resume_point(spec)
-        held, plan = _in_memory(spec)
+        held, plan = _in_memory(spec, generation)
         load = route.from_memory(found.step if found else None, held, spec, dist.get_world_size())
         if load is not None:
             assert plan is not None
@@ -106,12 +106,13 @@ def agree_on_resume_point(spec: JobSpec) -> tuple[Found, Route] | tuple[None, No
     return Found(picked[0], RunDir(spec.checkpoint.storage, spec.name).fs, picked[1], picked[2]), picked[3]
 
 
-def _in_memory(spec: JobSpec) -> tuple[route.Held, memory.Plan] | tuple[None, None]:
-    """The memory tier's newest complete snapshot (rank 0), if the job has the tier."""
+def _in_memory(spec: JobSpec, generation: int) -> tuple[route.Held, memory.Plan] | tuple[None, None]:
+    """The memory tier's newest complete snapshot (rank 0), if the job has the tier: its own
+    keepers', under its driver's lease `generation` (tidal.worker.checkpoint.keeper.Owner)."""
     if spec.checkpoint.memory is None or memory.supported(spec) is not None:
         return None, None
     try:
-        return memory.newest_complete(spec)
+        return memory.newest_complete(spec, generation)
     except Exception as e:  # noqa: BLE001 - the tier is an optimisation: storage is always there
         log.warning("could not list the memory tier's snapshots (%s: %s); resuming from storage", type(e).__name__, e)
         return None, None
