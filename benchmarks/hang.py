@@ -31,7 +31,7 @@ from tidal.spec.job import JobSpec
 from tidal.storage import RunDir
 from tidal.testing.processes import kill, our_processes
 from tidal.testing.runs import prepared_store
-from tidal.worker.hang import HANG_DIR
+from tidal.worker.health.hang import HANG_DIR
 from tidal.worker.metrics import LOSS_TRACE_ENV
 
 OLD_DEADLINE_S, OLD_MEASURED_S = 900.0, 470.0
@@ -119,7 +119,7 @@ Medians: detected **{med['detected_s']:.1f} s**, explained {med['explained_s']:.
 **{med['again_s']:.1f} s**, first new step {med['new_s']:.1f} s. Before (not re-run): the fixed default deadline was
 {OLD_DEADLINE_S:.0f} s, and the issue measured {OLD_MEASURED_S:.0f} s from such a stop to training again, with no line
 naming the stopped rank; detection is now {OLD_DEADLINE_S / med['detected_s']:.0f}x sooner than that deadline. Between
-detection and explanation: the wait for the stopped rank's answer (5 s, `ANSWER_S` in worker/hang.py) and reading it
+detection and explanation: the wait for the stopped rank's answer (5 s, `ANSWER_S` in worker/health/hang.py) and reading it
 from outside on its node (a Ray task: /proc, py-spy). The rest is Ray's restart of the group and the reload.
 The first round's verdict: `{rounds[0]['verdict']}`
 """

@@ -1,4 +1,4 @@
-"""A hung group explained (worker/hang.py, worker/stacks.py): who is named, from what the ranks
+"""A hung group explained (worker/health/hang.py, worker/health/stacks.py): who is named, from what the ranks
 answered; the declaration, the answers and the verdict through a real (local) job folder, two
 ranks' courts in this process; a real stopped process read from outside; the files that reach
 MLflow. No Ray: the end-to-end runs are tests/test_hang.py."""
@@ -18,8 +18,8 @@ from tidal.storage import RunDir
 from tidal.testing.processes import wait_for
 from tidal.tracking.artifacts import hang_files
 from tidal.tracking.events import HangFound, parse
-from tidal.worker import avoidance, stacks
-from tidal.worker.hang import Answer, HangCourt, _hang_count, explain
+from tidal.worker.health import avoidance, nodes, stacks
+from tidal.worker.health.hang import Answer, HangCourt, _hang_count, explain
 
 ALL_REDUCE = "all_reduce (torch/distributed/distributed_c10d.py:2950) called from _train_step (tidal/worker/loop.py:201)"
 GATHER = "all_gather (torch/distributed/distributed_c10d.py:3400) called from exchange (tidal/worker/logsync.py:40)"
@@ -202,12 +202,12 @@ def test_hangs_are_counted_per_node():
 
 def test_avoiding_a_hung_node_follows_the_straggler_rules(tmp_path):
     elastic = tiny_spec(tmp_path, name="el", **{"scaling.min_workers": 1, "scaling.max_workers": 3, "train.global_batch": 24})
-    said = avoidance.avoid_hung_node(elastic, 3, 1, "10.0.0.2", "nodeid-2", 2, 1, 40)
+    said = nodes.avoid_hung_node(elastic, 3, 1, "10.0.0.2", "nodeid-2", 2, 1, 40)
     assert "avoids it for 3600s" in said and "restarting at 2 worker(s)" in said
     a = avoidance.read(elastic)
     assert (a.node_id, a.cause, a.state, a.size) == ("nodeid-2", "hang", "exclude", 2)
     fixed = tiny_spec(tmp_path, name="fixed")  # 2 workers, min 2: without the node the group is too small
-    assert "stays in the job" in avoidance.avoid_hung_node(fixed, 2, 1, "10.0.0.2", "nodeid-2", 2, 1, 40)
+    assert "stays in the job" in nodes.avoid_hung_node(fixed, 2, 1, "10.0.0.2", "nodeid-2", 2, 1, 40)
     assert avoidance.read(fixed) is None
 
 

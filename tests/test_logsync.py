@@ -23,7 +23,7 @@ def row(loss_sum: float, n: int, busy: float = NO_SAMPLE, due: bool = False, blo
 
 
 def test_rank_0s_word_from_admission_is_every_ranks():
-    """Only rank 0 polls admission (admission/directive.py): its target must reach every rank, so
+    """Only rank 0 polls admission (worker/health/directive.py): its target must reach every rank, so
     all of them end the group at the same step."""
     assert LogSync().agree([row(1.0, 1, target=2.0), row(1.0, 1, target=-1.0)]).target == 2.0
     assert LogSync().agree([row(1.0, 1, target=-1.0), row(1.0, 1, target=4.0)]).target == -1.0

@@ -14,8 +14,8 @@ import tidal
 from tests.conftest import metric_history, tiny_spec
 from tidal.testing.processes import wait_for
 from tidal.tracking.findings import STRAGGLER_TAG
-from tidal.worker import avoidance
-from tidal.worker.stragglers import ExclusionWatch, Spread, exclusion_on, size_without
+from tidal.worker.health import avoidance
+from tidal.worker.health.stragglers import ExclusionWatch, Spread, exclusion_on, size_without
 
 
 def test_only_a_rank_slow_without_a_break_for_the_whole_duration_is_taken_out():
@@ -56,7 +56,7 @@ def test_the_record_steers_the_selector_and_the_drivers_restarts(tmp_path):
 
 
 def test_one_owner_sizes_the_group_and_admission_no_longer_hides_a_straggler():
-    from tidal.admission.directive import NONE, group_target, resize_to
+    from tidal.worker.health.decide import NONE, group_target, resize_to
 
     # (admission's target, the job's own, the size the group was launched for) -> (target sent, who asked)
     cases = [((NONE, NONE, 2), (NONE, "")),

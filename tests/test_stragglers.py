@@ -10,7 +10,7 @@ import pytest
 import tidal
 from tests.conftest import metric_history, tiny_spec
 from tidal.testing.processes import wait_for
-from tidal.worker.stragglers import PersistentWait, Spread, StragglerWatch, spread
+from tidal.worker.health.stragglers import PersistentWait, Spread, StragglerWatch, spread
 
 
 def test_spread_compares_the_slowest_rank_with_the_median():

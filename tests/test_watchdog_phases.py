@@ -1,5 +1,5 @@
 """A save, an evaluation or a drain runs under a deadline of its own, not the step timeout
-(worker/watchdog.py): longer than a step may take is not hung, past its own deadline is, and the
+(worker/health/watchdog.py): longer than a step may take is not hung, past its own deadline is, and the
 message names the phase. The watchdog exits its process, so it runs in a child process here,
 writing to a real event log; one end-to-end job checks a slow synchronous save is not killed."""
 
@@ -15,7 +15,7 @@ import tidal
 from tests.conftest import ROOT, metric_history, tiny_spec
 from tidal.storage import RunDir
 from tidal.tracking.buffer import MetricsBuffer
-from tidal.worker.watchdog import EXIT_CODE, Deadline, Phase, hung, step_deadline
+from tidal.worker.health.watchdog import EXIT_CODE, Deadline, Phase, hung, step_deadline
 
 ADAPTIVE = Deadline(fixed_s=None, multiple=10.0, floor_s=30.0)  # the spec's defaults
 
@@ -46,8 +46,8 @@ def test_a_restarted_group_arms_its_deadline_from_its_resume_points_step_time(tm
     from types import SimpleNamespace
 
     from tidal.tracking.emitter import Emitter
-    from tidal.worker.hang import resumed_step_times
-    from tidal.worker.watchdog import StepWatchdog
+    from tidal.worker.health.hang import resumed_step_times
+    from tidal.worker.health.watchdog import StepWatchdog
 
     found = SimpleNamespace(state={"step": 40, "world_size": 2, "step_time_s": 0.2})
     assert resumed_step_times(found, 2, 30.0) == [0.2, 0.2]
@@ -77,7 +77,7 @@ def run_watchdog(tmp_path, body: str, deadline: str = "1.0") -> tuple[int, list[
     script = textwrap.dedent("""
         import time
         from tidal.tracking.emitter import Emitter
-        from tidal.worker.watchdog import Deadline, StepWatchdog
+        from tidal.worker.health.watchdog import Deadline, StepWatchdog
         events = Emitter(STORAGE, "wd")
         wd = StepWatchdog(DEADLINE, 0, events, phase_timeout_s=60.0)
         wd.beat(7)

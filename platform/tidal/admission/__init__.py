@@ -15,7 +15,6 @@ One feature, one package; its modules, from the rules up to the tools:
 - `naming`: how a job and its tools name admission (the actor, a job's key, where the queue lives);
 - `handle`: how drivers, workers and the CLI reach the actor;
 - `seat`: a job's driver registering, waiting while QUEUED, checking in while it runs;
-- `directive`: rank 0's poll of the size admission gives the job;
 - `view`: what `tidal queue` shows.
 
 Importing this package imports neither ray nor torch (docs/sharing.md).

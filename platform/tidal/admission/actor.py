@@ -6,7 +6,7 @@ Kubernetes, needs Kubernetes. The actor is the one owner of the cluster's capaci
   registers it and waits while it is QUEUED (admission/seat.py);
 - once a second it decides (admission.decide) and saves the queue (queue_state) before anyone
   acts on the decision, so a restarted actor finds what the last one promised;
-- each job's rank 0 polls its target (admission/directive.py); a job told to shrink, grow or
+- each job's rank 0 polls its target (worker/health/directive.py); a job told to shrink, grow or
   suspend checkpoints at its next log step and its driver restarts it at the new size.
 - a submitted job that waits long parks (admission/parking.py): its driver leaves, the actor keeps
   its place and package, and submits its driver again through the Jobs API once it is admitted.

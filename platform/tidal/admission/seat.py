@@ -108,7 +108,7 @@ class Seat:
                 "tidal.queue_wait_s": f"{self.waited_s:.1f}"}
 
     def config(self) -> dict[str, Any]:
-        """What the workers need (admission/directive.py): whom to ask, and the size they start for."""
+        """What the workers need (worker/health/directive.py): whom to ask, and the size they start for."""
         return {"job": self.job, "launched_max": self.workers}
 
     def keep_alive(self) -> None:

@@ -34,8 +34,8 @@ from tidal.storage import JOB_FILE, Found, RunDir, find_resume_point
 from tidal.tracking.buffer import BUFFER_DIR, MetricsBuffer
 from tidal.tracking.events import GroupEnded, Launched
 from tidal.version import __version__
-from tidal.worker import avoidance
 from tidal.worker.device import dist_backend
+from tidal.worker.health import avoidance
 
 # Ray, torch and MLflow take seconds to import: they load only once a job is really going to
 # train, so running a finished job again answers at once (see _complete).
@@ -205,10 +205,10 @@ def _keepers_touched(spec: JobSpec, lease: Lease) -> Iterator[None]:
 def _fit(spec: JobSpec, trainer: TorchTrainer, callbacks: list[Any], seat: admission.Seat | None,
          run_dir: RunDir, lease: Lease) -> None:
     """Train to the end. Under the cluster's admission a group ends early at a checkpoint when
-    admission resizes the job (admission/directive.py): restart it at the size admission now gives
+    admission resizes the job (worker/health/directive.py): restart it at the size admission now gives
     (waiting while the job is SUSPENDED), from that checkpoint, until the job is complete. A group
     also ends early to take a persistent straggler's node out, and to bring it back once this job
-    no longer avoids it (worker/avoidance.py): it restarts at once, the selector following the record."""
+    no longer avoids it (worker/health/avoidance.py): it restarts at once, the selector following the record."""
     while True:
         with ctrl_c_interrupts():  # Ray Train aborts the run on Ctrl-C; the CLI then says how to resume
             trainer.fit()
@@ -382,13 +382,13 @@ def _trainer(spec: JobSpec, callbacks: list[Any], seat: admission.Seat | None = 
 
     s = spec.scaling
     most = seat.workers if seat is not None else s.max_workers  # admission's size caps the job's
-    most = avoidance.most_workers(most, avoidance.read(spec))  # without a node it avoids (worker/avoidance.py)
+    most = avoidance.most_workers(most, avoidance.read(spec))  # without a node it avoids (worker/health/avoidance.py)
     scaling = ScalingConfig(
         num_workers=(min(s.min_workers, most), most) if spec.elastic else most,
         use_gpu=s.gpus_per_worker > 0,
         **burst.scaling_overrides(spec),  # resources per worker, with the site's resource when pinned
         **({"elastic_resize_monitor_interval_s": s.elastic_check_s} if spec.elastic else {}),
-        # a node this job avoids after taking a straggler out (worker/avoidance.py says why labels)
+        # a node this job avoids after taking a straggler out (worker/health/avoidance.py says why labels)
         label_selector=avoidance.label_selector(avoidance.read(spec)),
     )
     run_config = RunConfig(

@@ -48,7 +48,7 @@ def _plots(frame: Any, out: Path) -> None:
 
 
 class HangStacks:
-    """When a hang is found (worker/hang.py), its folder on the job's storage (every rank's answer,
+    """When a hang is found (worker/health/hang.py), its folder on the job's storage (every rank's answer,
     stacks included, and the verdict) goes into the MLflow run as text files under
     `hangs/<group>/`: `stacks-rank<N>.txt` for each rank and `verdict.txt`. Read from storage by
     the tracker: the ranks that wrote it have ended by then."""

@@ -148,7 +148,7 @@ class GroupEnded(Event):
 
 @dataclass(frozen=True)
 class HangFound(Event):
-    """A hung worker group explained (worker/hang.py): `folder` (under the job's folder) holds every
+    """A hung worker group explained (worker/health/hang.py): `folder` (under the job's folder) holds every
     rank's stacks and the verdict, which the tracker stores in the MLflow run; `culprits`: the ranks
     named; `text`: the verdict; `stalled_s`: seconds from the last finished step to the detection
     (the time the hang cost before it was found)."""

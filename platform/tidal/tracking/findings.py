@@ -3,7 +3,7 @@ run's tags and the end-of-run summary.
 
 Workers put numbers in their step metrics (`input_bound_share`, `time_share_*`,
 `straggler_excluded_rank`); this module turns them into words. Nothing here measures anything:
-worker/input_bound.py and worker/stragglers.py decide.
+worker/input_bound.py and worker/health/stragglers.py decide.
 """
 
 from __future__ import annotations

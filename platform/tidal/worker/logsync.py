@@ -33,7 +33,7 @@ class Agreed:
     check_preemption: bool  # the same on every rank: call ray.train.get_preemption_info() now
     blocked_max_s: float = 0.0  # the most seconds any rank was blocked by checkpoints since the last log step
     # The world size rank 0 wants the group restarted at; -1: none. Admission's size for the job where the cluster
-    # runs admission (admission/directive.py), else the straggler rules' (worker/telemetry.py: without a slow
+    # runs admission (worker/health/directive.py), else the straggler rules' (worker/telemetry.py: without a slow
     # node, or back at max_workers once its avoidance ends).
     target: float = -1.0
     superseded: bool = False  # rank 0 found a newer start of the job holding its lease (tidal/lease.py): stop now

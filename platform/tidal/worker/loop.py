@@ -17,7 +17,6 @@ from typing import Any
 import ray.train
 import torch
 
-from tidal.admission.directive import NONE, group_target, resize_to
 from tidal.ray_private import HEALTH_CHECK_INTERVAL
 from tidal.spec.secrets import with_carried_spec
 from tidal.worker import hold, plan
@@ -25,6 +24,7 @@ from tidal.worker import warning as short_warning
 from tidal.worker.checkpoint import save
 from tidal.worker.device import seed_step
 from tidal.worker.engine import is_pipeline
+from tidal.worker.health.decide import NONE, group_target, resize_to
 from tidal.worker.logsync import Agreed
 from tidal.worker.metrics import PhaseClock, speed, trace_loss
 from tidal.worker.session import Session, open_session
@@ -56,7 +56,7 @@ def train_loop(config: dict[str, Any]) -> None:
         warning = ray.train.get_preemption_info() if agreed.check_preemption else None
         if warning is not None:
             s.preemption_rearm_at = rearm_after_warning(warning.deadline_ms)
-        # the size rank 0 asked for (admission.directive.group_target), for a group launched at s.world
+        # the size rank 0 asked for (worker/health/decide.group_target), for a group launched at s.world
         resize = resize_to(agreed.target, _launched(s))
         step_plan = plan.plan_step(due, s.cadence, warning is not None, spec.checkpoint.async_upload,
                                    resize is not None, agreed.superseded)
@@ -72,7 +72,7 @@ def train_loop(config: dict[str, Any]) -> None:
                 s.events.ending(step, end)
             break
         _snapshot_to_memory(s, step)
-    s.watchdog.end()  # the final background upload and the last writes are no step (worker/watchdog.py)
+    s.watchdog.end()  # the final background upload and the last writes are no step (worker/health/watchdog.py)
     if s.directive is not None:
         s.directive.close()
     s.events.drain()  # the last checkpoint's event and notes reach storage before this process ends

@@ -8,7 +8,7 @@ carries out the answer in one place (`finish_step`):
    computes the same answer from the same step, so all of them enter the collective together.
 2. `plan_step(due, preempted, async_upload, resize)`, after it: a preemption warning (which only the
    collective's agreed check can bring) forces a synchronous checkpoint, an eval at it, and a
-   wait for the reclaim; a new size from the cluster's admission (admission/directive.py, agreed
+   wait for the reclaim; a new size from the cluster's admission (worker/health/directive.py, agreed
    in the same collective) forces a synchronous checkpoint and ends the group there.
 3. `after_eval(plan, stop_early)`: an eval that triggers early stopping forces a checkpoint at
    that step and ends the job.

@@ -20,7 +20,6 @@ import ray.train
 import torch
 
 from tidal import fs, job_end
-from tidal.admission.directive import Directive
 from tidal.lease import LeaseCheck
 from tidal.redact import install as install_redaction
 from tidal.spec import secrets
@@ -28,17 +27,19 @@ from tidal.spec.compile import compile_note, warmup_steps
 from tidal.spec.deepspeed import sub_group_size
 from tidal.spec.job import JobSpec
 from tidal.tracking.emitter import Emitter
-from tidal.worker import hang, microbatch
+from tidal.worker import microbatch
 from tidal.worker.checkpoint import restore, save
 from tidal.worker.data import Batches
 from tidal.worker.device import torch_device
 from tidal.worker.engine import build_engine, data_parallel_rank, param_count
+from tidal.worker.health import hang
+from tidal.worker.health.directive import Directive
+from tidal.worker.health.watchdog import StepWatchdog
 from tidal.worker.logsync import LogSync
 from tidal.worker.metrics import PhaseClock, ResourceSampler, flops_per_token, worker_peak_flops
 from tidal.worker.plan import Cadence
 from tidal.worker.telemetry import Telemetry
 from tidal.worker.user_code import step_function
-from tidal.worker.watchdog import StepWatchdog
 
 
 @dataclass
@@ -71,7 +72,7 @@ class Session:
     last_save_s: float | None = None  # this group's last synchronous save, in s: can a warning's deadline fit one?
     directive: Directive | None = None  # rank 0's poll of the cluster's admission, under admission
     launched_max: int | None = None  # the size admission launched this group for (None: no admission)
-    target_by: str = ""  # who asked for the size rank 0 last sent (admission.directive.group_target)
+    target_by: str = ""  # who asked for the size rank 0 last sent (worker/health/decide.group_target)
     lease: LeaseCheck | None = None  # whether this attempt's driver still owns the job (tidal/lease.py)
     auto: microbatch.AutoMicroBatch | None = None  # train.micro_batch auto: halves it on out-of-memory errors
     memory: Any = None  # checkpoint.memory: this worker's side of the memory tier (checkpoint/memory.py Tier)
@@ -143,7 +144,7 @@ def open_session(config: dict[str, Any]) -> Session:
         save.Provenance(world, spec.parallelism.zero_stage, spec.resume_fingerprint(),
                         sum(not p.requires_grad for p in engine.module.parameters()), sub_group_size(spec)),
         batches, _evaluator(spec, rank, world, device, batches),
-        hang.watchdog(spec, rank, world, events, found),  # the step deadline, and a hang explained (worker/hang.py)
+        hang.watchdog(spec, rank, world, events, found),  # the step deadline, and a hang explained (worker/health/hang.py)
         telemetry, auto.step_fn(step_function(spec)) if auto else step_function(spec),  # train.step_fn, or model(*batch)
         Cadence(t.log_every, spec.checkpoint.every_steps, spec.eval.every_steps if spec.eval else None,
                 job_end.last_step(t)),

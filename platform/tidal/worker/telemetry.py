@@ -9,7 +9,7 @@ At every log step each rank calls `Telemetry.at_log_step(metrics, busy_s)` (a co
 rank calls it at the same steps; it gathers the ranks' placements once per group). `busy_s` is
 every rank's busy time (its step time outside collectives, from the sampled step of
 worker/metrics.py), gathered with the loss in the log step's one all-gather (worker/logsync.py).
-It works out the straggler spread (worker/stragglers.py), sets the gauges (at most once a
+It works out the straggler spread (worker/health/stragglers.py), sets the gauges (at most once a
 second), and returns keys that rank 0's metrics then carry to MLflow: the straggler ratio and
 rank, the workers on cloud nodes and the group's cost per hour and its uptime (which
 tracking/usage.py integrates over time).
@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -33,18 +33,10 @@ from tidal.sites import node_site
 from tidal.spec.job import JobSpec
 from tidal.storage import Found
 from tidal.tracking.findings import input_bound_advice, input_bound_line
-from tidal.worker import avoidance
+from tidal.worker.health.nodes import NodeAsks
+from tidal.worker.health.stragglers import PersistentWait, spread
 from tidal.worker.input_bound import InputWatch, Interval, PhaseTotals
 from tidal.worker.metrics import Every, gpu_stats
-from tidal.worker.stragglers import (
-    ExclusionWatch,
-    PersistentWait,
-    Spread,
-    StragglerWatch,
-    exclusion_on,
-    size_without,
-    spread,
-)
 
 # Not `job`: a Prometheus scrape config's job name is a target label of every series it scrapes
 # (Ray's generated prometheus.yml says job "ray"), and a scraped `job` label yields to it (renamed
@@ -164,18 +156,12 @@ class Telemetry:
         self.input_last: tuple[int, float] | None = None  # (step, time) at the previous log step
         self.first_step = (found.step if found else 0) + 1  # this group's first step
         self.input_bound = 0.0
-        # The group size rank 0 asks for (a straggler's node out, or back in); the log step's
-        # collective carries it to every rank (worker/loop.py), NONE: train on.
-        self.target = avoidance.NONE
         self.enabled = enabled()
         self.place = Place.here(spec)
         self.tags = {JOB_LABEL: spec.name, "rank": str(self.rank), "node": self.place.node, "site": self.place.site}
-        f = spec.failure
-        self.watch = StragglerWatch(f.straggler_ratio, f.straggler_intervals)
         self.waits = PersistentWait()
-        on = exclusion_on(f.straggler_exclude, spec.elastic) and self.rank == 0
-        self.exclusion = ExclusionWatch(f.straggler_exclude_ratio, f.straggler_exclude_after_s) if on else None
-        self.avoided = avoidance.read(spec) if on else None  # a node this job avoids now (record's state)
+        # Rank 0's asks for the group's size: a straggler's node out, a hung one, a node back (worker/health).
+        self.nodes = NodeAsks(spec, events, self.world, self.rank == 0)
         self.places: list[Place] | None = None
         self.last: tuple[int, float] | None = None  # (step, time) at the previous log step
         self.gauges_due = Every(EXPORT_EVERY_S)
@@ -183,6 +169,11 @@ class Telemetry:
         if self.rank == 0 and self.enabled:
             reason = "start" if not found else "restart" if int(found.state["world_size"]) == self.world else "resize"
             _metric("group_starts").inc(1.0, tags={JOB_LABEL: spec.name, "reason": reason})
+
+    @property
+    def target(self) -> float:
+        """The group size rank 0 asks for at the next log step's collective (worker/health/nodes.py)."""
+        return self.nodes.target
 
     def at_log_step(self, metrics: dict[str, Any], busy_s: list[float] | None, final: bool = False) -> dict[str, float]:
         """Gauges for this rank; for rank 0's metrics, the straggler and placement keys.
@@ -194,6 +185,7 @@ class Telemetry:
             dist.all_gather_object(self.places, self.place)
         extra = self._placement() | {"uptime_s": time.time() - self.started} if self.rank == 0 else {}
         local: dict[str, float] = {}
+        s, median = None, 0.0
         if busy_s is not None:  # a sampled step in this interval (the same on every rank)
             s, median = spread(busy_s), statistics.median_low(busy_s)
             # How long a step waits for a persistently slow rank: the goodput account's
@@ -201,12 +193,10 @@ class Telemetry:
             extra |= {"straggler_ratio": s.ratio, "straggler_rank": float(s.slowest_rank),
                       "straggler_wait_s": self.waits.update(busy_s)}
             local["rank_slowness"] = busy_s[self.rank] / median if median > 0 else 1.0
-            if self.rank == 0:
-                self._warn(s, busy_s, median, int(metrics["step"]))
-                extra |= self._exclude(s, int(metrics["step"]))
         if self.rank == 0:
-            self._exclude_hung(int(metrics["step"]))
-            self._bring_back(int(metrics["step"]))
+            extra |= self.nodes.at_log_step(s, busy_s, median, int(metrics["step"]), self.places or [self.place])
+            if self.enabled and "straggler_excluded" in extra:
+                _metric("straggler_excluded_node").set(1.0, tags={**self.tags, "excluded_node": self.nodes.excluded_node})
         now, step = time.time(), int(metrics["step"])
         if self.last is not None:
             trained = (step - self.last[0]) * float(metrics.get("step_time_s", 0.0))
@@ -246,69 +236,6 @@ class Telemetry:
         if any(p is not None for p in prices):
             out["cost_per_hour"] = float(sum(p or 0.0 for p in prices))
         return out
-
-    def _warn(self, s: Spread, every: list[float], median: float, step: int) -> None:
-        rank = self.watch.update(s)
-        if rank is None:
-            return
-        p = (self.places or [self.place])[rank]
-        f = self.spec.failure
-        self.events.say(
-            f"WARNING: straggler: rank {rank} on node {p.node} ({p.site}, node id {p.node_id[:12]}) has been "
-            f"{s.ratio:.2f}x slower than the median rank for {f.straggler_intervals} log intervals "
-            f"({every[rank]:.3f}s busy per step against {median:.3f}s); the other ranks wait for it "
-            f"(failure.straggler_ratio: {f.straggler_ratio:g})", step)
-
-    def _exclude(self, s: Spread, step: int) -> dict[str, float]:
-        """Rank 0: take a persistent straggler's node out of the group (failure.straggler_exclude)."""
-        if self.exclusion is None or self.target != avoidance.NONE:
-            return {}
-        rank = self.exclusion.update(s, time.time())
-        if rank is None:
-            return {}
-        places, sc, f = self.places or [self.place], self.spec.scaling, self.spec.failure
-        p = places[rank]
-        size = size_without(self.world, sum(q.node_id == p.node_id for q in places), sc.min_workers)
-        if size is None:
-            self.events.say(f"straggler: rank {rank} on node {p.node} stays {s.ratio:.2f}x slower than the median, "
-                            f"but without its node the group would fall below scaling.min_workers ({sc.min_workers}); "
-                            f"training on at {self.world} worker(s)", step)
-            return {}
-        a = avoidance.Avoided(p.node_id, p.node, time.time() + f.straggler_avoid_s, rank, s.ratio, step, size)
-        avoidance.write(self.spec, a)
-        self.events.say(avoidance.describe(a, self.world, size, f.straggler_exclude_after_s, f.straggler_avoid_s), step)
-        self.target = float(size)
-        if self.enabled:
-            _metric("straggler_excluded_node").set(1.0, tags={**self.tags, "excluded_node": p.node})
-        return {"straggler_excluded_rank": float(rank), "straggler_excluded": 1.0}
-
-    def _exclude_hung(self, step: int) -> None:
-        """Rank 0: a node that hung the job twice (worker/hang.py wrote its record as the group
-        ended) and runs a rank of this group: end the group at a checkpoint, so that the driver
-        restarts it without that node, as for a straggler's."""
-        a = self.avoided
-        if a is None or a.state != "exclude" or a.cause != "hang" or self.target != avoidance.NONE:
-            return
-        if any(p.node_id == a.node_id for p in self.places or []):
-            self.events.say(f"node {a.node} hung this job twice: checkpointing and restarting at {a.size} worker(s) "
-                            "without it", step)
-            self.target = float(a.size)
-
-    def _bring_back(self, step: int) -> None:
-        """Rank 0, in a group that avoids a node: once the avoidance is over, end the group so that
-        the driver restarts it at up to max_workers, that node included."""
-        a = self.avoided
-        if a is None or a.state != "avoiding" or time.time() < a.until or self.target != avoidance.NONE:
-            return
-        most = self.spec.scaling.max_workers
-        if self.world >= most:  # nothing to grow into: forget the node
-            avoidance.write(self.spec, replace(a, state="done"))
-            self.avoided = None
-            return
-        avoidance.write(self.spec, replace(a, state="return"))
-        self.events.say(f"node {a.node} is no longer avoided (failure.straggler_avoid_s passed): checkpointing and "
-                        f"restarting at up to {most} worker(s)", step)
-        self.target = float(most)
 
     def _export(self, values: dict[str, Any]) -> None:
         for key in GAUGES.keys() - EXTRA_TAGS.keys():

@@ -1,5 +1,9 @@
-"""Nodes a job avoids after taking a straggler out, and when the group restarts for it: the record
-both halves share, the rank 0 that decides and the driver that restarts the group.
+"""Nodes a job avoids after taking a straggler out, and when the group restarts for it: the group's
+record both halves share, the rank 0 that decides and the driver that restarts the group.
+
+`write` is the record's one writer: rank 0 carries out the group's health decision through it
+(worker/health/nodes.py: a straggler's node out, a node that hung twice, a node back), and the
+driver moves it on when the group it asked for restarts (`restart_for`).
 
 A node is avoided with a Ray label selector on the node id every node carries
 (`ray.io/node-id`, negated: `!<id>`) in the job's `ScalingConfig`. Labels rather than a custom
@@ -23,7 +27,6 @@ from tidal.spec.job import JobSpec
 from tidal.storage import RunDir
 
 RECORD = "tidal-avoid.json"
-NONE = -1.0  # no size asked for (as admission/directive.py's NONE: the same slot of the log step's collective)
 NODE_ID_LABEL = "ray.io/node-id"  # Ray's default label on every node
 State = Literal["exclude", "avoiding", "return", "done"]
 
@@ -38,7 +41,7 @@ class Avoided:
     step: int  # the log step that found it
     size: int  # the group's size without the node: the most workers while it is avoided
     state: State = "exclude"
-    cause: str = "straggler"  # or "hang": a node whose rank hung the group twice (worker/hang.py)
+    cause: str = "straggler"  # or "hang": a node whose rank hung the group twice (worker/health/nodes.py)
 
 
 def read(spec: JobSpec) -> Avoided | None:
@@ -84,21 +87,3 @@ def describe(a: Avoided, world: int, size: int, after_s: float, avoid_s: float) 
             f"than the median rank for {after_s:g}s (failure.straggler_exclude_after_s): checkpointing and "
             f"restarting at {size} worker(s) instead of {world} without that node, at the same global batch; this "
             f"job avoids it for {avoid_s:g}s (until {until})")
-
-
-def avoid_hung_node(spec: JobSpec, world: int, rank: int, node: str, node_id: str, hangs: int, on_node: int,
-                    step: int) -> str:
-    """A node whose rank hung the group `hangs` times is avoided like a straggler's (same switch,
-    same avoid time, never below scaling.min_workers). The record is written now, as `exclude`;
-    the group the hang's restart starts ends at its first log step if it runs there (rank 0,
-    worker/telemetry.py), and the driver restarts it without the node."""
-    from tidal.worker.stragglers import exclusion_on, size_without
-
-    f = spec.failure
-    size = size_without(world, on_node, spec.scaling.min_workers)
-    if not exclusion_on(f.straggler_exclude, spec.elastic) or size is None:
-        return (f"node {node} hung this job {hangs} times; it stays in the job (failure.straggler_exclude is off, "
-                f"or without it the group would fall below scaling.min_workers)")
-    write(spec, Avoided(node_id, node, time.time() + f.straggler_avoid_s, rank, 0.0, step, size, cause="hang"))
-    return (f"node {node} (node id {node_id[:12]}) hung this job {hangs} times: the job avoids it for "
-            f"{f.straggler_avoid_s:g}s (failure.straggler_avoid_s), restarting at {size} worker(s) without it")

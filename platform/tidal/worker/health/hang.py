@@ -2,18 +2,19 @@
 rank's stacks, agreed through the job's storage by the ranks' watchdog threads.
 
 A hang stalls every rank of a group at once (collectives are synchronous), so every rank's
-watchdog (worker/watchdog.py) sees it. The first past its deadline *declares* the hang: it
+watchdog (worker/health/watchdog.py) sees it. The first past its deadline *declares* the hang: it
 creates `tidal-hangs/<group>/declared.json` exclusively (tidal/exclusive.py: of two ranks
 declaring at the same instant one wins, the other answers). Every rank whose step is overdue by
 half its deadline looks for a declaration once a second and *answers* it with its own stacks,
 read from its watchdog's thread, which runs while the training thread waits in a collective. A
 rank that does not answer within `ANSWER_S` has stopped answering, even if its process lives (a
 SIGSTOP stops every thread; a wedged call holding the GIL stops every Python thread): the
-declaring rank reads it from outside, on its node (worker/stacks.py: py-spy, /proc). Then it
+declaring rank reads it from outside, on its node (worker/health/stacks.py: py-spy, /proc). Then it
 writes the verdict (`explain`, a pure function), emits it (a console line, and a `HangFound`
 event the tracker turns into MLflow artifacts, tracking/artifacts.py) and exits; Ray restarts the
 group from its last complete checkpoint as after any fault. A node whose rank was found the
-culprit of two hangs is avoided like a straggler's (worker/avoidance.py).
+culprit of two hangs is avoided like a straggler's (worker/health/nodes.py, by the decision
+in worker/health/decide.py).
 
 Why the job's storage and no new process: the ranks already share it (event log, checkpoints,
 the lease), it survives the group and the driver, and the tracker reads it. Nothing is written
@@ -34,13 +35,15 @@ from typing import Any
 from tidal import fs
 from tidal.exclusive import create_exclusive
 from tidal.storage import RunDir
-from tidal.worker import stacks
+from tidal.worker.health import stacks
+from tidal.worker.health.decide import AVOID_AFTER
+from tidal.worker.health.nodes import avoid_hung_node
+from tidal.worker.health.watchdog import ARM_AFTER, Deadline, StepWatchdog
 
 HANG_DIR = "tidal-hangs"
 NODES_FILE = f"{HANG_DIR}/nodes.json"  # culprit hangs per node id: two make a node avoided
 ANSWER_S = 5.0  # how long the declaring rank waits for the others' answers (they look once a second)
 VERDICT_S = 45.0  # how long an answering rank waits for the verdict before it exits anyway
-AVOID_AFTER = 2  # hangs a node's rank caused before the job avoids the node
 
 
 @dataclass(frozen=True)
@@ -291,12 +294,9 @@ def _ray_here() -> tuple[str, str]:
     return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
 
 
-def watchdog(spec: Any, rank: int, world: int, events: Any, found: Any = None) -> Any:
-    """A rank's step watchdog (worker/watchdog.py) with the spec's deadline and this module's court;
+def watchdog(spec: Any, rank: int, world: int, events: Any, found: Any = None) -> StepWatchdog:
+    """A rank's step watchdog (worker/health/watchdog.py) with the spec's deadline and this module's court;
     seeded with the step time its resume point `found` recorded when it trained at this size."""
-    from tidal.worker.avoidance import avoid_hung_node
-    from tidal.worker.watchdog import Deadline, StepWatchdog
-
     f = spec.failure
 
     def avoid(a: Answer, hangs: int, on_node: int) -> str:
@@ -317,6 +317,4 @@ def resumed_step_times(found: Any, world: int, floor_s: float) -> list[float]:
     st = state.get("step_time_s")
     if not isinstance(st, (int, float)) or isinstance(st, bool) or not 0 < st < floor_s or state.get("world_size") != world:
         return []
-    from tidal.worker.watchdog import ARM_AFTER
-
     return [float(st)] * ARM_AFTER

@@ -5,7 +5,7 @@ A rank stuck in a collective (a peer frozen, a NIC gone quiet) never returns to 
 gloo/NCCL timeouts are long or absent. Ray only restarts a group when a worker dies, so the
 watchdog makes the stuck worker die: a daemon thread checks the time since the last finished
 step and calls os._exit, which no blocked C++ call can hold up. Before it exits, the group's
-hang is explained (worker/hang.py): which rank stopped, where the others wait, every rank's stacks.
+hang is explained (worker/health/hang.py): which rank stopped, where the others wait, every rank's stacks.
 
 How long is too long adapts to the job by default (`step_deadline`): a multiple of its own
 slowest recent step, never under a floor, so a job of 0.1 s steps is found hung in about the
@@ -28,12 +28,9 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from tidal.tracking.emitter import Emitter
-
-if TYPE_CHECKING:
-    from tidal.worker.hang import HangCourt
 
 EXIT_CODE = 70  # EX_SOFTWARE
 ARM_AFTER = 2  # step times (between finished steps) before an adaptive deadline is armed: the first
@@ -90,9 +87,20 @@ def hung(now: float, last_beat: float | None, timeout_s: float | None, phase: Ph
     return "step" if now - last_beat > timeout_s else None
 
 
+class Court(Protocol):
+    """Who explains a hang before the watchdog ends its process (worker/health/hang.HangCourt)."""
+
+    trainer: int | None  # the training thread's ident: the one whose stack counts
+
+    def armed(self) -> None: ...
+    def answer_if_declared(self, step: int) -> bool: ...
+    def wait_for_verdict(self) -> str: ...
+    def declare(self, step: int, said: str, stalled_s: float = 0.0) -> str: ...
+
+
 class StepWatchdog:
     def __init__(self, timeout_s: float | None | Deadline, rank: int, events: Emitter, phase_timeout_s: float = 0.0,
-                 court: HangCourt | None = None, seed_s: Sequence[float] = ()) -> None:
+                 court: Court | None = None, seed_s: Sequence[float] = ()) -> None:
         """`seed_s`: step times known before this group's first (its resume point's, at the same size):
         the adaptive deadline is armed from the group's second step instead of after the first 300 s."""
         self.rule = timeout_s if isinstance(timeout_s, Deadline) else Deadline(fixed_s=timeout_s)

@@ -5,7 +5,7 @@ collective (worker/logsync.py) carries its latest answer to every rank, so all o
 the same step. A target other than the size this group was launched for (fewer workers for a
 more urgent job, more when capacity frees, 0 to suspend) makes that step a checkpoint (written
 before the group ends) and the group's last: the driver restarts it at the new size
-(admission/seat.py). The thread never holds a step: while the actor cannot be reached, the
+(admission/seat.py); what each answer does is the group's health decision (worker/health/decide.py). The thread never holds a step: while the actor cannot be reached, the
 group trains on at its size (admission down is never a reason to stop).
 """
 
@@ -14,7 +14,10 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-NONE = -1.0  # no word from admission (not under admission, or it cannot be reached now)
+from tidal.worker.health.decide import (
+    NONE,  # no word from admission: not under it, or it cannot be reached now
+)
+
 POLL_S = 1.0
 
 
@@ -45,27 +48,4 @@ class Directive:
         self._stop.set()
 
 
-def group_target(admission: float, own: float, launched_max: int) -> tuple[float, str]:
-    """The one size this group is asked to restart at, and who asked ("admission", "own", or "" with
-    NONE: train on). Rank 0 decides it before the log step's collective, which carries only this.
-
-    Admission's word wins when it gives the group a new size; otherwise the job's own ask stands
-    (worker/telemetry.py: a persistent straggler's node out, or back once avoided; a node that hung
-    the job twice). Under admission the driver restarts those too, at most at the seat's size and
-    without the avoided node (launch/trainer.py). Before, admission's target replaced the job's own
-    whenever the job was under admission, so a straggler was announced but never taken out.
-    """
-    if admission != NONE and int(admission) != launched_max:
-        return admission, "admission"
-    return (own, "own") if own != NONE else (NONE, "")
-
-
-def resize_to(target: float, launched_max: int | None) -> int | None:
-    """The size to restart at, when the agreed `target` differs from the size this group was
-    launched for; None: train on. Never a resize without admission's word."""
-    if launched_max is None or target == NONE or int(target) == launched_max:
-        return None
-    return int(target)
-
-
-__all__ = ["NONE", "Directive", "group_target", "resize_to"]
+__all__ = ["Directive"]
