@@ -9,7 +9,7 @@ import pyarrow.fs as pafs
 import pytest
 import torch
 
-from tidal.worker.checkpoint.restore import file_damage
+from tidal.worker.checkpoint.damage import file_damage
 from tidal.worker.checkpoint.snapshot import write_checkpoint
 
 NAME = "zero_pp_rank_0_mp_rank_00_optim_states.pt"

@@ -18,7 +18,7 @@ import torch
 from tests.fakes import Counting
 from tidal.errors import CheckpointError
 from tidal.storage import STATE_FILE, RunDir, manifest_name
-from tidal.worker.checkpoint import fetch, restore
+from tidal.worker.checkpoint import damage, fetch, restore
 from tidal.worker.checkpoint.route import Load, Route
 
 
@@ -95,7 +95,7 @@ def failed_load_requests(world: int, rank: int, tmp: Path, monkeypatch) -> Count
     found = run.latest_complete()
     assert found is not None
     monkeypatch.setattr(restore, "_dp_rank", lambda engine: rank)
-    monkeypatch.setattr(restore, "_checks_listing", lambda: rank == 0, raising=False)
+    monkeypatch.setattr(damage, "_checks_listing", lambda: rank == 0)
     monkeypatch.setenv(fetch.CACHE_ENV, str(tmp / f"cache-{world}-{rank}"))
     handler.calls = Counter()
     with pytest.raises(CheckpointError, match="intact"):

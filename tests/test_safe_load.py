@@ -74,7 +74,7 @@ def test_a_refused_pickle_is_not_damage_and_ends_the_job_saying_what_to_do(tmp_p
     every kept checkpoint: that condemns none of them (it would start the job again from step 0), and
     no restart cures it, so the job ends naming the type, the spec line to add, and what else it may be."""
     from tidal.launch.recovery import not_retried
-    from tidal.worker.checkpoint.restore import file_damage
+    from tidal.worker.checkpoint.damage import file_damage
     from tidal.worker.checkpoint.safe_load import refusal
 
     marker = tmp_path / "ran"
@@ -99,7 +99,7 @@ def test_the_damage_check_reads_a_file_that_is_no_archive_from_storage(tmp_path)
     checkpoint was called intact, and every attempt loaded it again (a by-range resize on S3)."""
     import pyarrow.fs as pafs
 
-    from tidal.worker.checkpoint.restore import file_damage
+    from tidal.worker.checkpoint.damage import file_damage
 
     marker = tmp_path / "ran"
     (tmp_path / "planted.pt").write_bytes(evil_bytes(marker, 4096))
@@ -135,7 +135,7 @@ def test_a_checkpoint_records_its_libraries_and_a_refusal_says_when_they_changed
 
 def test_a_refusal_another_rank_reported_as_text_is_still_a_refusal() -> None:
     """A spread conversion's rank reports its failure to the others as text (universal_spread)."""
-    from tidal.worker.checkpoint.restore import _refused
+    from tidal.worker.checkpoint.damage import refused as _refused
 
     reported = CheckpointError("rank 1 could not do its share of the conversion of checkpoint_000000004: "
                                "UnsafeCheckpointFile: refused to load x.pt: its pickle names posix.system, a type "

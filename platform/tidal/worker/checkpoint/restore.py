@@ -1,4 +1,4 @@
-"""Restore a checkpoint at any world size: agree on the resume point, convert, load, condemn only proven damage.
+"""Restore a checkpoint at any world size: agree on the resume point, convert once, load it the chosen way.
 
 Resizing: DeepSpeed ZeRO checkpoints only load at the world size that wrote them; which way one
 loads here is decided once, on rank 0 (tidal.worker.checkpoint.route). A plain
@@ -17,45 +17,28 @@ and only files the manifests list, into a private cache its node shares and keep
 restart (tidal.worker.checkpoint.fetch), on every filesystem: DeepSpeed reads those checked copies, never
 storage.
 
-A checkpoint that fails to load is quarantined only when it is proven corrupt (a size that
-differs from its manifest, a file that does not unpickle); any other failure fails the attempt
-and Ray's restart tries the same checkpoint again. A pickle naming a type outside the allow-list
-of tidal.worker.checkpoint.safe_load is refused rather than run, and proves nothing against the
-checkpoint (an entry removed from the spec, a library upgrade that moved a type): the job ends
-with what to do, and nothing is condemned. Too little local disk is the node's fault: a clear
-error, and the checkpoint is kept.
+A checkpoint that fails to load is condemned only when it is proven corrupt
+(tidal.worker.checkpoint.damage); any other failure fails the attempt and Ray's restart tries the
+same checkpoint again. Too little local disk is the node's fault: a clear error, and the
+checkpoint is kept.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import io
 import json
 import logging
-import re
-import zipfile
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import pyarrow as pa
-import pyarrow.fs as pafs
 import torch
 import torch.distributed as dist
 
-from tidal import fs
 from tidal.errors import CheckpointError
 from tidal.spec.job import JobSpec
-from tidal.storage import (
-    DAMAGED,
-    TRUNCATED,
-    Found,
-    RunDir,
-    check_complete,
-    find_resume_point,
-    quarantine,
-)
+from tidal.storage import Found, RunDir, find_resume_point
 from tidal.worker.checkpoint import (
+    damage,
     fetch,
     memory,
     repartition,
@@ -66,11 +49,10 @@ from tidal.worker.checkpoint import (
     universal_spread,
 )
 from tidal.worker.checkpoint.route import Convert, Load, Route
-from tidal.worker.checkpoint.save import TrainState, libraries_changed, tag
+from tidal.worker.checkpoint.save import TrainState, tag
 
 log = logging.getLogger("tidal")
 T = TypeVar("T")
-CHUNK = 8 * 2**20  # a damage check holds at most this much of a file at once
 
 def agree_on_resume_point(spec: JobSpec, generation: int = 0) -> tuple[Found, Route] | tuple[None, None]:
     """Rank 0 picks the newest complete checkpoint and how it loads (`route.decide`, once), and
@@ -129,7 +111,7 @@ def restore(engine: Any, found: Found, how: Route) -> TrainState:
         if how.load is Load.AS_SAVED:
             memory.load(engine, how.memory, _dp_rank(engine))
         else:
-            _by_range_from_memory(engine, how)
+            _by_range_from_memory(engine, how.load, how.memory)
         return state
     step_tag = tag(state.step)
     if how.load in (Load.RANGE_ZERO12, Load.RANGE_ZERO3):
@@ -142,7 +124,7 @@ def restore(engine: Any, found: Found, how: Route) -> TrainState:
         except fetch.LocalDiskFull:
             raise
         except Exception as e:
-            raise _load_failed(found, read, step_tag, e) from e
+            raise damage.load_failed(found, read, step_tag, e) from e
         return state
     if how.universal:
         step_tag, listed, identity = _converted(found, step_tag, how.convert)
@@ -162,7 +144,7 @@ def restore(engine: Any, found: Found, how: Route) -> TrainState:
             if load_path is None:
                 raise CheckpointError(f"DeepSpeed found nothing to load under tag {step_tag}")
         except Exception as e:
-            raise _load_failed(found, files, step_tag, e) from e
+            raise damage.load_failed(found, files, step_tag, e) from e
     if share is not None:
         _untie_steps(engine)
     return state
@@ -173,14 +155,13 @@ def _cut(engine: Any, load: Load, old_world: int) -> repartition.Cut:
     return (repartition_zero3.cut if load is Load.RANGE_ZERO3 else repartition.zero12)(engine, old_world)
 
 
-def _by_range_from_memory(engine: Any, how: Route) -> None:
-    """A by-range resize (`how.load`) of the memory tier's snapshot `how.memory`: the shards this
+def _by_range_from_memory(engine: Any, load: Load, plan: route.Plan) -> None:
+    """A by-range resize (`load`) of the memory tier's snapshot `plan`: the shards this
     rank's new partition comes from, fetched from the keepers to this node, read as from storage.
     A failure here proves nothing about any checkpoint: it fails the attempt, and the next one
     resumes from the newest complete copy."""
-    plan = how.memory
     listed = plan.files()
-    cut = _cut(engine, how.load, len(plan.shards))
+    cut = _cut(engine, load, len(plan.shards))
     with memory.staged(plan, repartition.reads(cut, listed)) as local:
         repartition.restore(engine, local, tag(plan.step), listed, plan.attempt, cut, keep=False)
 
@@ -205,19 +186,9 @@ def _converted(found: Found, step_tag: str, convert: Convert | None) -> tuple[st
     except fetch.LocalDiskFull:
         raise
     except CheckpointError as e:
-        if (refused := _refused(e)) is not None:
-            raise safe_load.refusal(refused, found.path, libraries_changed(found.state)) from e
-        if dist.get_rank() != 0:
-            raise
-        try:
-            corrupt = _safe_corruption(found, tag_files(found, step_tag), step_tag)
-        except safe_load.UnsafeCheckpointFile as refused_here:
-            raise safe_load.refusal(refused_here, found.path, libraries_changed(found.state)) from e
-        if corrupt is None:
-            raise
-        quarantine(found, corrupt)
-        raise CheckpointError(f"converting {found.name} to a universal checkpoint failed ({corrupt}; "
-                              f"quarantined): {e}") from e
+        if (verdict := damage.conversion_failed(found, step_tag, lambda: tag_files(found, step_tag), e)) is not None:
+            raise verdict from e
+        raise
     doc = _on_rank0(lambda: universal.published(found, step_tag))
     files = dict(doc["files"])
     return out_tag, files, _identity(found, files, str(doc.get("id", "")))
@@ -277,160 +248,6 @@ def _held_params(engine: Any) -> set[str] | None:
     if groups is None or names is None:
         return None
     return {names[p] for group in groups for p in group if getattr(p, "_hp_mapping", None) is not None}
-
-
-def _load_failed(found: Found, files: dict[str, int], step_tag: str, error: BaseException) -> Exception:
-    """Condemn a checkpoint only when it is proven corrupt; any other failure (out of memory, a
-    network error, a bug) fails this attempt, and Ray's restart tries the same checkpoint again. A
-    pickle refused by the allow-list condemns nothing and ends the job (`safe_load.refusal`)."""
-    why = f"{type(error).__name__}: {error}"
-    if (refused := _refused(error)) is not None:
-        return safe_load.refusal(refused, found.path, libraries_changed(found.state))
-    try:
-        corrupt = _safe_corruption(found, files, step_tag)
-    except safe_load.UnsafeCheckpointFile as e:  # the check met a refused pickle this rank did not load
-        return safe_load.refusal(e, found.path, libraries_changed(found.state))
-    if corrupt is None:
-        return CheckpointError(
-            f"loading {found.name} failed ({why}). Its files are intact (every size matches its manifest and "
-            "every file unpickles), so it is kept: the next attempt loads it again.")
-    if step_tag.endswith("_universal"):
-        with contextlib.suppress(FileNotFoundError):  # another rank may have discarded it first
-            found.fs.delete_file(f"{found.path}/{universal_marker(step_tag)}")
-        return CheckpointError(f"the universal conversion of {found.name} is damaged ({corrupt}); it is "
-                               "discarded and made again on the next attempt")
-    quarantine(found, corrupt)
-    return CheckpointError(f"{found.name} is corrupt ({corrupt}) and was quarantined; the next attempt "
-                           "resumes from the checkpoint before it")
-
-
-def _refused(error: BaseException) -> safe_load.UnsafeCheckpointFile | None:
-    """The allow-list refusal behind `error`, if one is: raised here, or by another rank of a spread
-    conversion (which reports it as text, tidal.worker.checkpoint.universal_spread)."""
-    seen: BaseException | None = error
-    for _ in range(8):
-        if seen is None:
-            break
-        if isinstance(seen, safe_load.UnsafeCheckpointFile):
-            return seen if seen.refused else None
-        seen = seen.__cause__ or seen.__context__
-    text = str(error)
-    if f"{safe_load.UnsafeCheckpointFile.__name__}: " in text:
-        told = text.split(f"{safe_load.UnsafeCheckpointFile.__name__}: ", 1)[1]
-        if named := re.search(r"its pickle names ([\w.]+), a type", told):
-            return safe_load.UnsafeCheckpointFile(told, named[1])
-    return None
-
-
-def _checks_listing() -> bool:
-    """Whether this rank checks the whole listing after a failed load (rank 0, once); every other
-    rank checks the files it read, so its requests do not grow with the world that wrote them."""
-    return dist.get_rank() == 0
-
-
-def _safe_corruption(found: Found, files: dict[str, int], step_tag: str) -> str | None:
-    try:
-        return _corruption(found, files, step_tag)
-    except safe_load.UnsafeCheckpointFile:
-        raise  # not damage: the caller says what to do (`safe_load.refusal`)
-    except Exception as e:  # noqa: BLE001 - the check could not run: nothing is proven
-        log.warning("could not check %s for damage (%s: %s); keeping it", found.name, type(e).__name__, e)
-        return None
-
-
-def _corruption(found: Found, files: dict[str, int], step_tag: str) -> str | None:
-    """What proves the checkpoint's files damaged: a size that differs from its manifest, an
-    unsafe name, or one of `files` (those this rank read, all listed) whose bytes in storage do
-    not unpickle. Rank 0 checks the whole listing (every manifest, or the conversion's marker)
-    once; every other rank the sizes of the files it read. None when none holds: a read error, a missing import or a lack of memory says
-    nothing about the checkpoint, so it is not condemned for them. Storage is read, not a local
-    copy: a copy damaged on this node proves nothing about the checkpoint. Each file is streamed
-    (its archive's entries checked in chunks, its pickle read without the tensors' bytes), never
-    read whole into memory."""
-    if not _checks_listing():
-        if (problem := _sizes_differ(found, files, step_tag)) is not None:
-            return problem
-    elif step_tag.endswith("_universal"):
-        if not fs.published(found.fs, f"{found.path}/{step_tag}", f"{found.path}/{universal_marker(step_tag)}"):
-            return "its files differ from the conversion's manifest"
-    else:
-        problem, _ = check_complete(found.fs, found.path)
-        if problem is not None and problem.endswith(DAMAGED):
-            return problem
-    for rel in sorted(r for r in files if r.endswith(".pt")):
-        with found.fs.open_input_file(fs.join(f"{found.path}/{step_tag}", rel)) as f:
-            damage = file_damage(f)
-        if damage is not None:
-            return f"{rel} {damage}"
-    return None
-
-
-def _sizes_differ(found: Found, files: dict[str, int], step_tag: str) -> str | None:
-    """A file of `files` (those this rank read, relative to the tag folder -> listed size) that
-    storage holds at another size, or not at all: one request per file."""
-    names = sorted(files)
-    infos = found.fs.get_file_info([fs.join(f"{found.path}/{step_tag}", rel) for rel in names])
-    for info, rel in zip(infos, names, strict=True):
-        if info.type != pafs.FileType.File or info.size != files[rel]:
-            got = "missing" if info.type != pafs.FileType.File else f"{info.size} bytes"
-            return f"{step_tag}/{rel} is {got}, expected {files[rel]} bytes {TRUNCATED}"
-    return None
-
-
-def file_damage(f: Any) -> str | None:
-    """What is wrong with the bytes of one checkpoint file (`f`: a seekable binary file), or None.
-
-    The zip archive's CRCs are checked where it has them, entry by entry in chunks (torch.save
-    writes one per entry by default, which catches flipped bits inside tensors too; Tidal's own
-    saves write none, see tidal.worker.checkpoint.snapshot._without_crc32), then the pickle is unpickled
-    weights-only onto the meta device, which reads the records' headers, not the tensors' bytes.
-    A read error propagates rather than counting as damage; a missing class (a library upgrade)
-    or a lack of memory is no proof either."""
-    if zipfile.is_zipfile(f):
-        try:
-            f.seek(0)
-            bad = _failed_crc(zipfile.ZipFile(f))
-        except zipfile.BadZipFile as e:
-            return f"is not a readable archive ({e})"
-        if bad is not None:
-            return f"fails its checksum (entry {bad})"
-    f.seek(0)
-    if isinstance(f, pa.NativeFile):  # torch's non-zip reader needs readline, which pyarrow's files lack
-        f = io.BufferedReader(f)
-    try:
-        # Weights-only: a pickle naming a type outside the allow-list is refused, never run, and is
-        # no proof of damage (it propagates: the caller ends the job); a pickle torch.save never
-        # writes (an opcode the weights-only unpickler does not know, no type named) is damage.
-        safe_load.safe_load(f, map_location="meta")
-    except safe_load.UnsafeCheckpointFile as e:
-        if e.refused:  # a type torch named: the allow-list's verdict, not the bytes'
-            raise
-        return f"does not unpickle ({str(e)[:200]})"  # no global named: bytes torch.save never writes
-    except (ImportError, AttributeError, MemoryError, OSError):
-        raise
-    except Exception as e:  # noqa: BLE001 - any other failure is the bytes'
-        return f"does not unpickle ({type(e).__name__}: {str(e)[:200]})"
-    return None
-
-
-def _failed_crc(archive: zipfile.ZipFile) -> str | None:
-    """The first entry whose bytes differ from their CRC-32, skipping entries written without
-    one (0, as torch.save writes them with its CRCs turned off; a real CRC of 0 is 1 in 2**32)."""
-    for info in archive.infolist():
-        if info.CRC == 0:
-            continue
-        try:
-            with archive.open(info) as entry:  # zipfile checks the CRC-32 as it reads
-                while entry.read(CHUNK):
-                    pass
-        except zipfile.BadZipFile:
-            return info.filename
-    return None
-
-
-def universal_marker(step_tag: str) -> str:
-    """Written after a universal conversion's last file: without it the conversion does not count."""
-    return universal.marker(step_tag)
 
 
 def _on_rank0(fn: Callable[[], T]) -> T:

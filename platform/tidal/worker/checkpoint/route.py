@@ -92,8 +92,8 @@ class Route:
 
     load: Load
     convert: Convert | None = None
-    # From a snapshot the memory tier holds (a tidal.worker.checkpoint.memory.Plan), not from storage.
-    memory: Any = field(default=None, compare=False)
+    # From a snapshot the memory tier holds (`Plan`, below), not from storage.
+    memory: Plan | None = field(default=None, compare=False)
 
     @property
     def resized(self) -> bool:
