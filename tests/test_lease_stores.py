@@ -21,6 +21,8 @@ from tidal.errors import JobAlreadyRunning
 from tidal.exclusive import NotExclusive
 from tidal.lease import Lease
 from tidal.testing.object_stores import (
+    AZURITE_ACCOUNT,
+    AZURITE_KEY,
     azure_filesystem,
     azurite_blob,
     azurite_path,
@@ -204,12 +206,111 @@ def test_on_azure_blob_storage_exactly_one_of_racing_starts_wins(tmp_path, monke
         one_won_leaving_one_generation("abfs://tidal/runs", azure_filesystem(endpoint))
         exclusive._PROBED.clear()
         wrong = azure_filesystem(endpoint, key=base64.b64encode(b"x" * 64).decode())  # Azurite checks the signature
-        with pytest.raises(OSError, match="HTTP 403"):
+        with pytest.raises(exclusive.CredentialsRefused, match="HTTP 403"):
             exclusive.create_exclusive(wrong, "tidal/runs/other.json", {})
 
 
-def test_azure_without_a_key_or_sas_is_refused_naming_what_to_set(monkeypatch):
+AZURE_VARS = ("AZURE_STORAGE_CONNECTION_STRING", "AZURE_STORAGE_KEY", "AZURE_STORAGE_ACCOUNT_KEY",
+              "AZURE_STORAGE_SAS_TOKEN", "AZURE_STORAGE_ACCOUNT", "AZURE_STORAGE_ACCOUNT_NAME")
+AZURE_URI = f"abfs://tidal@{AZURITE_ACCOUNT}.dfs.core.windows.net"  # as Azure's own docs write one
+
+
+def no_azure_env(monkeypatch) -> None:
     monkeypatch.delenv(exclusive.UNFENCED_ENV, raising=False)
-    store = azure_filesystem("127.0.0.1:9", key=None)  # nothing listens: the refusal needs no request
-    with pytest.raises(NotExclusive, match="AZURE_STORAGE_ACCOUNT_KEY or a SAS token"):
-        exclusive.check_store(store, "tidal/runs/job.lease/000000000001.json")
+    for var in AZURE_VARS:
+        monkeypatch.delenv(var, raising=False)
+
+
+def connection_string(endpoint: str, key: str = AZURITE_KEY) -> str:
+    """What `az storage account show-connection-string` prints, for Azurite at `endpoint`."""
+    return (f"DefaultEndpointsProtocol=http;AccountName={AZURITE_ACCOUNT};AccountKey={key};"
+            f"BlobEndpoint=http://{endpoint}/{AZURITE_ACCOUNT};")
+
+
+@pytest.mark.slow
+@needs_azurite
+def test_a_job_on_azurite_reached_only_through_its_abfs_uri_and_the_environment(tmp_path, monkeypatch):
+    """What an Azure user sets: an abfs:// storage URI and Azure's own variables (a connection string
+    naming the emulator's endpoint; or an account key, with the endpoint in the URI). The job starts
+    (its lease, its run folder), two racing starts leave one winner, and a wrong key is refused
+    naming what to set."""
+    from tidal.errors import TidalError
+    from tidal.storage import RunDir
+
+    no_azure_env(monkeypatch)
+    with azurite_blob(tmp_path) as endpoint:
+        monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", connection_string(endpoint))
+        assert Lease(f"{AZURE_URI}/runs", "started", ttl=30).acquire() == 1
+        run = RunDir(f"{AZURE_URI}/runs", "started")
+        run.write_json("job.json", {"a": 1})
+        assert run.read_json("job.json") == {"a": 1}
+        assert race(f"{AZURE_URI}/race", n=2) == ["refused", "won"]
+        # The key from Azure CLI's variable, the emulator's endpoint in the URI (pyarrow's form for it)
+        monkeypatch.delenv("AZURE_STORAGE_CONNECTION_STRING")
+        monkeypatch.setenv("AZURE_STORAGE_KEY", AZURITE_KEY)
+        assert Lease(f"abfs://{AZURITE_ACCOUNT}@{endpoint}/tidal/by-key?enable_tls=false", "job").acquire() == 1
+        monkeypatch.delenv("AZURE_STORAGE_KEY")
+        exclusive._PROBED.clear()
+        wrong = base64.b64encode(b"x" * 64).decode()  # Azurite checks the signature
+        monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", connection_string(endpoint, wrong))
+        with pytest.raises(TidalError) as e:
+            Lease(f"{AZURE_URI}/wrong", "job").acquire()
+        text = str(e.value)
+        assert "refused" in text and "AZURE_STORAGE_CONNECTION_STRING" in text and "AccountKey" in text
+        assert wrong not in text, "the key is never shown"
+
+
+def test_azure_without_a_key_or_sas_is_refused_naming_what_to_set(monkeypatch):
+    no_azure_env(monkeypatch)
+    with pytest.raises(NotExclusive) as e:  # nothing is asked of Azure: the refusal needs no request
+        Lease("abfs://tidal@someaccount.dfs.core.windows.net/runs", "job").acquire()
+    text = str(e.value)
+    for var in ("AZURE_STORAGE_CONNECTION_STRING", "AZURE_STORAGE_KEY", "AZURE_STORAGE_SAS_TOKEN"):
+        assert var in text
+    assert "someaccount" in text
+
+
+def options_for(uri: str, env: dict[str, str]) -> dict:
+    from tidal import azure_blob
+
+    store, _ = azure_blob.resolve(uri, env)
+    o = exclusive._options(store)
+    return {k: o[k] for k in ("account_name", "account_key", "sas_token", "blob_storage_authority",
+                              "blob_storage_scheme") if o.get(k)}
+
+
+AZ = "abfs://c@acct.dfs.core.windows.net/runs"
+DEFAULT = {"account_name": "acct", "blob_storage_authority": ".blob.core.windows.net", "blob_storage_scheme": "https"}
+
+
+@pytest.mark.parametrize("uri, env, expected", [
+    (AZ, {}, DEFAULT),  # nothing set: pyarrow's own (Entra ID), which the lease refuses naming what to set
+    (AZ, {"AZURE_STORAGE_KEY": "a2V5"}, {**DEFAULT, "account_key": "a2V5"}),  # Azure CLI's variable
+    (AZ, {"AZURE_STORAGE_ACCOUNT_KEY": "a2V5"}, {**DEFAULT, "account_key": "a2V5"}),  # adlfs's
+    (AZ, {"AZURE_STORAGE_SAS_TOKEN": "?sv=1&sig=x"}, {**DEFAULT, "sas_token": "sv=1&sig=x"}),
+    (AZ, {"AZURE_STORAGE_ACCOUNT": "other", "AZURE_STORAGE_KEY": "a2V5"}, DEFAULT),  # another account's key
+    (AZ, {"AZURE_STORAGE_CONNECTION_STRING": "AccountName=acct;AccountKey=a2V5;EndpointSuffix=core.windows.net"},
+     {**DEFAULT, "account_key": "a2V5"}),
+    (AZ, {"AZURE_STORAGE_CONNECTION_STRING": "AccountName=other;AccountKey=a2V5"}, DEFAULT),
+    (AZ, {"AZURE_STORAGE_CONNECTION_STRING": "DefaultEndpointsProtocol=https;AccountName=acct;AccountKey=a2V5;"
+                                             "EndpointSuffix=core.chinacloudapi.cn"},
+     {**DEFAULT, "account_key": "a2V5", "blob_storage_authority": ".blob.core.chinacloudapi.cn"}),
+    # Azurite's endpoint from the connection string: not pyarrow's default authority
+    ("abfs://c@devstoreaccount1.dfs.core.windows.net/runs", {"AZURE_STORAGE_CONNECTION_STRING": "UseDevelopmentStorage=true"},
+     {"account_name": "devstoreaccount1", "account_key": AZURITE_KEY, "blob_storage_authority": "127.0.0.1:10000",
+      "blob_storage_scheme": "http"}),
+    # pyarrow's own emulator form: the host in the URI, the key from the environment
+    ("abfs://acct@127.0.0.1:10000/c/runs?enable_tls=false", {"AZURE_STORAGE_KEY": "a2V5"},
+     {"account_name": "acct", "account_key": "a2V5", "blob_storage_authority": "127.0.0.1:10000",
+      "blob_storage_scheme": "http"}),
+])
+def test_an_abfs_uri_takes_the_key_sas_and_endpoint_azures_tools_read(uri, env, expected):
+    assert options_for(uri, env) == expected
+
+
+def test_an_abfs_uri_resolves_to_its_container_and_path_for_tidal_and_for_ray():
+    from tidal import fs
+
+    store, path = fs.resolve(AZ)
+    assert store.type_name == "abfs" and path == "c/runs"
+    assert fs.ray_storage(AZ)["storage_path"] == "c/runs" and fs.ray_storage("s3://b/x") == {"storage_path": "s3://b/x"}

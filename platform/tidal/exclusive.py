@@ -1,4 +1,4 @@
-"""Create a file only if it does not exist yet: on a local or shared filesystem, S3 and GCS.
+"""Create a file only if it does not exist yet: on a local or shared filesystem, S3, GCS and Azure Blob Storage.
 
 pyarrow's filesystems have no conditional create, and a job's lease (tidal/lease.py) needs one:
 of two starts that create the same generation file, exactly one must win. Each store's own
@@ -31,7 +31,7 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from tidal import fs
+from tidal import azure_blob, fs
 from tidal.errors import TidalError
 
 log = logging.getLogger("tidal")
@@ -44,6 +44,11 @@ _PROBE_LOCK = threading.RLock()
 class NotExclusive(TidalError):
     """The job's storage cannot create a file exclusively, so one live attempt per job cannot be
     guaranteed there: nothing was started or written."""
+
+
+class CredentialsRefused(TidalError):
+    """The store refused the credentials Tidal signed its create with (HTTP 401/403): nothing was
+    started or written."""
 
 
 def create_exclusive(store: pafs.FileSystem, path: str, data: dict[str, Any]) -> bool:
@@ -150,16 +155,19 @@ class _Rejected(OSError):
     """The store answered a conditional create with 'not supported' (not a precondition failure)."""
 
 
-def _conditional(request: urllib.request.Request, where: str, taken: tuple[int, ...]) -> bool:
+def _conditional(request: urllib.request.Request, where: str, taken: tuple[int, ...], denied: str = "") -> bool:
     """Send a conditional create through a store's REST API: True when it created `where`, False when
     the store answered one of `taken` (another create won); _Rejected when it does not support the
-    condition, OSError for any other failure."""
+    condition; CredentialsRefused (saying `denied`) for a 401 or 403 when `denied` is given;
+    OSError for any other failure."""
     try:
         with urllib.request.urlopen(request, timeout=60):
             return True
     except urllib.error.HTTPError as e:
         if e.code in taken:
             return False
+        if denied and e.code in (401, 403):
+            raise CredentialsRefused(f"{denied} (HTTP {e.code} {e.reason})") from None
         if e.code in (400, 501):
             raise _Rejected(f"HTTP {e.code}") from None
         raise OSError(f"could not create {where}: HTTP {e.code} {e.reason}") from None
@@ -170,7 +178,10 @@ def _conditional(request: urllib.request.Request, where: str, taken: tuple[int, 
 def _describe(store: pafs.FileSystem, path: str) -> str:
     options = _options(store)
     endpoint = options.get("endpoint_override") or options.get("blob_storage_authority")
-    scheme = {"s3": "s3", "gcs": "gs", "abfs": "abfs"}.get(store.type_name, store.type_name)
+    if _is_azure(store):  # the account is the root: abfs://CONTAINER@ACCOUNT, as Azure's docs write it
+        where = f"abfs://{path.partition('/')[0]}@{options.get('account_name') or '?'}"
+        return where + (f" (endpoint {endpoint})" if endpoint and not str(endpoint).startswith(".") else "")
+    scheme = {"s3": "s3", "gcs": "gs"}.get(store.type_name, store.type_name)
     return f"{scheme}://{path.partition('/')[0]}" + (f" (endpoint {endpoint})" if endpoint else "")
 
 
@@ -338,14 +349,15 @@ def _is_azure(store: pafs.FileSystem) -> bool:
 
 def _azure_refusal(store: pafs.FileSystem) -> str:
     """Why the lease cannot create on this Azure filesystem ("" when it can): it signs with the
-    account key or a SAS token the filesystem holds; Entra ID credentials would need their own
-    token flow (azure-identity), which Tidal does not carry."""
+    account key or a SAS token the filesystem holds (tidal/azure_blob.py finds them where Azure's
+    tools do); Entra ID credentials would need their own token flow (azure-identity), which Tidal
+    does not carry."""
     options = _options(store)
     if options.get("account_key") or options.get("sas_token"):
         return ""
-    return (f"{_describe(store, '')} is reached with Entra ID credentials, with which Tidal's lease cannot "
-            "create a blob conditionally (it signs with an account key or a SAS token: set "
-            "AZURE_STORAGE_ACCOUNT_KEY or a SAS token for the storage)")
+    return (f"Tidal's lease signs its one conditional create with an account key or a SAS token, and "
+            f"{azure_blob.refusal(str(options.get('account_name') or '?'))}; Entra ID credentials alone are "
+            "not enough")
 
 
 def _azure_create_exclusive(store: pafs.FileSystem, path: str, blob: bytes) -> bool:
@@ -355,11 +367,13 @@ def _azure_create_exclusive(store: pafs.FileSystem, path: str, blob: bytes) -> b
     options = _options(store)
     if why := _azure_refusal(store):
         raise _Rejected(why)
-    account, authority = str(options["account_name"]), options.get("blob_storage_authority") or ""
+    account, authority = str(options["account_name"]), str(options.get("blob_storage_authority") or "")
     scheme = options.get("blob_storage_scheme") or "https"
-    # pyarrow's own addressing: the account's host on Azure, the account as the first path segment elsewhere (Azurite)
-    if not authority or authority == AZURE_DEFAULT_AUTHORITY:
-        base, resource = f"https://{account}.{AZURE_DEFAULT_AUTHORITY}", f"/{account}"
+    # pyarrow's own addressing: the account's host on Azure (its default authority is ".blob.core.windows.net",
+    # a suffix), the account as the first path segment on a host of its own (Azurite)
+    if not authority or authority.startswith(".") or authority == AZURE_DEFAULT_AUTHORITY:
+        suffix = authority if authority.startswith(".") else f".{AZURE_DEFAULT_AUTHORITY}"
+        base, resource = f"{scheme}://{account}{suffix}", f"/{account}"
     else:
         base, resource = f"{scheme}://{authority}/{account}", f"/{account}/{account}"
     quoted = urllib.parse.quote(path)
@@ -371,9 +385,13 @@ def _azure_create_exclusive(store: pafs.FileSystem, path: str, blob: bytes) -> b
     else:
         headers["Authorization"] = _shared_key(account, str(options["account_key"]), "PUT", headers,
                                                f"{resource}/{quoted}")
+    source = azure_blob.credential_source(account) or "the storage URI's key or SAS token"
+    denied = (f"Azure storage account {account!r} refused the request Tidal signed with {source}: set a valid "
+              f"key or SAS token there ({azure_blob.CONNECTION_ENV} with the AccountKey `az storage account "
+              f"show-connection-string` prints, {' or '.join(azure_blob.KEY_ENVS)}, or {azure_blob.SAS_ENV})")
     # 409 BlobAlreadyExists or 412 ConditionNotMet: another create won
     return _conditional(urllib.request.Request(url, data=blob, method="PUT", headers=headers), f"abfs://{path}",
-                        (409, 412))
+                        (409, 412), denied)
 
 
 def _http_date() -> str:

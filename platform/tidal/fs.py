@@ -24,11 +24,29 @@ import pyarrow.fs as pafs
 
 
 def resolve(uri_or_path: str) -> tuple[pafs.FileSystem, str]:
-    """(filesystem, path within it) for a local path or any URI pyarrow knows (s3://, gs://, file://)."""
+    """(filesystem, path within it) for a local path or any URI pyarrow knows (s3://, gs://, file://;
+    abfs:// with the key, SAS token and endpoint Azure's tools read from the environment: azure_blob.py)."""
+    from tidal import azure_blob
+
+    if azure_blob.is_azure_uri(uri_or_path):
+        fs, path = azure_blob.resolve(uri_or_path)
+        return fs, path.rstrip("/")
     if "://" in uri_or_path:
         fs, path = pafs.FileSystem.from_uri(uri_or_path)
         return fs, path.rstrip("/")
     return pafs.LocalFileSystem(), os.path.abspath(uri_or_path)
+
+
+def ray_storage(uri_or_path: str) -> dict[str, Any]:
+    """Ray Train's `RunConfig` storage arguments for the job's storage: the URI itself, which Ray
+    resolves as pyarrow does; for abfs:// the filesystem `resolve` builds and the path in it, since
+    pyarrow alone would not find the key or the endpoint Azure's tools read (azure_blob.py)."""
+    from tidal import azure_blob
+
+    if not azure_blob.is_azure_uri(uri_or_path):
+        return {"storage_path": uri_or_path}
+    store, path = resolve(uri_or_path)
+    return {"storage_path": path, "storage_filesystem": store}
 
 
 class UnsafeName(ValueError):

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tidal import eval_best, job_end
+from tidal import eval_best, fs, job_end
 from tidal.admission import seat as admission
 from tidal.admission.relaunch import RELAUNCHED_VAR, WAIT_VAR
 from tidal.cluster import burst
@@ -393,7 +393,7 @@ def _trainer(spec: JobSpec, callbacks: list[Any], seat: admission.Seat | None = 
     )
     run_config = RunConfig(
         name=spec.name,
-        storage_path=spec.checkpoint.storage,
+        **fs.ray_storage(spec.checkpoint.storage),  # abfs://: with the key Azure's variables give (tidal/azure_blob.py)
         failure_config=FailureConfig(max_failures=spec.failure.max_restarts),
         checkpoint_config=_checkpoint_config(spec),
         callbacks=[FailureNotifier(spec), Retention(spec), *([ClusterView()] if spec.elastic else []), *callbacks],
