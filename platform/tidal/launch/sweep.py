@@ -254,7 +254,7 @@ def _new_tuner(trainable: Any, base: JobSpec, cfg: SweepSpec, exp_name: str, tod
         ),
         # Train restarts failed workers itself (failure.max_restarts); a trial that still fails is
         # retried when the sweep runs again.
-        run_config=tune.RunConfig(name=exp_name, storage_path=base.checkpoint.storage, callbacks=[recorder],
+        run_config=tune.RunConfig(name=exp_name, **fs.ray_storage(base.checkpoint.storage), callbacks=[recorder],
                                   failure_config=tune.FailureConfig(max_failures=0)),
     )
 
