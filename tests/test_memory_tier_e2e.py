@@ -6,6 +6,7 @@ resumes from that partial snapshot."""
 
 from __future__ import annotations
 
+import re
 import threading
 
 import pytest
@@ -42,6 +43,28 @@ def test_a_killed_worker_resumes_from_memory_and_reads_no_checkpoint(tmp_path, c
     assert g["goodput_restarts"] >= 1 and g["goodput_restore_s"] > 0 and g["goodput_replayed_steps"] == lost
     assert_undisturbed_losses(tmp_path, spec, result)
     assert keeper.named(spec.name) == {}, "the job's keepers outlived it"
+
+
+def test_a_tier_that_chooses_its_interval_keeps_snapshots_and_a_kill_replays_at_most_one(tmp_path, capfd):
+    """`checkpoint.memory: {}` (every_steps auto): the group snapshots at its first steps to measure
+    the cost, then at the Young/Daly interval (at most the checkpoint interval, 20 here); a worker
+    killed after step 13 resumes from memory, replays at most one interval, and reads no checkpoint."""
+    spec = memory_spec(tmp_path, "mem-auto").with_overrides({"checkpoint.memory": {}})
+    assert spec.checkpoint.memory.every_steps == "auto"
+    killed: list[int] = []
+    spec, killer = kill_a_worker_at(spec, 13, killed)
+    result = tidal.run(spec)
+    killer.join(timeout=5)
+    out = capfd.readouterr().out
+
+    assert killed and result.error is None, result.error
+    chosen = [int(n) for n in re.findall(r"memory snapshots every (\d+) step\(s\), chosen", out)]
+    assert chosen and all(1 <= n <= 20 for n in chosen), out[-3000:]
+    (where, step, redo), = resumes(out)
+    assert where.startswith("the in-memory snapshot held on node"), out[-3000:]
+    assert 1 <= step <= 13 and redo <= max(chosen), f"replayed {redo} step(s) with snapshots every {chosen}"
+    assert not list((tmp_path / "cache").rglob("*.pt")), "a checkpoint file was copied from storage"
+    assert_undisturbed_losses(tmp_path, spec, result)
 
 
 @pytest.mark.extended  # outside the suite's budget (pyproject.toml): the completeness rule is unit-tested (test_memory_tier)

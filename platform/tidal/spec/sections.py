@@ -266,10 +266,13 @@ class MemorySpec(Part):
     """Snapshots in host memory between persistent checkpoints (off unless set): a worker's or a node's loss
     then resumes from the newest complete snapshot, a few steps back, reading nothing from storage."""
 
-    every_steps: int = Field(
-        ge=1, description="steps between snapshots: each rank's state is copied to host memory on its node, held by "
-        "a keeper process that outlives the worker, and to a peer node; a restart at the same worker count resumes "
-        "from the newest complete one when it is newer than the last checkpoint in storage (a resize reads storage)"
+    every_steps: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        "auto", description="steps between snapshots: each rank's state is copied to host memory on its node, held "
+        "by a keeper process that outlives the worker, and to a peer node; a restart resumes from the newest complete "
+        "one when it is as new as the last checkpoint in storage or newer, at the worker count that wrote it or, by "
+        "byte range, at another (a resize that needs a universal conversion reads storage). auto: sqrt(2 x a "
+        "snapshot's measured cost x the time between faults) over the step time (Young/Daly; faults: those the "
+        "job's groups met, with a prior of one per 4 hours), at most checkpoint.every_steps"
     )
     peer: bool = Field(True, description="also keep each snapshot on the next node of the group, so a node's loss "
                        "keeps it (no copy when the group runs on one node)")
@@ -307,8 +310,9 @@ class CheckpointSpec(Part):
         "frozen parameters) always go universal"
     )
     memory: MemorySpec | None = Field(
-        None, description="a host-memory snapshot tier replicated to a peer node, e.g. {every_steps: 5}: a worker or "
-        "node loss redoes at most every_steps steps instead of up to checkpoint.every_steps. Off by default. Not for "
+        None, description="a host-memory snapshot tier replicated to a peer node, e.g. {} (its interval chosen: "
+        "every_steps auto) or {every_steps: 5}: a worker or node loss redoes about one snapshot interval instead of "
+        "up to checkpoint.every_steps. Off by default. Not for "
         "streamed data or pipelines (their restarts read storage)"
     )
     safe_globals: list[str] = Field(

@@ -89,6 +89,7 @@ class Keeper:
         self.incoming = 0  # bytes of puts admitted under the limit and still being copied in
         self.lock = threading.Lock()  # the shard table and `incoming`: four calls run at once
         self.touched = time.time()
+        self.groups, self.first_group = 0, self.touched  # worker groups of this driver opened on this node
         if expiry_s is not None:
             threading.Thread(target=self._expire, args=(expiry_s,), daemon=True, name="tidal-keeper-expiry").start()
 
@@ -104,6 +105,13 @@ class Keeper:
         log.warning("memory tier: keeper %s on node %s untouched for %.0fs, ending itself", self.job,
                     self.node_id[:8], expiry_s)
         os._exit(0)  # a detached actor with max_restarts=0: Ray frees its name and memory
+
+    def group_started(self) -> tuple[float, int]:
+        """A worker group of this driver opened its memory tier (rank 0's node): (when the first did,
+        how many have), the faults its snapshot interval allows for (tidal.worker.checkpoint.interval)."""
+        with self.lock:
+            self.groups += 1
+            return self.first_group, self.groups
 
     def held_bytes(self) -> int:
         with self.lock:

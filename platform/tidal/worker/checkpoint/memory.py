@@ -9,6 +9,12 @@ its module and optimizer partitions, the LR scheduler, the client state with Tid
 nothing more: a step's samples and its seed follow from the step number (tidal.worker.data,
 `seed_step`); streamed data and pipelines are left to storage (`supported`).
 
+With `every_steps: auto` the interval chooses itself (tidal.worker.checkpoint.interval): a group
+snapshots at its first two steps, which measure what a snapshot costs, then at Young/Daly's
+interval for that cost, the step time and the faults its driver's groups met (rank 0's keeper
+counts the groups), agreed by every rank at each snapshot's agreement, at most the persistent
+checkpoint interval.
+
 A snapshot is complete only when every rank's shard of the same attempt and step is held by a
 live keeper. Before each snapshot every rank waits for its previous one to be held and the ranks
 agree (one small collective) whether it is: only then do the keepers drop anything older, so
@@ -50,7 +56,7 @@ import torch.distributed as dist
 from tidal.errors import CheckpointError
 from tidal.spec.job import JobSpec
 from tidal.storage import Found
-from tidal.worker.checkpoint import fetch, held_files, keeper, route, safe_load
+from tidal.worker.checkpoint import fetch, held_files, interval, keeper, route, safe_load
 from tidal.worker.checkpoint.host_buffers import Buffers
 from tidal.worker.checkpoint.route import Held, Plan
 from tidal.worker.checkpoint.snapshot import COPY, SnapshotEngine, _without_crc32, write_delay
@@ -84,6 +90,8 @@ class Pending:
     thread: threading.Thread | None = None
     error: str | None = None  # why its own node's keeper does not hold it
     peer_error: str | None = None  # why the peer's does not
+    stall_s: float = 0.0  # training waited this long for it
+    hand_over_s: float = 0.0  # its hand-over ran this long beside training
 
 
 class Tier:
@@ -96,13 +104,16 @@ class Tier:
 
         mem = spec.checkpoint.memory
         assert mem is not None
-        self.spec, self.rank, self.world, self.every = spec, rank, world, mem.every_steps
+        self.spec, self.rank, self.world = spec, rank, world
+        # `auto`: the interval follows the measured cost and the faults seen (tidal.worker.checkpoint.interval)
+        self.auto = mem.every_steps == "auto"
+        self.every = interval.FIRST_EVERY if mem.every_steps == "auto" else int(mem.every_steps)
+        self.next_due: int | None = None  # auto: the step of the next snapshot (the group's first step first)
+        self.step_s: float | None = None  # auto: this rank's recent step time
+        self.ticked: float | None = None
         node = ray.get_runtime_context().get_node_id()
         nodes: list[Any] = [None] * world
         dist.all_gather_object(nodes, node)  # where every rank runs: the ring of the group's nodes
-        box = [uuid.uuid4().hex[:12] if rank == 0 else None]
-        dist.broadcast_object_list(box, src=0)
-        self.attempt: str = box[0]
         ring = sorted(set(nodes))
         self.node = node
         self.peer_node = ring[(ring.index(node) + 1) % len(ring)] if mem.peer and len(ring) > 1 else None
@@ -110,6 +121,11 @@ class Tier:
         owner = keeper.Owner.of(spec, generation)
         self.own = keeper.handle(owner, node, limit)
         self.peer = keeper.handle(owner, self.peer_node, limit) if self.peer_node else None
+        # The attempt's id, and the faults this driver's groups have seen (rank 0's keeper counts the groups).
+        box = [(uuid.uuid4().hex[:12], *self._groups_seen()) if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        self.attempt: str = box[0][0]
+        self.faults, self.trained_since = int(box[0][2]) - 1, float(box[0][1])
         self.single_node = len(ring) == 1
         self.buffers = Buffers()
         self.pending: Pending | None = None
@@ -117,8 +133,28 @@ class Tier:
         self.said: set[str] = set()
         self.stall_s = 0.0  # seconds this rank's training waited for snapshots since `take_stall`
 
+    def _groups_seen(self) -> tuple[float, int]:
+        """(when this driver's first group started, how many have started) as this node's keeper saw them."""
+        import ray
+
+        try:
+            first, groups = ray.get(self.own.group_started.remote(), timeout=LIST_TIMEOUT_S)
+            return float(first), int(groups)
+        except Exception as e:  # noqa: BLE001 - the prior alone then sets the interval
+            log.info("memory tier: the keeper did not say how many groups started (%s)", type(e).__name__)
+            return time.time(), 1
+
     def due(self, step: int) -> bool:
-        return step % self.every == 0
+        if not self.auto:
+            return step % self.every == 0
+        now = time.perf_counter()
+        if self.ticked is not None:  # the time between two calls: one step, a snapshot's stall included
+            last = now - self.ticked
+            self.step_s = last if self.step_s is None else 0.8 * self.step_s + 0.2 * last
+        self.ticked = now
+        if self.next_due is None:
+            self.next_due = step  # the group's first step: a snapshot at once, which measures its cost
+        return step >= self.next_due
 
     def take_stall(self) -> float:
         s, self.stall_s = self.stall_s, 0.0
@@ -127,7 +163,7 @@ class Tier:
     def snapshot(self, engine: Any, state: Any, written_by: Any, say: Any) -> None:
         """Snapshot this rank's state at `state.step` (all ranks together: a collective)."""
         t0 = time.perf_counter()
-        self._agree_previous(say)
+        self._agree_previous(say, state.step)
         step = state.step
         root = Path(tempfile.mkdtemp(prefix="tidal-mem-"))  # DeepSpeed's few small files (latest, a script)
         snap = SnapshotEngine(root, self.buffers, COPY)
@@ -151,26 +187,44 @@ class Tier:
                                           target=self._hand_over, args=(pending, taken, zipfile, facts, self.complete))
         self.pending = pending
         pending.thread.start()
-        self.stall_s += time.perf_counter() - t0
+        pending.stall_s = time.perf_counter() - t0
+        self.stall_s += pending.stall_s
 
-    def _agree_previous(self, say: Any) -> None:
+    def _agree_previous(self, say: Any, step: int) -> None:
         """Wait for this rank's previous snapshot to be held, then agree with every rank whether
-        it is complete (held for every rank): only a complete one lets the keepers drop older ones."""
-        mine: tuple[int | None, str | None, str | None] = (None, None, None)
+        it is complete (held for every rank): only a complete one lets the keepers drop older ones.
+        Under `auto`, every rank also takes the same next interval from what the ranks measured."""
+        mine: tuple[Any, ...] = (None, None, None, None, self.step_s)
         if self.pending is not None and self.pending.thread is not None:
             self.pending.thread.join()
-            mine = (self.pending.step, self.pending.error, self.pending.peer_error)
+            p = self.pending
+            mine = (p.step, p.error, p.peer_error, p.stall_s + p.hand_over_s, self.step_s)
         everyone: list[Any] = [None] * self.world
         dist.all_gather_object(everyone, mine)
-        steps = {s for s, _, _ in everyone}
-        if len(steps) == 1 and None not in steps and all(e is None for _, e, _ in everyone):
+        steps = {e[0] for e in everyone}
+        if len(steps) == 1 and None not in steps and all(e[1] is None for e in everyone):
             self.complete = steps.pop()
+        if self.auto:
+            self._choose_interval(everyone, step, say)
         if self.rank == 0:
-            for why in [e for _, e, _ in everyone if e] + [p for _, _, p in everyone if p]:
+            for why in [e[1] for e in everyone if e[1]] + [e[2] for e in everyone if e[2]]:
                 self._say_once(say, f"a memory snapshot was not kept ({why}); restarts resume from the previous "
                                "complete snapshot, or storage")
             if self.single_node and self.spec.checkpoint.memory.peer:
                 self._say_once(say, "the memory tier has one node: its snapshots are lost with it (no peer copy)")
+
+    def _choose_interval(self, everyone: list[Any], step: int, say: Any) -> None:
+        """The next snapshot's step, the same on every rank: the slowest rank's cost and step time."""
+        costs, steps = [e[3] for e in everyone], [e[4] for e in everyone]
+        cost = None if None in costs else max(costs)
+        step_s = None if None in steps else max(steps)
+        trained = max(0.0, time.time() - self.trained_since)
+        self.every = interval.every_steps(cost, step_s, self.faults, trained, self.spec.checkpoint.every_steps)
+        self.next_due = step + self.every
+        if cost is not None and step_s is not None and self.rank == 0:
+            self._say_once(say, f"memory snapshots every {self.every} step(s), chosen (checkpoint.memory.every_steps: "
+                           f"auto) for a snapshot costing {cost:.2f}s, {step_s:.2f}s steps and a fault every "
+                           f"{interval.mtbf_s(self.faults, trained) / 3600:.1f} h; the interval follows them")
 
     def _say_once(self, say: Any, line: str) -> None:
         key = line.split("(", 1)[0]
@@ -183,6 +237,7 @@ class Tier:
         """Serialize each file as a persistent write would, and have both keepers hold the bytes."""
         import ray
 
+        t0 = time.perf_counter()
         try:
             files = {}
             with _without_crc32():
@@ -209,6 +264,7 @@ class Tier:
                     pending.peer_error = f"the peer node's keeper failed: {type(e).__name__}: {str(e)[:200]}"
         except Exception as e:  # noqa: BLE001 - a snapshot that fails leaves the previous one
             pending.error = f"{type(e).__name__}: {str(e)[:200]}"
+        pending.hand_over_s = time.perf_counter() - t0
 
 
 def newest_complete(spec: JobSpec, generation: int = 0) -> tuple[Held, Plan] | tuple[None, None]:
