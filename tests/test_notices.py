@@ -126,3 +126,84 @@ def test_cloud_configs_start_the_watcher_after_ray_on_every_worker(config, cloud
     assert starts and watches and watches[0] > starts[-1], commands
     watcher = commands[watches[0]]
     assert f"--cloud {cloud}" in watcher and "RAY_AUTH_MODE=token" in watcher and watcher.rstrip().endswith("&")
+
+
+class Scripted:
+    """A reader whose answers a test writes: each call takes the next (a list of notices, or an
+    exception to raise); the last one repeats. Acknowledgements fail while `ack_fails` > 0."""
+
+    def __init__(self, answers, ack_fails: int = 0) -> None:
+        self.answers, self.reads, self.acks, self.ack_fails = list(answers), 0, [], ack_fails
+
+    def read(self, now):
+        self.reads += 1
+        answer = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    def ack(self, event_id):
+        if self.ack_fails > 0:
+            self.ack_fails -= 1
+            from tidal.cluster.notice_watch import Unreachable
+
+            raise Unreachable("POST scheduledevents: connection reset")
+        self.acks.append(event_id)
+
+
+def run_watch(reader, until, timeout_s: float = 10.0):
+    import threading
+    import time
+
+    from tidal.cluster.notice_watch import watch
+
+    drains, said, stop = [], [], threading.Event()
+    t = threading.Thread(target=watch, args=(reader, lambda d, r: (drains.append(d) or True, ""), said.append, 0.01,
+                                             stop), daemon=True)
+    t.start()
+    deadline = time.time() + timeout_s
+    while not until(drains) and time.time() < deadline and t.is_alive():
+        time.sleep(0.01)
+    alive = t.is_alive()
+    stop.set()
+    t.join(5)
+    return drains, said, alive
+
+
+def test_one_malformed_answer_from_the_metadata_service_does_not_end_the_watcher():
+    import time
+
+    from tidal.cluster.notices import parse_aws_instance_action
+
+    notice = Notice("aws spot instance-action (terminate)", True, time.time() + 120, "aws:t")
+    bad = [lambda: parse_aws_instance_action(200, "<html>proxy error</html>"),
+           lambda: parse_azure_events(200, '["not", "a", "document"]', 0.0)]
+    for malformed in bad:
+        try:
+            malformed()
+            raise AssertionError("a malformed 200 parsed")
+        except Exception as e:  # noqa: BLE001 - whatever it raises is what the watcher meets
+            error = e
+        reader = Scripted([error, error, [notice]])
+        drains, said, alive = run_watch(reader, lambda d: d)
+        assert alive and len(drains) == 1, "it kept watching and drained at the notice after"
+        assert sum("metadata service" in s for s in said) == 1, "said once"
+
+
+def test_a_failed_azure_acknowledgement_is_retried_and_the_watcher_keeps_watching():
+    import time
+
+    first = Notice("azure Preempt", True, time.time(), "azure:A", "A")
+    later = Notice("azure Preempt", True, time.time(), "azure:B", "B")
+    reader = Scripted([[first]] * 3 + [[first, later]], ack_fails=2)
+    drains, said, alive = run_watch(reader, lambda d: len(d) == 2 and reader.acks == ["A", "B"])
+    assert alive and len(drains) == 2 and reader.acks == ["A", "B"]
+    assert sum("acknowledge" in s for s in said) == 1, "said once"
+
+
+@pytest.mark.parametrize("save_s, step_s, log_every, want", [(20.0, 2.0, 10, 60), (5.0, 1.0, 1, 30), (5.0, 1.0, 50, 70)])
+def test_grace_period_covers_the_steps_to_the_next_log_step_where_warnings_are_read(save_s, step_s, log_every, want):
+    """Workers read a warning at log steps only (worker/plan.py: Due.may_check_preemption): one that
+    lands just after a log step waits up to `train.log_every` steps before the save starts."""
+    assert grace_period_s(save_s, step_s, log_every) == want
+    assert grace_period_s(save_s, step_s, log_every) >= save_s + log_every * step_s + 15

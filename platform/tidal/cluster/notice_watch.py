@@ -25,6 +25,7 @@ from typing import Any
 from tidal.cluster.notices import (
     CLOUDS,
     Cloud,
+    Malformed,
     Notice,
     decide,
     parse_aws_instance_action,
@@ -135,9 +136,12 @@ class AzureReader:
         return parse_azure_events(status, body, now, self.vm_name)
 
     def ack(self, event_id: str) -> None:
+        """Approve the event; Unreachable when the service did not take it (the watcher asks again)."""
         body = json.dumps({"StartRequests": [{"EventId": event_id}]}).encode()
-        self.meta.request("POST", f"/metadata/scheduledevents?{AZURE_API}",
-                          {"Metadata": "true", "Content-Type": "application/json"}, body)
+        status, text, _ = self.meta.request("POST", f"/metadata/scheduledevents?{AZURE_API}",
+                                            {"Metadata": "true", "Content-Type": "application/json"}, body)
+        if not 200 <= status < 300:
+            raise Unreachable(f"acknowledging event {event_id}: HTTP {status} {text[:80]}")
 
 
 def detect(meta: Metadata) -> Cloud | None:
@@ -167,18 +171,21 @@ def watch(reader: Any, drain: Callable[[float, str], tuple[bool, str]], say: Cal
           poll_s: float, stop: threading.Event) -> None:
     """Poll until `stop`: each new interruption drains the node once, with its deadline; advice
     (a rebalance recommendation) is said once and drains nothing; an Azure event is acknowledged
-    at its deadline (the job has saved by then: approving it earlier would shorten the warning)."""
+    at its deadline (the job has saved by then: approving it earlier would shorten the warning).
+    No answer, a malformed one or a failed acknowledgement ends nothing: the watcher runs unattended
+    (under nohup, never restarted), so it says so once and tries again at the next poll."""
     acted: set[str] = set()
     advised: set[str] = set()
     acks: dict[str, float] = {}
-    failing = False
+    failing = ack_failing = False
     while not stop.is_set():
         now = time.time()
         try:
             notices = reader.read(now)
-        except Unreachable as e:
+        except (Unreachable, Malformed) as e:
             if not failing:
-                say(f"cannot read the metadata service ({e}); retrying every {poll_s:g} s")
+                what = "cannot read" if isinstance(e, Unreachable) else "got a malformed answer from"
+                say(f"{what} the metadata service ({e}); retrying every {poll_s:g} s")
             failing = True
             stop.wait(poll_s)
             continue
@@ -201,7 +208,14 @@ def watch(reader: Any, drain: Callable[[float, str], tuple[bool, str]], say: Cal
                 say(f"{due.reason}: Ray refused the drain ({why}); asking again at the next poll")
         for event_id, at in list(acks.items()):
             if now >= at and hasattr(reader, "ack"):
-                reader.ack(event_id)
+                try:
+                    reader.ack(event_id)
+                except Unreachable as e:  # the eviction starts at NotBefore anyway; asked again next poll
+                    if not ack_failing:
+                        say(f"could not acknowledge {event_id} ({e}); retrying every {poll_s:g} s")
+                    ack_failing = True
+                    continue
+                ack_failing = False
                 del acks[event_id]
         # GCE's read waits for a change itself (about poll_s); a read that answered at once does not.
         stop.wait(max(0.0, poll_s - (time.time() - now)))

@@ -21,7 +21,7 @@ import json
 from dataclasses import dataclass
 from datetime import datetime
 from email.utils import parsedate_to_datetime
-from typing import Literal
+from typing import Any, Literal
 
 Cloud = Literal["aws", "gcp", "azure"]
 CLOUDS: tuple[Cloud, ...] = ("aws", "gcp", "azure")
@@ -29,6 +29,21 @@ CLOUDS: tuple[Cloud, ...] = ("aws", "gcp", "azure")
 # GCE documents 30 s between the preemption notice and the instance stopping, and gives no time
 # in the notice itself: the deadline is counted from when the watcher saw it.
 GCE_NOTICE_S = 30.0
+
+
+class Malformed(ValueError):
+    """A 200 from the metadata service whose body is not what the cloud documents (a proxy's page,
+    a truncated document): the watcher says so once and reads again at its next poll."""
+
+
+def _document(body: str, kind: type) -> Any:
+    try:
+        doc = json.loads(body)
+    except ValueError as e:
+        raise Malformed(f"not JSON: {body[:80]!r}") from e
+    if not isinstance(doc, kind):
+        raise Malformed(f"a JSON {type(doc).__name__} where a {kind.__name__} was documented: {body[:80]!r}")
+    return doc
 
 
 @dataclass(frozen=True)
@@ -59,11 +74,14 @@ def parse_aws_instance_action(status: int, body: str) -> Notice | None:
     """AWS `spot/instance-action`: 404 while nothing is scheduled; 200 with the action and its time."""
     if status != 200:
         return None
-    doc = json.loads(body)
+    doc = _document(body, dict)
     action, when = doc.get("action"), doc.get("time")
     if not action or not when:
         return None
-    deadline = _iso(when)
+    try:
+        deadline = _iso(str(when))
+    except ValueError as e:
+        raise Malformed(f"instance-action time {when!r} is not an ISO 8601 time") from e
     return Notice(f"aws spot instance-action ({action})", True, deadline, f"aws:{action}:{when}")
 
 
@@ -73,7 +91,7 @@ def parse_aws_rebalance(status: int, body: str) -> Notice | None:
     training on the node until its deadline, and a recommendation may never be followed by one)."""
     if status != 200:
         return None
-    when = json.loads(body).get("noticeTime")
+    when = _document(body, dict).get("noticeTime")
     return Notice("aws rebalance recommendation", False, None, f"aws-rebalance:{when}") if when else None
 
 
@@ -91,7 +109,10 @@ def parse_azure_events(status: int, body: str, now: float, vm_name: str | None =
     if status != 200:
         return []
     notices = []
-    for event in json.loads(body).get("Events") or []:
+    events = _document(body, dict).get("Events") or []
+    if not isinstance(events, list) or not all(isinstance(e, dict) for e in events):
+        raise Malformed(f"Scheduled Events' `Events` is not a list of events: {body[:80]!r}")
+    for event in events:
         if event.get("EventType") != "Preempt":
             continue
         resources = event.get("Resources") or []
@@ -99,7 +120,10 @@ def parse_azure_events(status: int, body: str, now: float, vm_name: str | None =
             continue
         not_before = event.get("NotBefore") or ""
         started = event.get("EventStatus") == "Started" or not not_before
-        deadline = now if started else parsedate_to_datetime(not_before).timestamp()
+        try:
+            deadline = now if started else parsedate_to_datetime(not_before).timestamp()
+        except (TypeError, ValueError) as e:
+            raise Malformed(f"Preempt NotBefore {not_before!r} is not an RFC 1123 time") from e
         event_id = str(event.get("EventId"))
         notices.append(Notice("azure Preempt", True, deadline, f"azure:{event_id}:{not_before}", event_id))
     return notices
@@ -120,10 +144,11 @@ def decide(notices: list[Notice], acted: set[str], now: float) -> tuple[Drain | 
     return Drain(deadline, f"{first.source}: the node goes in {deadline - now:.0f} s"), new
 
 
-def grace_period_s(save_s: float, step_s: float, margin_s: float = 15.0) -> int:
+def grace_period_s(save_s: float, step_s: float, log_every: int = 1, margin_s: float = 15.0) -> int:
     """A Kubernetes pod's `terminationGracePeriodSeconds` that lets the job save at the step reached
-    before the kubelet kills it: the log step the warning is read at can be up to one step away,
+    before the kubelet kills it: workers read a warning at log steps only (a check is a barrier of
+    its own), so the log step it is read at can be up to `log_every` steps away (`train.log_every`),
     then a synchronous save, then `margin_s` for Ray's drain to be seen (Ray Train polls drains
     every 5 s) and the node's own stop. Rounded up to 10 s."""
-    need = step_s + save_s + margin_s
+    need = log_every * step_s + save_s + margin_s
     return int(-(-need // 10) * 10)
