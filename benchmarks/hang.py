@@ -1,6 +1,6 @@
 """A hang with the spec's defaults: one training worker of a quickstart job stopped (SIGSTOP)
-mid-run; seconds from the stop to the hang's detection (the adaptive step deadline passed and a
-rank declared it), to its explanation (the console's verdict, every rank's stacks saved), to the
+mid-run; seconds from the stop to the hang's detection (its heartbeat unseen for
+failure.heartbeat_timeout_s and the live rank declared it), to its explanation (the console's verdict, every rank's stacks saved), to the
 first step trained again (the replay from the last checkpoint) and to the first new step.
 
 The old behaviour is not re-run: its fixed default deadline was 900 s (`failure.step_timeout_s`),
@@ -45,7 +45,7 @@ def measure(i: int, stop_at: int) -> dict[str, Any]:
             "name": f"hang-{i}", "train.steps": stop_at + 30, "checkpoint.storage": str(tmp / "runs"),
             "tracking.uri": prepared_store(tmp / "mlflow.db"), "tracking.experiment": "bench",
             "train.log_every": 1, "worker_env": {LOSS_TRACE_ENV: str(trace)}})
-        assert spec.failure.step_timeout_s is None  # the defaults: the adaptive deadline
+        assert spec.failure.step_timeout_s is None  # the defaults: the heartbeat beside the adaptive deadline
         done = threading.Event()
 
         def run() -> None:
@@ -105,9 +105,10 @@ def main() -> None:
     body = f"""Command: `python -m benchmarks.hang --rounds {args.rounds} --stop-at {args.stop_at}` ({time.strftime('%Y-%m-%d')}, 2-core CPU machine shared with other work; one local Ray instance)
 
 The quickstart job (`jobs/quickstart.yaml`: GPT d128 L2, ZeRO-2 on 2 CPU workers, a checkpoint every 40 steps)
-with the spec's failure defaults (the adaptive step deadline: 10x the slowest recent step, at least 30 s); one of
-its two Ray Train workers is stopped with SIGSTOP once step {args.stop_at} is traced, a fresh job each round. Seconds
-from the stop to: the hang declared (the live rank's deadline passed), explained (the verdict naming the stopped rank
+with the spec's failure defaults (a heartbeat unseen for 5 s, `failure.heartbeat_timeout_s`, beside the adaptive
+step deadline of 10x the slowest recent step, at least 30 s); one of its two Ray Train workers is stopped with SIGSTOP
+once step {args.stop_at} is traced, a fresh job each round. Seconds from the stop to: the hang declared (the live
+rank saw the stopped one's heartbeat stop), explained (the verdict naming the stopped rank
 written, every rank's stacks saved), the first step trained again (a replay from the last checkpoint) and the first
 new step.
 
@@ -119,8 +120,8 @@ Medians: detected **{med['detected_s']:.1f} s**, explained {med['explained_s']:.
 **{med['again_s']:.1f} s**, first new step {med['new_s']:.1f} s. Before (not re-run): the fixed default deadline was
 {OLD_DEADLINE_S:.0f} s, and the issue measured {OLD_MEASURED_S:.0f} s from such a stop to training again, with no line
 naming the stopped rank; detection is now {OLD_DEADLINE_S / med['detected_s']:.0f}x sooner than that deadline. Between
-detection and explanation: the wait for the stopped rank's answer (5 s, `ANSWER_S` in worker/health/hang.py) and reading it
-from outside on its node (a Ray task: /proc, py-spy). The rest is Ray's restart of the group and the reload.
+detection and explanation: reading the stopped rank from outside on its node (a Ray task: /proc, py-spy; its answer is
+not waited for, its heartbeat already said it is silent). The rest is Ray's restart of the group and the reload.
 The first round's verdict: `{rounds[0]['verdict']}`
 """
     update_doc("Hangs: a stopped worker, found and training again", body)

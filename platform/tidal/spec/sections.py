@@ -347,6 +347,11 @@ class FailureSpec(Part):
         30.0, gt=0.0, description="the adaptive step deadline is never shorter than this: a hang is found this long "
         "after the last step on a job of fast steps (the quickstart: well under a second a step on 2 CPUs)"
     )
+    heartbeat_timeout_s: float = Field(
+        5.0, ge=0.0, description="a rank whose heartbeat (a side thread's, once a second: a slow step does not stop "
+        "it, a stopped or wedged process does) is not seen for this long is hung, beside the step deadline: found in "
+        "seconds, named, its stacks saved, and the group restarts from the last checkpoint; 0 disables"
+    )
     phase_timeout_s: float = Field(
         3600.0, ge=0.0, description="a checkpoint save or an evaluation may take this long (instead of step_timeout_s, "
         "suspended meanwhile) before the worker is taken as hung and exits; 0: no limit for them. Raise it for "

@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +37,7 @@ from tidal.exclusive import create_exclusive
 from tidal.storage import RunDir
 from tidal.worker.health import stacks
 from tidal.worker.health.decide import AVOID_AFTER
+from tidal.worker.health.heartbeat import Pulse
 from tidal.worker.health.nodes import avoid_hung_node
 from tidal.worker.health.watchdog import ARM_AFTER, Deadline, StepWatchdog
 
@@ -209,10 +210,11 @@ class HangCourt:
             time.sleep(0.2)
         return f"hang: rank {self.rank} answered a hang declared by another rank, which gave no verdict in {VERDICT_S:g}s"
 
-    def declare(self, step: int, said: str, stalled_s: float = 0.0) -> str:
+    def declare(self, step: int, said: str, stalled_s: float = 0.0, silent: Sequence[int] = ()) -> str:
         """This rank's deadline passed (`stalled_s` after its last finished step): declare the hang,
         or answer another's declaration. Returns the line to say before exiting ("" when another
-        rank says it)."""
+        rank says it). `silent`: ranks already known to be silent (their heartbeat stopped): their
+        answers are not waited for."""
         try:
             won = create_exclusive(self.run.fs, self._path("declared.json"),
                                    {"by": self.rank, "step": step, "at": time.time(), "said": said,
@@ -224,13 +226,13 @@ class HangCourt:
                 if not self.answered:
                     self._answer(step)
                 return self.wait_for_verdict()
-            return self._judge(step, said, stalled_s)
+            return self._judge(step, said, stalled_s, silent)
         except Exception as e:  # noqa: BLE001 - explaining a hang must never keep the group hung
             return f"{said} (the hang could not be explained: {type(e).__name__}: {e})"
 
-    def _judge(self, step: int, said: str, stalled_s: float) -> str:
+    def _judge(self, step: int, said: str, stalled_s: float, silent: Sequence[int] = ()) -> str:
         self._answer(step)
-        answers = self._collect()
+        answers = self._collect(silent)
         for r in range(self.world):
             if r not in answers:
                 answers[r] = self._read_silent(r)
@@ -246,7 +248,8 @@ class HangCourt:
         return (f"{line} ({said.removeprefix('watchdog: ')}); every rank's stacks are in the MLflow run's "
                 f"artifacts (hangs/{self.group}/) and in {folder}" + (f"; {avoid}" if avoid else ""))
 
-    def _collect(self) -> dict[int, Answer]:
+    def _collect(self, silent: Sequence[int] = ()) -> dict[int, Answer]:
+        """The ranks' answers, awaited `answer_s` at most, and not at all from the `silent` ones."""
         until = time.monotonic() + self.answer_s
         answers: dict[int, Answer] = {}
         while True:
@@ -254,7 +257,7 @@ class HangCourt:
                 if r not in answers and (a := self.run.read_json(f"{self.dir}/answer-{r}.json")):
                     answers[r] = Answer(r, a.get("node", "?"), a.get("node_id", ""), int(a.get("pid", 0)),
                                         int(a.get("step", 0)), False, bool(a.get("in_collective")), a.get("where", ""))
-            if len(answers) == self.world or time.monotonic() >= until:
+            if all(r in answers or r in silent for r in range(self.world)) or time.monotonic() >= until:
                 return answers
             time.sleep(0.25)
 
@@ -303,8 +306,10 @@ def watchdog(spec: Any, rank: int, world: int, events: Any, found: Any = None) -
         return avoid_hung_node(spec, world, a.rank, a.node, a.node_id, hangs, on_node, a.step)
 
     court = HangCourt(spec.checkpoint.storage, spec.name, rank, world, events, on_culprit_node=avoid)
+    pulse = Pulse(rank, world, f.heartbeat_timeout_s) if world > 1 and f.heartbeat_timeout_s > 0 else None
     return StepWatchdog(Deadline(f.step_timeout_s, f.step_timeout_multiple, f.step_timeout_floor_s), rank, events,
-                        f.phase_timeout_s, court=court, seed_s=resumed_step_times(found, world, f.step_timeout_floor_s))
+                        f.phase_timeout_s, court=court, seed_s=resumed_step_times(found, world, f.step_timeout_floor_s),
+                        pulse=pulse)
 
 
 def resumed_step_times(found: Any, world: int, floor_s: float) -> list[float]:

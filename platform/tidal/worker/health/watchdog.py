@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from tidal.tracking.emitter import Emitter
+from tidal.worker.health.heartbeat import Pulse
 
 EXIT_CODE = 70  # EX_SOFTWARE
 ARM_AFTER = 2  # step times (between finished steps) before an adaptive deadline is armed: the first
@@ -95,14 +96,15 @@ class Court(Protocol):
     def armed(self) -> None: ...
     def answer_if_declared(self, step: int) -> bool: ...
     def wait_for_verdict(self) -> str: ...
-    def declare(self, step: int, said: str, stalled_s: float = 0.0) -> str: ...
+    def declare(self, step: int, said: str, stalled_s: float = 0.0, silent: Sequence[int] = ()) -> str: ...
 
 
 class StepWatchdog:
     def __init__(self, timeout_s: float | None | Deadline, rank: int, events: Emitter, phase_timeout_s: float = 0.0,
-                 court: Court | None = None, seed_s: Sequence[float] = ()) -> None:
+                 court: Court | None = None, seed_s: Sequence[float] = (), pulse: Pulse | None = None) -> None:
         """`seed_s`: step times known before this group's first (its resume point's, at the same size):
-        the adaptive deadline is armed from the group's second step instead of after the first 300 s."""
+        the adaptive deadline is armed from the group's second step instead of after the first 300 s.
+        `pulse`: the rank's heartbeat (worker/health/heartbeat.py), judged from the first step on."""
         self.rule = timeout_s if isinstance(timeout_s, Deadline) else Deadline(fixed_s=timeout_s)
         self.rank, self.events, self.court = rank, events, court
         self.phase_timeout_s = phase_timeout_s
@@ -110,7 +112,8 @@ class StepWatchdog:
         self.recent: deque[float] = deque(seed_s, maxlen=RECENT)
         self.current: Phase | None = None
         self.step = 0
-        if self.rule.fixed_s != 0:
+        self.pulse = pulse
+        if self.rule.fixed_s != 0 or pulse is not None:
             threading.Thread(target=self._watch, name="tidal-watchdog", daemon=True).start()
 
     def beat(self, step: int) -> None:
@@ -142,6 +145,8 @@ class StepWatchdog:
         the event log's last writes. It runs as the phase "upload" (the phase deadline) for as long
         as the process lives: a step deadline here killed a healthy job's final save mid-write."""
         self.current = Phase("upload", self.phase_timeout_s, time.monotonic())
+        if self.pulse is not None:
+            self.pulse.end()  # the others' processes may end first: that is no silence
 
     def _watch(self) -> None:
         said = False
@@ -161,6 +166,8 @@ class StepWatchdog:
         phase = self.current  # read once: the training thread changes it
         deadline, now, last = self.deadline(), time.monotonic(), self.last_beat
         what = hung(now, last, deadline, phase)
+        pulse = self.pulse
+        silent = pulse.silent() if pulse is not None and last is not None else []
         if self.court is not None:
             if last is not None:
                 self.court.armed()  # says where this rank runs, once, off the training thread
@@ -168,8 +175,19 @@ class StepWatchdog:
             # whether another declared the hang, and answers with its stacks.
             since = now - (phase.started if phase is not None else last) if last is not None or phase else 0.0
             limit = (phase.deadline_s if phase is not None else 0.0) or deadline or self.rule.floor_s
-            if what is None and since > limit / 2 and self.court.answer_if_declared(self.step):
+            # A heartbeat's hang is declared in seconds: its flag says so at once.
+            overdue = since > limit / 2 or (pulse is not None and pulse.declared())
+            if what is None and overdue and self.court.answer_if_declared(self.step):
                 self._exit(self.court.wait_for_verdict())
+        if what is None and silent and pulse is not None:
+            what = "heartbeat"
+            names = f"rank {silent[0]}" if len(silent) == 1 else "ranks " + ", ".join(map(str, silent))
+            said = (f"watchdog: {names} gave no heartbeat for {pulse.deadline_s:g}s after step {self.step} "
+                    "(failure.heartbeat_timeout_s: stopped, or wedged holding the GIL?)")
+            pulse.announce()  # every live rank answers at its next beat
+            if self.court is not None:
+                said = self.court.declare(self.step, said, now - (last or now), silent)
+            self._exit(said)
         if what is None:
             return
         if phase is not None:
