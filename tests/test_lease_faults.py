@@ -180,3 +180,35 @@ def test_a_credential_on_the_drivers_command_line_never_reaches_the_lease_or_a_r
     for shown in (written, str(e.value)):
         assert "tidal run jobs/quickstart.yaml" in shown
         assert secret[:6] not in shown
+
+
+class FlakyRead:
+    """pyarrow's local filesystem whose file reads fail `fail` times (a dropped connection)."""
+
+    def __init__(self, fail: int) -> None:
+        self.inner, self.fail = pafs.LocalFileSystem(), fail
+
+    def open_input_stream(self, path):
+        if self.fail > 0:
+            self.fail -= 1
+            raise OSError(f"When reading information for key '{path}': AWS Error NETWORK_CONNECTION (connection reset)")
+        return self.inner.open_input_stream(path)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("fails", [1, 3])
+def test_a_start_whose_read_back_fails_takes_its_lease_not_refuses_itself(tmp_path: Path, monkeypatch, fails):
+    """The create succeeded, the read-back of the nonce failed (once; every time it was tried, so that
+    the next listing tells): the start is its own holder, not 'already running' under its own pid."""
+    from tidal import exclusive
+
+    flaky = FlakyRead(fail=fails)
+    monkeypatch.setattr(lease_mod, "lease_path", lambda s, n: (flaky, f"{s}/{n}.lease"))
+    monkeypatch.setattr(lease_mod, "check_store", lambda *_: None)  # a local disk underneath: O_EXCL
+    monkeypatch.setattr(lease_mod, "create_exclusive",
+                        lambda _s, path, data: exclusive.create_exclusive(pafs.LocalFileSystem(), path, data))
+    lease = Lease(str(tmp_path), "job", ttl=30)
+    assert lease.acquire() == 1
+    assert lease.renew() and not lease.lost.is_set()

@@ -142,6 +142,8 @@ class Lease:
                 time.sleep(poll_s)
                 continue
             now = time.time()
+            if current is not None and self.nonce and current.nonce == self.nonce:
+                return self._took(current.generation)  # this start's own create, its read-back had failed
             if current is not None and current.live(now, socket.gethostname()):
                 if not wait:
                     raise JobAlreadyRunning(refusal(self.name, current, now))
@@ -156,10 +158,7 @@ class Lease:
             self.nonce = uuid.uuid4().hex
             if create_exclusive(self.fs, self._file(generation), self._doc(generation, self.since)) \
                     and self._won(generation):
-                self.generation = generation
-                self._confirmed = time.monotonic()
-                self._forget_old()
-                return generation
+                return self._took(generation)
             # Another start created this generation first: look again (and refuse it, if live),
             # after a pause that grows, so that contenders (or a file in the way) never make a spin.
             lost_creates += 1
@@ -169,12 +168,29 @@ class Lease:
                                  f"{self.path}: remove a file there that Tidal did not write, then start again.")
             _pause(min(2.0, 0.05 * 2 ** lost_creates) * random.uniform(0.5, 1.0))
 
-    def _won(self, generation: int) -> bool:
+    def _took(self, generation: int) -> int:
+        self.generation = generation
+        self._confirmed = time.monotonic()
+        self._forget_old()
+        return generation
+
+    def _won(self, generation: int, tries: int = 3) -> bool:
         """Whether the generation file holds this start's nonce: read back after the create, so
         that a store that let two creates of one file both succeed shows the tie instead of
-        running two holders (the one whose nonce is not there lost)."""
-        doc = fs.read_json(self.fs, self._file(generation))
-        return isinstance(doc, dict) and doc.get("nonce") == self.nonce
+        running two holders (the one whose nonce is not there lost). A read that fails (a dropped
+        connection) is tried again; still unread, the next listing tells (`acquire` takes a latest
+        generation holding its own nonce), never "already running" under this start's own pid."""
+        for attempt in range(tries):
+            try:
+                with self.fs.open_input_stream(self._file(generation)) as f:
+                    doc = json.loads(f.read())
+            except FileNotFoundError:
+                return False
+            except (OSError, ValueError):
+                _pause(0.1 * 2 ** attempt)
+                continue
+            return isinstance(doc, dict) and doc.get("nonce") == self.nonce
+        return False
 
     def _unreadable(self, e: OSError) -> str:
         return (f"could not read job {self.name!r}'s lease at {self.path} ({e}): a job whose lease cannot be "
