@@ -516,3 +516,37 @@ def test_an_event_from_before_the_end_read_after_it_reopens_nothing():
     fold(s, ev("metrics", 65, 25, step_time_s=1.0))  # written before the end, read after the account closed
     finish(s, T0 + end + 3600)  # the finished job run again an hour later
     assert s.wall == pytest.approx(end) and s.mode == "ended"
+
+
+def test_the_prometheus_gauges_carry_cost_by_bucket_where_nodes_are_priced():
+    from tidal.tracking.goodput_gauges import gauge_values
+
+    priced = account([launch(), ev("group_started", 10, 0, world=2),
+                      ev("metrics", 3610, 10, step_time_s=360.0, world_size=2, cost_per_hour=6.0)], 3610)
+    values = {(name, tags.get("bucket")): v for name, tags, v in gauge_values(priced, {"tidal_job": "j", "team": "t"})}
+    assert values[("goodput_cost", "productive")] == pytest.approx(6.0)
+    assert values[("goodput_worker_hours", "productive")] == pytest.approx(2.0)
+    unpriced = account(CASES["a clean run"][0], 45)
+    assert not [n for n, _, _ in gauge_values(unpriced, {}) if n == "goodput_cost"], "no price, no cost gauge"
+
+
+def test_the_gauges_team_is_the_jobs_own_when_admission_gives_none(mlflow_uri, tmp_path):
+    from tests.conftest import tiny_spec
+    from tidal.tracking.tracker import Tracker
+
+    spec = tiny_spec(tmp_path, name="teamed", **{"tracking.uri": mlflow_uri, "scheduling.team": "vision"})
+    assert Tracker(spec, system_metrics=False, background=False).gauges.tags["team"] == "vision"
+    admitted = Tracker(spec, tags={"tidal.team": "nlp"}, system_metrics=False, background=False)
+    assert admitted.gauges.tags["team"] == "nlp", "admission's seat decides where it gives one"
+
+
+@pytest.mark.parametrize("since_set, interval_ms, expected", [
+    (0.0, None, 10.0),  # Ray's default report interval: one export after the last set
+    (4.0, "2000", 0.0),  # already exported
+    (0.5, "2000", 1.5),
+    (0.0, "60000", 15.0),  # never longer than this at a job's end
+])
+def test_the_final_gauges_wait_for_one_export_before_the_tracker_ends(since_set, interval_ms, expected):
+    from tidal.tracking.goodput_gauges import settle_s
+
+    assert settle_s(since_set, interval_ms) == pytest.approx(expected)

@@ -1,10 +1,13 @@
 """The goodput account as Prometheus gauges, by job and team, through Ray's metrics (exported as
 ray_tidal_<name>): the Grafana dashboard's goodput panels. The tracker (a Ray actor on the
-driver's node) sets them as it reads the job's event log, at most every EVERY_S, and at the end."""
+driver's node) sets them as it reads the job's event log, at most every EVERY_S, and at the end;
+a submitted job's tracker then waits for one export of Ray's metrics (`settle`) before it is
+ended, so that the final figures reach Prometheus."""
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -16,8 +19,39 @@ GOODPUT_GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
     "goodput": ("productive share of the job's wall time so far (tidal/goodput)", (JOB_LABEL, "team")),
     "goodput_seconds": ("seconds of the job's wall time in each goodput bucket", (JOB_LABEL, "team", "bucket")),
     "goodput_worker_hours": ("worker-hours of the job in each goodput bucket", (JOB_LABEL, "team", "bucket")),
+    "goodput_cost": ("cost of the job in each goodput bucket, where its nodes carry price labels",
+                     (JOB_LABEL, "team", "bucket")),
 }
 EVERY_S = 5.0  # Prometheus scrapes every 10 s or so
+# Ray's core workers push their metrics to the node's agent every `metrics_report_interval_ms`
+# (10 s by default; RAY_metrics_report_interval_ms): a value set less than that before the
+# process ends may never be exported.
+REPORT_INTERVAL_ENV = "RAY_metrics_report_interval_ms"
+REPORT_INTERVAL_DEFAULT_S = 10.0
+SETTLE_MAX_S = 15.0  # the most a job's end waits for it
+
+
+def gauge_values(state: State, tags: dict[str, str]) -> list[tuple[str, dict[str, str], float]]:
+    """(gauge, tags, value) for the account so far: the goodput, and per bucket its seconds,
+    worker-hours and, where a price was known, cost."""
+    if state.goodput is None:
+        return []
+    out = [("goodput", tags, state.goodput)]
+    for b in BUCKETS:
+        by = {**tags, "bucket": b}
+        out += [("goodput_seconds", by, state.seconds[b]), ("goodput_worker_hours", by, state.worker_s[b] / 3600)]
+        if state.priced:
+            out.append(("goodput_cost", by, state.cost[b]))
+    return out
+
+
+def settle_s(since_set: float, interval_ms: str | None) -> float:
+    """How long to wait, `since_set` seconds after the final values were set, for one export."""
+    try:
+        interval = float(interval_ms) / 1000 if interval_ms else REPORT_INTERVAL_DEFAULT_S
+    except ValueError:
+        interval = REPORT_INTERVAL_DEFAULT_S
+    return min(SETTLE_MAX_S, max(0.0, interval - since_set))
 
 
 class GoodputGauges:
@@ -44,10 +78,12 @@ class GoodputGauges:
             return
         self.last = now
         try:
-            self.gauges["goodput"].set(state.goodput, tags=self.tags)
-            for b in BUCKETS:
-                tags = {**self.tags, "bucket": b}
-                self.gauges["goodput_seconds"].set(state.seconds[b], tags=tags)
-                self.gauges["goodput_worker_hours"].set(state.worker_s[b] / 3600, tags=tags)
+            for name, tags, value in gauge_values(state, self.tags):
+                self.gauges[name].set(value, tags=tags)
         except Exception as e:  # noqa: BLE001 - as above
             log.debug("goodput gauges not set: %s", e)
+
+    def settle(self) -> None:
+        """Wait until Ray has exported the values set last (its process is ended right after)."""
+        if self.gauges is not None and self.last:
+            time.sleep(settle_s(time.monotonic() - self.last, os.environ.get(REPORT_INTERVAL_ENV)))

@@ -50,7 +50,9 @@ class Tracker:
         stacks = HangStacks(run_dir, self.writer, lambda: self.ledger.run_id)  # a hang's stacks, as it is found
         self.ledger = Ledger(MetricsBuffer(run_dir.fs, run_dir.path), run_dir, self.writer, run_id,
                              subscribers=[Console(spec.train.steps), stacks], retry_s=retry_s)
-        self.gauges = GoodputGauges(spec.name, (tags or {}).get("tidal.team", ""))
+        # the team admission seated the job under, else the job's own (its spec's scheduling.team)
+        self.gauges = GoodputGauges(spec.name, (tags or {}).get("tidal.team") or spec.scheduling.team or "")
+        self.submitted = record is not None  # a Ray Job on a cluster, whose Prometheus reads the final gauges
         if system_metrics:
             self.writer.start_system_metrics(run_id)
         self.stopped = threading.Event()
@@ -109,6 +111,8 @@ class Tracker:
             self.writer.finish(run_id, ok, summary, account)
         elif self.current():
             account()
+        if self.submitted:  # this actor is ended right after: the final figures must be exported first
+            self.gauges.settle()
         return run_id, {**latest, **closed}, left
 
     def current(self) -> bool:
