@@ -301,3 +301,26 @@ def test_a_rank_whose_peer_died_says_so_in_tidals_words():
     assert line.startswith("its collective lost a peer (Connection reset by peer)") and "GLHF" not in line
     assert failure_line(ValueError("first\nthe last line")) == "the last line"
     assert failure_line(KeyError()) == "KeyError"
+
+
+def test_the_failure_ray_gives_up_on_says_so_instead_of_announcing_a_restart(tmp_path, mlflow_uri, capsys):
+    """failure.max_restarts 1: the first failure is restart 1; the second ends the job, and its line
+    must not promise a restart Ray Train will not make."""
+    from tests.ledger_fakes import Server, ledger, setup
+    from tidal.launch.callbacks import FailureNotifier
+    from tidal.tracking.console import Console
+
+    spec, run, _ = setup(tmp_path, mlflow_uri, name="gives-up", **{"failure.max_restarts": 1})
+    notifier = FailureNotifier(spec)
+    for _ in range(2):
+        notifier.after_exception(None, {0: RuntimeError("CUDA error: an illegal memory access was encountered")})
+    capsys.readouterr()
+    tracker = ledger(spec, run, Server(spec), None)
+    tracker.subscribers.append(Console(spec.train.steps))
+    tracker.poll()
+    lines = [x for x in capsys.readouterr().out.splitlines() if "restart" in x or "gives up" in x]
+    assert lines[0].startswith("[tidal] restart 1: restarting the worker group"), lines
+    assert "restart 2" not in "\n".join(lines) and "restarting" not in lines[-1], lines
+    assert lines[-1] == ("[tidal] the worker group failed again after 1 restart(s) (failure.max_restarts 1): "
+                         "Ray Train gives up on it"), lines
+    assert tracker.counters["restarts"] == 1, "the failure that ends the job is no restart"

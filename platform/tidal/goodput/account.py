@@ -269,8 +269,9 @@ def _hang(state: State, ts: float, entry: dict[str, Any], values: dict[str, Any]
 
 def _failure(state: State, ts: float, entry: dict[str, Any], values: dict[str, Any]) -> None:
     span = _take(state, ts)
+    restarted = not entry.get("final")  # the failure Ray Train gives up on restarts nothing
     if state.mode == "hung":  # declared by a rank: until the group ended, the hang's cost
-        state.restarts += 1
+        state.restarts += restarted
         _spend(state, span, [], "hang")
         state.mode, state.world = "failed", 0
         return
@@ -278,7 +279,7 @@ def _failure(state: State, ts: float, entry: dict[str, Any], values: dict[str, A
         _spend(state, span, [], "resize_preemption")
         state.world = 0
         return
-    state.restarts += 1
+    state.restarts += restarted
     # The steps trained since the last event are lost with the group: they are trained again.
     expected = max(state.last_train, state.step_time)
     lost = min(span, expected) if state.mode == "running" else 0.0

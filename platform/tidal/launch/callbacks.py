@@ -27,6 +27,8 @@ class FailureNotifier(UserCallback):
     def __init__(self, spec: JobSpec) -> None:
         self.storage, self.name = spec.checkpoint.storage, spec.name
         self.last_mistake: str | None = None  # the user's mistake the last attempt ended with (recovery.signature)
+        # Ray Train's FailureConfig(max_failures=...): the failure past it is not restarted (-1: no limit)
+        self.max_restarts, self.failures = spec.failure.max_restarts, 0
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Unpickled in Ray Train's controller: lower its chatter there (tracking/quiet.py), which
@@ -40,8 +42,10 @@ class FailureNotifier(UserCallback):
         self.last_mistake = signature(errors)
         if mistake is not None:  # before the event: no restart to count or announce
             raise mistake  # an error Ray Train's controller did not expect: it ends the run, retrying nothing
+        self.failures += 1
+        final = 0 <= self.max_restarts < self.failures  # Ray Train gives up: no "restart N" to announce
         events = Emitter(self.storage, self.name)
-        events.failed({r: failure_line(e) for r, e in worker_exceptions.items()})
+        events.failed({r: failure_line(e) for r, e in worker_exceptions.items()}, final=final)
         events.drain(timeout_s=10.0)  # a storage outage must not hold up Ray's restart
 
 

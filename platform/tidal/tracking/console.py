@@ -98,8 +98,12 @@ class Console:
 
     def _failure(self, e: WorkersFailed) -> str:
         lines = [f"worker rank {rank} failed: {why}" for rank, why in sorted(e.failures.items())]
-        lines.append(f"restart {e.restarts:.0f}: restarting the worker group from the latest complete "
-                     f"checkpoint (last step reached: {e.reported})")
+        if e.final:
+            lines.append(f"the worker group failed again after {e.restarts:.0f} restart(s) (failure.max_restarts "
+                         f"{e.restarts:.0f}): Ray Train gives up on it")
+        else:
+            lines.append(f"restart {e.restarts:.0f}: restarting the worker group from the latest complete "
+                         f"checkpoint (last step reached: {e.reported})")
         return "\n[tidal] ".join(lines)
 
 

@@ -38,6 +38,7 @@ log = logging.getLogger("tidal")
 NOT_METRICS = ("step", "preempted")
 LEDGER_FIELDS: dict[type[Event], tuple[str, ...]] = {StepMetrics: ("replay",), CheckpointSaved: ("replay",),
                                                      Resumed: ("lost",), WorkersFailed: ("restarts", "reported")}
+ONLY_WHEN_SET: dict[type[Event], tuple[str, ...]] = {WorkersFailed: ("final",)}
 
 
 def metric_values(m: dict[str, Any]) -> dict[str, float]:
@@ -78,8 +79,8 @@ class Emitter:
     def say(self, message: str, step: int = 0) -> None:
         self._emit(Note(step, message))
 
-    def failed(self, failures: dict[int, str], step: int = 0) -> None:
-        self._emit(WorkersFailed(step, {str(r): why for r, why in failures.items()}))
+    def failed(self, failures: dict[int, str], step: int = 0, final: bool = False) -> None:
+        self._emit(WorkersFailed(step, {str(r): why for r, why in failures.items()}, final))
 
     def hang_found(self, step: int, folder: str, culprits: list[int], text: str, stalled_s: float = 0.0) -> None:
         self._emit(HangFound(step, folder, culprits, text, stalled_s))
@@ -110,6 +111,9 @@ class Emitter:
         # Fields only the ledger sets stay out of the log, which keeps its format.
         for key in LEDGER_FIELDS.get(type(event), ()):
             entry.pop(key)
+        for key in ONLY_WHEN_SET.get(type(event), ()):  # and a flag that is off, as the log held it before
+            if not entry[key]:
+                entry.pop(key)
         with self.done:
             self.emitted += 1
             self.queue.put({**entry, "ts": int(time.time() * 1000)})  # under the lock: queued in count order

@@ -68,11 +68,13 @@ class Note(Event):
 
 @dataclass(frozen=True)
 class WorkersFailed(Event):
-    """Workers that failed (rank -> why); the ledger adds the restart count and the step reached."""
+    """Workers that failed (rank -> why); `final`: the failure that used up failure.max_restarts, after
+    which Ray Train restarts nothing. The ledger adds the restart count and the step reached."""
 
     KIND: ClassVar[str] = "failure"
     step: int
     failures: dict[str, str]
+    final: bool = False
     restarts: float = 0
     reported: int = 0
 

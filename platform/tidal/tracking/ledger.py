@@ -132,7 +132,8 @@ class Ledger:
                 self.counters["max_steps_lost"] = max(self.counters["max_steps_lost"], lost)
                 self.notify(dataclasses.replace(event, lost=lost))
             case WorkersFailed():
-                self.counters["restarts"] += 1
+                if not event.final:  # the failure Ray Train gives up on restarts nothing
+                    self.counters["restarts"] += 1
                 self.failed_since_resume = True
                 self.notify(dataclasses.replace(event, restarts=self.counters["restarts"], reported=self.reported))
             case None:
