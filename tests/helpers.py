@@ -61,16 +61,13 @@ CHATTER = ("MPU is not provided", "Extracting ZeRO fragments", "Merging slices",
            "TrainingReport(", "Setting accelerator to CPU", "all_gather_into_tensor", "lr_scheduler.step()",
            "optimizer.step()` has been overridden", "built successfully", "Creating initial MLflow database tables",
            "Failed to query Ray Train Controller actor state", "Token authentication is enabled for this Ray cluster")
-# Ray Train's coordinator answering late on a busy machine: Ray calls it harmless unless it persists,
-# so Tidal keeps it as one line (no traceback); whether it shows depends on the machine's load.
-LOAD_DEPENDENT = "Failed to send resource request"
 
 
 def chatter_in(out: str) -> list[str]:
     """The lines of a console's `out` a person should not have to read."""
     return [line for line in out.splitlines()
             if ANSI.search(line) or DEEPSPEED_LINE.search(line) or any(c in line for c in CHATTER)
-            or (RAY_PREFIX.search(line) and LOAD_DEPENDENT not in line)]
+            or RAY_PREFIX.search(line)]
 
 
 def short_run_problems(out: str) -> list[str]:

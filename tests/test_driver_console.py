@@ -159,10 +159,32 @@ def test_ray_trains_controller_says_a_dead_workers_restart_once_and_tidal_says_w
                     log.warning("Failed to send resource request for train-1. ... safe to ignore", exc_info=True)
 
         requests = _records(TRAIN_AUTOSCALING_CLIENT_LOGGER, late)
-        assert len(requests) == 1 and requests[0].exc_info is None
+        assert requests == [], "Ray's own line, with its (TrainController pid=...) prefix, never reaches the console"
     finally:
         for n, filters in saved.items():
             logging.getLogger(n).filters[:] = filters
+
+
+def test_a_resource_request_that_keeps_failing_is_said_once_in_tidals_words():
+    """Ray calls a late answer from its autoscaling coordinator harmless unless it persists: dropped,
+    and one `[tidal]` line once it has lasted PERSISTS_S (a coordinator that never answers)."""
+    from tidal.tracking.quiet import LateRequests
+
+    now, said = [0.0], []
+    late = LateRequests(persists_s=300.0, clock=lambda: now[0], say=said.append)
+    record = logging.LogRecord("x", logging.WARNING, "f", 1, "Failed to send resource request for train-1.", None, None)
+    other = logging.LogRecord("x", logging.WARNING, "f", 1, "something else", None, None)
+    assert late.filter(other), "anything else is Ray's to print"
+    for t in (0.0, 100.0, 200.0, 299.0):
+        now[0] = t
+        assert not late.filter(record)
+    assert said == []
+    for t in (301.0, 330.0, 400.0):
+        now[0] = t
+        assert not late.filter(record)
+    assert len(said) == 1 and said[0].startswith("[tidal] WARNING: Ray Train could not send") and "5 min" in said[0]
+    now[0] = 2000.0  # a new spell, long after: starts counting again
+    assert not late.filter(record) and len(said) == 1
 
 
 def test_tidals_own_info_notes_show_only_under_tidal_debug(monkeypatch):

@@ -165,19 +165,36 @@ def quiet_placement_group_cleaner() -> None:
     _quiet_train_controller()
 
 
-class _OneLine(logging.Filter):
-    """A record once per process, without its traceback."""
+class LateRequests(logging.Filter):
+    """Ray Train's controller could not send its resource request to the autoscaling coordinator in
+    time ("Failed to send resource request for train-... safe to ignore", with a traceback): under
+    load it happens now and then, and Ray calls it harmless unless it persists. Its record is
+    dropped; a spell of them lasting `persists_s` (each within `gap_s` of the last) is said once, as
+    a `[tidal]` line on this process's stdout, which the driver prints plainly (`forwarded`)."""
 
-    def __init__(self, fragment: str) -> None:
+    FRAGMENT = "Failed to send resource request"
+
+    def __init__(self, persists_s: float = 300.0, gap_s: float = 120.0, clock: Callable[[], float] = time.monotonic,
+                 say: Callable[[str], None] = lambda line: print(line, flush=True)) -> None:
         super().__init__()
-        self.fragment, self.seen = fragment, False
+        self.persists_s, self.gap_s, self.clock, self.say = persists_s, gap_s, clock, say
+        self.since: float | None = None
+        self.last = 0.0
+        self.said = False
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if self.fragment not in record.getMessage():
+        if self.FRAGMENT not in record.getMessage():
             return True
-        record.exc_info, record.exc_text = None, None
-        first, self.seen = not self.seen, True
-        return first
+        now = self.clock()
+        if self.since is None or now - self.last > self.gap_s:  # a new spell
+            self.since, self.said = now, False
+        self.last = now
+        if not self.said and now - self.since >= self.persists_s:
+            self.said = True
+            self.say(f"{TIDAL_LINE}WARNING: Ray Train could not send its resource request to Ray's autoscaling "
+                     f"coordinator for {(now - self.since) / 60:.0f} min: the cluster's autoscaler may not know what "
+                     "this job asks for (TIDAL_DEBUG=1 shows Ray's own errors)")
+        return False
 
 
 def quiet_controller() -> None:
@@ -195,10 +212,11 @@ def _quiet_train_controller() -> None:
     # with the dead worker's traceback: on every restart after a worker died.
     _drop(TRAIN_BACKEND_SETUP_LOGGER, "Graceful shutdown of backend failed")
     # "Failed to send resource request ... safe to ignore" when its coordinator answers late (a busy
-    # machine): Ray says it is harmless unless it persists, so one line, without its traceback.
+    # machine): Ray says it is harmless unless it persists, so dropped, and said in Tidal's words once
+    # it has persisted (LateRequests).
     target = logging.getLogger(TRAIN_AUTOSCALING_CLIENT_LOGGER)
-    if not any(isinstance(f, _OneLine) for f in target.filters):
-        target.addFilter(_OneLine("Failed to send resource request"))
+    if not any(isinstance(f, LateRequests) for f in target.filters):
+        target.addFilter(LateRequests())
     controller = logging.getLogger(TRAIN_CONTROLLER_LOGGER)
     if not any(isinstance(f, StartWaits) for f in controller.filters):
         controller.addFilter(StartWaits())
