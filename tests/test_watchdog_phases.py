@@ -177,3 +177,39 @@ def test_after_the_last_step_the_process_waits_under_the_phase_deadline_not_the_
         time.sleep(3.0)  # the final background upload: three step deadlines
     """)
     assert (rc, notes) == (0, [])
+
+
+def start_watchdog(tmp_path, body: str, deadline: str = "Deadline(None, 2.0, 0.5)",
+                   phase_s: float = 60.0) -> tuple[int, list[str]]:
+    """Run `body` in a child with `wd` just created (a group's start), never beaten; its exit code and notes."""
+    script = textwrap.dedent("""
+        import time
+        from tidal.tracking.emitter import Emitter
+        from tidal.worker.health.watchdog import Deadline, StepWatchdog
+        events = Emitter(STORAGE, "wd")
+        wd = StepWatchdog(DEADLINE, 0, events, phase_timeout_s=PHASE)
+    """).replace("STORAGE", repr(str(tmp_path))).replace("DEADLINE", deadline).replace("PHASE", repr(phase_s))
+    proc = subprocess.run([sys.executable, "-c", script + textwrap.dedent(body)], cwd=ROOT, timeout=120,
+                          capture_output=True, text=True)
+    run = RunDir(str(tmp_path), "wd")
+    return proc.returncode, [e["text"] for e in MetricsBuffer(run.fs, run.path).load() if e.get("kind") == "note"]
+
+
+@pytest.mark.slow
+def test_a_hang_in_a_groups_start_is_found_under_the_phase_deadline(tmp_path):
+    """Restore and engine build hung before the first step: found only by torch's 30-minute
+    process-group timeout before, with no word of who stopped (issue 77)."""
+    rc, notes = start_watchdog(tmp_path, "time.sleep(30.0)", phase_s=2.0)
+    assert rc == EXIT_CODE and len(notes) == 1 and "spent over 2s in start after step 0" in notes[0], (rc, notes)
+
+
+@pytest.mark.slow
+def test_the_first_step_of_a_group_is_under_the_unarmed_step_deadline(tmp_path):
+    rc, notes = start_watchdog(tmp_path, """
+        wd.opened([0.01, 0.01])  # seeded: the second step's deadline is the 1 s floor; the first is 10x it
+        time.sleep(2.0)  # the first step, warming up: within its 10 s
+        wd.beat(1)
+        time.sleep(30.0)
+    """, deadline="Deadline(None, 10.0, 1.0)")
+    assert rc == EXIT_CODE and len(notes) == 1, (rc, notes)
+    assert "finished no step for 1s after step 1" in notes[0], notes

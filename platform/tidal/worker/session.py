@@ -111,6 +111,9 @@ def open_session(config: dict[str, Any]) -> Session:
     events = Emitter(spec.checkpoint.storage, spec.name, fence=lease)
     save.fence_writes(lease)
     device = torch_device()
+    # From here a hang is found and explained: the group's start (restore, engine build) is the watchdog's
+    # phase "start", and a stopped rank's heartbeat is missed in seconds (worker/health/watchdog.py).
+    watchdog = hang.watchdog(spec, rank, world, events)
     if rank == 0:
         abort_dead_uploads(spec, events)
 
@@ -144,7 +147,8 @@ def open_session(config: dict[str, Any]) -> Session:
         save.Provenance(world, spec.parallelism.zero_stage, spec.resume_fingerprint(),
                         sum(not p.requires_grad for p in engine.module.parameters()), sub_group_size(spec)),
         batches, _evaluator(spec, rank, world, device, batches),
-        hang.watchdog(spec, rank, world, events, found),  # the step deadline, and a hang explained (worker/health/hang.py)
+        # the step deadline from the first step, and a hang explained (worker/health/hang.py)
+        watchdog.opened(hang.resumed_step_times(found, world, spec.failure.step_timeout_floor_s)),
         telemetry, auto.step_fn(step_function(spec)) if auto else step_function(spec),  # train.step_fn, or model(*batch)
         Cadence(t.log_every, spec.checkpoint.every_steps, spec.eval.every_steps if spec.eval else None,
                 job_end.last_step(t)),

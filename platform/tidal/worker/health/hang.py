@@ -297,9 +297,10 @@ def _ray_here() -> tuple[str, str]:
     return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
 
 
-def watchdog(spec: Any, rank: int, world: int, events: Any, found: Any = None) -> StepWatchdog:
-    """A rank's step watchdog (worker/health/watchdog.py) with the spec's deadline and this module's court;
-    seeded with the step time its resume point `found` recorded when it trained at this size."""
+def watchdog(spec: Any, rank: int, world: int, events: Any) -> StepWatchdog:
+    """A rank's step watchdog (worker/health/watchdog.py) with the spec's deadline, this module's court and
+    the rank's heartbeat, in the group's start until `opened` (with its resume point's step times,
+    `resumed_step_times`)."""
     f = spec.failure
 
     def avoid(a: Answer, hangs: int, on_node: int) -> str:
@@ -308,8 +309,7 @@ def watchdog(spec: Any, rank: int, world: int, events: Any, found: Any = None) -
     court = HangCourt(spec.checkpoint.storage, spec.name, rank, world, events, on_culprit_node=avoid)
     pulse = Pulse(rank, world, f.heartbeat_timeout_s) if world > 1 and f.heartbeat_timeout_s > 0 else None
     return StepWatchdog(Deadline(f.step_timeout_s, f.step_timeout_multiple, f.step_timeout_floor_s), rank, events,
-                        f.phase_timeout_s, court=court, seed_s=resumed_step_times(found, world, f.step_timeout_floor_s),
-                        pulse=pulse)
+                        f.phase_timeout_s, court=court, pulse=pulse)
 
 
 def resumed_step_times(found: Any, world: int, floor_s: float) -> list[float]:

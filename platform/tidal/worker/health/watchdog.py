@@ -38,6 +38,10 @@ ARM_AFTER = 2  # step times (between finished steps) before an adaptive deadline
 # step (engine warm-up, the first collectives' set-up, compilation) is never one of them
 RECENT = 50  # how many recent step times the adaptive deadline looks at
 POLL_S = 1.0  # how often the watchdog looks; what it looks at is in memory (a hang's is on storage)
+# A group's start (restore, engine build) is the phase "start", under the phase deadline but never past
+# this: torch's process-group timeout (30 min by default) would end a collective that waits longer
+# without a word, where Tidal names who stopped and saves the stacks.
+START_MAX_S = 1500.0
 
 
 @dataclass(frozen=True)
@@ -110,7 +114,11 @@ class StepWatchdog:
         self.phase_timeout_s = phase_timeout_s
         self.last_beat: float | None = None  # armed by the first beat: engine build and JIT are slow
         self.recent: deque[float] = deque(seed_s, maxlen=RECENT)
-        self.current: Phase | None = None
+        # From its creation to the first step: the group's start, under a deadline of its own (a hang
+        # there used to be found only by torch's 30-minute process-group timeout, with no explanation).
+        start_s = min(phase_timeout_s, START_MAX_S) if phase_timeout_s > 0 else START_MAX_S
+        self.current: Phase | None = Phase("start", start_s, time.monotonic())
+        self.first = False  # opened(): no step finished yet, the first is under the unarmed deadline
         self.step = 0
         self.pulse = pulse
         if self.rule.fixed_s != 0 or pulse is not None:
@@ -120,12 +128,22 @@ class StepWatchdog:
         if self.court is not None and self.court.trainer is None:
             self.court.trainer = threading.get_ident()  # in a Ray Train worker, not the main thread
         now = time.monotonic()
-        if self.last_beat is not None:
+        if self.current is not None and self.current.name == "start":
+            self.current = None
+        if self.last_beat is not None and not self.first:  # the group's first step (warm-up) is no step time
             self.recent.append(now - self.last_beat)
-        self.step, self.last_beat = step, now
+        self.step, self.last_beat, self.first = step, now, False
+
+    def opened(self, seed_s: Sequence[float] = ()) -> StepWatchdog:
+        """The group's start is over (restore, engine build): its first step runs under the unarmed
+        step deadline (step_timeout_multiple x the floor, or the fixed one), and `seed_s` (the resume
+        point's step times at this size) arm the adaptive one from the second step."""
+        self.recent.extend(seed_s)
+        self.current, self.last_beat, self.first = None, time.monotonic(), True
+        return self
 
     def deadline(self) -> float | None:
-        return step_deadline(list(self.recent), self.rule)
+        return step_deadline([] if self.first else list(self.recent), self.rule)
 
     @contextmanager
     def phase(self, name: str, deadline_s: float | None = None) -> Iterator[None]:
@@ -167,9 +185,9 @@ class StepWatchdog:
         deadline, now, last = self.deadline(), time.monotonic(), self.last_beat
         what = hung(now, last, deadline, phase)
         pulse = self.pulse
-        silent = pulse.silent() if pulse is not None and last is not None else []
+        silent = pulse.silent() if pulse is not None and (last is not None or phase is not None) else []
         if self.court is not None:
-            if last is not None:
+            if last is not None or phase is not None:
                 self.court.armed()  # says where this rank runs, once, off the training thread
             # Every rank of a hung group stalls at once: past half its deadline, a rank looks
             # whether another declared the hang, and answers with its stacks.
