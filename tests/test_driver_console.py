@@ -346,3 +346,28 @@ def test_the_failure_ray_gives_up_on_says_so_instead_of_announcing_a_restart(tmp
     assert lines[-1] == ("[tidal] the worker group failed again after 1 restart(s) (failure.max_restarts 1): "
                          "Ray Train gives up on it"), lines
     assert tracker.counters["restarts"] == 1, "the failure that ends the job is no restart"
+
+
+# What Ray 2.60 holds for a Ray Train worker whose process was SIGKILLed (captured on this machine: an
+# actor that killed itself with SIGKILL; SIGSEGV gives the same text).
+KILLED = """The actor died unexpectedly before finishing this task.
+\tclass_name: RayTrainWorker
+\tactor_id: 3b3016b3fc6a56e138e0514401000000
+\tpid: 15154
+\tnamespace: 45ac4ad9-a232-478f-980a-d802b543fc6f
+\tip: 192.0.2.2
+The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR Worker exit detail: Worker \
+unexpectedly exits with a connection error code 2. End of file. Some common causes include: (1) the process was killed \
+by the OOM killer due to high memory usage, (2) ray stop --force was called, or (3) the worker crashed unexpectedly due \
+to SIGSEGV or another unexpected error. If the process was killed by the kernel OOM killer (verifiable by checking for \
+OOM in dmesg of the OOMing node), consider enabling resource isolation via --enable-resource-isolation to prevent node \
+deaths by resource contention and significant loss of progress by uninformed kernel OOM killing."""
+
+
+def test_a_worker_killed_by_a_signal_is_said_as_what_is_known_not_rays_oom_guess():
+    from tidal.launch.callbacks import failure_line
+
+    line = failure_line(RuntimeError(KILLED))
+    assert line == ("its process (pid 15154 on node 192.0.2.2) died without a Python error: ended by a signal "
+                    "(SIGKILL from a kill or the kernel's OOM killer, SIGSEGV from a crash; Ray does not report which)")
+    assert "OOM killer due to high memory usage" not in line

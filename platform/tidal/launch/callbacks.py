@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from typing import Any
@@ -56,7 +57,24 @@ def failure_line(e: BaseException) -> str:
     text = str(e).strip()
     if lost := PEER_LOST.search(text):
         return f"its collective lost a peer ({lost.group(0)}): another rank's process or node went away"
+    if died := process_died(text):
+        return died
     return text.splitlines()[-1][:300] if text else type(e).__name__
+
+
+# Ray's text for an actor whose process ended with no Python error (a signal: SIGKILL, SIGSEGV ...):
+# it lists "common causes", the OOM killer first, though it knows none of them.
+DIED = re.compile(r"worker process has died\. Worker exit type: SYSTEM_ERROR Worker exit detail: Worker unexpectedly exits")
+
+
+def process_died(text: str) -> str | None:
+    """What is known of a worker whose process died without a Python error: its pid and node."""
+    if not DIED.search(text):
+        return None
+    pid, ip = re.search(r"^\s*pid: (\d+)", text, re.M), re.search(r"^\s*ip: (\S+)", text, re.M)
+    where = f" (pid {pid.group(1)}" + (f" on node {ip.group(1)}" if ip else "") + ")" if pid else ""
+    return (f"its process{where} died without a Python error: ended by a signal (SIGKILL from a kill or the "
+            "kernel's OOM killer, SIGSEGV from a crash; Ray does not report which)")
 
 
 class Retention(UserCallback):
