@@ -13,7 +13,7 @@ it. The faults:
 
 - worker: SIGKILL of a Ray Train worker process;
 - worker mid-save: the same while a checkpoint is being written (a write paused before its
-  manifests by TIDAL_CHECKPOINT_WRITE_DELAY_S, so the kill lands between a rank's files and its
+  manifests by TIDAL_TEST_CHECKPOINT_WRITE_DELAY_S, so the kill lands between a rank's files and its
   manifest);
 - node: a worker node removed (the job shrinks to 1 worker), and returned some seconds later
   (it grows back to 2 when Ray Train next looks);
@@ -80,7 +80,7 @@ def chaos_spec(storage: str, tracking: str, name: str, steps: int, every: int, t
         tracking={"uri": tracking, "experiment": "chaos-combined"},
         # In the spec, not this process's environment: the workers' raylets started before it. The
         # restore cache where this process can watch a resize's copy begin (`_resizing`).
-        worker_env={"TIDAL_LOSS_TRACE": str(trace), "TIDAL_CHECKPOINT_WRITE_DELAY_S": str(WRITE_DELAY_S),
+        worker_env={"TIDAL_LOSS_TRACE": str(trace), "TIDAL_TEST_CHECKPOINT_WRITE_DELAY_S": str(WRITE_DELAY_S),
                     CACHE_ENV: str(restore_cache(trace))},
     )
 

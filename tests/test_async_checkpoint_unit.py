@@ -231,6 +231,6 @@ def test_the_checkpoint_is_incomplete_until_its_commit_wait_returns(tmp_path: Pa
     ("3:20", 1, 20, 3.0), ("3:20", 1, 10, 0.0), ("3@0:20", 0, 20, 3.0), ("3@0:20", 1, 20, 0.0),
 ])
 def test_the_injected_write_pause_is_for_the_ranks_and_steps_named(value: str, rank: int, step: int, pause: float):
-    """What a fault-injection test asks for (TIDAL_CHECKPOINT_WRITE_DELAY_S): only the write its kill
+    """What a fault-injection test asks for (TIDAL_TEST_CHECKPOINT_WRITE_DELAY_S): only the write its kill
     waits for pauses, not every checkpoint of the run."""
     assert write_delay(value, rank, step) == pause

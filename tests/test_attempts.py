@@ -4,7 +4,7 @@ API. Before attempts were told apart, the dead attempt's rank-1 files stayed in 
 grow's universal conversion counted them as a rank (`shape '[N]' is invalid for input of size
 2N`) and failed on every restart.
 
-Rank 0's pause (TIDAL_CHECKPOINT_WRITE_DELAY_S) comes right before its write waits for the event
+Rank 0's pause (TIDAL_TEST_CHECKPOINT_WRITE_DELAY_S) comes right before its write waits for the event
 log (`before_manifest`, tidal.worker.checkpoint.snapshot), so the kill leaves the checkpoint as a crash during
 that wait would: every file written, no manifest. That a manifest never precedes the events of the
 steps before it is test_async_checkpoint_unit's; so this is also "a crash during the event-log

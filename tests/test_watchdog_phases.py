@@ -122,12 +122,12 @@ def test_a_step_after_a_phase_still_has_the_step_timeout(tmp_path):
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_local")
 def test_a_slow_synchronous_save_is_not_taken_for_a_hung_step(tmp_path):
-    """Each checkpoint write takes 4 s (TIDAL_CHECKPOINT_WRITE_DELAY_S) and is synchronous, with a
+    """Each checkpoint write takes 4 s (TIDAL_TEST_CHECKPOINT_WRITE_DELAY_S) and is synchronous, with a
     step timeout of 2 s: before saves had their own deadline the watchdog killed the first one."""
     spec = tiny_spec(tmp_path, name="slowsave", **{
         "train.steps": 16, "checkpoint.every_steps": 8, "checkpoint.async_upload": False,
         "failure.step_timeout_s": 2.0, "failure.max_restarts": 0,
-        "worker_env": {"TIDAL_CHECKPOINT_WRITE_DELAY_S": "4"},
+        "worker_env": {"TIDAL_TEST_CHECKPOINT_WRITE_DELAY_S": "4"},
     })
     result = tidal.run(spec)
     assert sorted(metric_history(spec, result.mlflow_run_id, "loss")) == list(range(1, 17))
@@ -162,7 +162,7 @@ def test_a_final_background_upload_longer_than_the_step_deadline_is_not_taken_fo
     spec = tiny_spec(tmp_path, name="slowlast", **{
         "train.steps": 16, "checkpoint.every_steps": 8, "checkpoint.async_upload": True,
         "failure.step_timeout_floor_s": 3.0, "failure.max_restarts": 0,
-        "worker_env": {"TIDAL_CHECKPOINT_WRITE_DELAY_S": "8:16"},  # only the final write is slow
+        "worker_env": {"TIDAL_TEST_CHECKPOINT_WRITE_DELAY_S": "8:16"},  # only the final write is slow
     })
     result = tidal.run(spec)
     assert sorted(metric_history(spec, result.mlflow_run_id, "loss")) == list(range(1, 17))

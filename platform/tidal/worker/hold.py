@@ -15,7 +15,9 @@ from __future__ import annotations
 import os
 import time
 
-HOLD_ENV = "TIDAL_TEST_HOLD_AFTER_STEP"
+from tidal import test_hooks
+
+HOLD_ENV = test_hooks.HOLD_AFTER_STEP
 HOLD_S = 20.0  # inside the step timeout's floor (30 s): a test that never releases only slows the job
 
 
@@ -31,7 +33,7 @@ def released(base: str, step: int) -> str:
 
 def before_step(rank: int, step: int) -> None:
     """Hold rank 0 before `step` when HOLD_ENV names the step before it (once per job)."""
-    value = os.environ.get(HOLD_ENV)
+    value = test_hooks.read(HOLD_ENV)
     if rank != 0 or not value:
         return
     after, _, base = value.partition("@")

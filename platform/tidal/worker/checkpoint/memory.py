@@ -53,6 +53,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from tidal import test_hooks
 from tidal.errors import CheckpointError
 from tidal.spec.job import JobSpec
 from tidal.storage import Found
@@ -67,10 +68,10 @@ CALL_TIMEOUT_S = 120.0  # a keeper that does not answer a put or a get within th
 LIST_TIMEOUT_S = 10.0
 # Fault injection for tests and benchmarks: seconds a rank's hand-over pauses before the keepers
 # get its shard, so a kill lands mid-snapshot ("S@R:N": rank R's of step N; `snapshot.write_delay`).
-DELAY_ENV = "TIDAL_MEMORY_SNAPSHOT_DELAY_S"
+DELAY_ENV = test_hooks.MEMORY_SNAPSHOT_DELAY
 # And one pause inside a restore from memory ("MARKER@S": the first rank to load creates the file
 # MARKER and waits S seconds before fetching; once MARKER exists no rank pauses), for a kill there.
-LOAD_PAUSE_ENV = "TIDAL_MEMORY_LOAD_PAUSE"
+LOAD_PAUSE_ENV = test_hooks.MEMORY_LOAD_PAUSE
 
 
 def supported(spec: JobSpec) -> str | None:
@@ -247,7 +248,7 @@ class Tier:
                     # A numpy view, not bytes: Ray copies it once into its object store, outside the
                     # pickle (bytes are pickled whole, a copy more, holding the GIL the training thread needs).
                     files[rel] = np.frombuffer(buf.getbuffer(), dtype=np.uint8)
-            if delay := write_delay(os.environ.get(DELAY_ENV, ""), self.rank, pending.step):
+            if delay := write_delay(test_hooks.read(DELAY_ENV), self.rank, pending.step):
                 time.sleep(delay)
             ref = ray.put(files)
             args = (self.attempt, pending.step, self.rank, facts, ref, prune_below)
@@ -354,7 +355,7 @@ def _fetch(plan: Plan, names: list[str]) -> dict[str, Any]:
 
 def _pause_for_tests() -> None:
     """`LOAD_PAUSE_ENV`'s one pause, for a kill inside a restore from memory."""
-    if pause := os.environ.get(LOAD_PAUSE_ENV):
+    if pause := test_hooks.read(LOAD_PAUSE_ENV):
         marker, _, seconds = pause.rpartition("@")
         try:
             with open(marker, "x"):

@@ -50,7 +50,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
     CheckpointEngine,
 )
 
-from tidal import fs
+from tidal import fs, test_hooks
 from tidal.errors import CheckpointError
 from tidal.worker.checkpoint.host_buffers import Buffers, rebuilt, tensors_in
 from tidal.worker.checkpoint.safe_load import check_saveable, safe_load
@@ -61,7 +61,7 @@ log = logging.getLogger("tidal")
 # rank's data files and before its manifest, as a slow store would, so a kill lands mid-write
 # ("S@R": on rank R only, so a kill lands after the other ranks finished; "S:N": only the writes
 # of step N, where a test's kill lands; see `write_delay`).
-WRITE_DELAY_ENV = "TIDAL_CHECKPOINT_WRITE_DELAY_S"
+WRITE_DELAY_ENV = test_hooks.CHECKPOINT_WRITE_DELAY
 
 
 COPY, LIVE, CLONE = "copy", "live", "clone"
@@ -290,7 +290,7 @@ def write_checkpoint(local: Path, taken: dict[str, Any], storage: pafs.FileSyste
             files[rel] = _write(storage, f"{dest}/{rel}", lambda f, p=p: f.write(p.read_bytes()))
     if fs.is_local(storage):
         _fsync_dirs(dest, files)
-    if delay := write_delay(os.environ.get(WRITE_DELAY_ENV, ""), rank, step):
+    if delay := write_delay(test_hooks.read(WRITE_DELAY_ENV), rank, step):
         time.sleep(delay)
     if before_manifest is not None:
         before_manifest()
