@@ -5,6 +5,7 @@ MLflow. No Ray: the end-to-end runs are tests/test_hang.py."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import time
 import pytest
 
 from tests.conftest import tiny_spec
+from tidal.fs import UnsafeName
 from tidal.storage import RunDir
 from tidal.testing.processes import wait_for
 from tidal.tracking.artifacts import hang_files
@@ -127,8 +129,12 @@ class Said:
         self.found.append(args)
 
 
+def seen_stopped(node_id: str, pid: int) -> dict:
+    return {"state": "state T (stopped), wchan do_signal_stop", "stacks": f"py-spy of {pid} on {node_id}"}
+
+
 def courts(tmp_path, world: int, avoided: list | None = None, answer_s: float = 0.4,
-           group: str = "g1") -> tuple[list[HangCourt], Said]:
+           group: str = "g1", inspect=seen_stopped, unarmed: tuple[int, ...] = ()) -> tuple[list[HangCourt], Said]:
     events = Said()
 
     def on_node(a: Answer, hangs: int, on_node: int) -> str:
@@ -139,11 +145,10 @@ def courts(tmp_path, world: int, avoided: list | None = None, answer_s: float = 
     for r in range(world):
         c = HangCourt(str(tmp_path / "runs"), "job", r, world, events, group=group,
                       here=lambda r=r: (f"10.0.0.{r}", f"node{r}"),
-                      inspect=lambda node_id, pid: {"state": "state T (stopped), wchan do_signal_stop",
-                                                    "stacks": f"py-spy of {pid} on {node_id}"},
-                      on_culprit_node=on_node if avoided is not None else None)
+                      inspect=inspect, on_culprit_node=on_node if avoided is not None else None)
         c.answer_s, c.look_every_s = answer_s, 0.02
-        c.armed()
+        if r not in unarmed:
+            c.armed()
         out.append(c)
     return out, events
 
@@ -214,3 +219,63 @@ def test_avoiding_a_hung_node_follows_the_straggler_rules(tmp_path):
 def test_the_hang_event_reads_back_as_written():
     e = HangFound(57, "tidal-hangs/g1", [1], "hang after step 57: rank 1 ...", 31.5)
     assert parse({**e.entry(), "id": "x", "ts": 1}) == e
+
+
+def test_silent_ranks_are_read_at_once_not_one_after_another(tmp_path):
+    """Each read waits on a Ray task and py-spy (up to 30 s): read in turn, three silent ranks outlasted
+    the answering ranks' wait for the verdict (45 s), and the explanation was lost (issue 77)."""
+    together = threading.Barrier(3, timeout=10)
+
+    def inspect(node_id: str, pid: int) -> dict:
+        together.wait()  # passes only when the three reads run at the same time
+        return seen_stopped(node_id, pid)
+
+    (c0, *_), _ = courts(tmp_path, 4, inspect=inspect, answer_s=0.05)
+    line = c0.declare(12, "hung")
+    for r in (1, 2, 3):
+        assert f"rank {r} on node 10.0.0.{r} (pid {os.getpid()}) stopped answering (process state T (stopped)" in line, line
+
+
+def test_a_reused_group_key_trusts_no_earlier_groups_files(tmp_path):
+    """A group's key names its rendezvous port, which a later group may reuse: an earlier group's answer,
+    verdict or place must not stand for this one's (issue 77)."""
+    run = RunDir(str(tmp_path / "runs"), "job")
+    old = time.time() - 3600
+    run.write_json("tidal-hangs/g1/answer-1.json", {"rank": 1, "node": "10.0.0.9", "node_id": "old", "pid": 4242,
+                                                    "step": 3, "in_collective": True, "where": ALL_REDUCE, "at": old})
+    run.write_json("tidal-hangs/g1/verdict.json", {"text": "an old hang", "at": old})
+    run.write_json("tidal-hangs/g1/rank-2.json", {"rank": 2, "node": "10.0.0.9", "node_id": "old", "pid": 4242,
+                                                  "at": old})
+    read: list[int] = []
+
+    def inspect(node_id: str, pid: int) -> dict:
+        read.append(pid)
+        return seen_stopped(node_id, pid)
+
+    (c0, c1, _), _ = courts(tmp_path, 3, inspect=inspect, unarmed=(2,))  # rank 2 stopped before it said where
+    c1.verdict_s = 0.3
+    assert "gave no verdict" in c1.wait_for_verdict(), "an earlier group's verdict is not this hang's"
+    line = c0.declare(20, "hung")
+    assert "rank 1 on node 10.0.0.1" in line and "rank 1 on node 10.0.0.1 (pid" in line and "10.0.0.9" not in line, line
+    assert "rank 2 on node ? (pid 0) stopped answering (it never said where it runs)" in line, line
+    assert 4242 not in read, "an earlier group's pid is never read with py-spy"
+
+
+@pytest.mark.parametrize("pid", ["1; reboot", True, -1, 0, 1, 1 << 40, 3.5])
+def test_a_pid_read_from_storage_that_is_no_process_id_is_never_inspected(tmp_path, pid):
+    read: list = []
+    (c0, _), _ = courts(tmp_path, 2, inspect=lambda node_id, p: read.append(p) or seen_stopped(node_id, p),
+                        answer_s=0.05, unarmed=(1,))
+    RunDir(str(tmp_path / "runs"), "job").write_json("tidal-hangs/g1/rank-1.json", {
+        "rank": 1, "node": "10.0.0.1", "node_id": "node1", "pid": pid, "at": time.time()})
+    line = c0.declare(5, "hung")
+    assert read == [] and "is not a process id" in line, line
+    with pytest.raises(ValueError, match="not a process id"):
+        stacks.inspect_process(pid)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("folder", ["tidal-hangs/../../elsewhere", "../tidal-hangs/g1", "/etc", "checkpoint_000010",
+                                    "tidal-hangs/g1/../../x", ""])
+def test_a_hang_folder_read_from_the_event_log_must_be_one(tmp_path, folder):
+    with pytest.raises(UnsafeName):
+        hang_files(RunDir(str(tmp_path / "runs"), "job"), folder)

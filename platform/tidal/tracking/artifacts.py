@@ -5,10 +5,13 @@ And, as they happen, a hang's stacks (`HangStacks`, a subscriber of the ledger's
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tidal import fs
+from tidal.fs import UnsafeName
 from tidal.redact import redact_data
 from tidal.spec.job import JobSpec
 from tidal.storage import RunDir
@@ -59,7 +62,12 @@ class HangStacks:
     def __call__(self, event: Event) -> None:
         if not isinstance(event, HangFound):
             return
-        files = hang_files(self.run_dir, event.folder)
+        try:
+            files = hang_files(self.run_dir, event.folder)
+        except UnsafeName as e:  # read from the event log: never joined to a path unchecked
+            print(f"[tidal] WARNING: a hang's folder in the event log is not one Tidal writes ({e}): its stacks "
+                  "are not stored in MLflow", flush=True)
+            return
         run_id = self.run_id()
         where = f"{self.run_dir.path}/{event.folder}"
         if run_id is None:
@@ -72,21 +80,28 @@ class HangStacks:
                   f"they stay in {where}", flush=True)
 
 
-def hang_files(run_dir: RunDir, folder: str) -> dict[str, str]:
-    """A hang folder's artifacts: name -> text."""
-    from tidal import fs
+# The folder worker/health/hang.py writes a hang into: tidal-hangs/<group key>.
+HANG_FOLDER_RE = re.compile(r"tidal-hangs/[A-Za-z0-9._-]+")
+ANSWER_RE = re.compile(r"answer-(\d+)\.json")
 
+
+def hang_files(run_dir: RunDir, folder: str) -> dict[str, str]:
+    """A hang folder's artifacts: name -> text. `folder` comes from the event log: one that is not a
+    hang folder's name (`tidal-hangs/<group>`, no `..`) raises UnsafeName before anything is read;
+    the artifacts are named from the files' own names, not from what the files say."""
+    if not HANG_FOLDER_RE.fullmatch(fs.check_name(folder)):
+        raise UnsafeName(f"{folder!r} is not a hang folder (tidal-hangs/<group>)")
     files: dict[str, str] = {}
     for info in fs.list_dir(run_dir.fs, f"{run_dir.path}/{folder}"):
         name = info.path.rsplit("/", 1)[-1]
         data = fs.read_json(run_dir.fs, info.path) or {}
-        if name.startswith("answer-"):
+        if m := ANSWER_RE.fullmatch(name):
             head = [f"rank {data.get('rank')} on node {data.get('node')} (pid {data.get('pid')})"]
             if data.get("silent"):
                 head.append(f"did not answer; read from outside: {data.get('state', '')}")
             else:
                 head.append(f"at step {data.get('step')}, waiting in {data.get('where', '?')}")
-            files[f"stacks-rank{data.get('rank')}.txt"] = "\n".join(head) + "\n\n" + str(data.get("stacks", ""))
+            files[f"stacks-rank{m.group(1)}.txt"] = "\n".join(head) + "\n\n" + str(data.get("stacks", ""))
         elif name == "verdict.json":
             files["verdict.txt"] = f"{data.get('text', '')}\n\ndetected: {data.get('detected', '')}\n"
     return files

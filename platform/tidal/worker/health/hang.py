@@ -29,10 +29,10 @@ import os
 import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
-from tidal import fs
 from tidal.exclusive import create_exclusive
 from tidal.storage import RunDir
 from tidal.worker.health import stacks
@@ -45,6 +45,11 @@ HANG_DIR = "tidal-hangs"
 NODES_FILE = f"{HANG_DIR}/nodes.json"  # culprit hangs per node id: two make a node avoided
 ANSWER_S = 5.0  # how long the declaring rank waits for the others' answers (they look once a second)
 VERDICT_S = 45.0  # how long an answering rank waits for the verdict before it exits anyway
+# How long the declaring rank reads its silent ranks from outside, all at once: well inside VERDICT_S with
+# ANSWER_S, so the answering ranks are still there when the verdict comes (read one after another, 30 s
+# each, they were not, and the explanation was lost).
+SILENT_READ_S = 30.0
+STALE_S = 5.0  # a file of this group's is at most this much older than the court's start (clocks, start order)
 
 
 @dataclass(frozen=True)
@@ -147,6 +152,7 @@ class HangCourt:
         self.inspect, self.on_culprit_node = inspect, on_culprit_node
         self.started = time.time()
         self.answer_s, self.look_every_s = ANSWER_S, 1.0
+        self.verdict_s, self.silent_read_s = VERDICT_S, SILENT_READ_S
         self.me: Answer | None = None
         self.answered = False
         self.looked = 0.0
@@ -155,6 +161,17 @@ class HangCourt:
     def _path(self, rel: str) -> str:
         return f"{self.run.path}/{self.dir}/{rel}"
 
+    def _read(self, rel: str) -> dict[str, Any] | None:
+        """A file of this group's hang folder, or None when it is an earlier group's: a group's key
+        names its rendezvous port, which a later group may reuse, and its stale answers, places and
+        verdict must not stand for this group's (a stale place would have its pid read with py-spy)."""
+        d = self.run.read_json(f"{self.dir}/{rel}")
+        if not d:
+            return None
+        at = d.get("at")
+        fresh = isinstance(at, (int, float)) and not isinstance(at, bool) and at >= self.started - STALE_S
+        return d if fresh else None
+
     def armed(self) -> None:
         """Say where this rank runs (once): a silent rank is then read on its node."""
         if self.me is not None:
@@ -162,12 +179,11 @@ class HangCourt:
         node, node_id = self.here()
         self.me = Answer(self.rank, node, node_id, os.getpid())
         self.run.write_json(f"{self.dir}/rank-{self.rank}.json", {"rank": self.rank, "node": node, "node_id": node_id,
-                                                                  "pid": os.getpid(), "host": socket.gethostname()})
+                                                                  "pid": os.getpid(), "host": socket.gethostname(),
+                                                                  "at": time.time()})
 
     def declaration(self) -> dict[str, Any] | None:
-        d = self.run.read_json(f"{self.dir}/declared.json")
-        # A group's key names its rendezvous port: one reused by a later group must not find the old hang.
-        return d if d and float(d.get("at", 0)) >= self.started - 5.0 else None
+        return self._read("declared.json")  # a reused group key must not find the old hang
 
     def _stale(self) -> bool:
         """Whether the declaration there is an earlier group's. One being written now (created, not
@@ -203,12 +219,16 @@ class HangCourt:
     def wait_for_verdict(self) -> str:
         """An answering rank waits for the declaring rank's verdict (its exit ends the group);
         if none comes, it exits itself with a line of its own."""
-        until = time.monotonic() + VERDICT_S
+        until = time.monotonic() + self.verdict_s
         while time.monotonic() < until:
-            if fs.exists(self.run.fs, self._path("verdict.json")):
-                return ""  # the declaring rank says it; this rank only ends
+            try:
+                if self._read("verdict.json") is not None:
+                    return ""  # the declaring rank says it; this rank only ends
+            except (OSError, ValueError):  # being written: look again
+                pass
             time.sleep(0.2)
-        return f"hang: rank {self.rank} answered a hang declared by another rank, which gave no verdict in {VERDICT_S:g}s"
+        return (f"hang: rank {self.rank} answered a hang declared by another rank, which gave no verdict in "
+                f"{self.verdict_s:g}s")
 
     def declare(self, step: int, said: str, stalled_s: float = 0.0, silent: Sequence[int] = ()) -> str:
         """This rank's deadline passed (`stalled_s` after its last finished step): declare the hang,
@@ -233,9 +253,7 @@ class HangCourt:
     def _judge(self, step: int, said: str, stalled_s: float, silent: Sequence[int] = ()) -> str:
         self._answer(step)
         answers = self._collect(silent)
-        for r in range(self.world):
-            if r not in answers:
-                answers[r] = self._read_silent(r)
+        answers |= self._read_all_silent([r for r in range(self.world) if r not in answers])
         verdict = explain(self.world, answers)
         line = f"hang after step {step}: {verdict.line}"
         folder = f"{self.run.path}/{self.dir}"
@@ -254,18 +272,39 @@ class HangCourt:
         answers: dict[int, Answer] = {}
         while True:
             for r in range(self.world):
-                if r not in answers and (a := self.run.read_json(f"{self.dir}/answer-{r}.json")):
+                if r not in answers and (a := self._read(f"answer-{r}.json")):
                     answers[r] = Answer(r, a.get("node", "?"), a.get("node_id", ""), int(a.get("pid", 0)),
                                         int(a.get("step", 0)), False, bool(a.get("in_collective")), a.get("where", ""))
             if all(r in answers or r in silent for r in range(self.world)) or time.monotonic() >= until:
                 return answers
             time.sleep(0.25)
 
+    def _read_all_silent(self, ranks: list[int]) -> dict[int, Answer]:
+        """The ranks that did not answer, read at once (each read waits on a Ray task and py-spy), for
+        `silent_read_s` at most: a rank not read by then is named with what is known of it."""
+        if not ranks:
+            return {}
+        pool = ThreadPoolExecutor(len(ranks), thread_name_prefix="tidal-hang-read")
+        futures = {r: pool.submit(self._read_silent, r) for r in ranks}
+        wait(futures.values(), timeout=self.silent_read_s)
+        pool.shutdown(wait=False, cancel_futures=True)
+        out = {}
+        for r, f in futures.items():
+            if f.done() and f.exception() is None:
+                out[r] = f.result()
+            else:
+                out[r] = Answer(r, silent=True, state=f"its process could not be read in {self.silent_read_s:g}s")
+        return out
+
     def _read_silent(self, r: int) -> Answer:
         """A rank that did not answer, read from outside on its node, its stacks saved as its answer."""
-        info = self.run.read_json(f"{self.dir}/rank-{r}.json") or {}
-        a = Answer(r, info.get("node", "?"), info.get("node_id", ""), int(info.get("pid", 0)), silent=True)
-        if not a.node_id or not a.pid:
+        info = self._read(f"rank-{r}.json") or {}
+        node, node_id, pid = info.get("node", "?"), info.get("node_id", ""), stacks.plain_pid(info.get("pid"))
+        a = Answer(r, node if isinstance(node, str) else "?", node_id if isinstance(node_id, str) else "",
+                   pid or 0, silent=True)
+        if "pid" in info and pid is None:
+            state, text = f"the pid it gave ({str(info.get('pid'))[:40]!r}) is not a process id", ""
+        elif not a.node_id or not a.pid:
             state, text = "it never said where it runs", ""
         else:
             try:
@@ -274,7 +313,8 @@ class HangCourt:
             except Exception as e:  # noqa: BLE001 - a node gone, Ray busy: the verdict still names the rank
                 state, text = f"its process could not be read: {type(e).__name__}", ""
         self.run.write_json(f"{self.dir}/answer-{r}.json", {"rank": r, "node": a.node, "node_id": a.node_id,
-                                                            "pid": a.pid, "silent": True, "state": state, "stacks": text})
+                                                            "pid": a.pid, "silent": True, "state": state, "stacks": text,
+                                                            "at": time.time()})
         return Answer(r, a.node, a.node_id, a.pid, silent=True, state=state)
 
     def _count(self, culprits: list[Answer]) -> str | None:
@@ -285,7 +325,7 @@ class HangCourt:
             return None
         on_node = {a.node_id: 0 for a in due}
         for r in range(self.world):  # how many of the group's ranks each such node holds
-            info = self.run.read_json(f"{self.dir}/rank-{r}.json") or {}
+            info = self._read(f"rank-{r}.json") or {}
             if info.get("node_id") in on_node:
                 on_node[info["node_id"]] += 1
         return "; ".join(self.on_culprit_node(a, AVOID_AFTER, on_node[a.node_id]) for a in due) or None

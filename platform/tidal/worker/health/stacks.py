@@ -26,6 +26,7 @@ from typing import Any
 # A stack with a frame in these is waiting in a collective (DeepSpeed's comm wraps torch's).
 COLLECTIVE_PATHS = ("torch/distributed/", "deepspeed/comm/")
 PY_SPY_TIMEOUT_S = 20.0
+PID_MAX = 1 << 22  # Linux's largest pid_max
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,12 @@ def process_state(pid: int, proc: Path = Path("/proc")) -> str:
     return f"state {state}, wchan {wchan}"
 
 
+def plain_pid(value: object) -> int | None:
+    """`value` when it can be a process id, else None. A pid read from storage gets a `py-spy dump`:
+    nothing but an int above 1 (not init) and below Linux's largest pid_max passes."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and 1 < value < PID_MAX else None
+
+
 def py_spy() -> str | None:
     """py-spy's executable, beside this Python's or on the PATH; None where it is not installed."""
     beside = Path(sys.executable).parent / "py-spy"
@@ -107,7 +114,10 @@ def py_spy() -> str | None:
 
 def inspect_process(pid: int) -> dict[str, Any]:
     """What can be read of process `pid` on this node without its help: its state, and its
-    Python stacks through py-spy where installed (else a line saying how to get them)."""
+    Python stacks through py-spy where installed (else a line saying how to get them). `pid` comes
+    from the job's storage: only a plain process id gets a `py-spy dump`."""
+    if plain_pid(pid) is None:
+        raise ValueError(f"{pid!r} is not a process id")
     state = process_state(pid)
     tool = py_spy()
     if tool is None:
