@@ -124,6 +124,14 @@ CASES = {
         62,
         {"startup": 10, "productive": 20, "checkpoint_stall": 1, "resize_preemption": 31},
     ),
+    "a parked job: its first driver's wait, the time parked and its successor's wait are queue": (
+        # the first driver waits 50 s in the queue and parks (no driver, no workers); admission starts
+        # its successor 1000 s later, which waits 5 s more and 10 s of start-up
+        [ev("launched", 55, t0=T0, queue_s=50, parked=1.0), ev("launched", 1070, t0=T0 + 1055, queue_s=5),
+         ev("group_started", 1080, 0, world=1), ev("metrics", 1090, 10, step_time_s=1.0)],
+        1090,
+        {"queue": 50 + 1000 + 5, "startup": 5 + 10 + 10, "productive": 10},
+    ),
     "a compiled model's warm-up steps beside timed ones: start-up, as the docs say": (
         [launch(), ev("group_started", 10, 0, world=1),
          # 10 steps: 2 compiling (20 s, left out of step_time_s), 8 timed at 1 s; 1 s of logging
@@ -550,3 +558,33 @@ def test_the_final_gauges_wait_for_one_export_before_the_tracker_ends(since_set,
     from tidal.tracking.goodput_gauges import settle_s
 
     assert settle_s(since_set, interval_ms) == pytest.approx(expected)
+
+
+def test_a_driver_that_parks_its_job_writes_its_wait_into_the_log(tmp_path, monkeypatch):
+    """The queue wait of a driver that parks (admission/parking.py) stays in the job's account: the
+    driver leaves a `launched` event saying so, and the account's first second is its start."""
+    import contextlib
+
+    from tests.conftest import tiny_spec
+    from tidal.admission.parking import Parked
+    from tidal.launch import trainer
+    from tidal.storage import RunDir
+    from tidal.tracking.buffer import MetricsBuffer
+
+    spec = tiny_spec(tmp_path, name="parks")
+
+    @contextlib.contextmanager
+    def parks(_spec):
+        raise Parked("parks-1-p", 3)
+        yield
+
+    monkeypatch.setattr(trainer, "connect_ray", lambda *a, **k: None)
+    monkeypatch.setattr(trainer.admission, "seat", parks)
+    result = trainer.run(spec, began=T0)
+    assert result.parked_as == "parks-1-p"
+    run = RunDir(spec.checkpoint.storage, spec.name)
+    [park] = [e for e in MetricsBuffer(run.fs, run.path).load() if e["kind"] == "launched"]
+    assert park["values"]["parked"] == 1 and park["values"]["t0"] == T0
+    s = State()
+    fold(s, park)
+    assert s.start == T0 and s.mode == "parked" and s.seconds["queue"] == pytest.approx(park["values"]["queue_s"])

@@ -17,7 +17,9 @@ dropped that event (`forget`, by the tracker), so a re-read of any length is fol
 
 Events (their `kind`, tracking/events.py) and the interval each one closes:
 - `launched` (driver): queue wait (the admission's seat), then start-up (Ray, trainer). The time
-  between a job's launches, when no driver ran, is `other`.
+  between a job's launches, when no driver ran, is `other`; a driver that parks its job
+  (admission/parking.py) writes one too (`parked`), and the time until its successor's launch
+  is `queue` (the job waited in the queue with no driver).
 - `group_started` (rank 0, after its setup): the gap before the group's own setup (Ray starting
   the group: start-up; after a resize or a preemption's drain: resize_preemption), its setup
   (start-up: process, imports, engine, group formation) and its restore.
@@ -149,7 +151,7 @@ def fold(state: State, entry: dict[str, Any]) -> State:
     kind = entry.get("kind") or ("checkpoint" if "checkpoint_bytes" in entry.get("values", {}) else "metrics")
     values = entry.get("values") or {}
     if kind == "launched":
-        _launched(state, ts, float(values.get("t0", ts)), float(values.get("queue_s", 0.0)))
+        _launched(state, ts, float(values.get("t0", ts)), float(values.get("queue_s", 0.0)), bool(values.get("parked")))
         return state
     if state.start is None:  # a log from before launches were recorded: the account starts here
         state.start = state.cursor = ts
@@ -176,14 +178,14 @@ def finish(state: State, now: float) -> State:
 
 
 # --- one handler per kind ----------------------------------------------------------------
-def _launched(state: State, ts: float, t0: float, queue_s: float) -> None:
+def _launched(state: State, ts: float, t0: float, queue_s: float, parked: bool = False) -> None:
     state.launches += 1
     if state.start is None:
         state.start = state.cursor = t0
     else:  # a relaunch: no driver ran since the last event, and no workers outlive their driver
         state.world = 0
-        _spend(state, _take(state, t0), [], "other")
-    state.world, state.mode = 0, "launching"
+        _spend(state, _take(state, t0), [], "queue" if state.mode == "parked" else "other")
+    state.world, state.mode = 0, "parked" if parked else "launching"
     span = _take(state, ts)
     _spend(state, span, [("queue", queue_s)], "startup")
 

@@ -115,6 +115,9 @@ def _run_holding(spec: JobSpec, restart: bool, mlflow_tags: dict[str, str] | Non
             tags = {**_ray_tags(spec, run_dir), **(seat.tags() if seat else {}), **(mlflow_tags or {})}
             return _train(spec, run_dir, job, tags, callbacks or [], seat, t0, lease, queued_s)
     except admission.Parked as p:  # waits with no driver; admission starts the next (admission/parking.py)
+        # The goodput account keeps this driver's wait, and the time parked until the successor's launch, as queue.
+        MetricsBuffer(run_dir.fs, run_dir.path).append({**Launched(0, {
+            "t0": t0, "queue_s": time.time() - asked, "parked": 1.0}).entry(), "ts": int(time.time() * 1000)})
         print_record({"name": spec.name, "parked_as": p.successor})
         return RunResult(spec.name, "", spec.tracking.uri, spec.checkpoint.storage, wall_s=time.time() - t0,
                          parked_as=p.successor, position=p.position)
