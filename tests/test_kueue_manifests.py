@@ -347,3 +347,26 @@ def test_quantities():
     assert quantity("500m") == 0.5 and quantity("32Gi") == 32 * 2**30 and quantity(8) == 8.0
     assert quantity("1e3") == 1000.0 and quantity("2k") == 2000.0 and quantity("1.5") == 1.5
     assert quantity("eight") is None and quantity(True) is None
+
+
+def test_what_a_kueue_preemption_costs_is_what_the_docs_say():
+    """Kueue suspends a RayJob by deleting its Ray cluster, head pod included; a head pod without a
+    `preStop` stops its GCS and driver at once, so no emergency checkpoint can be made: the docs
+    must say so and never list Kueue's preemption among the warnings that save."""
+    import yaml
+
+    root = Path(__file__).resolve().parent.parent
+    heads = []
+    for path in sorted((root / "cluster_configs" / "kuberay").glob("ray*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            spec = (doc or {}).get("spec", {})
+            head = (spec.get("rayClusterSpec") or spec).get("headGroupSpec")
+            if head:
+                heads += [c for c in head["template"]["spec"]["containers"]]
+    assert heads
+    if not any((c.get("lifecycle") or {}).get("preStop") for c in heads):
+        cluster = (root / "docs" / "cluster.md").read_text()
+        assert "A Kueue\npreemption gets no emergency checkpoint" in cluster
+        rows = [line for line in (root / "docs" / "reliability.md").read_text().splitlines()
+                if line.startswith("|") and "Kueue" in line]
+        assert rows and all("drain-node" not in row for row in rows), rows
