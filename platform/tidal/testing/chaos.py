@@ -17,6 +17,7 @@ import tidal
 from tidal.spec.job import JobSpec
 from tidal.testing.processes import kill, our_processes, wait_for
 from tidal.testing.runs import StepHolds, job_run_id, metric_history, prepared_store, wait_for_step
+from tidal.testing.timeline import Timeline, step_prints
 from tidal.worker.metrics import LOSS_TRACE_ENV
 
 
@@ -89,9 +90,12 @@ def run_chaos(tmp: Path, faults: int, steps: int, every: int, seed: int,
 
     injector = threading.Thread(target=inject, daemon=True)
     t0 = time.time()
+    timeline = Timeline(launched=t0)  # the harness's own clock (testing/timeline.py)
     injector.start()
-    result = tidal.run(spec)
+    with step_prints(timeline):
+        result = tidal.run(spec)
     wall = time.time() - t0
+    timeline.ended, timeline.kills = t0 + wall, [t for t, _ in kill_times]
     injector.join(timeout=10)
     run_id = result.mlflow_run_id
     loss = metric_history(spec, run_id, "loss")
@@ -108,6 +112,7 @@ def run_chaos(tmp: Path, faults: int, steps: int, every: int, seed: int,
         "executions": len(lives),
         "useful_s": sum(step_time.values()), "wall_s": wall, "steps": steps,
         "run_id": run_id, "uri": spec.tracking.uri, **ref,  # the platform's goodput account is in these runs
+        "timeline": timeline,
     }
 
 

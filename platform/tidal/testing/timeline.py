@@ -1,0 +1,117 @@
+"""The chaos harness's own clock, to hold the goodput ledger against: when it launched the job, when it killed, and when the job printed each step.
+
+Why: the ledger and a benchmark that sums MLflow's `step_time_s` read the same numbers, and "the
+buckets sum to the wall" holds by construction, so neither catches time booked to the wrong
+bucket. The harness's timeline is measured apart from both: its own `time.time()` at the launch,
+at each kill and at each `[tidal] step N/M` line as the job's driver prints it (`StepPrints`).
+From it (`observed`): start-up, from the launch to the first step printed; each fault's loss,
+from the last new step printed before the kill to the first new step after it, less one ordinary
+step interval (the progress that gap would have held anyway); and progress, the rest of the wall.
+`from_ledger` groups the ledger's buckets the same way and `compare` sets them side by side.
+The printed lines reach the harness through the tracker's polling (about 0.5 s late, alike for
+every line), so a difference of a second or two per fault is the measurement, not the ledger.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+STEP_LINE = re.compile(r"^\[tidal\] step (\d+)/\d+")
+# The ledger's buckets in the harness's three groups: what it sees as progress is training, its
+# waits inside steps and between them (the log step's collective, logging, the saves).
+PROGRESS = ("productive", "checkpoint_stall", "post_save_slowdown", "data_wait", "straggler_wait", "eval", "other")
+LOST = ("queue", "startup", "restore", "replayed", "hang", "resize_preemption")
+
+
+@dataclass
+class Timeline:
+    """What the harness saw, in its own clock (s since the epoch)."""
+
+    launched: float
+    ended: float = 0.0
+    kills: list[float] = field(default_factory=list)
+    prints: list[tuple[float, int]] = field(default_factory=list)  # (when, step) in the order printed
+
+
+class _Tee(io.TextIOBase):
+    """The real stdout, and the time each `[tidal] step N/M` line passed through."""
+
+    def __init__(self, out: TextIO, seen: list[tuple[float, int]], clock: Any) -> None:
+        self.out, self.seen, self.clock, self.pending = out, seen, clock, ""
+        self.lock = threading.Lock()
+
+    def write(self, text: str) -> int:
+        with self.lock:
+            self.pending += text
+            *lines, self.pending = self.pending.split("\n")
+            for line in lines:
+                if m := STEP_LINE.match(line):
+                    self.seen.append((self.clock(), int(m.group(1))))
+        return self.out.write(text)
+
+    def flush(self) -> None:
+        self.out.flush()
+
+
+@contextmanager
+def step_prints(timeline: Timeline, clock: Any = time.time) -> Iterator[Timeline]:
+    """While it is open, note in `timeline.prints` when each step line is printed to this process's stdout."""
+    real = sys.stdout
+    sys.stdout = _Tee(real, timeline.prints, clock)  # type: ignore[assignment]
+    try:
+        yield timeline
+    finally:
+        sys.stdout = real
+
+
+def observed(t: Timeline) -> dict[str, float]:
+    """The harness's buckets: `startup`, `faults` (each kill's loss, summed), `progress`, and `wall`."""
+    wall = t.ended - t.launched
+    new: list[tuple[float, int]] = []  # the prints of steps beyond any printed before: progress
+    for when, step in t.prints:
+        if not new or step > new[-1][1]:
+            new.append((when, step))
+    if not new:
+        return {"startup": wall, "faults": 0.0, "progress": 0.0, "wall": wall}
+    startup = new[0][0] - t.launched
+    gaps = []  # (last new print before a kill, first new print after it)
+    for kill in t.kills:
+        before = [w for w, _ in new if w <= kill]
+        after = [w for w, _ in new if w > kill]
+        if before and after:
+            gaps.append((before[-1], after[0]))
+    spanned = {g for g in gaps}
+    ordinary = [(b[0] - a[0]) / max(1, b[1] - a[1]) for a, b in zip(new, new[1:], strict=False)
+                if (a[0], b[0]) not in spanned]
+    step = statistics.median(ordinary) if ordinary else 0.0
+    faults = sum(max(0.0, after - before - step) for before, after in gaps)
+    return {"startup": startup, "faults": faults, "progress": wall - startup - faults, "wall": wall}
+
+
+def from_ledger(metrics: dict[str, float]) -> dict[str, float]:
+    """The ledger's final `goodput_<bucket>_s` metrics in the harness's groups: `lost` (start-up and
+    the faults together: the ledger books a restart's start-up with the first one's) and `progress`."""
+    return {"lost": sum(metrics.get(f"goodput_{b}_s", 0.0) for b in LOST),
+            "progress": sum(metrics.get(f"goodput_{b}_s", 0.0) for b in PROGRESS),
+            "wall": metrics.get("goodput_wall_s", 0.0)}
+
+
+def compare(seen: dict[str, float], ledger: dict[str, float], within_s: float) -> list[dict[str, Any]]:
+    """Per group, the harness's seconds, the ledger's, and whether they agree within `within_s`."""
+    rows = []
+    for group, harness in (("lost to start-up and faults", seen["startup"] + seen["faults"]),
+                           ("progress", seen["progress"]), ("wall", seen["wall"])):
+        key = {"lost to start-up and faults": "lost"}.get(group, group)
+        off = ledger[key] - harness
+        rows.append({"group": group, "harness_s": harness, "ledger_s": ledger[key], "off_s": off,
+                     "ok": abs(off) <= within_s})
+    return rows
