@@ -314,3 +314,12 @@ def test_an_abfs_uri_resolves_to_its_container_and_path_for_tidal_and_for_ray():
     store, path = fs.resolve(AZ)
     assert store.type_name == "abfs" and path == "c/runs"
     assert fs.ray_storage(AZ)["storage_path"] == "c/runs" and fs.ray_storage("s3://b/x") == {"storage_path": "s3://b/x"}
+
+
+def test_azures_keys_are_masked_wherever_tidal_prints_them():
+    """A connection string's AccountKey or SharedAccessSignature, and the adlfs-style key variable."""
+    from tidal.redact import redact_text
+
+    text = redact_text("AccountName=acct;AccountKey=c2VjcmV0a2V5MTIz;SharedAccessSignature=sv=1&sig=c2ln;"
+                       " AZURE_STORAGE_ACCOUNT_KEY=c2VjcmV0a2V5MTIz", secrets=[])
+    assert "c2VjcmV0a2V5MTIz" not in text and "sig=c2ln" not in text, text
