@@ -58,12 +58,17 @@ from tidal.storage import RunDir, check_complete
 from tidal.testing.clusters import raylet_cluster
 from tidal.testing.processes import our_processes, wait_for
 from tidal.testing.servers import MlflowServer, moto_s3
+from tidal.testing.timeline import LogTail, Timeline, compare, from_ledger, observed
 from tidal.worker.checkpoint.fetch import CACHE_ENV, PREFIX
 from tidal.worker.checkpoint.repartition import COPIES
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "reliability.md"
 SECTION = "Combined faults"
 KINDS = ("worker", "worker mid-save", "node", "resize restore", "driver", "tracker", "mlflow")
+# The faults that stop training (the harness's clock counts their gap as lost); the tracker's and
+# MLflow's only hold the console's lines back, which that clock cannot tell from lost time.
+STOPS_TRAINING = ("worker", "worker mid-save", "node", "resize restore", "driver")
+TIMELINE_SLACK_S = 2.0  # per fault and once more: a printed line's lag, a fault's edges a line apart
 WRITE_DELAY_S = 0.5  # each rank's write pauses this long before its manifest: room to kill mid-save
 
 
@@ -284,12 +289,17 @@ def run_job(cluster: Any, mlflow: MlflowServer, spec: JobSpec, tmp: Path, faults
     waiter = threading.Thread(target=lambda: (ended.setdefault("code", driver.wait_exit(4 * 3600)), chaos.stop.set()),
                               daemon=True)
     t0 = time.time()
-    driver.start()
-    waiter.start()
-    chaos.go()
-    waiter.join()
+    timeline = Timeline(launched=t0)  # the harness's own clock (tidal/testing/timeline.py)
+    with LogTail(driver.log, timeline):
+        driver.start()
+        waiter.start()
+        chaos.go()
+        waiter.join()
     code = ended.get("code", -1)
-    return {"exit": code, "wall_s": time.time() - t0, "trace": read_trace(trace), "log": driver.log}
+    timeline.ended = time.time()
+    timeline.kills = [f.t for f in faults if f.done and f.t and f.kind in STOPS_TRAINING]
+    return {"exit": code, "wall_s": timeline.ended - t0, "trace": read_trace(trace), "log": driver.log,
+            "timeline": timeline}
 
 
 def job_losses(client: Any, experiment: str, job: str) -> tuple[list[Any], list[Any]]:
@@ -344,6 +354,13 @@ def _ledger_rows(client: Any, spec: JobSpec, ref: dict[str, Any], got: dict[str,
         runs, _ = job_losses(client, spec.tracking.experiment, job)
         g = goodput_check.ledger(spec.tracking.uri, runs[0].info.run_id) if runs else {}
         out += goodput_check.rows(name, g, goodput_check.agreement(g, use, run["wall_s"]))
+        if run.get("timeline") is not None and g:  # against the harness's own clock, not the same step times
+            t = run["timeline"]
+            within = TIMELINE_SLACK_S * (1 + len(t.kills))
+            for row in compare(observed(t), from_ledger(g), within):
+                out += (f"| {name}, {row['group']}: the harness's clock / the ledger | {row['harness_s']:.1f} s / "
+                        f"{row['ledger_s']:.1f} s: **{row['off_s']:+.1f} s** ({'within' if row['ok'] else 'beyond'} "
+                        f"{within:.0f} s; the tracker's and MLflow's faults hold lines back, read as lost) |\n")
     return out.rstrip("\n")
 
 

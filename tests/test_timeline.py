@@ -51,3 +51,20 @@ def test_the_step_lines_are_timed_as_they_pass_through_stdout(monkeypatch):
         sys.stdout.write("ep 2/20 | loss 4.9\n(RayTrainWorker pid=1) step 3/20\n")
     assert t.prints == [(100.0, 1), (101.5, 2)]
     assert "[tidal] step 2/20 | loss 4.9" in out.getvalue(), "everything still reaches the real stdout"
+
+
+def test_a_drivers_log_is_read_as_it_grows(tmp_path):
+    from tidal.testing.timeline import LogTail
+
+    log = tmp_path / "driver.log"
+    t = Timeline(launched=0.0)
+    now = [5.0]
+    tail = LogTail(log, t, clock=lambda: now[0])
+    tail.read()  # no file yet: nothing
+    log.write_text("[tidal] job 'x': 2 worker(s)\n[tidal] step 1/9 | loss 3\n[tidal] step 2/9 | lo")
+    tail.read()
+    now[0] = 7.0
+    with log.open("a") as f:
+        f.write("ss 2\n[tidal] step 3/9 | loss 1\n")
+    tail.read()
+    assert t.prints == [(5.0, 1), (7.0, 2), (7.0, 3)]

@@ -3,7 +3,8 @@
 Why: the ledger and a benchmark that sums MLflow's `step_time_s` read the same numbers, and "the
 buckets sum to the wall" holds by construction, so neither catches time booked to the wrong
 bucket. The harness's timeline is measured apart from both: its own `time.time()` at the launch,
-at each kill and at each `[tidal] step N/M` line as the job's driver prints it (`StepPrints`).
+at each kill and at each `[tidal] step N/M` line as the job's driver prints it (`step_prints` in
+its own process, `LogTail` for a driver of its own).
 From it (`observed`): start-up, from the launch to the first step printed; each fault's loss,
 from the last new step printed before the kill to the first new step after it, less one ordinary
 step interval (the progress that gap would have held anyway); and progress, the rest of the wall.
@@ -23,6 +24,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TextIO
 
 STEP_LINE = re.compile(r"^\[tidal\] step (\d+)/\d+")
@@ -71,6 +73,43 @@ def step_prints(timeline: Timeline, clock: Any = time.time) -> Iterator[Timeline
         yield timeline
     finally:
         sys.stdout = real
+
+
+class LogTail:
+    """For a driver that runs as its own process (its output in `log`): a thread that reads the lines
+    the file gains, every `poll_s`, and notes when each step line appeared (a driver started again
+    appends to the same file)."""
+
+    def __init__(self, log: Path, timeline: Timeline, poll_s: float = 0.2, clock: Any = time.time) -> None:
+        self.log, self.timeline, self.poll_s, self.clock = log, timeline, poll_s, clock
+        self.offset, self.pending = 0, ""
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True, name="tidal-log-tail")
+
+    def __enter__(self) -> LogTail:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop.set()
+        self.thread.join(timeout=5)
+        self.read()
+
+    def _loop(self) -> None:
+        while not self.stop.wait(self.poll_s):
+            self.read()
+
+    def read(self) -> None:
+        try:
+            with self.log.open("rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return
+        self.offset += len(data)
+        now = self.clock()
+        *lines, self.pending = (self.pending + data.decode(errors="replace")).split("\n")
+        self.timeline.prints += [(now, int(m.group(1))) for line in lines if (m := STEP_LINE.match(line))]
 
 
 def observed(t: Timeline) -> dict[str, float]:
