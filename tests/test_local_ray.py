@@ -15,7 +15,7 @@ import pytest
 
 from tests.conftest import free_port
 from tests.helpers import driver_in
-from tidal.launch.connect import QUIET_HOOK as QUIET
+from tidal.launch.connect import SETUP_HOOK as QUIET
 from tidal.launch.connect import local_ray_options
 
 CLEANER = "ray.train.v2._internal.execution.controller.placement_group_cleaner"

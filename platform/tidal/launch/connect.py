@@ -23,7 +23,8 @@ from typing import Any
 from urllib.parse import urlparse
 
 DASHBOARD_ENV = "TIDAL_RAY_DASHBOARD"
-QUIET_HOOK = "tidal.tracking.quiet.quiet_placement_group_cleaner"
+# Every worker process of the job runs it: Tidal's console hook, and a warm spare's preload (worker/spares.py)
+SETUP_HOOK = "tidal.worker.spares.setup_worker"
 RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # a submitted job's config, set by Ray's job supervisor
 LOCAL_START = "[tidal] no RAY_ADDRESS: starting a local Ray instance"
 log = logging.getLogger("tidal")
@@ -115,10 +116,11 @@ def connect_ray(dashboard: bool = False) -> None:
 
 def local_ray_options(dashboard: bool, env: Mapping[str, str]) -> dict[str, Any]:
     """ray.init's options for a local instance: the dashboard only if asked for (by the caller or
-    TIDAL_RAY_DASHBOARD); without it, a hook in every worker process lowers the cleaner's warning."""
+    TIDAL_RAY_DASHBOARD); without it, a hook in every worker process lowers the cleaner's warning (and
+    has a warm spare import torch: tidal/worker/spares.py)."""
     if dashboard or env.get(DASHBOARD_ENV, "") not in ("", "0"):
         return {"include_dashboard": True}
-    return {"include_dashboard": False, "runtime_env": {"worker_process_setup_hook": QUIET_HOOK}}
+    return {"include_dashboard": False, "runtime_env": {"worker_process_setup_hook": SETUP_HOOK}}
 
 
 def cluster_ray_options(env: Mapping[str, str]) -> dict[str, Any]:
@@ -131,7 +133,7 @@ def cluster_ray_options(env: Mapping[str, str]) -> dict[str, Any]:
     submitted = json.loads(env.get(RAY_JOB_ENV) or "{}").get("runtime_env") or {}
     if "worker_process_setup_hook" in submitted:
         return {}
-    return {"runtime_env": {"worker_process_setup_hook": QUIET_HOOK}}
+    return {"runtime_env": {"worker_process_setup_hook": SETUP_HOOK}}
 
 
 def plain_token_warning(address: str, has_token: bool) -> str | None:

@@ -357,6 +357,13 @@ class FailureSpec(Part):
         "suspended meanwhile) before the worker is taken as hung and exits; 0: no limit for them. Raise it for "
         "checkpoints that take longer to write synchronously"
     )
+    warm_spares: int | None = Field(
+        None, ge=0, description="idle worker processes with torch imported that each node keeps for this job, so that "
+        "a restarted group's workers start in them instead of new processes. Default (null): one per worker on the "
+        "node plus three (the actors Ray Train starts with each group: a synchronizer, the DatasetManager, the preemption "
+        "watcher); 0: none. Each costs about the "
+        "memory of an idle Python process with torch imported (docs/reliability.md)"
+    )
     straggler_ratio: float = Field(
         1.5, ge=0.0, description="warn when one rank's time outside collectives is this many times the median "
         "rank's (the others wait for it); 0 disables"

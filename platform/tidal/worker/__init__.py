@@ -12,12 +12,14 @@ from contextlib import suppress
 from typing import Any
 
 from tidal.tracking.quiet import quiet_libraries
+from tidal.worker import spares
 
 quiet_libraries()  # before any module here imports deepspeed, which warns at import
 
 
 def train_loop(config: dict[str, Any]) -> None:
     """The per-worker training loop (worker/loop.py)."""
+    spares.note_train_start()  # before any import here: did this process start as a warm spare?
     _import_deepspeed()
     _import_muon_uncompiled()
     from tidal.worker.loop import train_loop as loop

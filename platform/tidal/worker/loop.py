@@ -28,6 +28,7 @@ from tidal.worker.health.decide import NONE, group_target, resize_to
 from tidal.worker.logsync import Agreed
 from tidal.worker.metrics import PhaseClock, speed, trace_loss
 from tidal.worker.session import Session, open_session
+from tidal.worker.spares import Spares
 
 
 def train_loop(config: dict[str, Any]) -> None:
@@ -36,6 +37,7 @@ def train_loop(config: dict[str, Any]) -> None:
         return  # a newer start owns the job: this group ends before it touches anything
     s = open_session(config)
     spec, state = s.spec, s.state
+    warm = Spares(spec.failure.warm_spares)  # this node's warm spares, refilled after the first step
     for step in s.steps():
         hold.before_step(s.rank, step)  # tests only: a fault lands after a known step (TIDAL_TEST_HOLD_AFTER_STEP)
         seed_step(s.device, spec.train.seed * 1_000_003 + step * 1_009 + s.rank)  # dropout depends on the step only
@@ -46,6 +48,7 @@ def train_loop(config: dict[str, Any]) -> None:
         s.loss_n += n
         s.clock.end_step()
         s.watchdog.beat(step)
+        warm.after_step()
         state.step, state.data_ended = step, s.batches.ended  # a stream of data.epochs ran out
         due = plan.due(step, s.cadence, state.data_ended)
         if due is None:

@@ -1,0 +1,114 @@
+"""Warm spares on real Ray: after a worker is killed, the restarted group's workers run in processes
+that were started, and had imported torch and TorchDynamo, before the kill (tidal/worker/spares.py);
+with failure.warm_spares: 0, in processes started after it. Each worker says how it started from
+inside itself (TIDAL_SPARES_TRACE)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+import tidal
+from tests.slow_step import slow_env
+from tidal.testing.chaos import chaos_spec
+from tidal.testing.processes import kill, our_processes, wait_for
+from tidal.testing.runs import metric_history, wait_for_step
+from tidal.worker.spares import IDLE_TITLE, TRACE_ENV, wanted
+
+pytestmark = pytest.mark.slow
+STEPS = 200  # slow (0.4 s a step) until the kill, then at full speed
+
+
+@pytest.fixture(scope="module")
+def tidal_local_ray():
+    """A local instance started as `tidal run` starts one (its setup hook included), not the suite's shared one."""
+    import ray
+
+    from tidal.launch.connect import local_ray_options
+
+    ray.init(address="local", num_cpus=2, logging_level="WARNING", **local_ray_options(False, {}))
+    yield
+    ray.shutdown()
+
+
+def _spares_quiet() -> list[psutil.Process]:
+    """This job's idle workers once there are as many as a node of two workers keeps and none has
+    used any CPU for 3 s (a spare's imports are done); [] until then."""
+    import ray
+
+    job = ray.get_runtime_context().get_job_id()
+    first = _cpu_of_idle(job)
+    time.sleep(3)
+    later = _cpu_of_idle(job)
+    busy = [pid for pid, cpu in later.items() if cpu - first.get(pid, 0.0) > 0.1]  # an idle worker: ~0.01 s
+    return list(later) if len(later) >= wanted(2, None) and not busy else []
+
+
+def _cpu_of_idle(job: str) -> dict[int, float]:
+    out = {}
+    for p in our_processes(IDLE_TITLE):
+        with contextlib.suppress(psutil.Error):  # taken or ended meanwhile
+            if p.environ().get("RAY_JOB_ID") == job:
+                out[p.pid] = sum(p.cpu_times()[:2])
+    return out
+
+
+def _run_killed_once(tmp: Path, warm_spares: int | None) -> tuple[float, list[dict]]:
+    """The job, one worker SIGKILLed once the job has trained 10 steps and (with spares) its node's
+    spares are warm; its steps slowed until then (tests/slow_step.py), so that the kill lands
+    before the end on any machine. The kill time and each worker's start, as it told them."""
+    slow = tmp / f"slow{warm_spares}"
+    slow.touch()
+    spec = chaos_spec(tmp, f"spares{warm_spares}", STEPS, 5).with_overrides({
+        "failure.warm_spares": warm_spares, "train.step_fn": "tests.slow_step:step",
+        "worker_env": {TRACE_ENV: str(tmp / f"trace{warm_spares}"), **slow_env(0.05, slow)}})
+    killed: list[float] = []
+    errors: list[BaseException] = []
+
+    def inject() -> None:
+        try:
+            wait_for_step(spec, 10, timeout=300)
+            if warm_spares != 0:
+                wait_for("warm spares with torch imported", _spares_quiet, 300, every=0.1)
+            workers = wait_for("training workers", lambda: our_processes("RayTrainWorker"), 60)
+            killed.append(time.time())
+            kill(workers[-1])
+        except BaseException as e:  # noqa: BLE001 - said by the test, not lost in a thread
+            errors.append(e)
+        finally:
+            slow.unlink()
+
+    injector = threading.Thread(target=inject, daemon=True)
+    injector.start()
+    result = tidal.run(spec)
+    injector.join(timeout=10)
+    assert not errors and killed, f"the kill did not land: {errors}"
+    assert sorted(metric_history(spec, result.mlflow_run_id, "loss")) == list(range(1, STEPS + 1)), \
+        "every step logged once"
+    lines = Path(spec.worker_env[TRACE_ENV]).read_text().splitlines()
+    return killed[0], [r for r in map(json.loads, lines) if "pid" in r]
+
+
+def test_without_spares_the_group_restarts_in_new_processes(tmp_path, tidal_local_ray):
+    """failure.warm_spares: 0: what the spares replace, so the test below cannot pass by accident. First:
+    spares outlive a fit in the same driver, and this one must find none."""
+    kill_time, starts = _run_killed_once(tmp_path, 0)
+    after = [s for s in starts if s["train_started"] > kill_time]
+    assert len(after) == 2, f"the restarted group's two workers: {starts}"
+    assert all(not s["warm"] and s["process_started"] > kill_time for s in after), after
+
+
+def test_a_killed_workers_group_restarts_in_warm_spares(tmp_path, tidal_local_ray):
+    kill_time, starts = _run_killed_once(tmp_path, None)
+    after = [s for s in starts if s["train_started"] > kill_time]
+    assert len(after) == 2, f"the restarted group's two workers: {starts}"
+    for s in after:
+        assert s["process_started"] < kill_time, f"pid {s['pid']} was started after the kill, not a spare: {s}"
+        assert s["preloaded_at"] is not None and s["preloaded_at"] < kill_time, f"imported torch after the kill: {s}"
+        assert s["torch_before"], f"torch and TorchDynamo not imported when its train function began: {s}"
