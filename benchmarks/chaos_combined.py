@@ -297,7 +297,7 @@ def run_job(cluster: Any, mlflow: MlflowServer, spec: JobSpec, tmp: Path, faults
         waiter.join()
     code = ended.get("code", -1)
     timeline.ended = time.time()
-    timeline.kills = [f.t for f in faults if f.done and f.t and f.kind in STOPS_TRAINING]
+    timeline.kills = [(f.t, 0) for f in faults if f.done and f.t and f.kind in STOPS_TRAINING]
     return {"exit": code, "wall_s": timeline.ended - t0, "trace": read_trace(trace), "log": driver.log,
             "timeline": timeline}
 

@@ -15,7 +15,7 @@ def killed_once() -> Timeline:
     step 11 at 48 s and 12-20 at 49-57 s; the job ended at 60 s."""
     prints = [(19.0 + s, s) for s in range(1, 11)] + [(45.0, 8), (46.0, 9), (47.0, 10)]
     prints += [(48.0, 11)] + [(37.0 + s, s) for s in range(12, 21)]
-    return Timeline(launched=0.0, ended=60.0, kills=[29.5], prints=prints)
+    return Timeline(launched=0.0, ended=60.0, kills=[(29.5, 10)], prints=prints)
 
 
 def test_the_harness_clock_gives_start_up_each_faults_loss_and_progress():
@@ -23,6 +23,15 @@ def test_the_harness_clock_gives_start_up_each_faults_loss_and_progress():
     # start-up 20 s; the kill's gap 29 -> 48 s less one ordinary step (1 s); the rest is progress
     assert seen == {"startup": 20.0, "faults": 18.0, "progress": 22.0, "wall": 60.0}
     assert observed(Timeline(0.0, 5.0)) == {"startup": 5.0, "faults": 0.0, "progress": 0.0, "wall": 5.0}
+
+
+def test_a_step_printed_just_after_the_kill_was_done_before_it():
+    """Lines reach the harness late: step 10, done before a kill at 29 s, printed at 29.5 s; the gap runs
+    from its print to the first step beyond it, whether the harness knew the step or not."""
+    late = killed_once()
+    for known in (10, 0):
+        late.kills = [(29.0, known)]
+        assert observed(late)["faults"] == 18.0
 
 
 @pytest.mark.parametrize("ledger, agree", [

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 STEP_LINE = re.compile(r"^\[tidal\] step (\d+)/\d+")
+LAG_S = 1.5  # a step line reaches the harness this late at most (the tracker polls the log every 0.5 s)
 # The ledger's buckets in the harness's three groups: what it sees as progress is training, its
 # waits inside steps and between them (the log step's collective, logging, the saves).
 PROGRESS = ("productive", "checkpoint_stall", "post_save_slowdown", "data_wait", "straggler_wait", "eval", "other")
@@ -40,7 +41,7 @@ class Timeline:
 
     launched: float
     ended: float = 0.0
-    kills: list[float] = field(default_factory=list)
+    kills: list[tuple[float, int]] = field(default_factory=list)  # (when, the highest step known done by then; 0: unknown)
     prints: list[tuple[float, int]] = field(default_factory=list)  # (when, step) in the order printed
 
 
@@ -122,12 +123,14 @@ def observed(t: Timeline) -> dict[str, float]:
     if not new:
         return {"startup": wall, "faults": 0.0, "progress": 0.0, "wall": wall}
     startup = new[0][0] - t.launched
-    gaps = []  # (last new print before a kill, first new print after it)
-    for kill in t.kills:
-        before = [w for w, _ in new if w <= kill]
-        after = [w for w, _ in new if w > kill]
+    gaps = []  # (the print of the last step done before a kill, the print of the first step beyond it)
+    for kill, known in t.kills:
+        # A step printed up to LAG_S after the kill was done before it: lines reach the harness late.
+        done = max([known] + [s for w, s in new if w <= kill + LAG_S])
+        before = [w for w, s in new if s == done]
+        after = [w for w, s in new if s > done]
         if before and after:
-            gaps.append((before[-1], after[0]))
+            gaps.append((before[0], after[0]))
     spanned = {g for g in gaps}
     ordinary = [(b[0] - a[0]) / max(1, b[1] - a[1]) for a, b in zip(new, new[1:], strict=False)
                 if (a[0], b[0]) not in spanned]
