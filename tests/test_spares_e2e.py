@@ -5,21 +5,21 @@ inside itself (TIDAL_SPARES_TRACE)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import threading
 import time
 from pathlib import Path
 
-import psutil
 import pytest
+import ray
 
 import tidal
 from tests.slow_step import slow_env
 from tidal.testing.chaos import chaos_spec
 from tidal.testing.processes import kill, our_processes, wait_for
 from tidal.testing.runs import metric_history, wait_for_step
-from tidal.worker.spares import IDLE_TITLE, TRACE_ENV, wanted
+from tidal.testing.spares import warm_spares as ready_spares
+from tidal.worker.spares import TRACE_ENV, wanted
 
 pytestmark = pytest.mark.slow
 STEPS = 200  # slow (0.4 s a step) until the kill, then at full speed
@@ -28,35 +28,11 @@ STEPS = 200  # slow (0.4 s a step) until the kill, then at full speed
 @pytest.fixture(scope="module")
 def tidal_local_ray():
     """A local instance started as `tidal run` starts one (its setup hook included), not the suite's shared one."""
-    import ray
-
     from tidal.launch.connect import local_ray_options
 
     ray.init(address="local", num_cpus=2, logging_level="WARNING", **local_ray_options(False, {}))
     yield
     ray.shutdown()
-
-
-def _spares_quiet() -> list[psutil.Process]:
-    """This job's idle workers once there are as many as a node of two workers keeps and none has
-    used any CPU for 3 s (a spare's imports are done); [] until then."""
-    import ray
-
-    job = ray.get_runtime_context().get_job_id()
-    first = _cpu_of_idle(job)
-    time.sleep(3)
-    later = _cpu_of_idle(job)
-    busy = [pid for pid, cpu in later.items() if cpu - first.get(pid, 0.0) > 0.1]  # an idle worker: ~0.01 s
-    return list(later) if len(later) >= wanted(2, None) and not busy else []
-
-
-def _cpu_of_idle(job: str) -> dict[int, float]:
-    out = {}
-    for p in our_processes(IDLE_TITLE):
-        with contextlib.suppress(psutil.Error):  # taken or ended meanwhile
-            if p.environ().get("RAY_JOB_ID") == job:
-                out[p.pid] = sum(p.cpu_times()[:2])
-    return out
 
 
 def _run_killed_once(tmp: Path, warm_spares: int | None) -> tuple[float, list[dict]]:
@@ -75,7 +51,8 @@ def _run_killed_once(tmp: Path, warm_spares: int | None) -> tuple[float, list[di
         try:
             wait_for_step(spec, 10, timeout=300)
             if warm_spares != 0:
-                wait_for("warm spares with torch imported", _spares_quiet, 300, every=0.1)
+                job = ray.get_runtime_context().get_job_id()
+                wait_for("warm spares with torch imported", lambda: ready_spares(job, wanted(2, None)), 300, every=0.1)
             workers = wait_for("training workers", lambda: our_processes("RayTrainWorker"), 60)
             killed.append(time.time())
             kill(workers[-1])
