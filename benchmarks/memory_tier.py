@@ -8,6 +8,9 @@ checkpoint file from storage (the node's restore cache).
     python -m benchmarks.memory_tier [--pairs 4] [--kill-at 90] [--every 50] [--memory-every 5]
     python -m benchmarks.memory_tier --stall-probe [--memory-every 5]   # one run: a snapshot's stall and
         # the next step's time against the other steps' (prints; the reading goes in docs/benchmarks.md by hand)
+    python -m benchmarks.memory_tier --stall-pairs --memory-every auto [--pairs 4] [--steps 110] [--every 50]
+        # what the interval the tier chooses costs the quickstart-shaped job (its persistent checkpoints every
+        # --every steps in both kinds, the bound of the chosen interval), against the tier off
     python -m benchmarks.memory_tier --stall-pairs [--pairs 4] [--memory-every 10] [--large]   # what the tier
         # costs training: the same job with snapshots and without, no fault, in alternating pairs (--large:
         # the node-loss rounds' ~1.5 GB state on two raylets, each snapshot copied to the peer's keeper too)
@@ -144,7 +147,9 @@ def throughput(args: argparse.Namespace, i: int, kind: str) -> dict[str, Any]:
 
 
 def stall_pairs(args: argparse.Namespace) -> None:
-    args.every = 10 * args.steps  # no persistent checkpoint until the end, in both kinds
+    auto = args.memory_every == "auto"
+    if not auto:  # auto keeps the job's checkpoint interval: it bounds the interval the tier chooses
+        args.every = 10 * args.steps  # no persistent checkpoint until the end, in both kinds
     rounds = paired_rounds(
         args.pairs, KINDS, lambda i, kind: throughput(args, i, kind),
         lambda r: {"ratio": r["storage_step_s"] / r["memory_step_s"]},
@@ -157,6 +162,9 @@ def stall_pairs(args: argparse.Namespace) -> None:
                    "each snapshot is also copied to the peer's keeper", "GPT d1024, 8 layers: about 1.5 GB of state")
                   if args.large else ("one local Ray instance", "GPT d256, 4 layers"))
     first = first_timed(args)
+    if auto:
+        auto_pairs_doc(args, rows, ratio, first, where)
+        return
     body = f"""Command: `python -m benchmarks.memory_tier --stall-pairs --pairs {args.pairs} --steps {args.steps} \
 --memory-every {args.memory_every}{' --large' if args.large else ''}` ({time.strftime('%Y-%m-%d')}, 2-core CPU machine, {where})
 
@@ -175,6 +183,27 @@ Median throughput with / without: **{ratio:.3f}** (goal: at least 0.98, a cost u
     print(body)
     if not args.no_doc:
         update_doc("Memory tier: what snapshots cost training" + (", at a 1.5 GB state" if args.large else ""), body)
+
+
+def auto_pairs_doc(args: argparse.Namespace, rows: str, ratio: float, first: int, where: str) -> None:
+    body = f"""Command: `python -m benchmarks.memory_tier --stall-pairs --memory-every auto --pairs {args.pairs} \
+--steps {args.steps} --every {args.every}` ({time.strftime('%Y-%m-%d')}, 2-core CPU machine shared with other work \
+running at the same time, {where})
+
+The quickstart's shape (GPT d256, 4 layers, ZeRO-2, 2 workers, {args.steps} steps, persistent checkpoints every
+{args.every} steps, no fault) with `checkpoint.memory: {{}}` (every_steps auto: snapshots at the group's first two
+steps, then at the Young/Daly interval for the measured cost, at most {args.every} steps) and with the tier off,
+alternating, which goes first alternating too. Seconds a step from rank 0's loss trace, steps {first} to {args.steps}.
+
+| pair | tier on, interval chosen (ms/step) | tier off (ms/step) | throughput on / off |
+|---|---|---|---|
+{rows}
+
+Median throughput on / off: **{ratio:.3f}** (goal: at least 0.98).
+"""
+    print(body)
+    if not args.no_doc:
+        update_doc("Memory tier: what the interval it chooses costs training", body)
 
 
 def node_loss_spec(tmp: Path, kind: str, i: int, args: argparse.Namespace) -> JobSpec:
@@ -271,7 +300,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=110)
     ap.add_argument("--kill-at", type=int, default=90)
     ap.add_argument("--every", type=int, default=50)
-    ap.add_argument("--memory-every", type=int, default=5)
+    ap.add_argument("--memory-every", type=lambda v: v if v == "auto" else int(v), default=5,
+                    help="steps between snapshots, or auto (the interval the tier chooses)")
     ap.add_argument("--no-doc", action="store_true")
     ap.add_argument("--stall-probe", action="store_true")
     ap.add_argument("--stall-pairs", action="store_true", help="throughput with snapshots / without, no fault")

@@ -147,3 +147,12 @@ def test_a_snapshot_in_memory_reads_as_a_checkpoint_folder_and_refuses_writes(tm
     with pytest.raises(OSError, match="read-only"):
         held.delete_file(path)
     assert k.get("a", 3, 0, ["another.pt"]) is None
+
+
+def test_a_keeper_counts_the_groups_of_its_driver_that_opened_the_tier():
+    """The faults the chosen interval allows for (checkpoint.memory.every_steps: auto): every group
+    after the first is a restart; the first one's start is when the driver began training."""
+    k = Keeper("job", "n0", limit_bytes=None)
+    first, groups = k.group_started()
+    assert groups == 1
+    assert k.group_started() == (first, 2) and k.group_started() == (first, 3)

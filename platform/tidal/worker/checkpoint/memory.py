@@ -122,8 +122,9 @@ class Tier:
         owner = keeper.Owner.of(spec, generation)
         self.own = keeper.handle(owner, node, limit)
         self.peer = keeper.handle(owner, self.peer_node, limit) if self.peer_node else None
-        # The attempt's id, and the faults this driver's groups have seen (rank 0's keeper counts the groups).
-        box = [(uuid.uuid4().hex[:12], *self._groups_seen()) if rank == 0 else None]
+        # The attempt's id, and under auto the faults this driver's groups have seen (rank 0's keeper counts them).
+        seen = self._groups_seen() if self.auto and rank == 0 else (time.time(), 1)
+        box = [(uuid.uuid4().hex[:12], *seen) if rank == 0 else None]
         dist.broadcast_object_list(box, src=0)
         self.attempt: str = box[0][0]
         self.faults, self.trained_since = int(box[0][2]) - 1, float(box[0][1])
