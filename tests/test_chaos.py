@@ -26,12 +26,3 @@ def test_three_faults_survived_with_exact_losses(tmp_path):
     # Every execution of every step, replays included, against the stored losses: within the drift
     # allowed between machines (tests/golden.py); a resume from the wrong state is off by far more.
     assert r["max_rel_loss_diff"] < 1e-4
-    # The goodput account against the harness's own clock (its launch, its kills, the printed steps), not
-    # against the step times it reads itself: lost time and progress agree within a few seconds a fault.
-    from mlflow.tracking import MlflowClient
-
-    from tidal.testing.timeline import compare, from_ledger, observed
-
-    final = MlflowClient(r["uri"]).get_run(r["run_id"]).data.metrics  # the account's figures at the job's end
-    rows = compare(observed(r["timeline"]), from_ledger(final), within_s=3.0 * (1 + len(r["faults_injected"])))
-    assert all(row["ok"] for row in rows), rows
