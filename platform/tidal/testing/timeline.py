@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import io
 import re
-import statistics
 import sys
 import threading
 import time
@@ -131,10 +130,12 @@ def observed(t: Timeline) -> dict[str, float]:
         after = [w for w, s in new if s > done]
         if before and after:
             gaps.append((before[0], after[0]))
-    spanned = {g for g in gaps}
-    ordinary = [(b[0] - a[0]) / max(1, b[1] - a[1]) for a, b in zip(new, new[1:], strict=False)
-                if (a[0], b[0]) not in spanned]
-    step = statistics.median(ordinary) if ordinary else 0.0
+    # An ordinary step's time: the time between new steps outside the kills' gaps over the steps in it
+    # (lines arrive in batches, one per tracker poll, so single intervals say little).
+    spanned = set(gaps)
+    ordinary = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(new, new[1:], strict=False) if (a[0], b[0]) not in spanned]
+    steps_seen = sum(n for _, n in ordinary)
+    step = sum(d for d, _ in ordinary) / steps_seen if steps_seen else 0.0
     faults = sum(max(0.0, after - before - step) for before, after in gaps)
     return {"startup": startup, "faults": faults, "progress": wall - startup - faults, "wall": wall}
 
