@@ -3,8 +3,9 @@
 A keeper is a detached actor pinned to its node (`NodeAffinitySchedulingStrategy(soft=False)`),
 so it outlives the training workers: a worker's own objects die with it, a keeper's copies do not
 (it keeps them in its own heap, not as references to a worker's objects). Each rank hands its
-shard of a snapshot to its node's keeper and to the keeper of the next node of its group (a
-ring): a worker's death leaves its node's copy, a node's loss the peer's. A keeper keeps what it
+shard of a snapshot to its node's keeper, which sends the copy for the keeper of the next node of
+the group (a ring) once it holds its own, one at a time, its threads at a low CPU priority so its
+copies wait for spare cores: a worker's death leaves its node's copy, a node's loss the peer's. A keeper keeps what it
 was given until a rank tells it which snapshot is complete (`prune_below`): then only that one
 and newer ones stay (the newest complete one and the one being written). It never decides
 completeness: rank 0 does, from every keeper's listing (tidal.worker.checkpoint.route.newest).
@@ -26,6 +27,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import queue
 import threading
 import time
 from collections.abc import Iterator
@@ -40,6 +42,8 @@ DEFAULT_SHARE = 0.5  # of the node's memory a keeper may hold when checkpoint.me
 RESERVE_SHARE = 0.1  # a put is refused when it would leave less than this share of the node's memory free
 EXPIRY_S = 120.0  # a keeper nothing touched for this long ends itself (its driver is gone)
 HEARTBEAT_S = 15.0  # how often a driver touches its keepers: well inside their expiry
+KEEPER_NICE = 10  # a keeper's copying threads run this much below the training processes
+FORWARD_TIMEOUT_S = 120.0  # a peer that does not keep a forwarded copy within this is taken as lost
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,9 @@ class Keeper:
         self.lock = threading.Lock()  # the shard table and `incoming`: four calls run at once
         self.touched = time.time()
         self.groups, self.first_group = 0, self.touched  # worker groups of this driver opened on this node
+        self.forwards: queue.Queue[tuple[str, tuple[Any, ...]]] = queue.Queue()  # peer copies to send, in order
+        self.forward_errors: list[str] = []  # why peer copies were not kept, until a rank asks
+        threading.Thread(target=self._send_forwards, daemon=True, name="tidal-keeper-forward").start()
         if expiry_s is not None:
             threading.Thread(target=self._expire, args=(expiry_s,), daemon=True, name="tidal-keeper-expiry").start()
 
@@ -121,11 +128,43 @@ class Keeper:
         return self.incoming + sum(len(b) for _, files in self.shards.values() for b in files.values())
 
     def put(self, attempt: str, step: int, rank: int, facts: dict[str, Any], files: dict[str, Any],
-            prune_below: int | None = None) -> str | None:
+            prune_below: int | None = None, forward: list[Any] | None = None) -> str | None:
         """Keep one rank's shard of the snapshot of `step` (`files`: name -> bytes, or a numpy uint8
         view of them); first drop every shard older than `prune_below` (the newest snapshot known
         complete). Returns None, or why it was refused (the memory limit): the previous complete
-        snapshot then stays the resume point."""
+        snapshot then stays the resume point. `forward`: [the peer keeper's name, a reference to
+        `files` in Ray's object store]: this keeper sends the peer's copy, after its own, one at a
+        time and at a low CPU priority, so the rank's hand-over waits for its own node's copy only."""
+        _yield_to_training()
+        why = self._keep(attempt, step, rank, facts, files, prune_below)
+        if forward:
+            self.forwards.put((forward[0], (attempt, step, rank, facts, forward[1], prune_below)))
+        return why
+
+    def take_forward_errors(self) -> list[str]:
+        """Why the peer copies sent since the last call were not kept (said by the rank, once)."""
+        with self.lock:
+            errors, self.forward_errors = self.forward_errors, []
+        return errors
+
+    def _send_forwards(self) -> None:
+        """Send the peer copies queued by `put`, one at a time: a reference, so the peer's raylet pulls
+        the rank's object (no copy here); the peer keeps its own bytes, as for a rank's put."""
+        import ray
+
+        _yield_to_training()
+        while True:
+            peer, args = self.forwards.get()
+            try:
+                why = ray.get(ray.get_actor(peer, namespace=NAMESPACE).put.remote(*args), timeout=FORWARD_TIMEOUT_S)
+            except Exception as e:  # noqa: BLE001 - the peer (or the rank owning the object) is gone
+                why = f"the peer node's keeper failed: {type(e).__name__}: {str(e)[:200]}"
+            if why is not None:
+                with self.lock:
+                    self.forward_errors.append(why)
+
+    def _keep(self, attempt: str, step: int, rank: int, facts: dict[str, Any], files: dict[str, Any],
+              prune_below: int | None) -> str | None:
         import psutil
 
         self.touched = time.time()
@@ -175,6 +214,20 @@ class Keeper:
         with self.lock:
             return {"node_id": self.node_id, "bytes": self._held(), "shards": len(self.shards),
                     "limit": self.limit, "touched": self.touched}
+
+
+_LOWERED = threading.local()
+
+
+def _yield_to_training() -> None:
+    """Run this thread of the keeper at a low CPU priority (Linux: niceness is per thread), once: its
+    copies wait for spare cores instead of taking them from the training processes beside it. Only
+    the actor's own threads (its calls run on a pool beside the main thread): a process that holds a
+    Keeper directly (a test) keeps its priority."""
+    if threading.current_thread() is not threading.main_thread() and not getattr(_LOWERED, "done", False):
+        _LOWERED.done = True
+        with contextlib.suppress(OSError):
+            os.nice(KEEPER_NICE)
 
 
 def handle(owner: Owner, node_id: str, limit_bytes: int | None, expiry_s: float = EXPIRY_S) -> Any:

@@ -4,7 +4,7 @@ Every `checkpoint.memory.every_steps` steps each rank takes the state a persiste
 would hold for it (DeepSpeed's own `save_checkpoint` into `SnapshotEngine`'s reused host buffers:
 its module and optimizer partitions, the LR scheduler, the client state with Tidal's
 `TrainState`), and, off the training thread, serializes each file as the persistent write would
-(`torch.save`) and hands the bytes to its node's keeper and to the next node's
+(`torch.save`) and hands the bytes to its node's keeper, which sends the next node's copy
 (tidal.worker.checkpoint.keeper, a ring over the group's nodes). Data positions and RNG need
 nothing more: a step's samples and its seed follow from the step number (tidal.worker.data,
 `seed_step`); streamed data and pipelines are left to storage (`supported`).
@@ -122,6 +122,7 @@ class Tier:
         owner = keeper.Owner.of(spec, generation)
         self.own = keeper.handle(owner, node, limit)
         self.peer = keeper.handle(owner, self.peer_node, limit) if self.peer_node else None
+        self.peer_name = keeper.name(owner, self.peer_node) if self.peer_node else None
         # The attempt's id, and under auto the faults this driver's groups have seen (rank 0's keeper counts them).
         seen = self._groups_seen() if self.auto and rank == 0 else (time.time(), 1)
         box = [(uuid.uuid4().hex[:12], *seen) if rank == 0 else None]
@@ -253,17 +254,21 @@ class Tier:
                 time.sleep(delay)
             ref = ray.put(files)
             args = (self.attempt, pending.step, self.rank, facts, ref, prune_below)
-            own = self.own.put.remote(*args)
-            peer = self.peer.put.remote(*args) if self.peer is not None else None
+            # The peer's copy is sent by this node's keeper once it holds its own (a reference in a
+            # list: Ray hands it over unresolved): this thread waits for one copy, not two.
+            forward = [self.peer_name, ref] if self.peer is not None else None
             try:
-                pending.error = ray.get(own, timeout=CALL_TIMEOUT_S)
+                pending.error = ray.get(self.own.put.remote(*args, forward), timeout=CALL_TIMEOUT_S)
+                if forward is not None:  # copies sent for earlier snapshots that the peer did not keep
+                    told = ray.get(self.own.take_forward_errors.remote(), timeout=CALL_TIMEOUT_S)
+                    pending.peer_error = told[-1] if told else None
             except Exception as e:  # noqa: BLE001 - the keeper is gone or stuck: this shard is not held
                 pending.error = f"this node's keeper failed: {type(e).__name__}: {str(e)[:200]}"
-            if peer is not None:
-                try:
-                    pending.peer_error = ray.get(peer, timeout=CALL_TIMEOUT_S)
-                except Exception as e:  # noqa: BLE001
-                    pending.peer_error = f"the peer node's keeper failed: {type(e).__name__}: {str(e)[:200]}"
+                if self.peer is not None:  # then the peer's copy goes from here, as nothing else sends it
+                    try:
+                        pending.peer_error = ray.get(self.peer.put.remote(*args), timeout=CALL_TIMEOUT_S)
+                    except Exception as e2:  # noqa: BLE001
+                        pending.peer_error = f"the peer node's keeper failed: {type(e2).__name__}: {str(e2)[:200]}"
         except Exception as e:  # noqa: BLE001 - a snapshot that fails leaves the previous one
             pending.error = f"{type(e).__name__}: {str(e)[:200]}"
         pending.hand_over_s = time.perf_counter() - t0
