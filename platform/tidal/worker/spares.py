@@ -130,11 +130,12 @@ class Spares:
                              name="tidal-spares", daemon=True).start()
 
 
-def refill(want: int, round_s: float = 30.0) -> int:
-    """Prestart what this node lacks of `want` spares; the number started. The raylet starts at most
-    its startup concurrency per request (2 on a 2-CPU node), so this asks again each time the
-    spares it asked for are up, until the node has `want` or a round brings none. A raylet that
-    refuses costs nothing but the spares: a restart then starts processes as without them."""
+def refill(want: int, patience_s: float = 120.0, ask_every_s: float = 10.0) -> int:
+    """Prestart what this node lacks of `want` spares; the number that came up. The raylet starts at
+    most its startup concurrency per request (2 on a 2-CPU node) and drops what it cannot start
+    then, so this asks again for what is still missing every `ask_every_s` until the node has
+    `want` or `patience_s` has passed. A raylet that refuses costs nothing but the spares: a restart
+    then starts processes as without them."""
     import ray
 
     from tidal.ray_private import prestart_workers
@@ -143,22 +144,24 @@ def refill(want: int, round_s: float = 30.0) -> int:
     job, env = ctx.get_job_id(), ctx.get_runtime_env_string()
     node = next(x for x in ray.nodes() if x["NodeID"] == ctx.get_node_id())
     raylet = f"{node['NodeManagerAddress']}:{node['NodeManagerPort']}"
-    started = 0
-    while (n := to_start(want, idle := len(idle_spares(job, env)))) > 0:
-        try:
-            prestart_workers(raylet, job, env, n, KEEP_ALIVE_S)
-        except Exception as e:  # noqa: BLE001 - no spares is today's behaviour, never a failed job
-            print(f"[tidal] could not start warm spares on this node ({type(e).__name__}: {e}); "
-                  "a restart starts new processes", file=sys.stderr, flush=True)
-            break
-        deadline = time.monotonic() + round_s
-        while (now := len(idle_spares(job, env))) <= idle and time.monotonic() < deadline:
-            time.sleep(0.5)
-        if now <= idle:
-            break  # the raylet started none: no use asking again
-        started += now - idle
-    _trace({"refill": {"wanted": want, "started": started, "at": time.time()}})
-    return started
+    first = idle = len(idle_spares(job, env))
+    deadline, asked_at = time.monotonic() + patience_s, -ask_every_s
+    while (n := to_start(want, idle)) > 0 and time.monotonic() < deadline:
+        if time.monotonic() - asked_at >= ask_every_s:
+            try:
+                prestart_workers(raylet, job, env, n, KEEP_ALIVE_S)
+            except Exception as e:  # noqa: BLE001 - no spares is today's behaviour, never a failed job
+                print(f"[tidal] could not start warm spares on this node ({type(e).__name__}: {e}); "
+                      "a restart starts new processes", file=sys.stderr, flush=True)
+                break
+            asked_at = time.monotonic()
+        time.sleep(0.5)
+        now = len(idle_spares(job, env))
+        if now > idle:
+            asked_at = -ask_every_s  # those asked for are up: ask for the rest at once
+        idle = now
+    _trace({"refill": {"wanted": want, "idle_before": first, "idle_after": idle, "at": time.time()}})
+    return max(0, idle - first)
 
 
 def idle_spares(job: str, runtime_env: str) -> list[int]:
