@@ -560,6 +560,20 @@ def test_the_final_gauges_wait_for_one_export_before_the_tracker_ends(since_set,
     assert settle_s(since_set, interval_ms) == pytest.approx(expected)
 
 
+@pytest.mark.parametrize("collecting, expected", [
+    (None, 10.0),  # Ray's default: metrics are collected and exported
+    ("true", 10.0),
+    ("1", 10.0),
+    ("false", 0.0),  # RAY_enable_metrics_collection=false: nothing is ever exported, nothing to wait for
+    ("0", 0.0),
+    ("FALSE", 0.0),
+])
+def test_the_final_gauges_wait_only_where_ray_exports_metrics(collecting, expected):
+    from tidal.tracking.goodput_gauges import settle_s
+
+    assert settle_s(0.0, None, collecting) == pytest.approx(expected)
+
+
 def test_a_driver_that_parks_its_job_writes_its_wait_into_the_log(tmp_path, monkeypatch):
     """The queue wait of a driver that parks (admission/parking.py) stays in the job's account: the
     driver leaves a `launched` event saying so, and the account's first second is its start."""

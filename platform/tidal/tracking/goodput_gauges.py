@@ -27,6 +27,9 @@ EVERY_S = 5.0  # Prometheus scrapes every 10 s or so
 # (10 s by default; RAY_metrics_report_interval_ms): a value set less than that before the
 # process ends may never be exported.
 REPORT_INTERVAL_ENV = "RAY_metrics_report_interval_ms"
+# RAY_enable_metrics_collection=false (Ray reads "true" or "1" as on): Ray exports nothing, so a
+# job's end waits for nothing.
+COLLECTION_ENV = "RAY_enable_metrics_collection"
 REPORT_INTERVAL_DEFAULT_S = 10.0
 SETTLE_MAX_S = 15.0  # the most a job's end waits for it
 
@@ -45,8 +48,11 @@ def gauge_values(state: State, tags: dict[str, str]) -> list[tuple[str, dict[str
     return out
 
 
-def settle_s(since_set: float, interval_ms: str | None) -> float:
-    """How long to wait, `since_set` seconds after the final values were set, for one export."""
+def settle_s(since_set: float, interval_ms: str | None, collecting: str | None = None) -> float:
+    """How long to wait, `since_set` seconds after the final values were set, for one export
+    (none where Ray's metrics collection is off: `collecting`, the value of COLLECTION_ENV)."""
+    if collecting is not None and collecting.strip().lower() not in ("true", "1"):
+        return 0.0
     try:
         interval = float(interval_ms) / 1000 if interval_ms else REPORT_INTERVAL_DEFAULT_S
     except ValueError:
@@ -86,4 +92,5 @@ class GoodputGauges:
     def settle(self) -> None:
         """Wait until Ray has exported the values set last (its process is ended right after)."""
         if self.gauges is not None and self.last:
-            time.sleep(settle_s(time.monotonic() - self.last, os.environ.get(REPORT_INTERVAL_ENV)))
+            time.sleep(settle_s(time.monotonic() - self.last, os.environ.get(REPORT_INTERVAL_ENV),
+                                os.environ.get(COLLECTION_ENV)))
