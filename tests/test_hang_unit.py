@@ -134,7 +134,8 @@ def seen_stopped(node_id: str, pid: int) -> dict:
 
 
 def courts(tmp_path, world: int, avoided: list | None = None, answer_s: float = 0.4,
-           group: str = "g1", inspect=seen_stopped, unarmed: tuple[int, ...] = ()) -> tuple[list[HangCourt], Said]:
+           group: str = "g1", inspect=seen_stopped, unarmed: tuple[int, ...] = (),
+           ended: list | None = None) -> tuple[list[HangCourt], Said]:
     events = Said()
 
     def on_node(a: Answer, hangs: int, on_node: int) -> str:
@@ -145,7 +146,8 @@ def courts(tmp_path, world: int, avoided: list | None = None, answer_s: float = 
     for r in range(world):
         c = HangCourt(str(tmp_path / "runs"), "job", r, world, events, group=group,
                       here=lambda r=r: (f"10.0.0.{r}", f"node{r}"),
-                      inspect=inspect, on_culprit_node=on_node if avoided is not None else None)
+                      inspect=inspect, on_culprit_node=on_node if avoided is not None else None,
+                      end=lambda node_id, pid: (ended if ended is not None else []).append((node_id, pid)) or "ended")
         c.answer_s, c.look_every_s = answer_s, 0.02
         if r not in unarmed:
             c.armed()
@@ -279,3 +281,31 @@ def test_a_pid_read_from_storage_that_is_no_process_id_is_never_inspected(tmp_pa
 def test_a_hang_folder_read_from_the_event_log_must_be_one(tmp_path, folder):
     with pytest.raises(UnsafeName):
         hang_files(RunDir(str(tmp_path / "runs"), "job"), folder)
+
+
+def test_a_silent_culprit_is_ended_once_its_stacks_are_saved(tmp_path):
+    """Ray's teardown gives each worker 5 s to shut down, which a stopped one never does: the declaring
+    rank ends it (issue 75: the hung rank's actor is killed)."""
+    ended: list = []
+    (c0, c1), _ = courts(tmp_path, 2, answer_s=0.05, ended=ended)
+    assert "rank 1 on node 10.0.0.1" in c0.declare(7, "hung")
+    assert ended == [("node1", os.getpid())], "the silent rank, on its node; not the one that answered"
+    files = hang_files(RunDir(str(tmp_path / "runs"), "job"), "tidal-hangs/g1")
+    assert "py-spy of" in files["stacks-rank1.txt"], "read before it was ended"
+
+
+def test_only_a_ray_train_worker_is_ended():
+    script = "import time\ntime.sleep(60)"
+    other = subprocess.Popen([sys.executable, "-c", script])
+    worker = subprocess.Popen([sys.executable, "-c", script, "ray::RayTrainWorker"])  # named as Ray names it
+    try:
+        time.sleep(0.3)
+        worker.send_signal(signal.SIGSTOP)
+        assert stacks.end_process(other.pid).startswith("not ended") and other.poll() is None
+        assert stacks.end_process(worker.pid) == "ended" and worker.wait(10) == -signal.SIGKILL
+        with pytest.raises(ValueError, match="not a process id"):
+            stacks.end_process(True)  # type: ignore[arg-type]
+    finally:
+        for p in (other, worker):
+            p.kill()
+            p.wait()

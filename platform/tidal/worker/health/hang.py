@@ -143,13 +143,14 @@ class HangCourt:
     def __init__(self, storage: str, name: str, rank: int, world: int, events: Any, group: str | None = None,
                  here: Callable[[], tuple[str, str]] | None = None,
                  inspect: Callable[[str, int], dict[str, Any]] = stacks.inspect_on_node,
+                 end: Callable[[str, int], str] = stacks.end_on_node,
                  on_culprit_node: Callable[[Answer, int, int], str] | None = None) -> None:
         self.run = RunDir(storage, name)
         self.rank, self.world, self.events = rank, world, events
         self.group = group or group_key()
         self.dir = f"{HANG_DIR}/{self.group}"
         self.here = here or _ray_here
-        self.inspect, self.on_culprit_node = inspect, on_culprit_node
+        self.inspect, self.end, self.on_culprit_node = inspect, end, on_culprit_node
         self.started = time.time()
         self.answer_s, self.look_every_s = ANSWER_S, 1.0
         self.verdict_s, self.silent_read_s = VERDICT_S, SILENT_READ_S
@@ -263,8 +264,20 @@ class HangCourt:
                                                          "why": verdict.why, "step": step, "detected": said,
                                                          "at": time.time()})
         self.events.hang_found(step, self.dir, list(verdict.culprits), line, stalled_s)
+        self._end_silent(culprits)
         return (f"{line} ({said.removeprefix('watchdog: ')}); every rank's stacks are in the MLflow run's "
                 f"artifacts (hangs/{self.group}/) and in {folder}" + (f"; {avoid}" if avoid else ""))
+
+    def _end_silent(self, culprits: list[Answer]) -> None:
+        """End the culprits that stopped answering, once their stacks are saved: Ray's teardown of the
+        group gives each worker 5 s to shut down, which a stopped process never does."""
+        ended = [a for a in culprits if a.silent and a.node_id and a.pid]
+        if not ended:
+            return
+        # A failure stays in its future, unraised: Ray's teardown ends the process anyway, 5 s later.
+        with ThreadPoolExecutor(len(ended), thread_name_prefix="tidal-hang-end") as pool:
+            for a in ended:
+                pool.submit(self.end, a.node_id, a.pid)
 
     def _collect(self, silent: Sequence[int] = ()) -> dict[int, Answer]:
         """The ranks' answers, awaited `answer_s` at most, and not at all from the `silent` ones."""

@@ -12,7 +12,9 @@ in). Both are read on the process's own node, by a Ray task placed there (`inspe
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -153,4 +155,30 @@ def inspect_on_node(node_id: str, pid: int, timeout_s: float = 30.0) -> dict[str
 
     task = ray.remote(num_cpus=0, max_retries=0)(inspect_process).options(
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False), name="tidal-inspect-hung-rank")
+    return ray.get(task.remote(pid), timeout=timeout_s)
+
+
+def end_process(pid: int, proc: Path = Path("/proc")) -> str:
+    """SIGKILL process `pid` on this node, if it is a Ray Train worker (its command line says
+    RayTrainWorker): a hung rank that stopped answering, ended so that Ray's teardown of the group does
+    not wait for it (Ray gives each worker's shutdown 5 s). What was done, in words."""
+    if plain_pid(pid) is None:
+        raise ValueError(f"{pid!r} is not a process id")
+    try:
+        cmdline = (proc / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError as e:
+        return f"no such process here ({type(e).__name__})"
+    if "RayTrainWorker" not in cmdline:
+        return f"not ended: pid {pid} is not a Ray Train worker ({cmdline[:80]!r})"
+    os.kill(pid, signal.SIGKILL)
+    return "ended"
+
+
+def end_on_node(node_id: str, pid: int, timeout_s: float = 10.0) -> str:
+    """`end_process(pid)` on node `node_id`, through a Ray task placed there."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    task = ray.remote(num_cpus=0, max_retries=0)(end_process).options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False), name="tidal-end-hung-rank")
     return ray.get(task.remote(pid), timeout=timeout_s)
