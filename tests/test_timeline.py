@@ -34,6 +34,16 @@ def test_a_step_printed_just_after_the_kill_was_done_before_it():
         assert observed(late)["faults"] == 18.0
 
 
+def test_a_step_printed_long_after_the_kill_does_not_shorten_the_faults_loss():
+    """Under load the console's lines reach the harness seconds late: step 10, done before the kill at
+    29.5 s (the harness knew it), printed only at 33 s. Its loss runs from the kill at the latest, not
+    from that print, which would leave 3.5 s of the fault to progress."""
+    late = killed_once()
+    late.prints = [(33.0, 10) if p == (29.0, 10) else p for p in late.prints]
+    step = (8.0 + 5.0 + 9.0) / 18  # the ordinary intervals: steps 1-9, 9-10 (the late line) and 11-20
+    assert observed(late)["faults"] == pytest.approx(48.0 - 29.5 - step)
+
+
 @pytest.mark.parametrize("ledger, agree", [
     ({"goodput_startup_s": 30.0, "goodput_restore_s": 2.0, "goodput_replayed_s": 6.0, "goodput_productive_s": 20.0,
       "goodput_other_s": 2.0, "goodput_wall_s": 60.0}, True),

@@ -6,7 +6,8 @@ bucket. The harness's timeline is measured apart from both: its own `time.time()
 at each kill and at each `[tidal] step N/M` line as the job's driver prints it (`step_prints` in
 its own process, `LogTail` for a driver of its own).
 From it (`observed`): start-up, from the launch to the first step printed; each fault's loss,
-from the last new step printed before the kill to the first new step after it, less one ordinary
+from the print of the last step done before the kill (the kill itself, where that print came after
+it) to the first new step after it, less one ordinary
 step interval (the progress that gap would have held anyway); and progress, the rest of the wall.
 `from_ledger` groups the ledger's buckets the same way and `compare` sets them side by side.
 The printed lines reach the harness through the tracker's polling (about 0.5 s late, alike for
@@ -123,6 +124,7 @@ def observed(t: Timeline) -> dict[str, float]:
         return {"startup": wall, "faults": 0.0, "progress": 0.0, "wall": wall}
     startup = new[0][0] - t.launched
     gaps = []  # (the print of the last step done before a kill, the print of the first step beyond it)
+    starts = []  # where each gap's loss starts: that print, or the kill where the print came after it
     for kill, known in t.kills:
         # A step printed up to LAG_S after the kill was done before it: lines reach the harness late.
         done = max([known] + [s for w, s in new if w <= kill + LAG_S])
@@ -130,13 +132,15 @@ def observed(t: Timeline) -> dict[str, float]:
         after = [w for w, s in new if s > done]
         if before and after:
             gaps.append((before[0], after[0]))
+            # The step was done by the kill: a print later than it is the console's lag (seconds under load)
+            starts.append(min(before[0], kill))
     # An ordinary step's time: the time between new steps outside the kills' gaps over the steps in it
     # (lines arrive in batches, one per tracker poll, so single intervals say little).
     spanned = set(gaps)
     ordinary = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(new, new[1:], strict=False) if (a[0], b[0]) not in spanned]
     steps_seen = sum(n for _, n in ordinary)
     step = sum(d for d, _ in ordinary) / steps_seen if steps_seen else 0.0
-    faults = sum(max(0.0, after - before - step) for before, after in gaps)
+    faults = sum(max(0.0, after - start - step) for start, (_, after) in zip(starts, gaps, strict=True))
     return {"startup": startup, "faults": faults, "progress": wall - startup - faults, "wall": wall}
 
 
