@@ -348,6 +348,33 @@ def test_the_failure_ray_gives_up_on_says_so_instead_of_announcing_a_restart(tmp
     assert tracker.counters["restarts"] == 1, "the failure that ends the job is no restart"
 
 
+def test_a_preempted_workers_failure_is_not_charged_to_max_restarts(tmp_path, mlflow_uri, capsys):
+    """Ray Train charges a worker death its node's preemption caused to max_preemption_failures (no
+    limit), not max_failures: after such a death the group still restarts, so it is no 'gives up'."""
+    from ray.exceptions import RayActorError
+
+    from tests.ledger_fakes import Server, ledger, setup
+    from tidal.launch.callbacks import FailureNotifier
+    from tidal.tracking.console import Console
+
+    class HealthCheckFailed(RuntimeError):  # Ray Train's WorkerHealthCheckFailedError, as its poll wraps a death
+        def __init__(self, failure: Exception) -> None:
+            super().__init__("worker health check failed")
+            self.health_check_failure = failure
+
+    spec, run, _ = setup(tmp_path, mlflow_uri, name="preempted", **{"failure.max_restarts": 1})
+    notifier = FailureNotifier(spec)
+    for _ in range(2):
+        notifier.after_exception(None, {0: HealthCheckFailed(RayActorError(error_msg="node preempted", preempted=True))})
+    capsys.readouterr()
+    tracker = ledger(spec, run, Server(spec), None)
+    tracker.subscribers.append(Console(spec.train.steps))
+    tracker.poll()
+    lines = [x for x in capsys.readouterr().out.splitlines() if "restart" in x or "gives up" in x]
+    assert not any("gives up" in x for x in lines), lines
+    assert tracker.counters["restarts"] == 2, "both preemptions restarted the group"
+
+
 # What Ray 2.60 holds for a Ray Train worker whose process was SIGKILLed (captured on this machine: an
 # actor that killed itself with SIGKILL; SIGSEGV gives the same text).
 KILLED = """The actor died unexpectedly before finishing this task.

@@ -43,7 +43,8 @@ class FailureNotifier(UserCallback):
         self.last_mistake = signature(errors)
         if mistake is not None:  # before the event: no restart to count or announce
             raise mistake  # an error Ray Train's controller did not expect: it ends the run, retrying nothing
-        self.failures += 1
+        # A death its node's preemption caused is charged to Ray Train's max_preemption_failures (no limit), not here
+        self.failures += not any(getattr(getattr(e, "health_check_failure", e), "preempted", False) for e in worker_exceptions.values())
         final = 0 <= self.max_restarts < self.failures  # Ray Train gives up: no "restart N" to announce
         events = Emitter(self.storage, self.name)
         events.failed({r: failure_line(e) for r, e in worker_exceptions.items()}, final=final)
