@@ -338,7 +338,7 @@ def test_the_failure_ray_gives_up_on_says_so_instead_of_announcing_a_restart(tmp
         notifier.after_exception(None, {0: RuntimeError("CUDA error: an illegal memory access was encountered")})
     capsys.readouterr()
     tracker = ledger(spec, run, Server(spec), None)
-    tracker.subscribers.append(Console(spec.train.steps))
+    tracker.subscribers.append(Console(spec.train.steps, max_restarts=spec.failure.max_restarts))
     tracker.poll()
     lines = [x for x in capsys.readouterr().out.splitlines() if "restart" in x or "gives up" in x]
     assert lines[0].startswith("[tidal] restart 1: restarting the worker group"), lines

@@ -31,6 +31,14 @@ def test_the_event_log_keeps_its_format(tmp_path):
     assert parse(stored[2]) == Resumed(3, "checkpoint_000003", 2, 1)
 
 
+def test_the_last_failure_names_the_jobs_max_restarts_not_its_restarts_so_far():
+    """Restarts count over the job's whole life (groups a resize or a relaunch started included),
+    failure.max_restarts over one group's: 3 restarts so far and a limit of 1 say the limit as it is."""
+    line = Console(10, max_restarts=1).line(WorkersFailed(4, {"0": "gone"}, final=True, restarts=3))
+    assert line.endswith("the worker group failed again after 3 restart(s) (failure.max_restarts 1): "
+                         "Ray Train gives up on it"), line
+
+
 def test_the_console_reads_each_kind_and_skips_unknown_ones(capsys):
     console = Console(10)
     console({"kind": "failure", "step": 4, "failures": {"1": "gone"}, "restarts": 2, "reported": 7, "id": "x"})

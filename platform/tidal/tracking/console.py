@@ -31,8 +31,9 @@ PREFIX = "[tidal] "
 
 
 class Console:
-    def __init__(self, total_steps: int, clock: Callable[[], float] = time.time) -> None:
-        self.total, self.clock = total_steps, clock
+    def __init__(self, total_steps: int, clock: Callable[[], float] = time.time, max_restarts: int | None = None) -> None:
+        # failure.max_restarts: per group, where the failures' `restarts` count over the job's life
+        self.total, self.clock, self.max_restarts = total_steps, clock, max_restarts
         self.t0, self.first_step = clock(), None
 
     def __call__(self, notice: Event | Mapping[str, Any]) -> None:
@@ -99,8 +100,9 @@ class Console:
     def _failure(self, e: WorkersFailed) -> str:
         lines = [f"worker rank {rank} failed: {why}" for rank, why in sorted(e.failures.items())]
         if e.final:
+            limit = "used up" if self.max_restarts is None else self.max_restarts
             lines.append(f"the worker group failed again after {e.restarts:.0f} restart(s) (failure.max_restarts "
-                         f"{e.restarts:.0f}): Ray Train gives up on it")
+                         f"{limit}): Ray Train gives up on it")
         else:
             lines.append(f"restart {e.restarts:.0f}: restarting the worker group from the latest complete "
                          f"checkpoint (last step reached: {e.reported})")

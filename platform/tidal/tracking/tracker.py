@@ -49,7 +49,7 @@ class Tracker:
         run_id = self._start((run_dir.read_json(JOB_FILE) or {}).get("mlflow_run_id"))
         stacks = HangStacks(run_dir, self.writer, lambda: self.ledger.run_id)  # a hang's stacks, as it is found
         self.ledger = Ledger(MetricsBuffer(run_dir.fs, run_dir.path), run_dir, self.writer, run_id,
-                             subscribers=[Console(spec.train.steps), stacks], retry_s=retry_s)
+                             subscribers=[Console(spec.train.steps, max_restarts=spec.failure.max_restarts), stacks], retry_s=retry_s)
         # the team admission seated the job under, else the job's own (its spec's scheduling.team)
         self.gauges = GoodputGauges(spec.name, (tags or {}).get("tidal.team") or spec.scheduling.team or "")
         self.submitted = record is not None  # a Ray Job on a cluster, whose Prometheus reads the final gauges
