@@ -23,11 +23,7 @@ import ray
 from benchmarks import goodput_check
 from benchmarks.common import paired_rounds, update_doc
 from tidal.testing.chaos import run_chaos, run_periodic
-from tidal.testing.timeline import Timeline, compare, from_ledger, observed
-
-# Allowed gap between the harness's clock and the ledger, per fault and once more: the step lines reach
-# the harness through the tracker's polling (about 0.5 s) and a fault's edges are a printed line apart.
-TIMELINE_SLACK_S = 2.0
+from tidal.testing.timeline import markdown_rows
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "reliability.md"
 
@@ -89,21 +85,8 @@ def _ledger_rows(r: dict[str, Any]) -> str:
             g = goodput_check.ledger(uri, run_id)
             out += goodput_check.rows(name, g, goodput_check.agreement(g, useful, wall))
     if r.get("timeline") is not None:  # the ledger against the harness's own clock, not the same step times
-        out += timeline_rows("under faults", r["timeline"], goodput_check.ledger(r["uri"], r["run_id"]))
+        out += markdown_rows("under faults", r["timeline"], goodput_check.ledger(r["uri"], r["run_id"]))
     return out.rstrip("\n")
-
-
-def timeline_rows(name: str, t: Timeline, g: dict[str, float]) -> str:
-    """Markdown rows: per group, the harness's seconds (its launch, kills and printed steps) and the ledger's."""
-    if not g:
-        return f"| {name}: the ledger against the harness's clock | no goodput account in the run |\n"
-    within = TIMELINE_SLACK_S * (1 + len(t.kills))
-    out = ""
-    for row in compare(observed(t), from_ledger(g), within):
-        out += (f"| {name}, {row['group']}: the harness's clock / the ledger | {row['harness_s']:.1f} s / "
-                f"{row['ledger_s']:.1f} s: **{row['off_s']:+.1f} s** ({'within' if row['ok'] else 'beyond'} "
-                f"{within:.0f} s) |\n")
-    return out
 
 
 MEMORY_KINDS = ("memory", "storage")

@@ -58,7 +58,7 @@ from tidal.storage import RunDir, check_complete
 from tidal.testing.clusters import raylet_cluster
 from tidal.testing.processes import our_processes, wait_for
 from tidal.testing.servers import MlflowServer, moto_s3
-from tidal.testing.timeline import LogTail, Timeline, compare, from_ledger, observed
+from tidal.testing.timeline import LogTail, Timeline, markdown_rows
 from tidal.worker.checkpoint.fetch import CACHE_ENV, PREFIX
 from tidal.worker.checkpoint.repartition import COPIES
 
@@ -68,7 +68,6 @@ KINDS = ("worker", "worker mid-save", "node", "resize restore", "driver", "track
 # The faults that stop training (the harness's clock counts their gap as lost); the tracker's and
 # MLflow's only hold the console's lines back, which that clock cannot tell from lost time.
 STOPS_TRAINING = ("worker", "worker mid-save", "node", "resize restore", "driver")
-TIMELINE_SLACK_S = 2.0  # per fault and once more: a printed line's lag, a fault's edges a line apart
 WRITE_DELAY_S = 0.5  # each rank's write pauses this long before its manifest: room to kill mid-save
 
 
@@ -355,12 +354,8 @@ def _ledger_rows(client: Any, spec: JobSpec, ref: dict[str, Any], got: dict[str,
         g = goodput_check.ledger(spec.tracking.uri, runs[0].info.run_id) if runs else {}
         out += goodput_check.rows(name, g, goodput_check.agreement(g, use, run["wall_s"]))
         if run.get("timeline") is not None and g:  # against the harness's own clock, not the same step times
-            t = run["timeline"]
-            within = TIMELINE_SLACK_S * (1 + len(t.kills))
-            for row in compare(observed(t), from_ledger(g), within):
-                out += (f"| {name}, {row['group']}: the harness's clock / the ledger | {row['harness_s']:.1f} s / "
-                        f"{row['ledger_s']:.1f} s: **{row['off_s']:+.1f} s** ({'within' if row['ok'] else 'beyond'} "
-                        f"{within:.0f} s; the tracker's and MLflow's faults hold lines back, read as lost) |\n")
+            out += markdown_rows(name, run["timeline"], g,
+                                 "; the tracker's and MLflow's faults hold lines back, read as lost")
     return out.rstrip("\n")
 
 

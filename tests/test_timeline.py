@@ -87,3 +87,15 @@ def test_a_drivers_log_is_read_as_it_grows(tmp_path):
         f.write("ss 2\n[tidal] step 3/9 | loss 1\n")
     tail.read()
     assert t.prints == [(5.0, 1), (7.0, 2), (7.0, 3)]
+
+
+def test_both_chaos_benchmarks_report_the_comparison_in_one_form():
+    from tidal.testing.timeline import markdown_rows
+
+    ledger = {"goodput_startup_s": 15.0, "goodput_restore_s": 2.0, "goodput_replayed_s": 6.0,
+              "goodput_productive_s": 20.0, "goodput_other_s": 17.0, "goodput_wall_s": 60.0}
+    rows = markdown_rows("under faults", killed_once(), ledger, "; a note").splitlines()
+    assert rows[0] == ("| under faults, lost to start-up and faults: the harness's clock / the ledger | 38.0 s / "
+                       "23.0 s: **-15.0 s** (beyond 4 s; a note) |")
+    assert len(rows) == 3 and rows[2].endswith("60.0 s / 60.0 s: **+0.0 s** (within 4 s; a note) |")
+    assert markdown_rows("x", killed_once(), {}) == "| x: the ledger against the harness's clock | no goodput account in the run |\n"

@@ -33,6 +33,9 @@ LAG_S = 1.5  # a step line reaches the harness this late at most (the tracker po
 # waits inside steps and between them (the log step's collective, logging, the saves).
 PROGRESS = ("productive", "checkpoint_stall", "post_save_slowdown", "data_wait", "straggler_wait", "eval", "other")
 LOST = ("queue", "startup", "restore", "replayed", "hang", "resize_preemption")
+# Allowed gap between the harness's clock and the ledger, per fault and once more: the step lines reach
+# the harness through the tracker's polling (about 0.5 s) and a fault's edges are a printed line apart.
+SLACK_S = 2.0
 
 
 @dataclass
@@ -162,3 +165,17 @@ def compare(seen: dict[str, float], ledger: dict[str, float], within_s: float) -
         rows.append({"group": group, "harness_s": harness, "ledger_s": ledger[key], "off_s": off,
                      "ok": abs(off) <= within_s})
     return rows
+
+
+def markdown_rows(name: str, t: Timeline, ledger: dict[str, float], note: str = "") -> str:
+    """The chaos benchmarks' rows: per group, the harness's seconds and the ledger's (its final
+    `goodput_*` metrics), within SLACK_S a fault and once more; `note` follows the verdict."""
+    if not ledger:
+        return f"| {name}: the ledger against the harness's clock | no goodput account in the run |\n"
+    within = SLACK_S * (1 + len(t.kills))
+    out = ""
+    for row in compare(observed(t), from_ledger(ledger), within):
+        out += (f"| {name}, {row['group']}: the harness's clock / the ledger | {row['harness_s']:.1f} s / "
+                f"{row['ledger_s']:.1f} s: **{row['off_s']:+.1f} s** ({'within' if row['ok'] else 'beyond'} "
+                f"{within:.0f} s{note}) |\n")
+    return out
