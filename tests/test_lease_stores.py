@@ -260,6 +260,20 @@ def test_a_job_on_azurite_reached_only_through_its_abfs_uri_and_the_environment(
         assert wrong not in text, "the key is never shown"
 
 
+@pytest.mark.parametrize("signed_with, source", [
+    ({"key": "a2V5LWVudg=="}, "AZURE_STORAGE_KEY"),  # the environment's key, which resolve used
+    ({"key": "a2V5LXVyaQ=="}, ""),  # the URI's own key, which resolve takes first: not the variable's
+    ({"sas": "sv=1&sig=x"}, ""),
+])
+def test_a_refused_key_is_said_to_come_from_where_it_did(signed_with, source):
+    """A key in the storage URI wins over AZURE_STORAGE_KEY; refused, the message must not send the
+    user to fix the variable."""
+    from tidal import azure_blob
+
+    env = {"AZURE_STORAGE_KEY": "a2V5LWVudg=="}
+    assert azure_blob.credential_source("acct", env=env, **signed_with) == source
+
+
 def test_azure_without_a_key_or_sas_is_refused_naming_what_to_set(monkeypatch):
     no_azure_env(monkeypatch)
     with pytest.raises(NotExclusive) as e:  # nothing is asked of Azure: the refusal needs no request

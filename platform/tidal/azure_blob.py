@@ -72,12 +72,14 @@ def resolve(uri: str, env: dict[str, str] | None = None) -> tuple[pafs.FileSyste
     return pafs.AzureFileSystem(account_name=account, **kwargs), path
 
 
-def credential_source(account: str, uri_key: bool = False, env: dict[str, str] | None = None) -> str:
-    """Where the key or SAS token for `account` came from ("" when none), for an error message."""
+def credential_source(account: str, key: str = "", sas: str = "", env: dict[str, str] | None = None) -> str:
+    """Which variable the `key` or `sas` a filesystem for `account` signs with came from, for an
+    error message; "" when not the environment's (a key in the storage URI, which `resolve` takes
+    first, or a filesystem built by hand)."""
     env = dict(os.environ if env is None else env)
-    if uri_key:
-        return "the storage URI's key"
-    return _credential("", env, account, _connection(env, account)).source
+    found = _credential("", env, account, _connection(env, account))
+    same = (key and found.key == key) or (sas and found.sas.lstrip("?") == sas.lstrip("?"))
+    return found.source if same else ""
 
 
 def refusal(account: str) -> str:

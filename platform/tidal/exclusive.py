@@ -385,7 +385,8 @@ def _azure_create_exclusive(store: pafs.FileSystem, path: str, blob: bytes) -> b
     else:
         headers["Authorization"] = _shared_key(account, str(options["account_key"]), "PUT", headers,
                                                f"{resource}/{quoted}")
-    source = azure_blob.credential_source(account) or "the storage URI's key or SAS token"
+    source = (azure_blob.credential_source(account, str(options.get("account_key") or ""), str(sas or ""))
+              or "the storage URI's key or SAS token")
     denied = (f"Azure storage account {account!r} refused the request Tidal signed with {source}: set a valid "
               f"key or SAS token there ({azure_blob.CONNECTION_ENV} with the AccountKey `az storage account "
               f"show-connection-string` prints, {' or '.join(azure_blob.KEY_ENVS)}, or {azure_blob.SAS_ENV})")
