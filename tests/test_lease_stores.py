@@ -260,6 +260,25 @@ def test_a_job_on_azurite_reached_only_through_its_abfs_uri_and_the_environment(
         assert wrong not in text, "the key is never shown"
 
 
+@pytest.mark.parametrize("env, blob, dfs", [
+    # a sovereign cloud: its Data Lake (dfs) host is its own, beside the blob one (hierarchical namespace accounts)
+    ({"AZURE_STORAGE_CONNECTION_STRING": "AccountName=acct;AccountKey=a2V5;EndpointSuffix=core.chinacloudapi.cn"},
+     ".blob.core.chinacloudapi.cn", ".dfs.core.chinacloudapi.cn"),
+    ({"AZURE_STORAGE_CONNECTION_STRING": "AccountName=acct;AccountKey=a2V5;"
+                                         "BlobEndpoint=https://acct.blob.core.usgovcloudapi.net/"},
+     ".blob.core.usgovcloudapi.net", ".dfs.core.usgovcloudapi.net"),
+    # an emulator's one host serves both
+    ({"AZURE_STORAGE_CONNECTION_STRING": "AccountName=acct;AccountKey=a2V5;BlobEndpoint=http://127.0.0.1:10000/acct"},
+     "127.0.0.1:10000", "127.0.0.1:10000"),
+])
+def test_the_data_lake_endpoint_is_the_clouds_own(env, blob, dfs):
+    from tidal import azure_blob
+
+    store, _ = azure_blob.resolve(AZ, env)
+    o = exclusive._options(store)
+    assert (o["blob_storage_authority"], o["dfs_storage_authority"]) == (blob, dfs)
+
+
 @pytest.mark.parametrize("signed_with, source", [
     ({"key": "a2V5LWVudg=="}, "AZURE_STORAGE_KEY"),  # the environment's key, which resolve used
     ({"key": "a2V5LXVyaQ=="}, ""),  # the URI's own key, which resolve takes first: not the variable's

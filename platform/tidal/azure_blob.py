@@ -63,7 +63,9 @@ def resolve(uri: str, env: dict[str, str] | None = None) -> tuple[pafs.FileSyste
         return store, path  # pyarrow's own: Entra ID (DefaultAzureCredential)
     kwargs: dict[str, str] = {}
     if authority:
-        kwargs = {"blob_storage_authority": authority, "dfs_storage_authority": authority,
+        # An Azure cloud's Data Lake host (hierarchical namespace accounts) is its own: `.dfs.SUFFIX`
+        dfs = ".dfs." + authority[len(".blob."):] if authority.startswith(".blob.") else authority
+        kwargs = {"blob_storage_authority": authority, "dfs_storage_authority": dfs,
                   "blob_storage_scheme": scheme, "dfs_storage_scheme": scheme}
     if cred.key:
         kwargs["account_key"] = cred.key
