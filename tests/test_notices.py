@@ -190,6 +190,19 @@ def test_one_malformed_answer_from_the_metadata_service_does_not_end_the_watcher
         assert sum("metadata service" in s for s in said) == 1, "said once"
 
 
+@pytest.mark.parametrize("body", [
+    '{"Events": [{"EventType": "Preempt", "NotBefore": 1700000000}]}',  # a number where a date was documented
+    '{"Events": [{"EventType": "Preempt", "Resources": 7, "NotBefore": "Mon, 19 Sep 2016 18:29:47 GMT"}]}',
+    '{"Events": [{"EventType": "Preempt", "Resources": [["vm"]], "NotBefore": "Mon, 19 Sep 2016 18:29:47 GMT"}]}',
+])
+def test_an_azure_event_with_fields_of_another_type_is_malformed_not_the_watchers_end(body):
+    """The watcher goes on past Malformed only: any other error from a parser ends it for good."""
+    from tidal.cluster.notices import Malformed
+
+    with pytest.raises(Malformed):
+        parse_azure_events(200, body, 0.0, vm_name="vm")
+
+
 def test_a_failed_azure_acknowledgement_is_retried_and_the_watcher_keeps_watching():
     import time
 

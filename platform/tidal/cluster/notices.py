@@ -116,13 +116,15 @@ def parse_azure_events(status: int, body: str, now: float, vm_name: str | None =
         if event.get("EventType") != "Preempt":
             continue
         resources = event.get("Resources") or []
+        if not isinstance(resources, list) or not all(isinstance(r, str) for r in resources):
+            raise Malformed(f"Preempt Resources {resources!r} is not a list of VM names")
         if vm_name and resources and vm_name not in resources:
             continue
         not_before = event.get("NotBefore") or ""
         started = event.get("EventStatus") == "Started" or not not_before
-        try:
+        try:  # a number or a list where a date is documented fails in the parser as other types do
             deadline = now if started else parsedate_to_datetime(not_before).timestamp()
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, AttributeError) as e:
             raise Malformed(f"Preempt NotBefore {not_before!r} is not an RFC 1123 time") from e
         event_id = str(event.get("EventId"))
         notices.append(Notice("azure Preempt", True, deadline, f"azure:{event_id}:{not_before}", event_id))
