@@ -167,3 +167,33 @@ def test_a_drain_that_fails_is_asked_again_at_the_next_poll():
         t.join(5)
     assert len(calls) == 3, "asked until accepted, then no more"
     assert any("GCS unreachable" in s for s in said) and any("refused" in s for s in said)
+
+
+def test_a_metadata_answer_that_is_not_utf8_is_read_not_the_watchers_end():
+    """A proxy's page in another encoding is a malformed answer (the readers say so and read again):
+    it raised UnicodeDecodeError from the read itself, which the unattended watcher does not outlive."""
+    import http.server
+
+    from tidal.cluster.notices import Malformed, parse_aws_instance_action
+
+    class Latin1(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            body = "<html>Zugriff verweigert: Proxy-Fehler ä</html>".encode("latin-1")
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Latin1)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        status, body, _ = Metadata(f"http://127.0.0.1:{server.server_address[1]}").request("GET", "/")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert status == 200 and "Proxy-Fehler" in body
+    with pytest.raises(Malformed):
+        parse_aws_instance_action(status, body)

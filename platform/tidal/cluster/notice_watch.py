@@ -57,7 +57,7 @@ class Metadata:
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         try:
             with opener.open(req, timeout=timeout_s or self.timeout_s) as r:
-                return r.status, r.read().decode(), dict(r.headers)
+                return r.status, r.read().decode(errors="replace"), dict(r.headers)  # a proxy's page: Malformed
         except urllib.error.HTTPError as e:
             return e.code, e.read().decode(errors="replace"), dict(e.headers or {})
         except (urllib.error.URLError, OSError) as e:
