@@ -197,3 +197,31 @@ def test_a_metadata_answer_that_is_not_utf8_is_read_not_the_watchers_end():
     assert status == 200 and "Proxy-Fehler" in body
     with pytest.raises(Malformed):
         parse_aws_instance_action(status, body)
+
+
+def test_a_metadata_answer_cut_short_is_unreachable_not_the_watchers_end():
+    """A body shorter than its Content-Length (the connection dropped): http.client's IncompleteRead is
+    no OSError, and it ended the watcher; it is a failed read, tried again at the next poll."""
+    import http.server
+
+    from tidal.cluster.notice_watch import Unreachable
+
+    class CutShort(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            self.send_response(200)
+            self.send_header("Content-Length", "100")
+            self.end_headers()
+            self.wfile.write(b'{"action": "termi')
+            self.close_connection = True
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), CutShort)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(Unreachable):
+            Metadata(f"http://127.0.0.1:{server.server_address[1]}").request("GET", "/")
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -13,6 +13,7 @@ Kubernetes nodes, not Ray's); urllib from the standard library is all it needs.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import threading
@@ -60,7 +61,7 @@ class Metadata:
                 return r.status, r.read().decode(errors="replace"), dict(r.headers)  # a proxy's page: Malformed
         except urllib.error.HTTPError as e:
             return e.code, e.read().decode(errors="replace"), dict(e.headers or {})
-        except (urllib.error.URLError, OSError) as e:
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as e:  # IncompleteRead: a body cut short
             raise Unreachable(f"{method} {self.base}{path}: {getattr(e, 'reason', e)}") from e
 
 
