@@ -65,7 +65,9 @@ def spec_for(tmp: Path, kind: str, i: int, args: argparse.Namespace) -> JobSpec:
         tracking={"uri": prepared_store(tmp / "mlflow.db"), "experiment": "bench"},
         worker_env={LOSS_TRACE_ENV: str(tmp / "trace.jsonl"), fetch.CACHE_ENV: str(tmp / "cache")},
     )
-    return spec.with_overrides({"checkpoint.memory.every_steps": args.memory_every}) if kind == "memory" else spec
+    # The storage side turns the tier off: it is on by default.
+    return spec.with_overrides({"checkpoint.memory.every_steps": args.memory_every} if kind == "memory" else
+                               {"checkpoint.memory": None})
 
 
 def measure(args: argparse.Namespace, i: int, kind: str) -> dict[str, Any]:
@@ -281,7 +283,9 @@ def node_loss_spec(tmp: Path, kind: str, i: int, args: argparse.Namespace) -> Jo
         tracking={"uri": prepared_store(tmp / "mlflow.db"), "experiment": "bench"},
         worker_env={LOSS_TRACE_ENV: str(tmp / "trace.jsonl"), fetch.CACHE_ENV: str(tmp / "cache")},
     )
-    return spec.with_overrides({"checkpoint.memory.every_steps": args.memory_every}) if kind == "memory" else spec
+    # The storage side turns the tier off: it is on by default.
+    return spec.with_overrides({"checkpoint.memory.every_steps": args.memory_every} if kind == "memory" else
+                               {"checkpoint.memory": None})
 
 
 def node_loss(cluster: Any, args: argparse.Namespace, i: int, kind: str) -> dict[str, Any]:

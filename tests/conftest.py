@@ -82,7 +82,9 @@ def tiny_spec(tmp: Path, name: str = "tiny", **overrides: Any) -> JobSpec:
         train={"steps": 24, "micro_batch": 4, "global_batch": 16, "lr": 1e-2, "warmup_steps": 2, "log_every": 1},
         parallelism={"zero_stage": 2},
         scaling={"min_workers": 2, "max_workers": 2},
-        checkpoint={"every_steps": 8, "keep": 10, "storage": str(tmp / "runs")},
+        # The memory tier (on by default) off: these tests' restores are from storage checkpoints, which a
+        # newer memory snapshot would replace. Memory-tier tests set it (checkpoint.memory.every_steps, or {}).
+        checkpoint={"every_steps": 8, "keep": 10, "storage": str(tmp / "runs"), "memory": None},
         failure={"max_restarts": 2},
         tracking={"uri": prepared_store(tmp / "mlflow.db"), "experiment": "tests"},
     )

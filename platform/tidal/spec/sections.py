@@ -263,8 +263,9 @@ class ScalingSpec(Part):
 
 
 class MemorySpec(Part):
-    """Snapshots in host memory between persistent checkpoints (off unless set): a worker's or a node's loss
-    then resumes from the newest complete snapshot, a few steps back, reading nothing from storage."""
+    """Snapshots in host memory between persistent checkpoints (on by default; `checkpoint.memory: null` turns
+    them off): a worker's or a node's loss then resumes from the newest complete snapshot, a few steps back,
+    reading nothing from storage."""
 
     every_steps: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
         "auto", description="steps between snapshots: each rank's state is copied to host memory on its node, held "
@@ -310,16 +311,25 @@ class CheckpointSpec(Part):
         "frozen parameters) always go universal"
     )
     memory: MemorySpec | None = Field(
-        None, description="a host-memory snapshot tier replicated to a peer node, e.g. {} (its interval chosen: "
-        "every_steps auto) or {every_steps: 5}: a worker or node loss redoes about one snapshot interval instead of "
-        "up to checkpoint.every_steps. Off by default. Not for "
-        "streamed data or pipelines (their restarts read storage)"
+        default_factory=MemorySpec, description="a host-memory snapshot tier replicated to a peer node: a worker or "
+        "node loss redoes about one snapshot interval instead of up to checkpoint.every_steps. On by default, its "
+        "interval chosen (every_steps auto); e.g. {every_steps: 5} sets it, null turns the tier off. Not for "
+        "streamed data or pipelines (their restarts read storage; such a job says the tier is off)"
     )
     safe_globals: list[str] = Field(
         default_factory=list, description="types and functions (module.name, as torch names them, e.g. numpy.dtype) "
         "that the model's own state holds and checkpoints may load besides tensors and DeepSpeed's types; loading "
         "refuses any other. The first save fails naming what is missing here"
     )
+
+    @field_validator("memory", mode="before")
+    @classmethod
+    def _memory_on_or_null(cls, value: Any) -> Any:
+        # `false`/`off` read as "off" to a user but would fail as "not a dictionary": say the spelling.
+        if value is None or isinstance(value, (dict, MemorySpec)):
+            return value
+        raise ValueError("null turns the memory tier off; {} (every_steps auto) or {every_steps: N, peer: true|false, "
+                         f"max_gb: G}} sets it (got {value!r})")
 
     @field_validator("safe_globals")
     @classmethod

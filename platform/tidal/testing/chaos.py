@@ -30,7 +30,8 @@ def chaos_spec(tmp: Path, name: str, steps: int, every: int, memory_every: int |
         train={"steps": steps, "micro_batch": 4, "global_batch": 64, "lr": 1e-2, "warmup_steps": 5, "log_every": 1},
         parallelism={"zero_stage": 2},
         scaling={"min_workers": 2, "max_workers": 2},
-        checkpoint={"every_steps": every, "keep": 3, "storage": str(tmp / "runs")},
+        # The memory tier (on by default) only with `memory_every`: without it, restarts read storage.
+        checkpoint={"every_steps": every, "keep": 3, "storage": str(tmp / "runs"), "memory": None},
         failure={"max_restarts": 50},
         tracking={"uri": prepared_store(tmp / "mlflow.db"), "experiment": "chaos"},
         worker_env={LOSS_TRACE_ENV: str(tmp / f"{name}.trace")},
