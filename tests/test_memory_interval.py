@@ -37,4 +37,4 @@ def test_the_time_between_faults_starts_at_the_prior_and_follows_the_job():
 def test_an_empty_memory_section_chooses_its_interval_and_a_number_still_sets_it(tmp_path):
     assert tiny_spec(tmp_path, **{"checkpoint.memory": {}}).checkpoint.memory.every_steps == "auto"
     assert tiny_spec(tmp_path, **{"checkpoint.memory.every_steps": 7}).checkpoint.memory.every_steps == 7
-    assert tiny_spec(tmp_path).checkpoint.memory is None  # off unless set
+    assert tiny_spec(tmp_path).checkpoint.memory is None  # tests/conftest.py turns it off (on by default)
