@@ -289,3 +289,24 @@ def prestart_workers(raylet: str, job_id: str, runtime_env: str, count: int, kee
             timeout=timeout_s)
     finally:
         channel.close()
+
+
+def replica_group_config(backend: str) -> Any:
+    """A Ray Train TorchConfig whose Backend sets Ray's replica-group hook (REPLICA_GROUP_HOOK): when
+    one worker fails and the group keeps its size, Ray Train 2.60 replaces that worker alone, in its
+    placement-group bundle, and leaves the others' actors, processes and training threads running
+    (TrainController._replace_bad_workers). Ray then forms no torch process group across workers
+    (each replica group is a world of one): the job forms its own. Ray 2.60: the hook has no public
+    API; torchft's config (ray.train.v2.torch.torchft_config) is its only user in the wheel."""
+    from ray.train.backend import Backend
+    from ray.train.torch import TorchConfig
+
+    class _ReplicaGroups(Backend):
+        has_replica_groups = True
+
+    class _ReplicaGroupConfig(TorchConfig):
+        @property
+        def backend_cls(self) -> type[Backend]:
+            return _ReplicaGroups
+
+    return _ReplicaGroupConfig(backend=backend)
