@@ -116,11 +116,21 @@ def _run_holding(spec: JobSpec, restart: bool, mlflow_tags: dict[str, str] | Non
             return _train(spec, run_dir, job, tags, callbacks or [], seat, t0, lease, queued_s)
     except admission.Parked as p:  # waits with no driver; admission starts the next (admission/parking.py)
         # The goodput account keeps this driver's wait, and the time parked until the successor's launch, as queue.
-        MetricsBuffer(run_dir.fs, run_dir.path).append({**Launched(0, {
-            "t0": t0, "queue_s": time.time() - asked, "parked": 1.0}).entry(), "ts": int(time.time() * 1000)})
+        record_event(run_dir, Launched(0, {"t0": t0, "queue_s": time.time() - asked, "parked": 1.0}))
         print_record({"name": spec.name, "parked_as": p.successor})
         return RunResult(spec.name, "", spec.tracking.uri, spec.checkpoint.storage, wall_s=time.time() - t0,
                          parked_as=p.successor, position=p.position)
+
+
+def record_event(run_dir: RunDir, event: Launched | GroupEnded) -> None:
+    """Put one of the driver's goodput events in the job's buffer. A side channel: a storage error
+    here costs the account that event (said as a warning), never the job, which may be ending or
+    already handed to its successor when it is written."""
+    try:
+        MetricsBuffer(run_dir.fs, run_dir.path).append({**event.entry(), "ts": int(time.time() * 1000)})
+    except OSError as e:
+        print(f"[tidal] WARNING: the goodput account misses the driver's {type(event).__name__} event: "
+              f"storage refused it ({type(e).__name__}: {e})", flush=True)
 
 
 def _train(spec: JobSpec, run_dir: RunDir, job: dict[str, Any], tags: dict[str, str], callbacks: list[Any],
@@ -139,8 +149,7 @@ def _train(spec: JobSpec, run_dir: RunDir, job: dict[str, Any], tags: dict[str, 
                                   "tracking_uri": redact_uri(spec.tracking.uri), "tidal_version": __version__,
                                   "ray_requester": train_requester(trainer)})
     # The goodput account's first second is this launch's (tidal/goodput): written before any group starts.
-    MetricsBuffer(run_dir.fs, run_dir.path).append(
-        {**Launched(0, {"t0": t0, "queue_s": queued_s}).entry(), "ts": int(time.time() * 1000)})
+    record_event(run_dir, Launched(0, {"t0": t0, "queue_s": queued_s}))
     # The tracker opens the MLflow run while Ray starts the controller and the workers.
     tracker, _ = start_tracker(spec, tags, job_record(spec, None), lambda run_id: _announce(spec, run_id),
                                lease.config())
@@ -218,7 +227,7 @@ def _fit(spec: JobSpec, trainer: TorchTrainer, callbacks: list[Any], seat: admis
         if not lease.renew():  # at once: the renewal thread may not have looked since fit() returned
             return  # a newer start owns the job: this driver's workers stopped themselves (worker/loop.py)
         # The goodput account holds no workers from here until the next group starts (tidal/goodput).
-        MetricsBuffer(run_dir.fs, run_dir.path).append({**GroupEnded(0).entry(), "ts": int(time.time() * 1000)})
+        record_event(run_dir, GroupEnded(0))
         avoided = avoidance.restart_for(spec)  # the group ended to take a straggler's node out, or back in
         found = find_resume_point(spec) if seat is not None or avoided else None
         if found is None or _already_complete(spec, found.state):
