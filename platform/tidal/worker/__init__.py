@@ -20,6 +20,10 @@ quiet_libraries()  # before any module here imports deepspeed, which warns at im
 def train_loop(config: dict[str, Any]) -> None:
     """The per-worker training loop (worker/loop.py)."""
     spares.note_train_start()  # before any import here: did this process start as a warm spare?
+    # Again, now that Ray Train is imported: the job's setup hook (tidal.worker.spares) imports this
+    # package when the process starts, before Ray Train, and the quieting of Ray Train's per-report
+    # lines needs its module loaded (quiet._quiet_ray_train_reports); idempotent.
+    quiet_libraries()
     _import_deepspeed()
     _import_muon_uncompiled()
     from tidal.worker.loop import train_loop as loop
