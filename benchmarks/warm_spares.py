@@ -50,7 +50,7 @@ def child(kind: str, folder: Path) -> dict[str, Any]:
     slow.touch()
     spec = chaos_spec(folder, kind, STEPS, 10)
     spec = spec.with_overrides({
-        "failure.warm_spares": None if kind == "spares" else 0, "train.step_fn": "tests.slow_step:step",
+        "failure.warm_spares": wanted(2, None, idle_cpus=1) if kind == "spares" else 0, "train.step_fn": "tests.slow_step:step",
         "worker_env": {**spec.worker_env, TRACE_ENV: str(folder / "starts"), "TIDAL_TEST_STEP_S": "0.05",
                        "TIDAL_TEST_HOLD": str(slow)}})
     loss_trace = Path(spec.worker_env[LOSS_TRACE_ENV])
@@ -61,7 +61,7 @@ def child(kind: str, folder: Path) -> dict[str, Any]:
             wait_for("step 10", lambda: any(r["step"] >= 10 for r in read_trace(loss_trace)), 300)
             if kind == "spares":
                 job = ray.get_runtime_context().get_job_id()
-                ready = wait_for("warm spares", lambda: warm_spares(job, wanted(2, None)), 300, every=0.1)
+                ready = wait_for("warm spares", lambda: warm_spares(job, wanted(2, None, idle_cpus=1)), 300, every=0.1)
                 out["spare_mib"] = memory_mib(ready)
             else:
                 time.sleep(20)

@@ -10,15 +10,17 @@ import pytest
 from tidal.worker import spares
 
 
-@pytest.mark.parametrize("local_workers, setting, want", [
-    (1, None, 4),  # the worker a restart replaces, and the three actors Ray Train starts with each group
-    (2, None, 5),
-    (8, None, 11),  # a full restart replaces every worker on the node at once
-    (2, 0, 0),  # failure.warm_spares: 0 turns them off
-    (2, 5, 5),  # the user's count wins
+@pytest.mark.parametrize("local_workers, setting, idle_cpus, want", [
+    (1, None, 1, 4),  # the worker a restart replaces, and the three actors Ray Train starts with each group
+    (2, None, 6, 5),
+    (8, None, 32, 11),  # a full restart replaces every worker on the node at once
+    (2, None, 0, 0),  # the workers take every CPU (a laptop's quickstart): the spares' imports would slow training
+    (2, None, 0.5, 0),
+    (2, 0, 6, 0),  # failure.warm_spares: 0 turns them off
+    (2, 5, 0, 5),  # the user's count wins, even on a full node
 ])
-def test_a_node_keeps_a_spare_per_local_worker_and_per_group_actor(local_workers, setting, want):
-    assert spares.wanted(local_workers, setting) == want
+def test_a_node_keeps_a_spare_per_local_worker_and_per_group_actor(local_workers, setting, idle_cpus, want):
+    assert spares.wanted(local_workers, setting, idle_cpus) == want
 
 
 @pytest.mark.parametrize("want, idle, start", [

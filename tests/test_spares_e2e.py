@@ -35,7 +35,7 @@ def tidal_local_ray():
     ray.shutdown()
 
 
-def _run_killed_once(tmp: Path, warm_spares: int | None) -> tuple[float, list[dict]]:
+def _run_killed_once(tmp: Path, warm_spares: int) -> tuple[float, list[dict]]:
     """The job, one worker SIGKILLed once the job has trained 10 steps and (with spares) its node's
     spares are warm; its steps slowed until then (tests/slow_step.py), so that the kill lands
     before the end on any machine. The kill time and each worker's start, as it told them."""
@@ -52,7 +52,7 @@ def _run_killed_once(tmp: Path, warm_spares: int | None) -> tuple[float, list[di
             wait_for_step(spec, 10, timeout=300)
             if warm_spares != 0:
                 job = ray.get_runtime_context().get_job_id()
-                wait_for("warm spares with torch imported", lambda: ready_spares(job, wanted(2, None)), 300, every=0.1)
+                wait_for("warm spares with torch imported", lambda: ready_spares(job, warm_spares), 300, every=0.1)
             workers = wait_for("training workers", lambda: our_processes("RayTrainWorker"), 60)
             killed.append(time.time())
             kill(workers[-1])
@@ -82,7 +82,8 @@ def test_without_spares_the_group_restarts_in_new_processes(tmp_path, tidal_loca
 
 
 def test_a_killed_workers_group_restarts_in_warm_spares(tmp_path, tidal_local_ray):
-    kill_time, starts = _run_killed_once(tmp_path, None)
+    # The count is set: by default a node whose CPUs the workers take keeps none (spares.wanted).
+    kill_time, starts = _run_killed_once(tmp_path, wanted(2, None, idle_cpus=1))
     after = [s for s in starts if s["train_started"] > kill_time]
     assert len(after) == 2, f"the restarted group's two workers: {starts}"
     for s in after:

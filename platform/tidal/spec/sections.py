@@ -371,7 +371,8 @@ class FailureSpec(Part):
         None, ge=0, description="idle worker processes with torch imported that each node keeps for this job, so that "
         "a restarted group's workers start in them instead of new processes. Default (null): one per worker on the "
         "node plus three (the actors Ray Train starts with each group: a synchronizer, the DatasetManager, the preemption "
-        "watcher); 0: none. Each costs about the "
+        "watcher), and none on a node whose CPUs the job's workers already take (their imports would slow training); "
+        "0: none. Each costs about the "
         "memory of an idle Python process with torch imported (docs/reliability.md)"
     )
     straggler_ratio: float = Field(

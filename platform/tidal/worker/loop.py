@@ -37,7 +37,7 @@ def train_loop(config: dict[str, Any]) -> None:
         return  # a newer start owns the job: this group ends before it touches anything
     s = open_session(config)
     spec, state = s.spec, s.state
-    warm = Spares(spec.failure.warm_spares)  # this node's warm spares, refilled after the first step
+    warm = Spares(spec.failure.warm_spares, spec.scaling.cpus_per_worker)  # this node's warm spares, refilled after the first step
     for step in s.steps():
         hold.before_step(s.rank, step)  # tests only: a fault lands after a known step (TIDAL_TEST_HOLD_AFTER_STEP)
         seed_step(s.device, spec.train.seed * 1_000_003 + step * 1_009 + s.rank)  # dropout depends on the step only
