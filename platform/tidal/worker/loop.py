@@ -38,44 +38,49 @@ def train_loop(config: dict[str, Any]) -> None:
     s = open_session(config)
     spec, state = s.spec, s.state
     warm = Spares(spec.failure.warm_spares, spec.scaling.cpus_per_worker)  # this node's warm spares, refilled after the first step
-    for step in s.steps():
-        hold.before_step(s.rank, step)  # tests only: a fault lands after a known step (TIDAL_TEST_HOLD_AFTER_STEP)
-        seed_step(s.device, spec.train.seed * 1_000_003 + step * 1_009 + s.rank)  # dropout depends on the step only
-        s.clock.start_step(sync=step % spec.train.log_every == 0)
-        train = partial(_train_step, s.engine, s.clock, s.step_fn, s.batches, step)
-        loss, n = s.auto.step(step, train) if s.auto else train()  # auto: halved and redone on out-of-memory
-        s.loss_sum += loss
-        s.loss_n += n
-        s.clock.end_step()
-        s.watchdog.beat(step)
-        warm.after_step()
-        state.step, state.data_ended = step, s.batches.ended  # a stream of data.epochs ran out
-        due = plan.due(step, s.cadence, state.data_ended)
-        if due is None:
+    try:
+        for step in s.steps():
+            hold.before_step(s.rank, step)  # tests only: a fault lands after a known step (TIDAL_TEST_HOLD_AFTER_STEP)
+            seed_step(s.device, spec.train.seed * 1_000_003 + step * 1_009 + s.rank)  # dropout depends on the step only
+            s.clock.start_step(sync=step % spec.train.log_every == 0)
+            train = partial(_train_step, s.engine, s.clock, s.step_fn, s.batches, step)
+            loss, n = s.auto.step(step, train) if s.auto else train()  # auto: halved and redone on out-of-memory
+            s.loss_sum += loss
+            s.loss_n += n
+            s.clock.end_step()
+            s.watchdog.beat(step)
+            warm.after_step()
+            state.step, state.data_ended = step, s.batches.ended  # a stream of data.epochs ran out
+            due = plan.due(step, s.cadence, state.data_ended)
+            if due is None:
+                _snapshot_to_memory(s, step)
+                continue
+            times = s.clock.take()
+            agreed = _agree(s, times, due.may_check_preemption, due.checkpoint)  # the log step's one collective
+            warning = ray.train.get_preemption_info() if agreed.check_preemption else None
+            if warning is not None:
+                s.preemption_rearm_at = rearm_after_warning(warning.deadline_ms)
+            # the size rank 0 asked for (worker/health/decide.group_target), for a group launched at s.world
+            resize = resize_to(agreed.target, _launched(s))
+            step_plan = plan.plan_step(due, s.cadence, warning is not None, spec.checkpoint.async_upload,
+                                       resize is not None, agreed.superseded)
+            if step_plan.end == "superseded":
+                if s.rank == 0:
+                    print(f"[tidal] {s.lease.why()}", flush=True)  # not an event: the job's log is the newer start's
+                break
+            if step_plan.end == "resize" and s.rank == 0 and s.target_by == "admission":
+                s.events.say(f"admission resizes this job to {resize} worker(s): checkpoint at step {step}, "
+                             "then the group restarts at that size", step)
+            if (end := finish_step(s, step_plan, agreed, times, warning)) is not None:
+                if s.rank == 0:  # the goodput account: the gap until the next group is this end's (tidal/goodput)
+                    s.events.ending(step, end)
+                break
             _snapshot_to_memory(s, step)
-            continue
-        times = s.clock.take()
-        agreed = _agree(s, times, due.may_check_preemption, due.checkpoint)  # the log step's one collective
-        warning = ray.train.get_preemption_info() if agreed.check_preemption else None
-        if warning is not None:
-            s.preemption_rearm_at = rearm_after_warning(warning.deadline_ms)
-        # the size rank 0 asked for (worker/health/decide.group_target), for a group launched at s.world
-        resize = resize_to(agreed.target, _launched(s))
-        step_plan = plan.plan_step(due, s.cadence, warning is not None, spec.checkpoint.async_upload,
-                                   resize is not None, agreed.superseded)
-        if step_plan.end == "superseded":
-            if s.rank == 0:
-                print(f"[tidal] {s.lease.why()}", flush=True)  # not an event: the job's log is the newer start's
-            break
-        if step_plan.end == "resize" and s.rank == 0 and s.target_by == "admission":
-            s.events.say(f"admission resizes this job to {resize} worker(s): checkpoint at step {step}, "
-                         "then the group restarts at that size", step)
-        if (end := finish_step(s, step_plan, agreed, times, warning)) is not None:
-            if s.rank == 0:  # the goodput account: the gap until the next group is this end's (tidal/goodput)
-                s.events.ending(step, end)
-            break
-        _snapshot_to_memory(s, step)
-    s.watchdog.end()  # the final background upload and the last writes are no step (worker/health/watchdog.py)
+    finally:
+        # Ended, or raised (a peer died mid-collective): either way this rank judges no peer's silence
+        # from here - a killed peer stops beating while Ray tears the group down, and no hang is counted
+        # against its node - and the final background upload and the last writes are no step.
+        s.watchdog.end()
     if s.directive is not None:
         s.directive.close()
     s.events.drain()  # the last checkpoint's event and notes reach storage before this process ends
