@@ -38,3 +38,29 @@ def test_an_empty_memory_section_chooses_its_interval_and_a_number_still_sets_it
     assert tiny_spec(tmp_path, **{"checkpoint.memory": {}}).checkpoint.memory.every_steps == "auto"
     assert tiny_spec(tmp_path, **{"checkpoint.memory.every_steps": 7}).checkpoint.memory.every_steps == 7
     assert tiny_spec(tmp_path).checkpoint.memory is None  # tests/conftest.py turns it off (on by default)
+
+
+def test_ranks_whose_clocks_differ_choose_the_same_interval():
+    """Every rank must snapshot at the same steps (a snapshot is a collective). The time trained is
+    rank 0's, carried in the group's gather: each rank's own clock rounded the interval differently
+    across a step boundary (found in review: 48 against 49 steps at 30 s of skew), and the ranks then
+    met in mismatched collectives."""
+    import time
+    from types import SimpleNamespace
+
+    from tidal.worker.checkpoint.memory import Tier
+
+    cost, step_s, most = 2.0, 5.0, 1000
+    trained = next(t for t in range(1, 100_000)
+                   if every_steps(cost, step_s, 1, t, most) != every_steps(cost, step_s, 1, t + 30, most))
+    now = time.time()
+    everyone = [(10, None, None, cost, step_s, float(trained)), (10, None, None, cost, step_s, float(trained + 30))]
+    chosen = []
+    for rank, skew in ((0, 0.0), (1, 30.0)):  # rank 1's clock 30 s ahead of rank 0's
+        tier = object.__new__(Tier)
+        tier.rank, tier.faults, tier.said = rank, 1, set()
+        tier.trained_since = now - trained - skew
+        tier.spec = SimpleNamespace(checkpoint=SimpleNamespace(every_steps=most))
+        tier._choose_interval(everyone, 10, lambda line: None)
+        chosen.append((tier.every, tier.next_due))
+    assert chosen[0] == chosen[1], f"rank 0 chose {chosen[0]}, rank 1 {chosen[1]}: their snapshots' collectives would not meet"

@@ -197,11 +197,15 @@ class Tier:
         """Wait for this rank's previous snapshot to be held, then agree with every rank whether
         it is complete (held for every rank): only a complete one lets the keepers drop older ones.
         Under `auto`, every rank also takes the same next interval from what the ranks measured."""
-        mine: tuple[Any, ...] = (None, None, None, None, self.step_s)
+        # The last field, the time trained, is rank 0's that every rank uses: each rank's own clock
+        # could round the chosen interval differently, and ranks snapshotting at different steps
+        # would meet in mismatched collectives.
+        trained = time.time() - self.trained_since
+        mine: tuple[Any, ...] = (None, None, None, None, self.step_s, trained)
         if self.pending is not None and self.pending.thread is not None:
             self.pending.thread.join()
             p = self.pending
-            mine = (p.step, p.error, p.peer_error, p.stall_s + p.hand_over_s, self.step_s)
+            mine = (p.step, p.error, p.peer_error, p.stall_s + p.hand_over_s, self.step_s, trained)
         everyone: list[Any] = [None] * self.world
         dist.all_gather_object(everyone, mine)
         steps = {e[0] for e in everyone}
@@ -221,7 +225,7 @@ class Tier:
         costs, steps = [e[3] for e in everyone], [e[4] for e in everyone]
         cost = None if None in costs else max(costs)
         step_s = None if None in steps else max(steps)
-        trained = max(0.0, time.time() - self.trained_since)
+        trained = max(0.0, everyone[0][5])  # rank 0's, so that every rank chooses the same
         self.every = interval.every_steps(cost, step_s, self.faults, trained, self.spec.checkpoint.every_steps)
         self.next_due = step + self.every
         if cost is not None and step_s is not None and self.rank == 0:
