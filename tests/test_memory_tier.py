@@ -4,6 +4,9 @@ never two attempts mixed, a peer's copy counts), and what a keeper keeps (prune,
 
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import pyarrow.fs as pafs
 import pytest
@@ -116,6 +119,15 @@ def test_keeper_names_carry_the_job_its_storage_its_drivers_generation_and_the_n
     assert keeper.owner_of("tidal-tracker:x") is None and keeper.owner_of("tidal-keeper:job:n") is None
 
 
+def test_two_azure_containers_or_accounts_are_two_owners():
+    """The key-less abfs:// URI names its container and account in the user-info: a storage of its
+    own each (found in review: the digest masked it, so two such jobs of one name shared keepers)."""
+    owners = {keeper.Owner.of(SPEC.with_overrides({"checkpoint.storage": uri}), 1) for uri in (
+        "abfs://runs-a@acct.dfs.core.windows.net/x", "abfs://runs-b@acct.dfs.core.windows.net/x",
+        "abfs://runs-a@other.dfs.core.windows.net/x")}
+    assert len(owners) == 3
+
+
 def test_a_keepers_storage_digest_carries_no_credential():
     secret = SPEC.with_overrides({"checkpoint.storage": "s3://KEY:SECRET@bucket/runs"})
     other_secret = SPEC.with_overrides({"checkpoint.storage": "s3://KEY:OTHER@bucket/runs"})
@@ -156,3 +168,24 @@ def test_a_keeper_counts_the_groups_of_its_driver_that_opened_the_tier():
     first, groups = k.group_started()
     assert groups == 1
     assert k.group_started() == (first, 2) and k.group_started() == (first, 3)
+
+
+@pytest.mark.slow  # a real expiry on a real clock (about 0.7 s)
+def test_a_wall_clock_stepped_forward_ends_no_live_keeper(monkeypatch):
+    """The keeper's expiry runs on the monotonic clock: an NTP step or a VM's resume moving the wall
+    clock past the expiry ended a live job's keeper, and its snapshots with it (found in review)."""
+    from tidal.worker.checkpoint import keeper as module
+
+    ended = []
+    monkeypatch.setattr(module.os, "_exit", lambda code: ended.append(code))
+    k = Keeper("job", "n0", limit_bytes=None)
+    wall = time.time()
+    monkeypatch.setattr(module.time, "time", lambda: wall + 3600.0)  # the wall clock jumps an hour
+    expiring = threading.Thread(target=k._expire, args=(0.4,), daemon=True)
+    expiring.start()
+    for _ in range(3):
+        time.sleep(0.1)
+        k.touch()  # the driver's heartbeat keeps coming
+    assert not ended, "a touched keeper ended itself"
+    expiring.join(timeout=5)  # untouched now: it ends once the expiry has really passed
+    assert ended == [0]

@@ -58,9 +58,11 @@ def is_secret_name(name: str) -> bool:
     return upper in SECRET_VARS or upper.endswith(_SECRET_SUFFIXES)
 
 
-def redact_uri(uri: str) -> str:
+def redact_uri(uri: str, lone_user: bool = False) -> str:
     """`uri` with its user-info's password (or lone token) and its secret query values masked;
-    anything else, characters and their encoding included, as it was."""
+    anything else, characters and their encoding included, as it was. `lone_user`: a user-info with
+    no password is a name and stays (an `abfs://` URI's container or account, which tells two
+    storages apart), only a password is masked."""
     scheme, sep, rest = uri.partition("://")
     if not sep:
         return uri
@@ -69,7 +71,7 @@ def redact_uri(uri: str) -> str:
     if "@" in authority:
         userinfo, host = authority.rsplit("@", 1)
         user, colon, _ = userinfo.partition(":")
-        authority = f"{user}:{MASK}@{host}" if colon else f"{MASK}@{host}"
+        authority = f"{user}:{MASK}@{host}" if colon else f"{user if lone_user else MASK}@{host}"
     return f"{scheme}://{authority}{_redact_query(tail)}"
 
 

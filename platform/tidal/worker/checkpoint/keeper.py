@@ -61,7 +61,8 @@ class Owner:
         `generation` (0: a group run without a lease)."""
         from tidal.redact import redact_uri
 
-        storage = redact_uri(spec.checkpoint.storage).rstrip("/")
+        # The user-info's name stays: in abfs://CONTAINER@ACCOUNT.dfs... it tells two storages apart.
+        storage = redact_uri(spec.checkpoint.storage, lone_user=True).rstrip("/")
         return cls(spec.name, hashlib.sha256(storage.encode()).hexdigest()[:12], int(generation))
 
 
@@ -93,6 +94,7 @@ class Keeper:
         self.incoming = 0  # bytes of puts admitted under the limit and still being copied in
         self.lock = threading.Lock()  # the shard table and `incoming`: four calls run at once
         self.touched = time.time()
+        self.seen = time.monotonic()  # the expiry's clock: a wall clock stepped forward would end a live job's keeper
         self.groups, self.first_group = 0, self.touched  # worker groups of this driver opened on this node
         self.forwards: queue.Queue[tuple[str, tuple[Any, ...]]] = queue.Queue()  # peer copies to send, in order
         self.forward_errors: list[str] = []  # why peer copies were not kept, until a rank asks
@@ -102,12 +104,12 @@ class Keeper:
 
     def touch(self) -> None:
         """A driver of the job is alive (`heartbeat`)."""
-        self.touched = time.time()
+        self.touched, self.seen = time.time(), time.monotonic()
 
     def _expire(self, expiry_s: float) -> None:
         """End this actor once nothing has touched it for `expiry_s`: its driver is gone, and what it
         holds would otherwise stay in the node's memory until the same job ran again."""
-        while time.time() - self.touched < expiry_s:
+        while time.monotonic() - self.seen < expiry_s:
             time.sleep(min(expiry_s / 4, 5.0))
         log.warning("memory tier: keeper %s on node %s untouched for %.0fs, ending itself", self.job,
                     self.node_id[:8], expiry_s)
@@ -167,7 +169,7 @@ class Keeper:
               prune_below: int | None) -> str | None:
         import psutil
 
-        self.touched = time.time()
+        self.touched, self.seen = time.time(), time.monotonic()
         size = sum(len(b) for b in files.values())
         with self.lock:  # admitted under the limit as one step: two puts never both fit in one gap
             if prune_below is not None:
