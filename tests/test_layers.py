@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("tidal.tracking",),
     ("tidal.storage", "tidal.cluster"),
     ("tidal.lease", "tidal.admission"),
-    ("tidal.fs", "tidal.exclusive", "tidal.azure_blob", "tidal.test_hooks", "tidal.errors", "tidal.output", "tidal.version", "tidal.ray_private", "tidal.redact",
+    ("tidal.fs", "tidal.exclusive", "tidal.azure_blob", "tidal.test_hooks", "tidal.gil", "tidal.errors", "tidal.output", "tidal.version", "tidal.ray_private", "tidal.redact",
      "tidal.ray_auth", "tidal.sites", "tidal.prices", "tidal.goodput", "tidal.jobs_api"),
 ]
 SPEC = "tidal.spec"

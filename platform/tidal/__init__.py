@@ -14,7 +14,7 @@ each other); a module may import its own layer and any below it:
     tidal.storage, tidal.cluster          checkpoints in storage; cluster configs, bursts, status
     tidal.lease, tidal.admission          the job's one live attempt; the team queue (quotas,
                                           decisions, its actor and seats)
-    tidal.fs, tidal.exclusive, tidal.azure_blob, tidal.test_hooks (tests' fault hooks), tidal.errors, tidal.output, tidal.version, tidal.ray_private,
+    tidal.fs, tidal.exclusive, tidal.azure_blob, tidal.test_hooks (tests' fault hooks), tidal.gil (long GIL holds, said), tidal.errors, tidal.output, tidal.version, tidal.ray_private,
       tidal.redact, tidal.ray_auth, tidal.sites, tidal.prices (a node's site and price),
       tidal.goodput (the goodput account: pure, imports no Tidal), tidal.jobs_api (submitting
       through a starting head's refusals)
