@@ -56,3 +56,26 @@ def test_a_driver_running_the_setup_hook_never_preloads(monkeypatch):
     before = {t.name for t in threading.enumerate()}
     spares.setup_worker()
     assert "tidal-spare-preload" not in {t.name for t in threading.enumerate()} - before
+
+
+def test_spares_that_cannot_be_counted_are_asked_for_at_most_twice_over(monkeypatch):
+    """Where the idle processes cannot be counted (a runtime env whose variables Ray expands, a
+    container), the refill saw 0 forever and asked for `want` more every 10 s for 2 minutes: up to
+    12 x want idle torch processes per node (found in review)."""
+    import types
+
+    import ray
+
+    import tidal.ray_private
+
+    asked: list[int] = []
+    ctx = types.SimpleNamespace(get_job_id=lambda: "01000000", get_runtime_env_string=lambda: "{}",
+                                get_node_id=lambda: "n1")
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: ctx)
+    monkeypatch.setattr(ray, "nodes", lambda: [{"NodeID": "n1", "NodeManagerAddress": "127.0.0.1",
+                                                "NodeManagerPort": 1}])
+    monkeypatch.setattr(tidal.ray_private, "prestart_workers", lambda raylet, job, env, n, keep: asked.append(n))
+    monkeypatch.setattr(spares, "idle_spares", lambda job, env: [])  # never counted
+    monkeypatch.setattr(spares.time, "sleep", lambda s: None)
+    spares.refill(5, patience_s=0.5, ask_every_s=0.0)
+    assert 0 < sum(asked) <= 10, asked

@@ -130,10 +130,17 @@ class Spares:
 
         ctx = ray.train.get_context()
         if ctx.get_local_rank() == 0:
-            local = ctx.get_local_world_size()
-            want = wanted(local, self.setting, node_cpus() - local * self.cpus_per_worker)
-            if want:
-                threading.Thread(target=refill, args=(want,), name="tidal-spares", daemon=True).start()
+            threading.Thread(target=self._refill, args=(ctx.get_local_world_size(),), name="tidal-spares",
+                             daemon=True).start()
+
+    def _refill(self, local: int) -> None:
+        """Off the training thread: node_cpus asks Ray's control store, which may be slow or down."""
+        try:
+            if want := wanted(local, self.setting, node_cpus() - local * self.cpus_per_worker):
+                refill(want)
+        except Exception as e:  # noqa: BLE001 - no spares is today's behaviour, never a failed job
+            print(f"[tidal] could not keep warm spares on this node ({type(e).__name__}: {e}); a restart starts "
+                  "new processes", file=sys.stderr, flush=True)
 
 
 def node_cpus() -> float:
@@ -159,9 +166,12 @@ def refill(want: int, patience_s: float = 120.0, ask_every_s: float = 10.0) -> i
     node = next(x for x in ray.nodes() if x["NodeID"] == ctx.get_node_id())
     raylet = f"{node['NodeManagerAddress']}:{node['NodeManagerPort']}"
     first = idle = len(idle_spares(job, env))
-    deadline, asked_at = time.monotonic() + patience_s, -ask_every_s
-    while (n := to_start(want, idle)) > 0 and time.monotonic() < deadline:
+    deadline, asked_at, asked = time.monotonic() + patience_s, -ask_every_s, 0
+    # At most twice `want` asked in all: where the spares cannot be counted (a runtime env whose
+    # variables Ray expands, a container), asking on would start processes without end.
+    while (n := min(to_start(want, idle), 2 * want - asked)) > 0 and time.monotonic() < deadline:
         if time.monotonic() - asked_at >= ask_every_s:
+            asked += n
             try:
                 prestart_workers(raylet, job, env, n, KEEP_ALIVE_S)
             except Exception as e:  # noqa: BLE001 - no spares is today's behaviour, never a failed job
