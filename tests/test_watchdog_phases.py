@@ -15,7 +15,15 @@ import tidal
 from tests.conftest import ROOT, metric_history, tiny_spec
 from tidal.storage import RunDir
 from tidal.tracking.buffer import MetricsBuffer
-from tidal.worker.health.watchdog import EXIT_CODE, Deadline, Phase, hung, step_deadline
+from tidal.tracking.emitter import Emitter
+from tidal.worker.health.watchdog import (
+    EXIT_CODE,
+    Deadline,
+    Phase,
+    StepWatchdog,
+    hung,
+    step_deadline,
+)
 
 ADAPTIVE = Deadline(fixed_s=None, multiple=10.0, floor_s=30.0)  # the spec's defaults
 
@@ -213,3 +221,13 @@ def test_the_first_step_of_a_group_is_under_the_unarmed_step_deadline(tmp_path):
     """, deadline="Deadline(None, 10.0, 1.0)")
     assert rc == EXIT_CODE and len(notes) == 1, (rc, notes)
     assert "finished no step for 1s after step 1" in notes[0], notes
+
+
+@pytest.mark.parametrize(("phase_timeout_s", "start_s"), [
+    (3600.0, 1500.0),  # the default: below torch's 30-minute process-group timeout
+    (600.0, 600.0),
+    (0.0, 0.0),  # failure.phase_timeout_s: 0, no limit, holds for the start too (was 1500 s: a long restore cut off)
+])
+def test_a_groups_start_is_under_the_phase_deadline_capped_below_torchs_timeout(tmp_path, phase_timeout_s, start_s):
+    wd = StepWatchdog(Deadline(0), 0, Emitter(str(tmp_path), "wd"), phase_timeout_s=phase_timeout_s)
+    assert wd.current is not None and (wd.current.name, wd.current.deadline_s) == ("start", start_s)

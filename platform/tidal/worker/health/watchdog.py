@@ -116,7 +116,9 @@ class StepWatchdog:
         self.recent: deque[float] = deque(seed_s, maxlen=RECENT)
         # From its creation to the first step: the group's start, under a deadline of its own (a hang
         # there used to be found only by torch's 30-minute process-group timeout, with no explanation).
-        start_s = min(phase_timeout_s, START_MAX_S) if phase_timeout_s > 0 else START_MAX_S
+        # failure.phase_timeout_s: 0 (no limit) is the user's word for the start too: a long restore (a
+        # universal conversion of a large checkpoint runs outside any collective) must not be cut off.
+        start_s = min(phase_timeout_s, START_MAX_S) if phase_timeout_s > 0 else 0.0
         self.current: Phase | None = Phase("start", start_s, time.monotonic())
         self.first = False  # opened(): no step finished yet, the first is under the unarmed deadline
         self.step = 0
