@@ -38,7 +38,20 @@ def azurite_env(tmp_path_factory) -> Iterator[str]:
                 os.environ[CONN] = before
 
 
-def test_a_job_with_an_abfs_storage_uri_trains_and_saves_on_azurite(azurite_env, ray_local, tmp_path):
+@pytest.fixture(scope="module")
+def azure_ray(azurite_env) -> Iterator[None]:
+    """The shared local Ray, started here once the connection string is in the environment: through
+    `ray_local` it could start first (fixtures of one scope set up in no promised order), and its
+    workers then had no key (the tracker fell back to pyarrow's DefaultAzureCredential and aborted)."""
+    import ray
+
+    _shared_ray.stop()
+    ray.shutdown()
+    _shared_ray.start()
+    yield
+
+
+def test_a_job_with_an_abfs_storage_uri_trains_and_saves_on_azurite(azure_ray, tmp_path):
     storage = f"abfs://tidal@{AZURITE_ACCOUNT}.dfs.core.windows.net/runs"  # as Azure's docs write one
     spec = tiny_spec(tmp_path, name="on-azure", **{"train.steps": 6, "checkpoint.every_steps": 3,
                                                    "checkpoint.storage": storage})
