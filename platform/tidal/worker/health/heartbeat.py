@@ -103,6 +103,7 @@ class Pulse:
         self._flag = False  # set by announce(), raised in the store by the beating thread
         self._store = store or (lambda: group_store(deadline_s))
         self._stop = threading.Event()
+        self._wake = threading.Event()  # a section opened: say it now, not at the next beat
         threading.Thread(target=self._run, name="tidal-heartbeat", daemon=True).start()
         gil.listen(self)  # sections that hold the GIL on purpose (tidal/gil.py) are said to the watcher
 
@@ -122,6 +123,7 @@ class Pulse:
         with self._busy_lock:
             self._published.clear()
             self._busy += delta
+        self._wake.set()  # the beat thread says it at once: a snapshot waits milliseconds, not a beat
         if wait_s > 0 and not self.gone:
             self._published.wait(wait_s)
 
@@ -139,6 +141,7 @@ class Pulse:
 
     def close(self) -> None:
         self._stop.set()
+        self._wake.set()
         if gil.current() is self:
             gil.listen(None)
 
@@ -178,4 +181,5 @@ class Pulse:
             before = self.seen.get(self.peer)
             if before is None or before.count != count or stalled or peer_busy:
                 self.seen[self.peer] = Seen(int(count), now)
-            self._stop.wait(self.beat_s)
+            self._wake.wait(self.beat_s)
+            self._wake.clear()
