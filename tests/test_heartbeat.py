@@ -94,6 +94,19 @@ def host_here(port: int = 0) -> object:
     return dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=2))
 
 
+@contextmanager
+def watching_here() -> Iterator[tuple[object, Pulse]]:
+    """A store hosted in this process and rank 0's pulse on it (deadline 2 s, a beat every 0.2 s)."""
+    import torch.distributed as dist
+
+    store = host_here()
+    pulse = Pulse(0, 2, 2.0, store=lambda: dist.PrefixStore("t", store), beat_s=0.2)
+    try:
+        yield store, pulse
+    finally:
+        pulse.close()
+
+
 def client_of(port: int) -> object:
     import torch.distributed as dist
 
@@ -102,19 +115,12 @@ def client_of(port: int) -> object:
 
 @pytest.mark.slow
 def test_a_stopped_rank_is_named_silent_and_a_busy_one_is_not():
-    import torch.distributed as dist
-
-    store = host_here()
-    pulse = Pulse(0, 2, 2.0, store=lambda: dist.PrefixStore("t", store), beat_s=0.2)
-    try:
-        with child(1, store.port, "busy") as busy:
-            wait_for("the busy rank's beat", lambda: pulse.seen.get(1, Seen(0, 0)).count > 0, timeout=30)
-            assert busy.stdout is not None and busy.stdout.readline().strip() == "done"  # 6 s of a slow step
-            assert pulse.silent() == [], "a slow step does not stop the heartbeat"
-            os.kill(busy.pid, signal.SIGSTOP)
-            assert wait_for("the stopped rank named", lambda: pulse.silent(), timeout=30) == [1]
-    finally:
-        pulse.close()
+    with watching_here() as (store, pulse), child(1, store.port, "busy") as busy:
+        wait_for("the busy rank's beat", lambda: pulse.seen.get(1, Seen(0, 0)).count > 0, timeout=30)
+        assert busy.stdout is not None and busy.stdout.readline().strip() == "done"  # 6 s of a slow step
+        assert pulse.silent() == [], "a slow step does not stop the heartbeat"
+        os.kill(busy.pid, signal.SIGSTOP)
+        assert wait_for("the stopped rank named", lambda: pulse.silent(), timeout=30) == [1]
 
 
 def hold_the_gil(seconds: float) -> None:
@@ -133,41 +139,27 @@ def hold_the_gil(seconds: float) -> None:
 def test_a_stall_in_the_watching_process_names_no_healthy_peer():
     """Found in review: the watching rank's own 2.3 s hold of the GIL named its healthy peer silent at
     the instant it let go, before its beat thread had read the peer again."""
-    import torch.distributed as dist
-
-    store = host_here()
-    pulse = Pulse(0, 2, 2.0, store=lambda: dist.PrefixStore("t", store), beat_s=0.2)
-    try:
-        with child(1, store.port):
-            wait_for("the peer's beat", lambda: pulse.seen.get(1, Seen(0, 0)).count > 0, timeout=30)
-            hold_the_gil(3.0)
-            named = pulse.silent()  # read by the watchdog's thread as soon as it runs again
-            time.sleep(1.0)
-            assert named == [] and pulse.silent() == [], f"a healthy peer named silent: {named}"
-    finally:
-        pulse.close()
+    with watching_here() as (store, pulse), child(1, store.port):
+        wait_for("the peer's beat", lambda: pulse.seen.get(1, Seen(0, 0)).count > 0, timeout=30)
+        hold_the_gil(3.0)
+        named = pulse.silent()  # read by the watchdog's thread as soon as it runs again
+        time.sleep(1.0)
+        assert named == [] and pulse.silent() == [], f"a healthy peer named silent: {named}"
 
 
 @pytest.mark.slow
 def test_a_peer_that_said_it_holds_the_gil_is_not_named_while_it_does():
-    import torch.distributed as dist
-
-    store = host_here()
-    pulse = Pulse(0, 2, 2.0, store=lambda: dist.PrefixStore("t", store), beat_s=0.2)
-    try:
-        with child(1, store.port, "gil") as peer:
-            assert peer.stdout is not None and peer.stdout.readline().strip() == "holding"
-            named = []
-            end = time.monotonic() + 5.0
-            while time.monotonic() < end:  # through the 4 s hold and a beat after it
-                named += pulse.silent()
-                time.sleep(0.1)
-            assert peer.stdout.readline().strip() == "done"
-            assert named == [], f"a peer that said it holds the GIL was named silent: {named}"
-            os.kill(peer.pid, signal.SIGSTOP)  # outside the section, a stop is still found
-            assert wait_for("the stopped rank named", lambda: pulse.silent(), timeout=30) == [1]
-    finally:
-        pulse.close()
+    with watching_here() as (store, pulse), child(1, store.port, "gil") as peer:
+        assert peer.stdout is not None and peer.stdout.readline().strip() == "holding"
+        named = []
+        end = time.monotonic() + 5.0
+        while time.monotonic() < end:  # through the 4 s hold and a beat after it
+            named += pulse.silent()
+            time.sleep(0.1)
+        assert peer.stdout.readline().strip() == "done"
+        assert named == [], f"a peer that said it holds the GIL was named silent: {named}"
+        os.kill(peer.pid, signal.SIGSTOP)  # outside the section, a stop is still found
+        assert wait_for("the stopped rank named", lambda: pulse.silent(), timeout=30) == [1]
 
 
 @pytest.mark.slow
