@@ -12,9 +12,11 @@ times. Reports faults injected and survived, steps lost per fault, and effective
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +91,12 @@ def _ledger_rows(r: dict[str, Any]) -> str:
     return out.rstrip("\n")
 
 
+def keep(r: dict[str, Any], path: Path) -> None:
+    """The harness's timeline and the ledger's final figures as JSON, to derive the rows again later."""
+    path.write_text(json.dumps({"timeline": asdict(r["timeline"]),
+                                "ledger": goodput_check.ledger(r["uri"], r["run_id"])}))
+
+
 MEMORY_KINDS = ("memory", "storage")
 
 
@@ -147,6 +155,8 @@ def main() -> None:
     ap.add_argument("--memory-pairs", type=int, default=0,
                     help="with --fault-every-s: this many alternating pairs, memory tier on and off")
     ap.add_argument("--memory-every", type=int, default=5, help="checkpoint.memory.every_steps of --memory-pairs")
+    ap.add_argument("--keep", type=Path, default=None,
+                    help="write the harness's timeline and the ledger's figures to this JSON file (--faults runs)")
     args = ap.parse_args()
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
     if args.memory_pairs:
@@ -165,6 +175,8 @@ def main() -> None:
             else:
                 r = run_chaos(Path(d), args.faults, args.steps, args.every, args.seed)
             r["ledger_rows"] = _ledger_rows(r)  # while the runs' MLflow store is there
+            if args.keep and r.get("timeline") is not None:
+                keep(r, args.keep)
     finally:
         ray.shutdown()
     if args.fault_every_s:

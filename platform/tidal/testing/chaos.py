@@ -17,7 +17,7 @@ import tidal
 from tidal.spec.job import JobSpec
 from tidal.testing.processes import kill, our_processes, wait_for
 from tidal.testing.runs import StepHolds, job_run_id, metric_history, prepared_store, wait_for_step
-from tidal.testing.timeline import Timeline, step_prints
+from tidal.testing.timeline import Timeline, TraceTail, step_prints
 from tidal.worker.metrics import LOSS_TRACE_ENV
 
 
@@ -93,7 +93,7 @@ def run_chaos(tmp: Path, faults: int, steps: int, every: int, seed: int,
     t0 = time.time()
     timeline = Timeline(launched=t0)  # the harness's own clock (testing/timeline.py)
     injector.start()
-    with step_prints(timeline):
+    with step_prints(timeline), TraceTail(Path(spec.worker_env[LOSS_TRACE_ENV]), timeline):
         result = tidal.run(spec)
     wall = time.time() - t0
     timeline.ended, timeline.kills = t0 + wall, list(kill_times)
