@@ -7,10 +7,11 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
 from tests.conftest import metric_history, tiny_spec
 from tests.golden import reference_losses
-from tidal.worker.checkpoint import fetch
+from tidal.worker.checkpoint import fetch, flat_state
 
 LONG = {"train.steps": 40, "train.global_batch": 64}  # the stored undisturbed run's (tests/golden.py)
 RESUMED = re.compile(r"resumed from (.+?) at step (\d+)/\d+(?: \((\d+) step\(s\) to redo\))?")
@@ -32,3 +33,11 @@ def assert_undisturbed_losses(tmp_path, spec, result) -> None:
     assert sorted(got) == list(range(1, 41)), "every step logged exactly once"
     for step in expected:
         assert got[step] == pytest.approx(expected[step], rel=1e-4), step
+
+
+def packed(files: dict) -> tuple[dict, list]:
+    """`files` (name -> state) as a peer keeper receives a shard: its record and `[its block]`."""
+    planned = flat_state.plan(files)
+    block = torch.zeros(planned.total, dtype=torch.uint8)
+    flat_state.write(planned, block)
+    return planned.record, [block.numpy()]

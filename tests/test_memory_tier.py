@@ -4,16 +4,17 @@ never two attempts mixed, a peer's copy counts), and what a keeper keeps (prune,
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
-import numpy as np
 import pyarrow.fs as pafs
 import pytest
 import torch
 
+from tests.memory_jobs import packed
 from tidal.spec.job import JobSpec
-from tidal.worker.checkpoint import held_files, keeper
+from tidal.worker.checkpoint import flat_state, held_files, keeper, segment
 from tidal.worker.checkpoint.keeper import Keeper
 from tidal.worker.checkpoint.route import Held, Layout, Load, from_memory, newest
 
@@ -89,25 +90,91 @@ def test_no_snapshot_when_none_is_complete_or_the_world_disagrees():
     assert held.same_job is False
 
 
+def shard_files(value: float, n: int = 25) -> dict:
+    return {"f": {"w": torch.full((n,), float(value))}}
+
+
+def served(k: Keeper, attempt: str, step: int, rank: int, name: str = "f"):
+    """What a rank on the keeper's node rebuilds of a held shard (None: not served)."""
+    found = k.where(attempt, step, rank)
+    if found is None:
+        return None
+    ref, record, _ = found
+    _, block = segment.mapped(ref, populate=False)
+    return flat_state.read(record, name, torch.from_numpy(block))
+
+
 def test_a_keeper_keeps_the_complete_snapshot_and_the_one_being_written():
     k = Keeper("job", "n0", limit_bytes=10_000)
     for step in (3, 6):
         for rank in (0, 1):
-            assert k.put("a", step, rank, {"world_size": 2}, {"f": b"x" * 100}) is None
+            assert k.put("a", step, rank, {"world_size": 2}, *packed(shard_files(step))) is None
     # step 9's first shard arrives with step 6 agreed complete: 3 goes, 6 stays, 9 is being written
-    assert k.put("a", 9, 0, {"world_size": 2}, {"f": b"x" * 100}, prune_below=6) is None
+    assert k.put("a", 9, 0, {"world_size": 2}, *packed(shard_files(9)), prune_below=6) is None
     assert sorted({(e["step"], e["rank"]) for e in k.listing()}) == [(6, 0), (6, 1), (9, 0)]
-    assert {n: bytes(b) for n, b in k.get("a", 6, 1, ["f"]).items()} == {"f": b"x" * 100}
-    assert k.get("a", 3, 1, ["f"]) is None and k.get("a", 6, 1, ["missing"]) is None
+    assert torch.equal(served(k, "a", 6, 0)["w"], torch.full((25,), 6.0)), "step 9 went into the other slot"
+    assert torch.equal(served(k, "a", 9, 0)["w"], torch.full((25,), 9.0))
+    assert served(k, "a", 3, 1) is None
     assert all(e["held_on"] == "n0" for e in k.listing())
+    assert k.stats()["bytes"] == 4 * 128, "two slots per rank, each reused, not grown"
 
 
-def test_a_keeper_refuses_a_shard_over_its_limit_and_keeps_the_rest():
-    k = Keeper("job", "n0", limit_bytes=250)
-    assert k.put("a", 3, 0, {}, {"f": b"x" * 200}) is None
-    why = k.put("a", 6, 0, {}, {"f": b"x" * 100})
+def test_a_rank_writes_its_slot_once_and_a_slot_being_rewritten_is_neither_listed_nor_served():
+    """The one copy: the rank maps its slot (the keeper's segment) and copies its state in; the keeper
+    holds it on commit. A crash mid-snapshot leaves a slot unstamped: the keeper lists only the other."""
+    k = Keeper("job", "n0", limit_bytes=10_000)
+    planned = flat_state.plan(shard_files(3.0))
+    mm, block = segment.mapped(k.make(0, 0, planned.total))
+    flat_state.write(planned, torch.from_numpy(block))
+    assert "not found whole" in k.commit("a", 3, 0, 0, {"world_size": 1}, planned.record), "committed unstamped"
+    segment.write_stamp(mm, segment.stamp("a", 3, 0))
+    assert k.commit("a", 3, 0, 0, {"world_size": 1}, planned.record) is None
+    assert [(e["step"], e["sizes"]) for e in k.listing()] == [(3, {"f": 128})]
+    loaded = served(k, "a", 3, 0)
+    block[:] = 0  # the next snapshot into this slot: what was loaded is a copy, not a view of it
+    assert torch.equal(loaded["w"], torch.full((25,), 3.0))
+    segment.write_stamp(mm, 0)  # a rank begins to rewrite the slot, then dies
+    assert k.listing() == [] and served(k, "a", 3, 0) is None
+
+
+def test_a_snapshot_rebuilds_deepspeeds_state_and_its_structure_loads_weights_only():
+    """Tied tensors stay one tensor, views come back compact, DeepSpeed's loss scaler and plain
+    values come back as they were; a structure naming a type outside the allow-list is refused."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
+    from tidal.worker.checkpoint.safe_load import allow
+
+    allow([])
+    w = torch.arange(10.0)
+    state = {"module": {"w": w, "tied": w, "b": torch.ones(3, dtype=torch.bfloat16)}, "view": torch.arange(20.0)[5:9],
+             "scaler": DynamicLossScaler(2.0**16, 1000, 1, 2, False), "step": 7, "name": "x", "t": (1, 2)}
+    record, [block] = packed({"model.pt": state})
+    back = flat_state.read(record, "model.pt", torch.from_numpy(block))
+    assert back["module"]["w"] is back["module"]["tied"] and torch.equal(back["module"]["w"], w)
+    assert back["module"]["b"].dtype == torch.bfloat16 and torch.equal(back["view"], torch.arange(5.0, 9.0))
+    assert (back["scaler"].cur_scale, back["step"], back["name"], back["t"]) == (2.0**16, 7, "x", (1, 2))
+    planted, [block] = packed({"model.pt": {"x": threading.Lock}})
+    with pytest.raises(Exception, match="threading|Unsupported"):
+        flat_state.read(planted, "model.pt", torch.from_numpy(block))
+
+
+def test_a_keeper_refuses_a_segment_over_its_limit_naming_the_setting_and_keeps_the_rest():
+    k = Keeper("job", "n0", limit_bytes=300)
+    assert k.put("a", 3, 0, {}, *packed(shard_files(3))) is None  # 128 bytes
+    why = k.put("a", 6, 0, {}, *packed(shard_files(6, n=50)))  # 256 more, in the other slot
     assert why is not None and "limit" in why and "checkpoint.memory.max_gb" in why
     assert [(e["step"], e["rank"]) for e in k.listing()] == [(3, 0)]
+
+
+def test_a_keeper_bounds_its_segments_by_the_nodes_free_memory_naming_the_settings(monkeypatch):
+    """Under its limit, a segment that would leave less than the reserve of the node's (or the pod's)
+    memory free is refused, not allocated and left to the OOM killer."""
+    k = Keeper("job", "n0", limit_bytes=None)
+    assert k.limit == int(segment.total_memory() * keeper.DEFAULT_SHARE)
+    monkeypatch.setattr(segment, "available", lambda: k.reserve + 1000)
+    why = k.make(0, 0, 2000)
+    assert isinstance(why, str) and "free" in why and "checkpoint.memory" in why
+    assert k.make(0, 0, 500) == segment.Ref(os.getpid(), k.slots[0][0].fd, 500)
 
 
 def test_keeper_names_carry_the_job_its_storage_its_drivers_generation_and_the_node():
@@ -136,16 +203,13 @@ def test_a_keepers_storage_digest_carries_no_credential():
 
 
 def test_a_snapshot_in_memory_reads_as_a_checkpoint_folder_and_refuses_writes(tmp_path):
-    """What a by-range resize calls on storage, on the keepers' buffers (held_files): the tag folder's listing,
-    sizes, byte ranges, a whole-file copy into the node's cache; and a write is refused, not half done."""
-    k = Keeper("job", "n0", limit_bytes=None)
-    torch.save({"w": torch.arange(1000.0)}, tmp_path / "saved.pt")
-    data = (tmp_path / "saved.pt").read_bytes()
-    sent = np.frombuffer(bytearray(data), dtype=np.uint8)  # as a worker hands it over: a view of its buffer
-    assert k.put("a", 3, 0, {}, {"zero_pp_rank_0_mp_rank_00_optim_states.pt": sent}) is None
-    sent[:] = 0  # the sender's buffer reused (Ray frees its copy): the keeper's own is untouched
-    got = k.get("a", 3, 0, ["zero_pp_rank_0_mp_rank_00_optim_states.pt"])
-    held = held_files.filesystem({f"memory-3/global_step3/{n}": b for n, b in got.items()})
+    """What a by-range resize calls on storage, on a snapshot's files as `memory.staged` serves them
+    (held_files): the tag folder's listing, sizes, byte ranges, a whole-file copy into the node's
+    cache; and a write is refused, not half done."""
+    record, [block] = packed({"zero_pp_rank_0_mp_rank_00_optim_states.pt": {"w": torch.arange(1000.0)}})
+    data = flat_state.to_bytes(flat_state.read(record, "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                                               torch.from_numpy(block)))
+    held = held_files.filesystem({"memory-3/global_step3/zero_pp_rank_0_mp_rank_00_optim_states.pt": data})
     path = "memory-3/global_step3/zero_pp_rank_0_mp_rank_00_optim_states.pt"
     [info] = held.get_file_info([path])
     assert (info.type, info.size) == (pafs.FileType.File, len(data))
@@ -158,7 +222,6 @@ def test_a_snapshot_in_memory_reads_as_a_checkpoint_folder_and_refuses_writes(tm
     assert torch.equal(torch.load(tmp_path / "copy.pt")["w"], torch.arange(1000.0))
     with pytest.raises(OSError, match="read-only"):
         held.delete_file(path)
-    assert k.get("a", 3, 0, ["another.pt"]) is None
 
 
 def test_a_keeper_counts_the_groups_of_its_driver_that_opened_the_tier():

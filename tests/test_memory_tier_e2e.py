@@ -148,16 +148,16 @@ def test_the_keepers_killed_then_a_worker_falls_back_to_storage(tmp_path, capfd)
 @pytest.mark.extended  # outside the suite's budget (pyproject.toml): the killed-worker test checks the losses a restore from memory gives
 def test_a_snapshot_holds_exactly_what_the_checkpoint_of_its_step_holds(tmp_path):
     """Snapshot and persistent checkpoint at the same step (6): every file a keeper holds for it,
-    unpickled, equals the file of that name in storage, tensor for tensor, all but the attempt id
+    rebuilt from its block and record, equals the file of that name in storage, tensor for tensor, all but the attempt id
     (each tier names its own). A restore from memory thus loads the checkpoint's very state."""
-    import io
-
+    import numpy as np
     import ray
     import torch
 
     from tests.slow_step import slow_env
     from tidal.storage import RunDir, check_complete, checkpoint_dir_name
     from tidal.testing.processes import wait_for
+    from tidal.worker.checkpoint import flat_state
     from tidal.worker.checkpoint.safe_load import safe_load
 
     spec = tiny_spec(tmp_path, name="mem-same", **{"train.steps": 24, "checkpoint.every_steps": 6,
@@ -165,7 +165,7 @@ def test_a_snapshot_holds_exactly_what_the_checkpoint_of_its_step_holds(tmp_path
                                                     "train.step_fn": "tests.slow_step:step"},
                      worker_env=slow_env(0.05))
     run = RunDir(spec.checkpoint.storage, spec.name)
-    held: dict[int, dict[str, bytes]] = {}
+    held: dict[int, dict[str, object]] = {}
 
     def grab() -> None:
         ckpt = f"{run.path}/{checkpoint_dir_name(6)}"
@@ -176,7 +176,9 @@ def test_a_snapshot_holds_exactly_what_the_checkpoint_of_its_step_holds(tmp_path
             for k in keeper.named(spec.name).values():
                 for e in ray.get(k.listing.remote()):
                     if e["step"] == 6 and e["rank"] not in held:
-                        held[e["rank"]] = ray.get(k.get.remote(e["attempt"], 6, e["rank"], list(e["sizes"])))
+                        record, [ref] = ray.get(k.get.remote(e["attempt"], 6, e["rank"], list(e["sizes"])))
+                        block = torch.from_numpy(np.array(ray.get(ref)))
+                        held[e["rank"]] = {n: flat_state.read(record, n, block, base=record["base"]) for n in e["sizes"]}
             return len(held) == 2
 
         wait_for("both ranks' snapshots of step 6", shards, 120, every=0.05)
@@ -208,8 +210,8 @@ def test_a_snapshot_holds_exactly_what_the_checkpoint_of_its_step_holds(tmp_path
     folder = tmp_path / "runs" / spec.name / checkpoint_dir_name(6) / "global_step6"
     compared = 0
     for files in held.values():
-        for name, blob in files.items():
-            same(safe_load(io.BytesIO(blob)), safe_load(str(folder / name)), name)
+        for name, state in files.items():
+            same(state, safe_load(str(folder / name)), name)
             compared += 1
     assert compared == 3, "the model states and both ranks' optimizer partitions"
 

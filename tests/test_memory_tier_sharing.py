@@ -12,8 +12,10 @@ from collections.abc import Iterator
 
 import pytest
 import ray
+import torch
 
 from tests.conftest import tiny_spec
+from tests.memory_jobs import packed
 from tidal.launch import trainer
 from tidal.lease import Lease
 from tidal.testing.clusters import raylet_cluster
@@ -44,9 +46,10 @@ def test_a_keepers_shard_table_holds_under_concurrent_puts_listings_and_gets():
 
     def puts(rank: int) -> None:
         step = next(steps)
-        k.put("a", step, rank, {"world_size": 2}, {f"f{i}": b"x" for i in range(50)}, prune_below=step - 2)
+        k.put("a", step, rank, {"world_size": 2}, *files, prune_below=step - 2)
 
-    callers = [lambda: puts(0), lambda: puts(1), k.listing, k.stats, lambda: k.get("a", 1, 0, ["f0"])]
+    files = packed({f"f{i}": {"w": torch.ones(4)} for i in range(50)})
+    callers = [lambda: puts(0), lambda: puts(1), k.listing, k.stats, lambda: k.where("a", 1, 0)]
     switch = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)
     try:
@@ -61,7 +64,8 @@ def test_a_keepers_shard_table_holds_under_concurrent_puts_listings_and_gets():
         sys.setswitchinterval(switch)
     assert not errors, f"a keeper's concurrent calls failed: {errors[0]!r}"
     held = k.listing()
-    assert k.stats()["bytes"] == sum(sum(e["sizes"].values()) for e in held)
+    assert k.stats()["bytes"] == 4 * files[0]["total"], "two segments per rank, reused: none grown or leaked"
+    assert 1 <= len(held) <= 4 and all(k.where(e["attempt"], e["step"], e["rank"]) is not None for e in held)
 
 
 @pytest.fixture(scope="module")
@@ -80,10 +84,10 @@ def hand(spec, generation: int, step: int, world: int = 2) -> None:
     for rank, node in enumerate(nodes()[:world]):
         facts = {"world_size": world, "zero_stage": 2, "fingerprint": spec.fingerprint_hash(), "node": node,
                  "state": {"step": step, "world_size": world, "zero_stage": 2} if rank == 0 else None}
-        files = {f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt": b"o" * 10}
+        files = {f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt": {"o": torch.ones(3)}}
         if rank == 0:
-            files["mp_rank_00_model_states.pt"] = b"m" * 10
-        assert ray.get(keeper.handle(job, node, None).put.remote("att", step, rank, facts, files)) is None
+            files["mp_rank_00_model_states.pt"] = {"m": torch.ones(3)}
+        assert ray.get(keeper.handle(job, node, None).put.remote("att", step, rank, facts, *packed(files))) is None
 
 
 def alive(job: keeper.Owner) -> int:

@@ -1,14 +1,17 @@
-"""The memory tier's keepers: one Ray actor per node per job that holds ranks' snapshots in host memory.
+"""The memory tier's keepers: one Ray actor per node per job that owns the shared memory ranks' snapshots live in.
 
 A keeper is a detached actor pinned to its node (`NodeAffinitySchedulingStrategy(soft=False)`),
-so it outlives the training workers: a worker's own objects die with it, a keeper's copies do not
-(it keeps them in its own heap, not as references to a worker's objects). Each rank hands its
-shard of a snapshot to its node's keeper, which sends the copy for the keeper of the next node of
-the group (a ring) once it holds its own, one at a time, its threads at a low CPU priority so its
-copies wait for spare cores: a worker's death leaves its node's copy, a node's loss the peer's. A keeper keeps what it
-was given until a rank tells it which snapshot is complete (`prune_below`): then only that one
-and newer ones stay (the newest complete one and the one being written). It never decides
-completeness: rank 0 does, from every keeper's listing (tidal.worker.checkpoint.route.newest).
+so it outlives the training workers. It owns two shared-memory segments per rank it keeps
+(tidal.worker.checkpoint.segment), reused from snapshot to snapshot: a rank on its node copies its
+state straight into one (the one copy training pays) and commits it with a small record of where
+each tensor lies (tidal.worker.checkpoint.flat_state); the other slot keeps the newest complete
+snapshot, so a crash mid-snapshot leaves it. Once it holds a rank's shard the keeper sends the
+copy for the keeper of the next node of the group (a ring), one at a time, its threads at a low
+CPU priority so its copies wait for spare cores: a worker's death leaves its node's copy, a node's
+loss the peer's. A rank on the node restores by mapping the segment; one elsewhere fetches through
+the keeper. A keeper lists what a rank committed until a rank says which snapshot is complete
+(`prune_below`): then only that one and newer ones are listed. It never decides completeness:
+rank 0 does, from every keeper's listing (tidal.worker.checkpoint.route.newest).
 
 A cluster is shared, so a keeper is named for its job's identity (`Owner`): the job's name, its
 storage (two jobs of one name on two storages are two jobs) and the lease generation of the
@@ -16,8 +19,9 @@ driver that runs it (tidal/lease.py), then the node. A job's restore lists only 
 so a snapshot is never loaded into another job. Only the lease holder ends keepers (`remove`):
 those of its generation and older ones left by earlier drivers, never a newer driver's. A keeper
 ends itself once nothing has touched it for its expiry (`heartbeat`, the driver's; a put counts
-too): a dead driver's keepers free their node's memory. Four calls may run at once (a snapshot's
-puts, a restore's listing and gets), so its shard table is locked. Only Ray's public API is
+too): a dead driver's keepers free their node's memory (their segments end with their process).
+Four calls may run at once (a snapshot's commits, a restore's listing and gets), so its slot table
+is locked. Only Ray's public API is
 used here, and no torch: the driver imports this module.
 """
 
@@ -33,6 +37,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
+
+from tidal.worker.checkpoint import segment
 
 log = logging.getLogger("tidal")
 
@@ -79,20 +85,35 @@ def owner_of(actor_name: str) -> Owner | None:
     return Owner(parts[0], parts[1], int(parts[2]))
 
 
+@dataclass
+class Slot:
+    """One of a rank's two segments on this node, and the snapshot it holds (None: nothing listed)."""
+
+    fd: int
+    size: int
+    mm: Any
+    block: Any
+    held: tuple[str, int] | None = None  # (attempt, step)
+    facts: dict[str, Any] | None = None
+    record: dict[str, Any] | None = None
+    stamp: int = 0
+
+
 class Keeper:
-    """Holds shards of snapshots: (attempt, step, rank) -> the shard's files (name -> bytes) and
-    its facts (world size, node of the rank, fingerprint...). Run as a Ray actor (`handle`)."""
+    """Holds shards of snapshots in shared-memory segments it owns (tidal.worker.checkpoint.segment):
+    two slots per rank whose snapshots it keeps, each reused from snapshot to snapshot, so the newest
+    complete one survives a crash while the next is written into the other. A rank on this node
+    writes its slot itself (one copy) and `commit`s it; a peer copy arrives as the block (`put`).
+    Run as a Ray actor (`handle`)."""
 
     def __init__(self, job: str, node_id: str, limit_bytes: int | None, expiry_s: float | None = None) -> None:
-        import psutil
-
+        total = segment.total_memory()
         self.job, self.node_id = job, node_id
-        total = psutil.virtual_memory().total
         self.limit = limit_bytes if limit_bytes is not None else int(total * DEFAULT_SHARE)
         self.reserve = int(total * RESERVE_SHARE)
-        self.shards: dict[tuple[str, int, int], tuple[dict[str, Any], dict[str, bytes]]] = {}
-        self.incoming = 0  # bytes of puts admitted under the limit and still being copied in
-        self.lock = threading.Lock()  # the shard table and `incoming`: four calls run at once
+        self.slots: dict[int, list[Slot | None]] = {}  # rank -> its two slots
+        self.complete: tuple[str, int] | None = None  # the newest snapshot a rank or a restore said is complete
+        self.lock = threading.Lock()  # the slot table: four calls run at once
         self.touched = time.time()
         self.seen = time.monotonic()  # the expiry's clock: a wall clock stepped forward would end a live job's keeper
         self.groups, self.first_group = 0, self.touched  # worker groups of this driver opened on this node
@@ -108,12 +129,13 @@ class Keeper:
 
     def _expire(self, expiry_s: float) -> None:
         """End this actor once nothing has touched it for `expiry_s`: its driver is gone, and what it
-        holds would otherwise stay in the node's memory until the same job ran again."""
+        holds would otherwise stay in the node's memory until the same job ran again (its segments
+        go with its process)."""
         while time.monotonic() - self.seen < expiry_s:
             time.sleep(min(expiry_s / 4, 5.0))
         log.warning("memory tier: keeper %s on node %s untouched for %.0fs, ending itself", self.job,
                     self.node_id[:8], expiry_s)
-        os._exit(0)  # a detached actor with max_restarts=0: Ray frees its name and memory
+        os._exit(0)  # a detached actor with max_restarts=0: Ray frees its name, the kernel its segments
 
     def group_started(self) -> tuple[float, int]:
         """A worker group of this driver opened its memory tier (rank 0's node): (when the first did,
@@ -127,21 +149,125 @@ class Keeper:
             return self._held()
 
     def _held(self) -> int:
-        return self.incoming + sum(len(b) for _, files in self.shards.values() for b in files.values())
+        return sum(s.size for slots in self.slots.values() for s in slots if s is not None)
 
-    def put(self, attempt: str, step: int, rank: int, facts: dict[str, Any], files: dict[str, Any],
-            prune_below: int | None = None, forward: list[Any] | None = None) -> str | None:
-        """Keep one rank's shard of the snapshot of `step` (`files`: name -> bytes, or a numpy uint8
-        view of them); first drop every shard older than `prune_below` (the newest snapshot known
-        complete). Returns None, or why it was refused (the memory limit): the previous complete
-        snapshot then stays the resume point. `forward`: [the peer keeper's name, a reference to
-        `files` in Ray's object store]: this keeper sends the peer's copy, after its own, one at a
-        time and at a low CPU priority, so the rank's hand-over waits for its own node's copy only."""
+    def pid(self) -> int:
+        return os.getpid()
+
+    def slots_of(self, rank: int) -> tuple[list[segment.Ref | None], int | None]:
+        """`rank`'s two segments (None: not made yet) and which of them holds the newest snapshot
+        known complete (a rank of a new group must not write there before it has one of its own)."""
+        with self.lock:
+            slots = self.slots.get(rank, [None, None])
+            return [None if s is None else segment.Ref(os.getpid(), s.fd, s.size) for s in slots], self._kept(rank)
+
+    def _kept(self, rank: int) -> int | None:
+        """The slot of `rank` to keep: the newest complete snapshot's, else the newest held."""
+        slots = self.slots.get(rank, [None, None])
+        held = [(i, s) for i, s in enumerate(slots) if s is not None and s.held is not None and self._intact(s)]
+        for i, s in held:
+            if s.held == self.complete:
+                return i
+        return max(held, key=lambda x: x[1].held[1])[0] if held else None  # type: ignore[index]
+
+    def make(self, rank: int, index: int, size: int) -> segment.Ref | str:
+        """A segment of at least `size` bytes for `rank`'s slot `index` (a new one if it is smaller),
+        or why the node cannot give it (its memory limit or its free memory, naming the setting)."""
+        with self.lock:
+            slots = self.slots.setdefault(rank, [None, None])
+            old = slots[index]
+            if old is not None and old.size >= size:
+                return segment.Ref(os.getpid(), old.fd, old.size)
+            held = self._held() - (old.size if old is not None else 0)
+            if (why := segment.room(size, held, self.limit, self.reserve)) is not None:
+                return f"node {self.node_id[:8]}: {why}"
+            slots[index] = None
+            if old is not None:
+                self._drop(old)
+            try:
+                fd = segment.create(size, f"tidal-{self.job}-{rank}-{index}")
+            except segment.NoRoom as e:
+                return f"node {self.node_id[:8]}: {e}; lower checkpoint.memory.max_gb or give the node more memory"
+            mm, block = segment.map_fd(fd, size)
+            slots[index] = Slot(fd, size, mm, block)
+            return segment.Ref(os.getpid(), fd, size)
+
+    @staticmethod
+    def _drop(slot: Slot) -> None:
+        slot.block = None
+        segment.close_quietly(slot.mm)
+        with contextlib.suppress(OSError):
+            os.close(slot.fd)
+
+    @staticmethod
+    def _intact(slot: Slot) -> bool:
+        return slot.held is not None and segment.read_stamp(slot.mm) == slot.stamp
+
+    def commit(self, attempt: str, step: int, rank: int, index: int, facts: dict[str, Any], record: dict[str, Any],
+               prune_below: int | None = None, forward: str | None = None) -> str | None:
+        """A rank on this node wrote its shard of the snapshot of `step` into its slot `index` (and
+        stamped it): hold it, first dropping from the listing every snapshot older than `prune_below`
+        (the newest one known complete). Returns None, or why it is not held. `forward`: the peer
+        keeper's name, to which this keeper then sends the block, after its own, one at a time and
+        at a low CPU priority: the rank's hand-over waits for nothing but this call."""
         _yield_to_training()
-        why = self._keep(attempt, step, rank, facts, files, prune_below)
+        self.touch()
+        with self.lock:
+            self._prune(attempt, prune_below)
+            slot = self.slots.get(rank, [None, None])[index]
+            expected = segment.stamp(attempt, step, rank)
+            if slot is None or segment.read_stamp(slot.mm) != expected or int(record["total"]) > slot.size:
+                return f"the snapshot of step {step} was not found whole in its segment on node {self.node_id[:8]}"
+            slot.held, slot.facts, slot.record, slot.stamp = (attempt, step), {**facts, "held_on": self.node_id}, record, expected
         if forward:
-            self.forwards.put((forward[0], (attempt, step, rank, facts, forward[1], prune_below)))
-        return why
+            self.forwards.put((forward, (attempt, step, rank, index, prune_below)))
+        return None
+
+    def _prune(self, attempt: str, prune_below: int | None) -> None:
+        if prune_below is None:
+            return
+        self.complete = (attempt, prune_below)
+        for slots in self.slots.values():
+            for s in slots:
+                if s is not None and s.held is not None and s.held[1] < prune_below:
+                    s.held = None
+
+    def mark_complete(self, attempt: str, step: int) -> None:
+        """A restore found this snapshot complete: the slot a new group keeps until it has its own."""
+        with self.lock:
+            self.complete = (attempt, step)
+
+    def put(self, attempt: str, step: int, rank: int, facts: dict[str, Any], record: dict[str, Any],
+            block: list[Any], prune_below: int | None = None) -> str | None:
+        """Keep a peer node's rank's shard (its `record` and its block, `[a reference or the array]`):
+        copied into a slot of this keeper's, not the one holding that rank's newest complete snapshot."""
+        import numpy as np
+        import ray
+
+        _yield_to_training()
+        self.touch()
+        data = block[0]
+        if isinstance(data, ray.ObjectRef):
+            data = ray.get(data, timeout=FORWARD_TIMEOUT_S)
+        size = int(record["total"])
+        with self.lock:
+            self._prune(attempt, prune_below)
+            index = 1 - self._kept(rank) if self._kept(rank) is not None else 0
+            slot = self.slots.get(rank, [None, None])[index]
+            if slot is not None:
+                slot.held = None
+        made = self.make(rank, index, size)
+        if isinstance(made, str):
+            return made
+        with self.lock:
+            slot = self.slots[rank][index]
+            assert slot is not None
+            segment.write_stamp(slot.mm, 0)
+            slot.block[:size] = np.frombuffer(data, dtype=np.uint8, count=size)
+            slot.stamp = segment.stamp(attempt, step, rank)
+            segment.write_stamp(slot.mm, slot.stamp)
+            slot.held, slot.facts, slot.record = (attempt, step), {**facts, "held_on": self.node_id}, record
+        return None
 
     def take_forward_errors(self) -> list[str]:
         """Why the peer copies sent since the last call were not kept (said by the rank, once)."""
@@ -150,71 +276,73 @@ class Keeper:
         return errors
 
     def _send_forwards(self) -> None:
-        """Send the peer copies queued by `put`, one at a time: a reference, so the peer's raylet pulls
-        the rank's object (no copy here); the peer keeps its own bytes, as for a rank's put."""
-        import ray
+        """Send the peer copies queued by `commit`, one at a time: the slot's block into Ray's object
+        store (one copy, here, at a low priority), checked still whole after, then to the peer."""
 
         _yield_to_training()
         while True:
-            peer, args = self.forwards.get()
+            peer, (attempt, step, rank, index, prune_below) = self.forwards.get()
             try:
-                why = ray.get(ray.get_actor(peer, namespace=NAMESPACE).put.remote(*args), timeout=FORWARD_TIMEOUT_S)
-            except Exception as e:  # noqa: BLE001 - the peer (or the rank owning the object) is gone
+                why = self._forward(peer, attempt, step, rank, index, prune_below)
+            except Exception as e:  # noqa: BLE001 - the peer is gone
                 why = f"the peer node's keeper failed: {type(e).__name__}: {str(e)[:200]}"
             if why is not None:
                 with self.lock:
                     self.forward_errors.append(why)
 
-    def _keep(self, attempt: str, step: int, rank: int, facts: dict[str, Any], files: dict[str, Any],
-              prune_below: int | None) -> str | None:
-        import psutil
+    def _forward(self, peer: str, attempt: str, step: int, rank: int, index: int, prune_below: int | None) -> str | None:
+        import ray
 
-        self.touched, self.seen = time.time(), time.monotonic()
-        size = sum(len(b) for b in files.values())
-        with self.lock:  # admitted under the limit as one step: two puts never both fit in one gap
-            if prune_below is not None:
-                for key in [k for k in self.shards if k[1] < prune_below]:
-                    del self.shards[key]
-            self.shards.pop((attempt, step, rank), None)  # a retry of the same shard replaces it
-            if self._held() + size > self.limit:
-                return (f"the keeper on node {self.node_id[:8]} would hold {(self._held() + size) / 2**30:.2f} GiB, "
-                        f"over its limit of {self.limit / 2**30:.2f} GiB (checkpoint.memory.max_gb)")
-            if psutil.virtual_memory().available - size < self.reserve:
-                return (f"node {self.node_id[:8]} has {psutil.virtual_memory().available / 2**30:.2f} GiB free, too "
-                        f"little for a {size / 2**30:.2f} GiB shard and the {self.reserve / 2**30:.2f} GiB kept free")
-            self.incoming += size
-        try:  # the copy outside the lock: a restore's gets go on while a snapshot lands
-            # Bytes of its own: a worker's numpy views are Ray's object-store copy, freed after this call.
-            owned = {n: b if isinstance(b, bytes) else bytes(b) for n, b in files.items()}
-        finally:
-            with self.lock:
-                self.incoming -= size
         with self.lock:
-            self.shards[(attempt, step, rank)] = ({**facts, "held_on": self.node_id}, owned)
-        return None
+            slot = self.slots.get(rank, [None, None])[index]
+            if slot is None or slot.held != (attempt, step) or not self._intact(slot):
+                return None  # overwritten by a newer snapshot already: that one is sent instead
+            facts, record, view = slot.facts, slot.record, slot.block[:int(slot.record["total"])]
+        ref = ray.put(view)
+        if segment.read_stamp(slot.mm) != segment.stamp(attempt, step, rank):
+            return None  # the slot was reused while it was copied: this copy is torn, not sent
+        facts = {k: v for k, v in (facts or {}).items() if k != "held_on"}
+        return ray.get(ray.get_actor(peer, namespace=NAMESPACE).put.remote(
+            attempt, step, rank, facts, record, [ref], prune_below), timeout=FORWARD_TIMEOUT_S)
 
     def listing(self) -> list[dict[str, Any]]:
-        """Every shard held: its key, facts and file sizes (no bytes)."""
+        """Every shard held whole: its key, facts and file sizes (no bytes)."""
         with self.lock:
-            held = list(self.shards.items())
-        return [{"attempt": a, "step": s, "rank": r, **facts, "sizes": {n: len(b) for n, b in files.items()}}
-                for (a, s, r), (facts, files) in held]
+            held = [(r, s) for r, slots in self.slots.items() for s in slots if s is not None and self._intact(s)]
+            return [{"attempt": s.held[0], "step": s.held[1], "rank": r, **(s.facts or {}),  # type: ignore[index]
+                     "sizes": {n: int(f["end"]) - int(f["start"]) for n, f in (s.record or {"files": {}})["files"].items()}} for r, s in held]
 
-    def get(self, attempt: str, step: int, rank: int, names: list[str]) -> dict[str, Any] | None:
-        """The files `names` of a shard (each a numpy uint8 view of the bytes held), or None if it is
-        not held (any more). As numpy arrays, Ray copies them once into its object store and the
-        caller reads them there without a copy; as bytes they were pickled and unpickled whole."""
-        import numpy as np
+    def where(self, attempt: str, step: int, rank: int) -> tuple[segment.Ref, dict[str, Any], int] | None:
+        """Where a rank on this node maps a shard: its segment, its record and its stamp (None: not held)."""
+        with self.lock:
+            for s in self.slots.get(rank, []):
+                if s is not None and s.held == (attempt, step) and self._intact(s):
+                    return segment.Ref(os.getpid(), s.fd, s.size), s.record or {}, s.stamp
+        return None
+
+    def get(self, attempt: str, step: int, rank: int, names: list[str]) -> tuple[dict[str, Any], list[Any]] | None:
+        """For a rank on another node: the shard's record and, in a list, a reference to the bytes of
+        the files `names` (one range of the block, copied once into Ray's object store and checked
+        whole after), or None if it is not held (any more)."""
+        import ray
 
         with self.lock:
-            shard = self.shards.get((attempt, step, rank))
-        if shard is None or any(n not in shard[1] for n in names):
+            slot = next((s for s in self.slots.get(rank, []) if s is not None and s.held == (attempt, step)
+                         and self._intact(s)), None)
+            if slot is None or any(n not in (slot.record or {})["files"] for n in names):
+                return None
+            files = slot.record["files"]  # type: ignore[index]
+            start, end = min(files[n]["start"] for n in names), max(files[n]["end"] for n in names)
+            view, expected = slot.block[start:end], slot.stamp
+        ref = ray.put(view)
+        if segment.read_stamp(slot.mm) != expected:
             return None
-        return {n: np.frombuffer(shard[1][n], dtype=np.uint8) for n in names}
+        return {**slot.record, "base": start}, [ref]  # type: ignore[dict-item]
 
     def stats(self) -> dict[str, Any]:
         with self.lock:
-            return {"node_id": self.node_id, "bytes": self._held(), "shards": len(self.shards),
+            return {"node_id": self.node_id, "bytes": self._held(),
+                    "shards": sum(1 for slots in self.slots.values() for s in slots if s is not None and s.held),
                     "limit": self.limit, "touched": self.touched}
 
 

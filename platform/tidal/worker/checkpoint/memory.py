@@ -1,13 +1,17 @@
 """The memory tier: every few steps each rank's state goes to host memory on its node and a peer node.
 
 Every `checkpoint.memory.every_steps` steps each rank takes the state a persistent checkpoint
-would hold for it (DeepSpeed's own `save_checkpoint` into `SnapshotEngine`'s reused host buffers:
-its module and optimizer partitions, the LR scheduler, the client state with Tidal's
-`TrainState`), and, off the training thread, serializes each file as the persistent write would
-(`torch.save`) and hands the bytes to its node's keeper, which sends the next node's copy
-(tidal.worker.checkpoint.keeper, a ring over the group's nodes). Data positions and RNG need
-nothing more: a step's samples and its seed follow from the step number (tidal.worker.data,
-`seed_step`); streamed data and pipelines are left to storage (`supported`).
+would hold for it (DeepSpeed's own `save_checkpoint`, through `SnapshotEngine`: its module and
+optimizer partitions, the LR scheduler, the client state with Tidal's `TrainState`) and copies
+each tensor once, straight into one of its two slots on its node's keeper: shared-memory segments
+the keeper owns and the rank keeps mapped (tidal.worker.checkpoint.segment), laid out with a
+small record of where each tensor lies (tidal.worker.checkpoint.flat_state). That copy is all
+training waits for: nothing is serialized but the record, nothing goes through Ray's object store.
+Off the training thread the rank commits the slot and its record to the keeper, which sends the
+next node's copy itself (tidal.worker.checkpoint.keeper, a ring over the group's nodes, at a low
+CPU priority). Data positions and RNG need nothing more: a step's samples and its seed follow
+from the step number (tidal.worker.data, `seed_step`); streamed data and pipelines are left to
+storage (`supported`).
 
 With `every_steps: auto` the interval chooses itself (tidal.worker.checkpoint.interval): a group
 snapshots at its first two steps, which measure what a snapshot costs, then at Young/Daly's
@@ -25,18 +29,20 @@ their own cadence; a step is durable only once its checkpoint is complete in sto
 On a restart rank 0 reads every keeper's listing (`newest_complete`; `route.newest` says which
 snapshot is complete), and the one resume decision (tidal.worker.checkpoint.restore, with
 `route.from_memory`) takes the newest of that and the newest complete checkpoint in storage. At
-the world size that wrote it each rank fetches the files it loads (its own partition, and the
-model states, as from storage) from a keeper, its own node's first, and DeepSpeed loads the very
-bytes a persistent checkpoint of that step holds, served from memory (`safe_load.safe_loading`'s
-`served`): nothing is read from storage or disk. At another size (`staged`) a rank fetches the
-shards its new partition comes from and loads them by byte range, as a resize from storage does
-(tidal.worker.checkpoint.repartition), reading them from memory through a pyarrow filesystem.
+the world size that wrote it each rank rebuilds the files it loads (its own partition, and the
+model states, as from storage) from a keeper holding them: on its own node by mapping the
+segment, from another node through that keeper (Ray's object store), and DeepSpeed's own loader
+takes the rebuilt states as objects (`safe_load.safe_loading`'s `served`): nothing is read from
+storage or disk, and nothing unpickled but each file's small structure. Each tensor is a copy: a
+later snapshot reuses the segment. At another size (`staged`) a rank rebuilds the shards its new
+partition comes from, serializes them as a checkpoint holds them, and loads them by byte range,
+as a resize from storage does (tidal.worker.checkpoint.repartition), through a pyarrow filesystem
+over memory.
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
 import os
 import shutil
@@ -53,14 +59,23 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from tidal import gil, test_hooks
+from tidal import test_hooks
 from tidal.errors import CheckpointError
 from tidal.spec.job import JobSpec
 from tidal.storage import Found
-from tidal.worker.checkpoint import fetch, held_files, interval, keeper, route, safe_load
+from tidal.worker.checkpoint import (
+    fetch,
+    flat_state,
+    held_files,
+    interval,
+    keeper,
+    route,
+    safe_load,
+    segment,
+)
 from tidal.worker.checkpoint.host_buffers import Buffers
 from tidal.worker.checkpoint.route import Held, Plan
-from tidal.worker.checkpoint.snapshot import COPY, SnapshotEngine, _without_crc32, write_delay
+from tidal.worker.checkpoint.snapshot import LIVE, SnapshotEngine, write_delay
 
 log = logging.getLogger("tidal")
 
@@ -88,6 +103,7 @@ class Pending:
     """This rank's snapshot being handed to the keepers."""
 
     step: int
+    slot: int = 0  # which of this rank's two segments on its node holds it
     thread: threading.Thread | None = None
     error: str | None = None  # why its own node's keeper does not hold it
     peer_error: str | None = None  # why the peer's does not
@@ -130,7 +146,15 @@ class Tier:
         self.attempt: str = box[0][0]
         self.faults, self.trained_since = int(box[0][2]) - 1, float(box[0][1])
         self.single_node = len(ring) == 1
-        self.buffers = Buffers()
+        # This rank's two slots on its node (a segment each, the keeper's), mapped here once: the
+        # next snapshot goes to the one not holding the newest complete snapshot (`kept`).
+        self.maps: list[tuple[segment.Ref, Any, torch.Tensor] | None] = [None, None]
+        refs, self.kept = ray.get(self.own.slots_of.remote(rank), timeout=CALL_TIMEOUT_S)
+        for i, ref in enumerate(refs):
+            if ref is not None:
+                with contextlib.suppress(OSError):
+                    mm, block = segment.mapped(ref)
+                    self.maps[i] = (ref, mm, torch.from_numpy(block))
         self.pending: Pending | None = None
         self.complete: int | None = None  # the newest snapshot this group agreed is held by every rank
         self.said: set[str] = set()
@@ -164,12 +188,15 @@ class Tier:
         return s
 
     def snapshot(self, engine: Any, state: Any, written_by: Any, say: Any) -> None:
-        """Snapshot this rank's state at `state.step` (all ranks together: a collective)."""
+        """Snapshot this rank's state at `state.step` (all ranks together: a collective): DeepSpeed's
+        own save hands over what it would write, each tensor is copied once straight into this
+        rank's slot on its node's keeper (a shared-memory segment), and a small record of the
+        layout is committed to the keeper off the training thread."""
         t0 = time.perf_counter()
         self._agree_previous(say, state.step)
         step = state.step
         root = Path(tempfile.mkdtemp(prefix="tidal-mem-"))  # DeepSpeed's few small files (latest, a script)
-        snap = SnapshotEngine(root, self.buffers, COPY)
+        snap = SnapshotEngine(root, Buffers(), LIVE)  # the live state dicts: copied below, before training goes on
         saved_state = {**asdict(state), **asdict(written_by), "attempt": self.attempt}
         before, engine.checkpoint_engine = engine.checkpoint_engine, snap
         try:
@@ -179,19 +206,42 @@ class Tier:
         finally:
             engine.checkpoint_engine = before
             shutil.rmtree(root, ignore_errors=True)
-        zipfile = getattr(engine.checkpoint_engine, "zipfile_serialization", True)
         prefix = f"global_step{step}{os.sep}"
-        taken = {rel.removeprefix(prefix): st for rel, st in snap.taken.items()}
+        planned = flat_state.plan({rel.removeprefix(prefix): st for rel, st in snap.taken.items()})
         facts = {"world_size": self.world, "zero_stage": int(written_by.zero_stage),
                  "fingerprint": self.spec.fingerprint_hash(), "node": self.node,
                  "state": saved_state if self.rank == 0 else None}
-        pending = Pending(step)
-        pending.thread = threading.Thread(name="tidal-memory-snapshot", daemon=True,
-                                          target=self._hand_over, args=(pending, taken, zipfile, facts, self.complete))
+        pending = Pending(step, slot=1 - self.kept if self.kept is not None else 0)
+        pending.error = self._write(pending, planned)
+        if pending.error is None:
+            pending.thread = threading.Thread(name="tidal-memory-snapshot", daemon=True, target=self._hand_over,
+                                              args=(pending, planned.record, facts, self.complete))
+            pending.thread.start()
         self.pending = pending
-        pending.thread.start()
         pending.stall_s = time.perf_counter() - t0
         self.stall_s += pending.stall_s
+
+    def _write(self, pending: Pending, planned: flat_state.Planned) -> str | None:
+        """Copy the planned state into this rank's slot `pending.slot` and stamp it; None, or why not
+        (the node could not give the segment)."""
+        import ray
+
+        mapped = self.maps[pending.slot]
+        if mapped is None or mapped[0].size < planned.total:
+            self.maps[pending.slot] = None  # the old map goes before a larger segment is made
+            try:
+                ref = ray.get(self.own.make.remote(self.rank, pending.slot, planned.total), timeout=CALL_TIMEOUT_S)
+            except Exception as e:  # noqa: BLE001 - the keeper is gone or stuck: this shard is not held
+                return f"this node's keeper failed: {type(e).__name__}: {str(e)[:200]}"
+            if isinstance(ref, str):
+                return ref
+            mm, block = segment.mapped(ref)
+            mapped = self.maps[pending.slot] = (ref, mm, torch.from_numpy(block))
+        _, mm, block = mapped
+        segment.write_stamp(mm, 0)  # torn until stamped again: neither listed nor served meanwhile
+        flat_state.write(planned, block)
+        segment.write_stamp(mm, segment.stamp(self.attempt, pending.step, self.rank))
+        return None
 
     def _agree_previous(self, say: Any, step: int) -> None:
         """Wait for this rank's previous snapshot to be held, then agree with every rank whether
@@ -202,8 +252,9 @@ class Tier:
         # would meet in mismatched collectives.
         trained = time.time() - self.trained_since
         mine: tuple[Any, ...] = (None, None, None, None, self.step_s, trained)
-        if self.pending is not None and self.pending.thread is not None:
-            self.pending.thread.join()
+        if self.pending is not None:
+            if self.pending.thread is not None:
+                self.pending.thread.join()
             p = self.pending
             mine = (p.step, p.error, p.peer_error, p.stall_s + p.hand_over_s, self.step_s, trained)
         everyone: list[Any] = [None] * self.world
@@ -211,6 +262,8 @@ class Tier:
         steps = {e[0] for e in everyone}
         if len(steps) == 1 and None not in steps and all(e[1] is None for e in everyone):
             self.complete = steps.pop()
+            assert self.pending is not None
+            self.kept = self.pending.slot  # kept until the next one is complete: the next goes to the other
         if self.auto:
             self._choose_interval(everyone, step, say)
         if self.rank == 0:
@@ -239,42 +292,23 @@ class Tier:
             self.said.add(key)
             say(line)
 
-    def _hand_over(self, pending: Pending, taken: dict[str, Any], zipfile: bool, facts: dict[str, Any],
+    def _hand_over(self, pending: Pending, record: dict[str, Any], facts: dict[str, Any],
                    prune_below: int | None) -> None:
-        """Serialize each file as a persistent write would, and have both keepers hold the bytes."""
+        """Commit the written slot to this node's keeper, which then sends the peer's copy itself."""
         import ray
 
         t0 = time.perf_counter()
         try:
-            files = {}
-            # torch.save into memory holds the GIL throughout (about 0.35 s per 512 MB): said to the
-            # heartbeat first, so that a large state is not taken for a stopped rank.
-            with _without_crc32(), gil.holding():
-                for rel, st in taken.items():
-                    buf = io.BytesIO()
-                    torch.save(st, buf, _use_new_zipfile_serialization=zipfile)
-                    # A numpy view, not bytes: Ray copies it once into its object store, outside the
-                    # pickle (bytes are pickled whole, a copy more, holding the GIL the training thread needs).
-                    files[rel] = np.frombuffer(buf.getbuffer(), dtype=np.uint8)
             if delay := write_delay(test_hooks.read(DELAY_ENV), self.rank, pending.step):
                 time.sleep(delay)
-            ref = ray.put(files)
-            args = (self.attempt, pending.step, self.rank, facts, ref, prune_below)
-            # The peer's copy is sent by this node's keeper once it holds its own (a reference in a
-            # list: Ray hands it over unresolved): this thread waits for one copy, not two.
-            forward = [self.peer_name, ref] if self.peer is not None else None
+            args = (self.attempt, pending.step, self.rank, pending.slot, facts, record, prune_below, self.peer_name)
             try:
-                pending.error = ray.get(self.own.put.remote(*args, forward), timeout=CALL_TIMEOUT_S)
-                if forward is not None:  # copies sent for earlier snapshots that the peer did not keep
+                pending.error = ray.get(self.own.commit.remote(*args), timeout=CALL_TIMEOUT_S)
+                if self.peer_name is not None:  # copies sent for earlier snapshots that the peer did not keep
                     told = ray.get(self.own.take_forward_errors.remote(), timeout=CALL_TIMEOUT_S)
                     pending.peer_error = told[-1] if told else None
             except Exception as e:  # noqa: BLE001 - the keeper is gone or stuck: this shard is not held
                 pending.error = f"this node's keeper failed: {type(e).__name__}: {str(e)[:200]}"
-                if self.peer is not None:  # then the peer's copy goes from here, as nothing else sends it
-                    try:
-                        pending.peer_error = ray.get(self.peer.put.remote(*args), timeout=CALL_TIMEOUT_S)
-                    except Exception as e2:  # noqa: BLE001
-                        pending.peer_error = f"the peer node's keeper failed: {type(e2).__name__}: {str(e2)[:200]}"
         except Exception as e:  # noqa: BLE001 - a snapshot that fails leaves the previous one
             pending.error = f"{type(e).__name__}: {str(e)[:200]}"
         pending.hand_over_s = time.perf_counter() - t0
@@ -294,16 +328,20 @@ def newest_complete(spec: JobSpec, generation: int = 0) -> tuple[Held, Plan] | t
             listings[name] = ray.get(call, timeout=LIST_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - a keeper whose node is gone: its copies are too
             log.info("memory tier: keeper %s did not answer (%s)", name, type(e).__name__)
-    return route.newest(listings, spec.fingerprint_hash())
+    found, plan = route.newest(listings, spec.fingerprint_hash())
+    if plan is not None:  # each keeper keeps its slot until the next group has a complete one of its own
+        for name in listings:
+            held[name].mark_complete.remote(plan.attempt, plan.step)
+    return found, plan
 
 
 def load(engine: Any, plan: Plan, dp_rank: int) -> dict[str, int]:
-    """Load the snapshot `plan` into `engine` as saved: this rank's files from the keepers (its
-    node's first), served to DeepSpeed's own loader from memory. Returns the bytes fetched per file."""
+    """Load the snapshot `plan` into `engine` as saved: this rank's files rebuilt from the keepers'
+    segments (mapped, on this node; fetched through the keeper from another), served to DeepSpeed's
+    own loader as objects (`safe_load.safe_loading`'s `served`): nothing is unpickled but each file's
+    small structure. Returns the bytes read per file."""
     _pause_for_tests()
-    got = _fetch(plan, list(fetch.rank_files(plan.files(), dp_rank)))
-    with gil.holding():  # torch.load from memory holds the GIL as torch.save into it does
-        states = {n: safe_load.safe_load(io.BytesIO(b), map_location="cpu") for n, b in got.items()}
+    states, sizes = _states(plan, list(fetch.rank_files(plan.files(), dp_rank)))
     step_tag = f"global_step{plan.step}"
     folder = tempfile.mkdtemp(prefix="tidal-mem-load-")
     try:
@@ -318,52 +356,82 @@ def load(engine: Any, plan: Plan, dp_rank: int) -> dict[str, int]:
             raise CheckpointError(f"DeepSpeed found nothing to load in the in-memory snapshot of step {plan.step}")
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    return {n: len(b) for n, b in got.items()}
+    return sizes
 
 
 @contextlib.contextmanager
 def staged(plan: Plan, names: Iterable[str]) -> Iterator[Found]:
-    """The files `names` of the snapshot `plan`, fetched from the keepers, as a `Found` laid out as a
-    checkpoint's (`<path>/global_stepN/<name>`) that a by-range resize (tidal.worker.checkpoint.repartition)
-    reads exactly as it reads storage: through a read-only pyarrow filesystem over the fetched buffers
-    (tidal.worker.checkpoint.held_files), which are views of Ray's object store. Nothing is read from
-    storage, and nothing is written to disk but what the resize itself writes (the node's copy of the
-    model states, its sparse copies); they once went whole to a folder on the node's disk first."""
+    """The files `names` of the snapshot `plan`, rebuilt from the keepers and written as a checkpoint
+    of its step would hold them (torch.save, in memory), as a `Found` laid out as a checkpoint's
+    (`<path>/global_stepN/<name>`, its `files` their sizes) that a by-range resize
+    (tidal.worker.checkpoint.repartition) reads exactly as it reads storage: through a read-only
+    pyarrow filesystem over those buffers (tidal.worker.checkpoint.held_files). Nothing is read from
+    storage, and nothing is written to disk but what the resize itself writes."""
     _pause_for_tests()
-    got = _fetch(plan, sorted(set(names)))
+    states, _ = _states(plan, sorted(set(names)))
     root, step_tag = f"memory-{plan.step}", f"global_step{plan.step}"
+    got = {name: flat_state.to_bytes(st) for name, st in states.items()}
     held = held_files.filesystem({f"{root}/{step_tag}/{name}": data for name, data in got.items()})
-    files = {f"{step_tag}/{name}": size for name, size in plan.files().items()}
-    yield Found(root, held, plan.state, files)
+    yield Found(root, held, plan.state, {f"{step_tag}/{name}": len(data) for name, data in got.items()})
 
 
-def _fetch(plan: Plan, names: list[str]) -> dict[str, Any]:
-    """The bytes of the files `names` of the snapshot `plan` (read-only buffers), each from a keeper
-    holding its shard, this node's first; CheckpointError if every copy of a shard went while it was
-    being read."""
+def _states(plan: Plan, names: list[str]) -> tuple[dict[str, Any], dict[str, int]]:
+    """The states of the files `names` of the snapshot `plan` (each tensor a copy, nothing aliasing a
+    segment a later snapshot reuses) and their bytes, each from a keeper holding its shard, this
+    node's first; CheckpointError if every copy of a shard went while it was being read."""
     import ray
 
     node = ray.get_runtime_context().get_node_id()
     by_shard: dict[int, list[str]] = {}
     for n in names:
         by_shard.setdefault(next(r for r, files in plan.shards.items() if n in files), []).append(n)
-    got: dict[str, Any] = {}
+    states: dict[str, Any] = {}
     for shard, wanted in sorted(by_shard.items()):
         options = sorted(plan.holders[shard].items(), key=lambda kv: kv[1] != node)  # this node's keeper first
-        for name, _ in options:
+        for name, where in options:
             try:
-                answer = ray.get(ray.get_actor(name, namespace=keeper.NAMESPACE).get.remote(
-                    plan.attempt, plan.step, shard, wanted), timeout=CALL_TIMEOUT_S)
+                actor = ray.get_actor(name, namespace=keeper.NAMESPACE)
+                got = (_mapped(actor, plan, shard, wanted) if where == node else _fetched(actor, plan, shard, wanted))
             except Exception as e:  # noqa: BLE001 - that keeper is gone: try the next copy
-                log.info("memory tier: keeper %s failed (%s)", name, type(e).__name__)
+                log.info("memory tier: keeper %s failed (%s: %s)", name, type(e).__name__, str(e)[:200])
                 continue
-            if answer is not None:
-                got.update(answer)
+            if got is not None:
+                states.update(got)
                 break
         else:
             raise CheckpointError(f"the in-memory snapshot of step {plan.step} lost rank {shard}'s shard "
                                   "while it was being restored; the next attempt resumes from what is complete")
-    return got
+    return states, {n: plan.files()[n] for n in names}
+
+
+def _mapped(actor: Any, plan: Plan, shard: int, names: list[str]) -> dict[str, Any] | None:
+    """The files `names` of a shard held on this node: its segment mapped, each tensor copied out,
+    the stamp checked before and after (a slot reused meanwhile is not served)."""
+    import ray
+
+    found = ray.get(actor.where.remote(plan.attempt, plan.step, shard), timeout=CALL_TIMEOUT_S)
+    if found is None:
+        return None
+    ref, record, stamp = found
+    mm, block = segment.mapped(ref, populate=False)
+    if segment.read_stamp(mm) != stamp:
+        return None
+    out = {n: flat_state.read(record, n, torch.from_numpy(block)) for n in names}
+    return out if segment.read_stamp(mm) == stamp else None
+
+
+def _fetched(actor: Any, plan: Plan, shard: int, names: list[str]) -> dict[str, Any] | None:
+    """The files `names` of a shard held on another node, through its keeper (Ray's object store)."""
+    import ray
+
+    answer = ray.get(actor.get.remote(plan.attempt, plan.step, shard, names), timeout=CALL_TIMEOUT_S)
+    if answer is None:
+        return None
+    record, [ref] = answer
+    data = ray.get(ref, timeout=CALL_TIMEOUT_S)
+    block = torch.frombuffer(bytearray(0), dtype=torch.uint8) if len(data) == 0 else torch.from_numpy(
+        np.frombuffer(data, dtype=np.uint8).copy() if not data.flags.writeable else data)
+    return {n: flat_state.read(record, n, block, base=int(record["base"])) for n in names}
 
 
 def _pause_for_tests() -> None:

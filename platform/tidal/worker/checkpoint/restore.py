@@ -160,9 +160,11 @@ def _by_range_from_memory(engine: Any, load: Load, plan: route.Plan) -> None:
     rank's new partition comes from, fetched from the keepers to this node, read as from storage.
     A failure here proves nothing about any checkpoint: it fails the attempt, and the next one
     resumes from the newest complete copy."""
-    listed = plan.files()
     cut = _cut(engine, load, len(plan.shards))
-    with memory.staged(plan, repartition.reads(cut, listed)) as local:
+    with memory.staged(plan, repartition.reads(cut, plan.files())) as local:
+        # The sizes of the files as serialized here (a snapshot's listing gives its block's): what is read
+        prefix = f"{tag(plan.step)}/"
+        listed = {**plan.files(), **{rel.removeprefix(prefix): n for rel, n in (local.files or {}).items()}}
         repartition.restore(engine, local, tag(plan.step), listed, plan.attempt, cut, keep=False)
 
 
