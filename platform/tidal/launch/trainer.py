@@ -338,8 +338,12 @@ def _close_tracker(spec: JobSpec, tracker: Any, ok: bool, t0: float, pump: Conso
         ray.kill(tracker)
         return (None, {}, 0), None
 
+    from tidal.tracking.actor import PING_TIMEOUT_S
+
     timeout_s = spec.tracking.flush_timeout_s
     try:
+        # Up at all? Ray retries a call to a restarting actor without end; the calls below may take long.
+        ray.get(tracker.ping.remote(), timeout=PING_TIMEOUT_S)
         left = ray.get(tracker.flush.remote(force=True))
         if left:
             print(f"[tidal] {left} metric point(s) still wait for MLflow; retrying for up to {timeout_s:.0f}s", flush=True)
@@ -348,6 +352,10 @@ def _close_tracker(spec: JobSpec, tracker: Any, ok: bool, t0: float, pump: Conso
             time.sleep(2)
             left = ray.get(tracker.flush.remote(force=True))
         closed = ray.get(tracker.close.remote(ok, time.time() - t0))
+    except ray.exceptions.GetTimeoutError:
+        print(f"[tidal] the tracker actor did not answer in {PING_TIMEOUT_S:.0f}s (Ray restarts it, and it cannot "
+              "start: its process log on this node says why); finishing tracking in the driver", flush=True)
+        closed = None
     except ray.exceptions.RayError as e:
         print(f"[tidal] the tracker actor is gone ({type(e).__name__}); finishing tracking in the driver", flush=True)
         closed = None

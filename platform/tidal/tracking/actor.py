@@ -16,6 +16,11 @@ import ray
 
 from tidal.spec.job import JobSpec
 
+# How long the driver's end waits for the tracker to answer at all (`TrackerActor.ping`) before it
+# takes the actor as gone and ends the run itself: a restarted tracker imports MLflow and reopens its
+# store in seconds, but one whose constructor ends its process (pyarrow aborting in C++ on a store it
+# cannot reach) is restarted by Ray without end (max_restarts=-1), and every call to it waits for good.
+PING_TIMEOUT_S = 120.0
 
 class TrackerActor:
     """tracking.tracker.Tracker, built in the actor's own process (Ray needs a class it can name
@@ -35,6 +40,10 @@ class TrackerActor:
         os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
         self.lines = hold_tidal_lines()  # the driver prints them, without Ray's actor prefix
         self.tracker = Tracker(spec, tags, record=record, lease=lease)
+
+    def ping(self) -> bool:
+        """True once this actor is up: the driver's bounded check before its calls that may take long."""
+        return True
 
     def take_lines(self) -> list[str]:
         """The `[tidal]` lines printed here since the last call (tidal.launch.console_pump)."""
