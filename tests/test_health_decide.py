@@ -43,6 +43,10 @@ from tidal.worker.health.decide import (
     (NodeBack(world=3, max_workers=3), Decision("wait", 3, "done")),  # nothing to grow into: forget it
     # a lost worker, a hang: Ray Train restarts the group at its size
     (LostWorker(world=4), Decision("restart", 4)),
+    # failure.replace_in_place: the lost rank alone is replaced, the others re-form the group with it
+    (LostWorker(world=4, in_place=True), Decision("replace", 4)),
+    (LostWorker(world=1, in_place=True), Decision("restart", 1)),  # no survivor to keep
+    (LostWorker(world=2, in_place=True, reforming=True), Decision("restart", 2)),  # lost again while re-forming
     (Hang(world=4), Decision("restart", 4)),
 ])
 def test_every_fault_and_signal_has_one_answer_and_a_size(signal, decision):

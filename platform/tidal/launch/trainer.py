@@ -25,7 +25,7 @@ from tidal.launch.recovery import mistake_message, recovery_settings
 from tidal.launch.result import RunResult
 from tidal.lease import Lease, driver_command, submission_id
 from tidal.output import print_notes, print_record
-from tidal.ray_private import cancel_reservation, train_requester
+from tidal.ray_private import cancel_reservation, replica_group_config, train_requester
 from tidal.redact import redact_uri
 from tidal.spec.job import JobSpec
 from tidal.spec.sections import trial_name
@@ -161,7 +161,7 @@ def _train(spec: JobSpec, run_dir: RunDir, job: dict[str, Any], tags: dict[str, 
     try:
         # site "any": on-prem first, cloud nodes after burst_after_s; Tidal's recovery defaults for Ray;
         # this driver's keepers touched while it lives (they end themselves once it is gone)
-        with burst.burst_capacity(spec), recovery_settings(spec), _keepers_touched(spec, lease):
+        with burst.burst_capacity(spec), recovery_settings(spec), _keepers_touched(spec, lease), _rendezvous(spec, lease):
             _fit(spec, trainer, callbacks, seat, run_dir, lease)
         ok = not lease.lost.is_set()
         if ok:
@@ -212,6 +212,22 @@ def _keepers_touched(spec: JobSpec, lease: Lease) -> Iterator[None]:
 
     with keeper.heartbeat(keeper.Owner.of(spec, lease.generation)):
         yield
+
+
+@contextlib.contextmanager
+def _rendezvous(spec: JobSpec, lease: Lease) -> Iterator[None]:
+    """failure.replace_in_place: the rendezvous every generation of this launch's groups forms through
+    (worker/health/rendezvous.py), in an actor of its own: no rank's loss takes it down."""
+    if not spec.failure.replace_in_place:
+        yield
+        return
+    from tidal.worker.health import rendezvous
+
+    actor = rendezvous.start(spec.name, lease.generation)
+    try:
+        yield
+    finally:
+        rendezvous.stop(actor)
 
 
 def _fit(spec: JobSpec, trainer: TorchTrainer, callbacks: list[Any], seat: admission.Seat | None,
@@ -434,11 +450,25 @@ def _trainer(spec: JobSpec, callbacks: list[Any], seat: admission.Seat | None = 
         # workers read the values (tidal.spec.secrets); a credential elsewhere goes by reference (carried_spec).
         train_loop_config={**carried_spec(spec.model_dump(mode="json"), ray.put), **streaming,
                            **({"admission": seat.config()} if seat is not None else {}),
-                           **({"lease": lease.config()} if lease is not None else {})},
+                           **({"lease": lease.config()} if lease is not None else {}),
+                           **_rendezvous_config(spec, lease)},
         scaling_config=scaling,
         run_config=run_config,
-        torch_config=TorchConfig(backend=dist_backend(s.gpus_per_worker)),
+        # failure.replace_in_place: Ray Train replaces a lost worker alone and forms no process group
+        # across workers; the workers form their own through the driver's rendezvous (_rendezvous)
+        torch_config=(replica_group_config(dist_backend(s.gpus_per_worker)) if spec.failure.replace_in_place
+                      else TorchConfig(backend=dist_backend(s.gpus_per_worker))),
     )
+
+
+def _rendezvous_config(spec: JobSpec, lease: Lease | None) -> dict[str, Any]:
+    """The workers' side of the rendezvous (failure.replace_in_place): its actor's name and the backend."""
+    if not spec.failure.replace_in_place:
+        return {}
+    from tidal.worker.health.rendezvous import actor_name
+
+    return {"rendezvous": {"name": actor_name(spec.name, lease.generation if lease is not None else 0),
+                           "backend": dist_backend(spec.scaling.gpus_per_worker)}}
 
 
 def _checkpoint_config(spec: JobSpec) -> CheckpointConfig:

@@ -375,6 +375,14 @@ class FailureSpec(Part):
         "0: none. Each costs about the "
         "memory of an idle Python process with torch imported (docs/reliability.md)"
     )
+    replace_in_place: bool = Field(
+        False, description="a worker lost at the job's size (its process killed or crashed) is replaced alone: the "
+        "other workers keep their processes, catch the collective error, roll back to the newest complete memory "
+        "snapshot (checkpoint.memory; else the newest checkpoint) and re-form the group with the replacement "
+        "through a rendezvous the driver hosts. Anything else (a resize, a lost node without room, a hang, an "
+        "error while re-forming) restarts the whole group as when off. Each replacement counts against max_restarts. "
+        "Checked on CPU (gloo) with ZeRO-2 only: off by default (docs/reliability.md)"
+    )
     straggler_ratio: float = Field(
         1.5, ge=0.0, description="warn when one rank's time outside collectives is this many times the median "
         "rank's (the others wait for it); 0 disables"

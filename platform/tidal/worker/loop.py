@@ -24,7 +24,8 @@ from tidal.worker import warning as short_warning
 from tidal.worker.checkpoint import save
 from tidal.worker.device import seed_step
 from tidal.worker.engine import is_pipeline
-from tidal.worker.health.decide import NONE, group_target, resize_to
+from tidal.worker.health import rendezvous
+from tidal.worker.health.decide import NONE, LostWorker, decide, group_target, resize_to
 from tidal.worker.logsync import Agreed
 from tidal.worker.metrics import PhaseClock, speed, trace_loss
 from tidal.worker.session import Session, open_session
@@ -35,9 +36,73 @@ def train_loop(config: dict[str, Any]) -> None:
     config = with_carried_spec(config, ray.get)  # the spec unredacted, where the driver had to redact it
     if not still_owner(config):
         return  # a newer start owns the job: this group ends before it touches anything
+    group = _member(config)  # failure.replace_in_place: the job's own process group (worker/health/rendezvous.py)
+    if group is not None:
+        group.form()
+    s = _opened(config, group)
+    warm = Spares(s.spec.failure.warm_spares, s.spec.scaling.cpus_per_worker)  # this node's warm spares, refilled after the first step
+    while True:
+        try:
+            _train(s, warm)
+            break
+        except Exception as e:
+            if group is None or not _replaced_in_place(s, e):
+                raise  # Ray Train restarts the whole group (or, for a lost worker, replaces it and we re-form)
+            s = _reform(config, s, group)
+    if s.directive is not None:
+        s.directive.close()
+    s.events.drain()  # the last checkpoint's event and notes reach storage before this process ends
+
+
+def _member(config: dict[str, Any]) -> rendezvous.Member | None:
+    """This rank's side of the driver's rendezvous, with failure.replace_in_place; None: Ray's process group."""
+    if not (rdzv := config.get("rendezvous")):
+        return None
+    ctx = ray.train.get_context()
+    return rendezvous.Member(rdzv["name"], ctx.get_world_rank(), ctx.get_world_size(), rdzv["backend"],
+                             rendezvous.FORM_S)
+
+
+def _opened(config: dict[str, Any], group: rendezvous.Member | None) -> Session:
+    """The session on this rank's group; rank 0 says when the group replaced a lost rank in place."""
     s = open_session(config)
+    if group is not None and s.rank == 0 and (line := group.replaced_line()):
+        s.events.say(line, s.state.step)
+    return s
+
+
+def _replaced_in_place(s: Session, e: BaseException) -> bool:
+    """Whether `e` is a lost peer that this rank's group replaces in place (worker/health/decide.py)."""
+    return rendezvous.peer_lost(e) and decide(LostWorker(s.world, in_place=True)).action == "replace"
+
+
+def _reform(config: dict[str, Any], s: Session, group: rendezvous.Member) -> Session:
+    """A peer was lost: end what this session opened, dissolve the group, form the next generation with the
+    replacement Ray Train starts, and open the session again in this process (the resume agreement rolls
+    every rank back to the newest complete memory snapshot, or checkpoint). Anything that goes wrong here
+    raises: Ray Train's full restart takes over, as without failure.replace_in_place."""
+    _close(s)
+    group.dissolve()
+    # A second loss in here raises as it is: decide(LostWorker(..., reforming=True)) restarts the group.
+    group.form(s.state.step)
+    return _opened(config, group)
+
+
+def _close(s: Session) -> None:
+    """End what `s` opened that outlives it in this process: its watchdog and heartbeat, admission's
+    poll, the memory tier's hand-over in flight (its keepers keep what was handed over), its events."""
+    s.watchdog.close()
+    if s.directive is not None:
+        s.directive.close()
+    pending = s.memory.pending if s.memory is not None else None
+    if pending is not None and pending.thread is not None:
+        pending.thread.join(timeout=rendezvous.FORM_S)
+    s.events.drain(timeout_s=10.0)
+
+
+def _train(s: Session, warm: Spares) -> None:
+    """Train the session's steps until the job ends (or this group ends: a resize, a newer start)."""
     spec, state = s.spec, s.state
-    warm = Spares(spec.failure.warm_spares, spec.scaling.cpus_per_worker)  # this node's warm spares, refilled after the first step
     try:
         for step in s.steps():
             hold.before_step(s.rank, step)  # tests only: a fault lands after a known step (TIDAL_TEST_HOLD_AFTER_STEP)
@@ -81,9 +146,6 @@ def train_loop(config: dict[str, Any]) -> None:
         # from here - a killed peer stops beating while Ray tears the group down, and no hang is counted
         # against its node - and the final background upload and the last writes are no step.
         s.watchdog.end()
-    if s.directive is not None:
-        s.directive.close()
-    s.events.drain()  # the last checkpoint's event and notes reach storage before this process ends
 
 
 def still_owner(config: dict[str, Any]) -> bool:

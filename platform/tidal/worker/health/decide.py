@@ -6,11 +6,14 @@ group), the end of a node's avoidance, a lost worker and a hang. The answer is a
 group's size after it, and the next state of the group's record of an avoided node
 (worker/health/avoidance.py, which writes it). The callers carry it out: rank 0 at its log step
 (worker/health/nodes.py; worker/loop.py for admission's word), the hang court
-(worker/health/hang.py), Ray Train for a lost worker or a hang (it restarts the group).
+(worker/health/hang.py), Ray Train for a lost worker or a hang (it restarts the group, or replaces
+the lost worker alone: worker/loop.py re-forms the survivors).
 
 Actions: `wait` (train on at the size), `restart` (the group restarts at `size`: larger, or the
 same after a fault), `shrink` (restarts smaller; 0 suspends the job), `avoid_node` (restarts at
-`size` without a node). In this first step the decision is today's behaviour, in one place.
+`size` without a node), `replace` (failure.replace_in_place: the lost rank is replaced alone, the others keep
+their processes and re-form the group with it, worker/health/rendezvous.py; anything that goes wrong there
+restarts the group).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from tidal.worker.health.stragglers import size_without
 NONE = -1.0  # no size asked for: the log step's collective carries it (admission's, or the job's own)
 AVOID_AFTER = 2  # hangs a node's rank caused before the job avoids the node
 
-Action = Literal["wait", "restart", "shrink", "avoid_node"]
+Action = Literal["wait", "restart", "shrink", "avoid_node", "replace"]
 RecordState = Literal["exclude", "return", "done"]
 
 
@@ -75,9 +78,12 @@ class NodeBack:
 
 @dataclass(frozen=True)
 class LostWorker:
-    """A worker's process died (or its node went)."""
+    """A worker's process died (or its node went), seen by a rank whose collective lost it. `in_place`:
+    failure.replace_in_place; `reforming`: that rank was already re-forming the group after a loss."""
 
     world: int
+    in_place: bool = False
+    reforming: bool = False
 
 
 @dataclass(frozen=True)
@@ -122,6 +128,9 @@ def decide(signal: Signal) -> Decision:
             if world >= max_workers:  # nothing to grow into: the node is forgotten
                 return Decision("wait", world, "done")
             return Decision("restart", max_workers, "return")
+        case LostWorker(world, in_place, reforming) if in_place and not reforming and world > 1:
+            # Ray Train replaces the lost worker alone (same size, its bundle); the survivors re-form with it
+            return Decision("replace", world)
         case LostWorker(world) | Hang(world):
             return Decision("restart", world)  # Ray Train restarts the group from the last checkpoint
     raise TypeError(f"not a health signal: {signal!r}")

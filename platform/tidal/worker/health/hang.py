@@ -119,7 +119,10 @@ def explain(world: int, answers: Mapping[int, Answer]) -> Verdict:
 def group_key() -> str:
     """The same on every rank of one worker group, new for the next: Ray Train sets the
     process group's rendezvous address per group (ray/train/torch/config.py)."""
-    return f"port{os.environ.get('MASTER_PORT', '0')}-{os.environ.get('MASTER_ADDR', 'local').replace(':', '_')}"
+    key = f"port{os.environ.get('MASTER_PORT', '0')}-{os.environ.get('MASTER_ADDR', 'local').replace(':', '_')}"
+    # failure.replace_in_place: one rendezvous store for every generation of the group (worker/health/rendezvous.py)
+    generation = os.environ.get("TIDAL_GROUP_GENERATION")
+    return f"{key}-gen{generation}" if generation else key
 
 
 def _hang_count(nodes: dict[str, Any], culprits: list[Answer]) -> tuple[dict[str, Any], list[Answer]]:

@@ -5,7 +5,8 @@ rank took 30 s to find at its floor. A heartbeat needs no such margin: it comes 
 own, which a slow step does not stop (a collective, a save or a long kernel releases the GIL) and
 a stopped process (SIGSTOP, a frozen VM) or one wedged holding the GIL does. Each rank adds one to
 its counter in the group's rendezvous store (the c10d TCPStore torch's process group already runs
-in rank 0's process, reached as a client at MASTER_ADDR:MASTER_PORT) once a second, and reads the
+in rank 0's process, reached as a client at MASTER_ADDR:MASTER_PORT; with failure.replace_in_place,
+the rendezvous actor's, which no rank's loss takes down: worker/health/rendezvous.py) once a second, and reads the
 counter of the next rank (a ring: one read per rank, at any world size). A counter unchanged for
 `failure.heartbeat_timeout_s` names its rank silent; so does a store that stops answering within
 that time (its host, rank 0, is stopped). A store whose connection fails at once has lost its host
@@ -79,7 +80,9 @@ def group_store(deadline_s: float) -> Any:
 
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                           timeout=timedelta(seconds=deadline_s), wait_for_workers=False)
-    return dist.PrefixStore(f"tidal-pulse-{os.environ['MASTER_PORT']}", store)
+    # failure.replace_in_place: the store is the rendezvous's, shared by the group's generations (rendezvous.py)
+    generation = os.environ.get("TIDAL_GROUP_GENERATION", "")
+    return dist.PrefixStore(f"tidal-pulse-{os.environ['MASTER_PORT']}{generation and '-gen' + generation}", store)
 
 
 class Pulse:

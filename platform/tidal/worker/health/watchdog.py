@@ -123,6 +123,7 @@ class StepWatchdog:
         self.first = False  # opened(): no step finished yet, the first is under the unarmed deadline
         self.step = 0
         self.pulse = pulse
+        self.closed = False
         if self.rule.fixed_s != 0 or pulse is not None:
             threading.Thread(target=self._watch, name="tidal-watchdog", daemon=True).start()
 
@@ -168,13 +169,24 @@ class StepWatchdog:
         if self.pulse is not None:
             self.pulse.end()  # the others' processes may end first: that is no silence
 
+    def close(self) -> None:
+        """This rank's group is dissolved (failure.replace_in_place: a peer was lost and the group
+        re-forms in this process): judge nothing more, stop the heartbeat, end the watching thread.
+        Waiting in the rendezvous is no hang; the next session's watchdog guards the next group."""
+        self.closed = True
+        self.end()
+        if self.pulse is not None:
+            self.pulse.close()
+
     def _watch(self) -> None:
         said = False
-        while True:
+        while not self.closed:
             phase = self.current
             fixed = self.rule.fixed_s
             time.sleep(min([POLL_S, *([fixed / 4] if fixed else []),
                             *([phase.deadline_s / 4] if phase and phase.deadline_s > 0 else [])]))
+            if self.closed:
+                return
             try:
                 self._look()
             except Exception as e:  # noqa: BLE001 - a fault in the watchdog must not end it: it guards every step

@@ -1,0 +1,63 @@
+"""failure.replace_in_place end to end (issue 75 step 2), through Ray Train and real DeepSpeed engines on
+gloo with the memory tier on: a rank SIGKILLed after a known step is replaced alone, the other rank keeps
+its process (its pid unchanged), the group re-forms through the driver's rendezvous and rolls back to
+the newest complete memory snapshot, the job finishes with the undisturbed run's losses and every step
+logged once. Rank 1 lost, then rank 0 (the rendezvous must not live there)."""
+
+from __future__ import annotations
+
+import threading
+
+import psutil
+import pytest
+
+import tidal
+from tests.memory_jobs import assert_undisturbed_losses, memory_spec, resumes
+from tidal.testing.processes import kill, wait_for
+from tidal.testing.runs import StepHolds
+from tidal.worker.health.rendezvous import NAMESPACE, PREFIX
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local")]
+
+
+def _members(job: str) -> dict[int, int] | None:
+    """rank -> pid of the newest generation formed through the job's rendezvous (None: none yet)."""
+    import ray
+
+    names = [e["name"] for e in ray.util.list_named_actors(all_namespaces=True)
+             if e["namespace"] == NAMESPACE and e["name"].startswith(f"{PREFIX}{job}-")]
+    if not names:
+        return None
+    members = ray.get(ray.get_actor(names[0], namespace=NAMESPACE).members.remote())
+    return members if len(members) == 2 else None
+
+
+@pytest.mark.parametrize("lost", [1, 0])
+def test_a_killed_rank_is_replaced_in_place_while_the_other_keeps_its_process(tmp_path, capfd, lost):
+    holds = StepHolds(13)
+    spec = holds.spec(memory_spec(tmp_path, f"in-place-{lost}").with_overrides({"failure.replace_in_place": True}))
+    seen: dict[str, dict[int, int]] = {}
+
+    def kill_rank() -> None:
+        holds.wait(13)
+        before = seen["before"] = wait_for("the group's ranks", lambda: _members(spec.name), 60)
+        kill(psutil.Process(before[lost]))
+        holds.release(13)
+        seen["after"] = wait_for(f"rank {lost} replaced", lambda: m if (m := _members(spec.name)) and
+                                 m[lost] != before[lost] else None, 300)
+
+    killer = threading.Thread(target=kill_rank, daemon=True)
+    killer.start()
+    result = tidal.run(spec)
+    killer.join(timeout=5)
+    out = capfd.readouterr().out
+
+    assert result.error is None, result.error
+    before, after = seen["before"], seen["after"]
+    kept = 1 - lost
+    assert after[kept] == before[kept], f"rank {kept}'s process changed: the whole group restarted\n{out[-3000:]}"
+    assert after[lost] != before[lost]
+    assert f"rank {lost} lost after step 13: replaced in place (generation 2)" in out, out[-3000:]
+    (where, step, _), = resumes(out)
+    assert where.startswith("the in-memory snapshot held on node") and 12 <= step <= 13, out[-3000:]
+    assert_undisturbed_losses(tmp_path, spec, result)
