@@ -8,8 +8,9 @@ checkpoint file from storage (the node's restore cache).
     python -m benchmarks.memory_tier [--pairs 4] [--kill-at 90] [--every 50] [--memory-every 5]
     python -m benchmarks.memory_tier --stall-probe [--memory-every 5]   # one run: a snapshot's stall and
         # the next step's time against the other steps' (prints; the reading goes in docs/benchmarks.md by hand)
-    python -m benchmarks.memory_tier --stall-floor [--memory-every 5]   # training blocked per snapshot against
-        # one memory copy of the same state (rank 0's share) into a reused buffer, measured in the same invocation
+    python -m benchmarks.memory_tier --stall-floor [--memory-every 5] [--large]   # training blocked per snapshot
+        # against one memory copy of the same state (rank 0's share) into a reused buffer, measured in the same
+        # invocation (--large: a ~1.5 GB state)
     python -m benchmarks.memory_tier --stall-pairs --memory-every auto [--pairs 4] [--steps 110] [--every 50]
         # what the interval the tier chooses costs the quickstart-shaped job (its persistent checkpoints every
         # --every steps in both kinds, the bound of the chosen interval), against the tier off
@@ -147,13 +148,13 @@ def one_copy_s(nbytes: int, tries: int = 5) -> float:
 
 def stall_floor(args: argparse.Namespace) -> None:
     """Training blocked per snapshot against one memory copy of the same state, in one invocation: a
-    60-step run with a snapshot every `memory_every` steps and no persistent checkpoint before the
-    last; each snapshot's stall (`checkpoint_blocked_max_s` of the step after it, the slowest rank's),
-    and the copy of rank 0's share of the state (its files in the last step's checkpoint) measured
-    right after, every snapshot against it."""
+    run with a snapshot every `memory_every` steps and no persistent checkpoint before the last (60
+    steps; 24 at --large's ~1.5 GB state); each snapshot's stall (`checkpoint_blocked_max_s` of the
+    step after it, the slowest rank's), and the copy of rank 0's share of the state (its files in the
+    last step's checkpoint) measured right after, every snapshot against it."""
     from mlflow.tracking import MlflowClient
 
-    every, steps = args.memory_every, 60
+    every, steps = args.memory_every, (24 if args.large else 60)
     with tempfile.TemporaryDirectory() as d:
         args.steps, args.every = steps, 1000
         spec = spec_for(Path(d), "memory", 0, args)
@@ -165,13 +166,15 @@ def stall_floor(args: argparse.Namespace) -> None:
                  if p.name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt")]
         nbytes = sum(p.stat().st_size for p in rank0)
     floor = one_copy_s(nbytes)
-    snaps = list(range(2 * every, steps - every + 1, every))  # past the first snapshots (buffers allocated)
+    snaps = list(range(2 * every, steps - every + 1, every))  # past the first snapshots (segments made)
     stalls = [blocked[s + 1] for s in snaps]
-    rows = "\n".join(f"| {s} | {b * 1000:.1f} | {b / floor:.1f} |" for s, b in zip(snaps, stalls, strict=True))
-    body = f"""Command: `python -m benchmarks.memory_tier --stall-floor --memory-every {every}` \
+    rows = "\n".join(f"| {s} | {b * 1000:.1f} | {b / floor:.2f} |" for s, b in zip(snaps, stalls, strict=True))
+    shape = ("GPT d1024, 8 layers (about 1.5 GB of state)" if args.large else "the quickstart's shape (GPT d256, 4 layers)")
+    command = f"python -m benchmarks.memory_tier --stall-floor --memory-every {every}" + (" --large" if args.large else "")
+    body = f"""Command: `{command}` \
 ({time.strftime('%Y-%m-%d')}, 2-core CPU machine shared with other work running at the same time, one local Ray instance)
 
-The quickstart's shape (GPT d256, 4 layers, ZeRO-2, 2 workers, {steps} steps) with a snapshot every {every} steps:
+{shape[0].upper() + shape[1:]}, ZeRO-2, 2 workers, {steps} steps, a snapshot every {every} steps:
 the time training was blocked by each snapshot (the slowest rank's `checkpoint_blocked_max_s`, read at the step
 after it), against the floor measured in the same invocation right after the run: one copy of rank 0's share of
 the state ({nbytes / 2**20:.1f} MiB: its files of the step-{steps} checkpoint) into a reused, pre-faulted buffer,
@@ -181,13 +184,16 @@ the fastest of 5: **{floor * 1000:.2f} ms**.
 |---|---|---|
 {rows}
 
-Median: **{statistics.median(stalls) / floor:.1f}x** one copy (goal: at most 1.5x). What the stall holds beyond the
-copy: DeepSpeed's `save_checkpoint` into the reused host buffers (its state dicts, its small files), and the
-ranks' agreement on the previous snapshot, one collective.
+Median: **{statistics.median(stalls) / floor:.2f}x** one copy (goal: at most 1.5x). What the stall holds: the
+ranks' agreement on the previous snapshot (one all-gather of a few numbers), DeepSpeed's own calls that build
+the state dicts of its files (no collective, no file), the layout record (the structure pickled without its
+tensors), and the one copy of every tensor straight into the rank's slot, a shared-memory segment its node's
+keeper owns. The commit to the keeper and the peer's copy run off the training thread.
 """
     print(body)
     if not args.no_doc:
-        update_doc("Memory tier: training blocked per snapshot against one memory copy", body)
+        title = "Memory tier: training blocked per snapshot against one memory copy"
+        update_doc(title + (", at a 1.5 GB state" if args.large else ""), body)
 
 
 def first_timed(args: argparse.Namespace) -> int:
@@ -374,7 +380,8 @@ def main() -> None:
     ap.add_argument("--stall-floor", action="store_true", help="training blocked per snapshot / one memory copy")
     ap.add_argument("--node-loss", action="store_true", help="a node lost at a ~1.5 GB state, memory / storage")
     ap.add_argument("--large", action="store_true",
-                    help="with --stall-pairs: a ~1.5 GB state on two raylets (a snapshot copied to the peer too)")
+                    help="with --stall-pairs: a ~1.5 GB state on two raylets (a snapshot copied to the peer too); "
+                         "with --stall-floor: that state on one node")
     args = ap.parse_args()
     if args.node_loss:
         node_loss_pairs(args)  # a cluster of raylets of its own

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -108,6 +109,7 @@ class Pending:
     error: str | None = None  # why its own node's keeper does not hold it
     peer_error: str | None = None  # why the peer's does not
     stall_s: float = 0.0  # training waited this long for it
+    everyone: list[tuple[Any, ...]] | None = None  # what every rank said of it (`Tier._gathered`)
     hand_over_s: float = 0.0  # its hand-over ran this long beside training
 
 
@@ -146,6 +148,7 @@ class Tier:
         self.attempt: str = box[0][0]
         self.faults, self.trained_since = int(box[0][2]) - 1, float(box[0][1])
         self.single_node = len(ring) == 1
+        self.side = dist.new_group(backend="gloo")  # the hand-over threads' agreement: never the training's collectives
         # This rank's two slots on its node (a segment each, the keeper's), mapped here once: the
         # next snapshot goes to the one not holding the newest complete snapshot (`kept`).
         self.maps: list[tuple[segment.Ref, Any, torch.Tensor] | None] = [None, None]
@@ -198,13 +201,10 @@ class Tier:
         root = Path(tempfile.mkdtemp(prefix="tidal-mem-"))  # DeepSpeed's few small files (latest, a script)
         snap = SnapshotEngine(root, Buffers(), LIVE)  # the live state dicts: copied below, before training goes on
         saved_state = {**asdict(state), **asdict(written_by), "attempt": self.attempt}
-        before, engine.checkpoint_engine = engine.checkpoint_engine, snap
         try:
-            engine.save_checkpoint(str(root), tag=f"global_step{step}",
-                                   client_state={"tidal": saved_state,
-                                                 "universal_checkpoint_info": {"universal_checkpoint_version": 0.4}})
+            _save_into(engine, snap, str(root), f"global_step{step}",
+                       {"tidal": saved_state, "universal_checkpoint_info": {"universal_checkpoint_version": 0.4}})
         finally:
-            engine.checkpoint_engine = before
             shutil.rmtree(root, ignore_errors=True)
         prefix = f"global_step{step}{os.sep}"
         planned = flat_state.plan({rel.removeprefix(prefix): st for rel, st in snap.taken.items()})
@@ -213,13 +213,13 @@ class Tier:
                  "state": saved_state if self.rank == 0 else None}
         pending = Pending(step, slot=1 - self.kept if self.kept is not None else 0)
         pending.error = self._write(pending, planned)
-        if pending.error is None:
-            pending.thread = threading.Thread(name="tidal-memory-snapshot", daemon=True, target=self._hand_over,
-                                              args=(pending, planned.record, facts, self.complete))
-            pending.thread.start()
         self.pending = pending
         pending.stall_s = time.perf_counter() - t0
         self.stall_s += pending.stall_s
+        # Started whatever happened: every rank's hand-over ends in the same gather (on `side`).
+        pending.thread = threading.Thread(name="tidal-memory-snapshot", daemon=True, target=self._hand_over,
+                                          args=(pending, planned.record, facts, self.complete))
+        pending.thread.start()
 
     def _write(self, pending: Pending, planned: flat_state.Planned) -> str | None:
         """Copy the planned state into this rank's slot `pending.slot` and stamp it; None, or why not
@@ -244,21 +244,15 @@ class Tier:
         return None
 
     def _agree_previous(self, say: Any, step: int) -> None:
-        """Wait for this rank's previous snapshot to be held, then agree with every rank whether
-        it is complete (held for every rank): only a complete one lets the keepers drop older ones.
-        Under `auto`, every rank also takes the same next interval from what the ranks measured."""
-        # The last field, the time trained, is rank 0's that every rank uses: each rank's own clock
-        # could round the chosen interval differently, and ranks snapshotting at different steps
-        # would meet in mismatched collectives.
-        trained = time.time() - self.trained_since
-        mine: tuple[Any, ...] = (None, None, None, None, self.step_s, trained)
-        if self.pending is not None:
-            if self.pending.thread is not None:
-                self.pending.thread.join()
-            p = self.pending
-            mine = (p.step, p.error, p.peer_error, p.stall_s + p.hand_over_s, self.step_s, trained)
-        everyone: list[Any] = [None] * self.world
-        dist.all_gather_object(everyone, mine)
+        """Take what every rank agreed of this rank's previous snapshot: whether it is complete (held
+        for every rank): only a complete one lets the keepers drop older ones, and the next snapshot
+        goes into the other slot. The agreement ran in the previous hand-over, off the training
+        thread (`_hand_over`); here it is joined, long done unless a rank's hand-over is slow. Under
+        `auto`, every rank also takes the same next interval from what the ranks measured."""
+        everyone: list[tuple[Any, ...]] = [(None, None, None, None, None, 0.0)] * self.world
+        if self.pending is not None and self.pending.thread is not None:
+            self.pending.thread.join()
+            everyone = self.pending.everyone or everyone
         steps = {e[0] for e in everyone}
         if len(steps) == 1 and None not in steps and all(e[1] is None for e in everyone):
             self.complete = steps.pop()
@@ -272,6 +266,27 @@ class Tier:
                                "complete snapshot, or storage")
             if self.single_node and self.spec.checkpoint.memory.peer:
                 self._say_once(say, "the memory tier has one node: its snapshots are lost with it (no peer copy)")
+
+    def _gathered(self, mine: tuple[Any, ...]) -> list[tuple[Any, ...]]:
+        """Every rank's (step, error, peer error, cost, step time, time trained), on the tier's own gloo
+        group (`side`, so that a hand-over thread's collective never meets the training's): the
+        numbers in one all_gather of a small tensor, the reasons, rare, in a second gather only when
+        a rank has one."""
+        step, error, peer_error, cost, step_s, trained = mine
+        nums = torch.tensor([math.nan if v is None else float(v) for v in (step, cost, step_s, trained)]
+                            + [float(error is not None), float(peer_error is not None)], dtype=torch.float64)
+        out = [torch.empty_like(nums) for _ in range(self.world)]
+        dist.all_gather(out, nums, group=self.side)
+        rows = [o.tolist() for o in out]
+        texts: list[Any] = [(None, None)] * self.world
+        if any(r[4] or r[5] for r in rows):
+            dist.all_gather_object(texts, (error, peer_error), group=self.side)
+
+        def num(v: float) -> float | None:
+            return None if math.isnan(v) else v
+
+        return [(None if math.isnan(r[0]) else int(r[0]), t[0], t[1], num(r[1]), num(r[2]), r[3])
+                for r, t in zip(rows, texts, strict=True)]
 
     def _choose_interval(self, everyone: list[Any], step: int, say: Any) -> None:
         """The next snapshot's step, the same on every rank: the slowest rank's cost and step time."""
@@ -294,7 +309,8 @@ class Tier:
 
     def _hand_over(self, pending: Pending, record: dict[str, Any], facts: dict[str, Any],
                    prune_below: int | None) -> None:
-        """Commit the written slot to this node's keeper, which then sends the peer's copy itself."""
+        """Commit the written slot to this node's keeper, which then sends the peer's copy itself;
+        then agree with every rank on what each holds (`_gathered`), off the training thread."""
         import ray
 
         t0 = time.perf_counter()
@@ -303,7 +319,8 @@ class Tier:
                 time.sleep(delay)
             args = (self.attempt, pending.step, self.rank, pending.slot, facts, record, prune_below, self.peer_name)
             try:
-                pending.error = ray.get(self.own.commit.remote(*args), timeout=CALL_TIMEOUT_S)
+                if pending.error is None:
+                    pending.error = ray.get(self.own.commit.remote(*args), timeout=CALL_TIMEOUT_S)
                 if self.peer_name is not None:  # copies sent for earlier snapshots that the peer did not keep
                     told = ray.get(self.own.take_forward_errors.remote(), timeout=CALL_TIMEOUT_S)
                     pending.peer_error = told[-1] if told else None
@@ -312,6 +329,35 @@ class Tier:
         except Exception as e:  # noqa: BLE001 - a snapshot that fails leaves the previous one
             pending.error = f"{type(e).__name__}: {str(e)[:200]}"
         pending.hand_over_s = time.perf_counter() - t0
+        # The last field, the time trained, is rank 0's that every rank uses (`_choose_interval`).
+        mine = (pending.step, pending.error, pending.peer_error, pending.stall_s + pending.hand_over_s,
+                self.step_s, time.time() - self.trained_since)
+        try:
+            pending.everyone = self._gathered(mine)
+        except Exception as e:  # noqa: BLE001 - a rank gone: the group ends; this snapshot counts for nothing
+            log.info("memory tier: the snapshot agreement failed (%s: %s)", type(e).__name__, str(e)[:200])
+
+
+def _save_into(engine: Any, snap: SnapshotEngine, root: str, tag: str, client_state: dict[str, Any]) -> None:
+    """What `engine.save_checkpoint` hands its checkpoint engine, handed to `snap`: the same files'
+    states, by the same DeepSpeed calls, without the save's four collectives (two barriers and the
+    tag check's two all-reduces, which order file writes this save does not make) and its `latest`
+    file. Checked against DeepSpeed 0.19.8's `save_checkpoint`; a mixture-of-experts model takes the
+    whole save, whose expert files are laid out another way."""
+    before, engine.checkpoint_engine = engine.checkpoint_engine, snap
+    try:
+        if getattr(engine, "has_moe_layers", False):
+            engine.save_checkpoint(root, tag=tag, client_state=client_state)
+            return
+        if engine._optimizer_has_ckpt_event_prologue():
+            engine.optimizer.checkpoint_event_prologue()
+        engine._save_checkpoint(root, tag, client_state=client_state)
+        if engine.save_zero_checkpoint:
+            engine._save_zero_checkpoint(root, tag)
+        if engine._optimizer_has_ckpt_event_epilogue():
+            engine.optimizer.checkpoint_event_epilogue()
+    finally:
+        engine.checkpoint_engine = before
 
 
 def newest_complete(spec: JobSpec, generation: int = 0) -> tuple[Held, Plan] | tuple[None, None]:
