@@ -116,6 +116,15 @@ CASES = {
         # step to start-up (6 s, against the 1 s each of the other four).
         {"startup": 10 + 9 + 4 + 3 + 5, "productive": 10 + 1 + 5, "replayed": 1 + 1 + 1},
     ),
+    "a restart whose new group fails before it is set up: the time until the next one is start-up": (
+        # a kill inside the restore (found by the chaos harness's clock, issue 77 item 5): no group_started
+        [launch(), ev("group_started", 10, 0, world=2), ev("metrics", 20, 10, step_time_s=1.0),
+         ev("failure", 21), ev("failure", 33),
+         ev("group_started", 45, 10, world=2, setup_s=5, restore_s=2), ev("metrics", 55, 20, step_time_s=1.0)],
+        55,
+        # 1 s lost at the first failure; the 12 s of the start that failed, then Ray's 5 s and setup 5 s
+        {"startup": 10 + 12 + 5 + 5, "restore": 2, "replayed": 1, "productive": 20},
+    ),
     "a withdrawn drain: the wait for a deadline that ended nothing is the preemption's": (
         [launch(), ev("group_started", 10, 0, world=2), ev("metrics", 20, 10, step_time_s=1.0),
          ev("checkpoint", 21, 10), ev("group_ending", 21, 10, reason="preemption"),

@@ -40,7 +40,8 @@ Events (their `kind`, tracking/events.py) and the interval each one closes:
 - `failure` (controller): the steps since the last event are lost with the group (replayed);
   a gap well over the job's interval between events (HANG_RATIO times it, and HANG_MIN_S more)
   is a hang, the rest of it (a hang no `hang` event declared: a fixed failure.step_timeout_s
-  that Ray Train's own timeout ends, an older worker).
+  that Ray Train's own timeout ends, an older worker). A group that failed before its
+  `group_started` (a kill inside its restore): the time since the last event is start-up.
 - `group_ending` (rank 0: admission's resize, a straggler's node out or back, a preemption's
   drain): the time until the next group starts is resize_preemption; so is the gap before a group
   of another size that follows a running one with no failure (Ray Train's elastic regrowth).
@@ -282,6 +283,10 @@ def _failure(state: State, ts: float, entry: dict[str, Any], values: dict[str, A
         state.world = 0
         return
     state.restarts += restarted
+    if state.mode in ("failed", "launching"):  # a group that failed before it was set up: its start
+        _spend(state, span, [], "startup")  # (Ray starting it, its setup, a restore a kill cut short)
+        state.mode, state.warm_held, state.world = "failed", [], 0
+        return
     # The steps trained since the last event are lost with the group: they are trained again.
     expected = max(state.last_train, state.step_time)
     lost = min(span, expected) if state.mode == "running" else 0.0
