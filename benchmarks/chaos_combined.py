@@ -37,6 +37,7 @@ import os
 os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")  # this process never becomes a Ray driver
 
 import argparse
+import json
 import random
 import signal
 import tempfile
@@ -45,7 +46,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from contextlib import suppress
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +59,7 @@ from tidal.storage import RunDir, check_complete
 from tidal.testing.clusters import raylet_cluster
 from tidal.testing.processes import our_processes, wait_for
 from tidal.testing.servers import MlflowServer, moto_s3
-from tidal.testing.timeline import LogTail, Timeline, markdown_rows
+from tidal.testing.timeline import LogTail, Timeline, TraceTail, markdown_rows
 from tidal.worker.checkpoint.fetch import CACHE_ENV, PREFIX
 from tidal.worker.checkpoint.repartition import COPIES
 
@@ -79,6 +80,7 @@ def chaos_spec(storage: str, tracking: str, name: str, steps: int, every: int, t
         train={"steps": steps, "micro_batch": 8, "global_batch": 64, "lr": 3e-3, "warmup_steps": 10, "log_every": 1},
         parallelism={"zero_stage": zero_stage},
         scaling={"min_workers": 1, "max_workers": 2, "cpus_per_worker": 1, "elastic_check_s": 10},
+        # The memory tier as a user gets it (on by default since issue 76): a restart resumes from a snapshot.
         checkpoint={"every_steps": every, "keep": 3, "storage": storage},
         failure={"max_restarts": 100},
         tracking={"uri": tracking, "experiment": "chaos-combined"},
@@ -151,6 +153,7 @@ class Fault:
     t: float = 0.0
     done: bool = False
     note: str = ""
+    stops: list[float] = field(default_factory=list)  # when each kill or node removal it made landed
 
 
 @dataclass
@@ -195,6 +198,7 @@ class Chaos:
             fault.note = "no worker found"
             return False
         fault.t = time.time()
+        fault.stops.append(fault.t)
         with suppress(psutil.Error):
             self.rng.choice(workers).send_signal(signal.SIGKILL)
         return True
@@ -242,11 +246,13 @@ class Chaos:
             return None
         victim = self.rng.choice(workers)
         fault.t = time.time()
+        fault.stops.append(fault.t)
         self.cluster.remove_node(victim)
         return victim
 
     def _driver(self, fault: Fault) -> None:
         fault.t = time.time()
+        fault.stops.append(fault.t)
         self.driver.restart()
 
     def _tracker(self, fault: Fault) -> None:
@@ -289,14 +295,15 @@ def run_job(cluster: Any, mlflow: MlflowServer, spec: JobSpec, tmp: Path, faults
                               daemon=True)
     t0 = time.time()
     timeline = Timeline(launched=t0)  # the harness's own clock (tidal/testing/timeline.py)
-    with LogTail(driver.log, timeline):
+    with LogTail(driver.log, timeline), TraceTail(trace, timeline):
         driver.start()
         waiter.start()
         chaos.go()
         waiter.join()
     code = ended.get("code", -1)
     timeline.ended = time.time()
-    timeline.kills = [(f.t, 0) for f in faults if f.done and f.t and f.kind in STOPS_TRAINING]
+    # every kill and node removal (a resize restore's fault makes both)
+    timeline.kills = sorted((t, 0) for f in faults if f.done and f.kind in STOPS_TRAINING for t in f.stops)
     return {"exit": code, "wall_s": timeline.ended - t0, "trace": read_trace(trace), "log": driver.log,
             "timeline": timeline}
 
@@ -357,6 +364,18 @@ def _ledger_rows(client: Any, spec: JobSpec, ref: dict[str, Any], got: dict[str,
             out += markdown_rows(name, run["timeline"], g,
                                  "; the tracker's and MLflow's faults hold lines back, read as lost")
     return out.rstrip("\n")
+
+
+def keep(spec: JobSpec, runs: dict[str, dict[str, Any]], path: Path) -> None:
+    """Each job's harness timeline and its ledger's final figures as JSON, to derive the rows again later."""
+    from mlflow.tracking import MlflowClient
+
+    out = {}
+    for job, run in runs.items():
+        ids, _ = job_losses(MlflowClient(spec.tracking.uri), spec.tracking.experiment, job)
+        out[job] = {"timeline": asdict(run["timeline"]),
+                    "ledger": goodput_check.ledger(spec.tracking.uri, ids[0].info.run_id) if ids else {}}
+    path.write_text(json.dumps(out))
 
 
 def _median(xs: list[float]) -> float:
@@ -440,7 +459,8 @@ def report(r: dict[str, Any], command: str) -> str:
 cluster of a head and two 1-CPU worker nodes, the driver as a `tidal run` process)
 
 A {r['steps']}-step elastic job (1-2 workers, GPT d128 L2, ZeRO-{r['zero']}, a checkpoint every {r['every']} steps on S3,
-each write paused {WRITE_DELAY_S} s before its manifests) under these faults, in this order:
+each write paused {WRITE_DELAY_S} s before its manifests; the memory tier on, as by default: `checkpoint.memory`
+unset) under these faults, in this order:
 
 | # | fault | after step | injected | what happened |
 |---|---|---|---|---|
@@ -489,6 +509,8 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=25)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-doc", action="store_true", help="print the report only")
+    ap.add_argument("--keep", type=Path, default=None,
+                    help="write each job's harness timeline and the ledger's figures to this JSON file")
     ap.add_argument("--zero-stage", type=int, default=2, choices=(1, 2, 3),
                     help="the job's ZeRO stage: its resizes go by byte range at every stage")
     args = ap.parse_args()
@@ -509,6 +531,8 @@ def main() -> None:
                 faults = plan_faults(random.Random(args.seed), args.faults, args.steps)
                 got = run_job(cluster, mlflow, spec, tmp, faults, args.seed)
                 r = summarize(spec, ref, got, faults)
+                if args.keep:
+                    keep(spec, {"undisturbed": ref, spec.name: got}, args.keep)
         finally:
             mlflow.stop()
             _keep(tmp)
