@@ -238,7 +238,7 @@ def observed(t: Timeline) -> Seen:
     ordinary = [b[0] - a[0] for life in lives for a, b in zip(life, life[1:], strict=False) if a[1] not in saves]
     seen.step = statistics.fmean(ordinary) if ordinary else 0.0
     seen.jitter = statistics.pstdev(ordinary) if len(ordinary) > 1 else 0.0
-    failures = sorted(w - seen.delay for w, kind, _ in t.marks if kind == "restart")
+    failures = sorted(w for w, kind, _ in t.marks if kind == "restart")
     kills = sorted(k for k, _ in t.kills)
     high, last = 0, t.launched
     for j, life in enumerate(lives):
@@ -246,7 +246,7 @@ def observed(t: Timeline) -> Seen:
         if j == 0:
             seen.startup += start - t.launched
         else:
-            _fault(seen, last, start, kills, failures)
+            _fault(seen, (last, start), kills, failures, lambda when: _lag_at(t, when, seen.delay))
         for i, (when, step) in enumerate(life):
             took = seen.step if i == 0 else when - life[i - 1][0]
             if step <= high:
@@ -264,25 +264,42 @@ def observed(t: Timeline) -> Seen:
     return seen
 
 
-def _fault(seen: Seen, last: float, start: float, kills: list[float], failures: list[float]) -> None:
-    """The gap between a life's last step (`last`) and the next life's start: the step in flight, the
-    detection up to the failure line, and start-up with restore after it."""
+def _lag_at(t: Timeline, when: float, default: float) -> float:
+    """The console's delay at `when`: that of the last step line it showed by then (one tracker prints in
+    order, so a line waits behind the same backlog as the lines just before it); `default` if none."""
+    shown = [(w, s) for w, s in t.prints if w <= when]
+    if not shown:
+        return default
+    w, s = shown[-1]
+    done = [d for d, step in t.trace if step == s and d <= w]
+    return w - done[-1] if done else default
+
+
+def _fault(seen: Seen, gap: tuple[float, float], kills: list[float], failures: list[float],
+           lags: Callable[[float], float]) -> None:
+    """The gap between a life's last step and the next life's start: the step in flight, the detection up
+    to the failure, and start-up with restore after it. The failure's line is the first the console showed
+    after the kill and before the next kill (under load it can come after the new life's first step: the
+    tracker falls behind); the failure, that line's time less the console's delay just before it
+    (`lags`), within the gap."""
+    last, start = gap
     killed = [k for k in kills if last - NEW_LIFE_S <= k <= start]
-    after = [f for f in failures if (killed[0] if killed else last) <= f <= start]
-    if not after:  # no failure line (a node's or a driver's loss, a resize): all start-up to the harness
+    until = min((k for k in kills if k > start), default=math.inf)
+    lines = [f for f in failures if (killed[0] if killed else last) <= f < until]
+    if not lines:  # no failure line (a node's or a driver's loss, a resize): all start-up to the harness
         seen.blind += 1
         seen.blind_s += start - last
         return
     seen.faults += 1
-    gap = after[0] - last
-    in_flight = min(gap, seen.step)  # the ledger books one interval's steps as lost with the group
+    failed = min(max(lines[0] - lags(lines[0]), last), start)
+    in_flight = min(failed - last, seen.step)  # the ledger books one interval's steps as lost with the group
     seen.replayed += in_flight
-    beyond = gap - in_flight
-    if gap > HANG_RATIO * seen.step and beyond > HANG_MIN_S:  # the ledger's rule for a hang nothing declared
+    beyond = failed - last - in_flight
+    if failed - last > HANG_RATIO * seen.step and beyond > HANG_MIN_S:  # the ledger's rule for a hang nothing declared
         seen.hang += beyond
     else:
         seen.detection += beyond
-    seen.startup += start - after[0]
+    seen.startup += start - failed
 
 
 # --- the comparison --------------------------------------------------------------------------------
@@ -310,8 +327,8 @@ def compare(seen: Seen, ledger: dict[str, float]) -> list[dict[str, Any]]:
         ("replayed", seen.replayed, _g(ledger, "replayed"), "equal",
          edge * (seen.faults + seen.blind) + LOG_WORK_FRAC * seen.replayed, ""),
         ("hang (detection past the threshold)", seen.hang, _g(ledger, "hang"), "equal", edge * seen.faults + 0.5, ""),
-        ("other: detection + the end (+ log steps' work)", seen.detection + seen.end, _g(ledger, "other"), "equal",
-         edge * (seen.faults + 1) + 1.0 + log_work, ""),
+        ("other: detection + the end (+ log steps' work)", seen.detection + seen.end, _g(ledger, "other"), "between",
+         edge * (seen.faults + 1) + 1.0 + log_work, "a driver's loss: the time to its next launch is `other`"),
         ("checkpoint stall + post-save slowdown", seen.checkpoint,
          _g(ledger, "checkpoint_stall", "post_save_slowdown"), "equal",
          2 * seen.jitter * math.sqrt(max(seen.saves, 1)) + TRACE_POLL_S * seen.saves, "the saves' excess"),
