@@ -82,6 +82,18 @@ def test_a_kill_between_two_steps_that_follow_on_starts_a_new_group():
     assert [len(life) for life in lives_of(t)] == [11, 1]
 
 
+def test_steps_whose_events_went_with_their_group_are_the_failures_as_the_ledger_books_them():
+    """Steps 9 and 10 were trained, but their events never reached the log (rank 0 writes them in the
+    background; a newer start drops an older one's): the console never printed their first run, and the
+    ledger, which never heard of them, books their time with the failure's gap and their next run as a
+    first one. The harness does the same; a line lost in mid-group (a killed tracker's) loses no step."""
+    t = killed_once()
+    t.prints = [(w, s) for w, s in t.prints if not (s in (9, 10) and w < 30) and s != 3]
+    seen = observed(t)
+    assert seen.unlogged == 2 and seen.replayed_steps == 1  # only step 8 is trained again, to the ledger
+    assert seen.detection == pytest.approx(33.0 - 27.0 - 1.0) and seen.first == pytest.approx(20.0 - 2.0 + 2.0)
+
+
 def test_a_start_with_no_failure_line_is_left_to_the_ledger_within_its_gap():
     """A node's or a driver's loss, or a resize, prints no `restart` line: the harness cannot tell its
     detection from its start-up, so the ledger's start-up may hold up to that gap more."""

@@ -35,6 +35,7 @@ import statistics
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
@@ -187,6 +188,7 @@ class Seen:
     blind: int = 0  # lives started with no failure line seen (a node's or driver's loss, a resize)
     blind_s: float = 0.0  # their gaps, last step to the new life's start: start-up, resize or `other` to the ledger
     saves: int = 0
+    unlogged: int = 0  # step runs at a group's end never logged (their events went with the group)
 
 
 def lives_of(t: Timeline) -> list[list[tuple[float, int]]]:
@@ -229,8 +231,9 @@ def observed(t: Timeline) -> Seen:
     summary = [w for w, kind, _ in t.marks if kind == "summary"]
     end = summary[0] if summary else t.ended
     seen.wall = end - t.launched
-    lives = lives_of(t)
+    lives = logged(lives_of(t), t.prints)
     seen.lives = len(lives)
+    seen.unlogged = sum(len(life) for life in lives_of(t)) - sum(len(life) for life in lives)
     if not lives:
         seen.startup = seen.wall
         return seen
@@ -262,6 +265,25 @@ def observed(t: Timeline) -> Seen:
     seen.first -= seen.checkpoint
     seen.end = end - last
     return seen
+
+
+def logged(lives: list[list[tuple[float, int]]], prints: list[tuple[float, int]]) -> list[list[tuple[float, int]]]:
+    """Each group's steps less the last ones whose events never reached the log: the console printed
+    each step once per logged execution, and a step trained more often than printed lost an event with
+    its group (rank 0 writes events in the background; a newer start of the job drops an older one's).
+    The ledger never hears of those: it books their time with the failure's gap and their next run as a
+    first one, so the harness does the same (only at a group's end: a line lost mid-group, with a killed
+    tracker, is not a lost step)."""
+    missing = Counter(s for life in lives for _, s in life)
+    missing.subtract(s for _, s in prints)
+    out = []
+    for j, life in enumerate(lives):
+        keep = len(life)
+        while j < len(lives) - 1 and keep > 1 and missing[life[keep - 1][1]] > 0:
+            missing[life[keep - 1][1]] -= 1
+            keep -= 1
+        out.append(life[:keep])
+    return out
 
 
 def _lag_at(t: Timeline, when: float, default: float) -> float:
