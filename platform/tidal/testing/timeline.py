@@ -1,28 +1,31 @@
 """The chaos harness's own clock, to hold the goodput ledger against: when it launched the job, when it killed, and when the job printed each step.
 
-Bucket by bucket: when the job's output showed each step, failure, resume, save and its summary.
+Bucket by bucket, from the harness's own record only: its `time.time()` at the launch and at each
+kill (or node removal), when each record of rank 0's loss trace appeared in its file (`TraceTail`:
+every step of every group, read every 0.1 s) and when each `[tidal]` line of the job's console
+reached it (`step_prints` in its own process, `LogTail` for a driver of its own): the step lines,
+`restart N` (a failure), `checkpoint at step N` and the end's `goodput ...` summary. Never the
+job's step times or the ledger's figures.
 
 Why: the ledger and a benchmark that sums MLflow's `step_time_s` read the same numbers, and "the
 buckets sum to the wall" holds by construction, so neither catches time booked to the wrong
-bucket. The harness's timeline is measured apart from both, with its own `time.time()`: at the
-launch, at each kill, when each record of rank 0's loss trace appeared in its file (`TraceTail`:
-every step of every life, read every 0.1 s), and when each `[tidal]` line of the job's console
-reached it (`step_prints` in its own process, `LogTail` for a driver of its own): `restart N`
-(the failure), `resumed from`, `checkpoint at step N` and the end's `goodput ...` summary. Never
-the job's step times or the ledger's figures.
+bucket. Why the trace times the steps and not the console: under load the tracker falls behind
+(tens of seconds) and catches up while a group restarts, so a gap timed by its lines comes out
+short by the difference (the 106.5 / 133.4 s of issue 77).
 
-From it (`observed`), per bucket the ledger reports: start-up and restores (from the launch, and
-from each failure line, to the first step of the life it starts, less one ordinary step); each
-kill's step in flight (replayed) and its detection (the failure line's time less the last step
-before it and that step: `hang` beyond the ledger's documented threshold, else `other`); the
-steps trained again (count and time); the saves' blocking (the intervals across a save less an
-ordinary one); the end (last step to the summary line); and the first executions, the rest.
-`compare` sets each beside the ledger's final `goodput_<bucket>_s` with a tolerance made of what
-the harness measured it cannot see: the console's delay behind the trace (its spread: lines come
-in batches, one per tracker poll), the trace's poll and the steps' own jitter. Restore cannot be
-told from start-up (no line marks where a restore begins), and each log step's own work
-(logging, its collective) lies inside the harness's step intervals where the ledger books it
-`other`: those rows say so and are held as bounds, not as equalities.
+From it (`observed`), per bucket the ledger reports: start-up with restore (from the launch, and
+from each failure, to the first step of the group it starts, less one ordinary step; a restore's
+start is on no line); each kill's step in flight and the steps trained again (replayed; as the
+ledger counts them: a step whose event never reached the log is not one); the detection, from
+the last step to the failure line less that step (`hang` past the ledger's documented threshold,
+else `other`); the end, to the summary line (`other`); the intervals across a save less an
+ordinary one (checkpoint stall and post-save slowdown); and the rest, first executions (productive
+and the waits inside steps, not told apart). `compare` sets each beside the ledger's final
+`goodput_<bucket>_s` within a tolerance made of what the harness measured it cannot see: the
+console's delay behind the trace (its spread), the trace's poll, the steps' jitter and each log
+step's own work (inside the harness's step intervals, the ledger's `other`). A start with no
+failure line (a driver's or a node's loss, a resize) leaves its gap to the ledger's start-up,
+resize or `other`: those rows are held as a range.
 """
 
 from __future__ import annotations
