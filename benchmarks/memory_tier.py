@@ -131,44 +131,70 @@ def stall_probe(args: argparse.Namespace) -> dict[str, Any]:
             "cost": (stall + after - plain) / (every * plain)}
 
 
-def one_copy_s(nbytes: int, tries: int = 5) -> float:
+def one_copy_s(nbytes: int, tries: int = 5) -> tuple[float, float]:
     """The floor of a snapshot: one memory copy of `nbytes` into a reused, pre-faulted buffer (the
-    fastest of `tries`), on this machine, now."""
+    fastest of `tries`), on this machine, now: (wall seconds, this thread's CPU seconds)."""
     import numpy as np
 
     src, dst = np.ones(nbytes, dtype=np.uint8), np.empty(nbytes, dtype=np.uint8)
     np.copyto(dst, src)  # faults every page of the destination in: the floor reuses its buffer
-    times = []
+    walls, cpus = [], []
     for _ in range(tries):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         np.copyto(dst, src)
-        times.append(time.perf_counter() - t0)
-    return min(times)
+        walls.append(time.perf_counter() - t0)
+        cpus.append(time.thread_time() - c0)
+    return min(walls), min(cpus)
+
+
+def snapshot_costs(name: str, stop: threading.Event, costs: dict[tuple[int, int], tuple[float, float]]) -> None:
+    """Collect each rank's cost of each snapshot from the job's keepers' listings while it runs:
+    (step, rank) -> (wall, training thread's CPU) seconds, as the rank measured them."""
+    from tidal.worker.checkpoint import keeper
+
+    while not stop.wait(0.2):
+        try:
+            for k in keeper.named(name).values():
+                for e in ray.get(k.listing.remote(), timeout=5):
+                    if "stall_cpu_s" in e:
+                        costs[(int(e["step"]), int(e["rank"]))] = (float(e["stall_s"]), float(e["stall_cpu_s"]))
+        except Exception:  # noqa: BLE001 - a keeper starting or ending: the next poll reads it
+            continue
 
 
 def stall_floor(args: argparse.Namespace) -> None:
     """Training blocked per snapshot against one memory copy of the same state, in one invocation: a
     run with a snapshot every `memory_every` steps and no persistent checkpoint before the last (60
     steps; 24 at --large's ~1.5 GB state); each snapshot's stall (`checkpoint_blocked_max_s` of the
-    step after it, the slowest rank's), and the copy of rank 0's share of the state (its files in the
-    last step's checkpoint) measured right after, every snapshot against it."""
+    step after it, the slowest rank's) and its training thread's CPU time (the slowest rank's, from
+    the keepers' listings), and the copy of rank 0's share of the state (its files in the last
+    step's checkpoint) measured right after, every snapshot against it."""
     from mlflow.tracking import MlflowClient
 
     every, steps = args.memory_every, (24 if args.large else 60)
+    costs: dict[tuple[int, int], tuple[float, float]] = {}
+    stop = threading.Event()
     with tempfile.TemporaryDirectory() as d:
         args.steps, args.every = steps, 1000
         spec = spec_for(Path(d), "memory", 0, args)
+        watcher = threading.Thread(target=snapshot_costs, args=(spec.name, stop, costs), daemon=True)
+        watcher.start()
         result = tidal.run(spec)
+        stop.set()
+        watcher.join(10)
         assert result.error is None, result.error
         client = MlflowClient(spec.tracking.uri)
         blocked = {m.step: m.value for m in client.get_metric_history(result.mlflow_run_id, "checkpoint_blocked_max_s")}
         rank0 = [p for p in Path(d, "runs").rglob(f"global_step{steps}/*.pt")
                  if p.name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt")]
         nbytes = sum(p.stat().st_size for p in rank0)
-    floor = one_copy_s(nbytes)
-    snaps = list(range(2 * every, steps - every + 1, every))  # past the first snapshots (segments made)
+    floor, floor_cpu = one_copy_s(nbytes)
+    snaps = [s for s in range(2 * every, steps - every + 1, every)  # past the first snapshots (segments made)
+             if (s, 0) in costs and (s, 1) in costs]
     stalls = [blocked[s + 1] for s in snaps]
-    rows = "\n".join(f"| {s} | {b * 1000:.1f} | {b / floor:.2f} |" for s, b in zip(snaps, stalls, strict=True))
+    cpus = [max(costs[(s, 0)][1], costs[(s, 1)][1]) for s in snaps]
+    rows = "\n".join(f"| {s} | {b * 1000:.1f} | {b / floor:.2f} | {c * 1000:.1f} | {c / floor_cpu:.2f} |"
+                     for s, b, c in zip(snaps, stalls, cpus, strict=True))
     shape = ("GPT d1024, 8 layers (about 1.5 GB of state)" if args.large else "the quickstart's shape (GPT d256, 4 layers)")
     command = f"python -m benchmarks.memory_tier --stall-floor --memory-every {every}" + (" --large" if args.large else "")
     body = f"""Command: `{command}` \
@@ -176,19 +202,22 @@ def stall_floor(args: argparse.Namespace) -> None:
 
 {shape[0].upper() + shape[1:]}, ZeRO-2, 2 workers, {steps} steps, a snapshot every {every} steps:
 the time training was blocked by each snapshot (the slowest rank's `checkpoint_blocked_max_s`, read at the step
-after it), against the floor measured in the same invocation right after the run: one copy of rank 0's share of
-the state ({nbytes / 2**20:.1f} MiB: its files of the step-{steps} checkpoint) into a reused, pre-faulted buffer,
-the fastest of 5: **{floor * 1000:.2f} ms**.
+after it) and the CPU time its training thread spent in it (the slowest rank's, as each rank put it in its
+keeper's listing), against the floor measured in the same invocation right after the run: one copy of rank 0's
+share of the state ({nbytes / 2**20:.1f} MiB: its files of the step-{steps} checkpoint) into a reused, pre-faulted
+buffer, the fastest of 5: **{floor * 1000:.2f} ms** wall, {floor_cpu * 1000:.2f} ms CPU. On a machine whose other
+work takes the cores, wall time holds the waits for a core; CPU time does not.
 
-| snapshot at step | training blocked (ms) | against one copy |
-|---|---|---|
+| snapshot at step | training blocked (ms) | against one copy | training thread's CPU (ms) | against one copy's CPU |
+|---|---|---|---|---|
 {rows}
 
-Median: **{statistics.median(stalls) / floor:.2f}x** one copy (goal: at most 1.5x). What the stall holds: the
-ranks' agreement on the previous snapshot (one all-gather of a few numbers), DeepSpeed's own calls that build
-the state dicts of its files (no collective, no file), the layout record (the structure pickled without its
-tensors), and the one copy of every tensor straight into the rank's slot, a shared-memory segment its node's
-keeper owns. The commit to the keeper and the peer's copy run off the training thread.
+Median: **{statistics.median(stalls) / floor:.2f}x** one copy in wall time, **{statistics.median(cpus) / floor_cpu:.2f}x**
+in CPU time (goal: at most 1.5x). What the stall holds: DeepSpeed's own calls that build the state dicts of its
+files (no collective, no file), the layout record (the structure pickled without its tensors), and the one
+copy of every tensor straight into the rank's slot, a shared-memory segment its node's keeper owns. The
+ranks' agreement on the previous snapshot, the commit to the keeper and the peer's copy run off the training
+thread.
 """
     print(body)
     if not args.no_doc:

@@ -22,6 +22,7 @@ import pickle
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import _weights_only_unpickler as weights_only
 
@@ -81,11 +82,20 @@ def plan(files: dict[str, Any]) -> Planned:
 
 
 def write(planned: Planned, block: torch.Tensor) -> None:
-    """Copy every tensor of `planned` into `block` (uint8, at least `planned.total` bytes): the one copy."""
+    """Copy every tensor of `planned` into `block` (uint8, at least `planned.total` bytes): the one copy.
+    A contiguous host tensor goes by memcpy (numpy's copy, whose large copies bypass the cache: 1.6x
+    torch's `copy_` here, 66 against 105 ms of CPU for 600 MiB); others (a GPU's, a strided view) by
+    `copy_`."""
+    flat = block.numpy() if block.device.type == "cpu" else None
     for t, offset in planned.tensors:
         nbytes = math.prod(t.shape) * t.element_size()
-        view = block[offset:offset + nbytes].view(t.dtype).view(t.shape)
-        view.copy_(t.detach(), non_blocking=False)
+        if nbytes == 0:
+            continue
+        src = t.detach()
+        if flat is not None and src.device.type == "cpu" and src.is_contiguous():
+            np.copyto(flat[offset:offset + nbytes], src.reshape(-1).view(torch.uint8).numpy())
+        else:
+            block[offset:offset + nbytes].view(t.dtype).view(t.shape).copy_(src, non_blocking=False)
 
 
 def sizes(record: dict[str, Any]) -> dict[str, int]:

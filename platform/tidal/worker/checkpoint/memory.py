@@ -195,7 +195,7 @@ class Tier:
         own save hands over what it would write, each tensor is copied once straight into this
         rank's slot on its node's keeper (a shared-memory segment), and a small record of the
         layout is committed to the keeper off the training thread."""
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         self._agree_previous(say, state.step)
         step = state.step
         root = Path(tempfile.mkdtemp(prefix="tidal-mem-"))  # DeepSpeed's few small files (latest, a script)
@@ -216,6 +216,9 @@ class Tier:
         self.pending = pending
         pending.stall_s = time.perf_counter() - t0
         self.stall_s += pending.stall_s
+        # What it cost this rank, in its keeper's listing: wall time, and the training thread's CPU
+        # time (what a loaded machine's other work does not inflate; benchmarks.memory_tier reads it).
+        facts["stall_s"], facts["stall_cpu_s"] = pending.stall_s, time.thread_time() - cpu0
         # Started whatever happened: every rank's hand-over ends in the same gather (on `side`).
         pending.thread = threading.Thread(name="tidal-memory-snapshot", daemon=True, target=self._hand_over,
                                           args=(pending, planned.record, facts, self.complete))
@@ -239,7 +242,12 @@ class Tier:
             mapped = self.maps[pending.slot] = (ref, mm, torch.from_numpy(block))
         _, mm, block = mapped
         segment.write_stamp(mm, 0)  # torn until stamped again: neither listed nor served meanwhile
-        flat_state.write(planned, block)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # a copy is memory-bound: a second thread only fights training's other core
+        try:
+            flat_state.write(planned, block)
+        finally:
+            torch.set_num_threads(threads)
         segment.write_stamp(mm, segment.stamp(self.attempt, pending.step, self.rank))
         return None
 
@@ -329,6 +337,7 @@ class Tier:
         except Exception as e:  # noqa: BLE001 - a snapshot that fails leaves the previous one
             pending.error = f"{type(e).__name__}: {str(e)[:200]}"
         pending.hand_over_s = time.perf_counter() - t0
+        self._prepare_other(pending.slot, int(record["total"]))
         # The last field, the time trained, is rank 0's that every rank uses (`_choose_interval`).
         mine = (pending.step, pending.error, pending.peer_error, pending.stall_s + pending.hand_over_s,
                 self.step_s, time.time() - self.trained_since)
@@ -336,6 +345,25 @@ class Tier:
             pending.everyone = self._gathered(mine)
         except Exception as e:  # noqa: BLE001 - a rank gone: the group ends; this snapshot counts for nothing
             log.info("memory tier: the snapshot agreement failed (%s: %s)", type(e).__name__, str(e)[:200])
+
+
+    def _prepare_other(self, slot: int, size: int) -> None:
+        """Have the keeper make this rank's other slot, never made yet, and map it here, off the
+        training thread: the next snapshot, which goes there, then pays a copy, not the segment's
+        allocation and page tables (about 1 s at 1 GB here). The training thread reads `maps` only
+        after joining this thread."""
+        import ray
+
+        other = 1 - slot
+        if self.maps[other] is not None:
+            return
+        try:
+            ref = ray.get(self.own.make.remote(self.rank, other, size), timeout=CALL_TIMEOUT_S)
+            if not isinstance(ref, str):
+                mm, block = segment.mapped(ref)
+                self.maps[other] = (ref, mm, torch.from_numpy(block))
+        except Exception as e:  # noqa: BLE001 - the next snapshot makes it itself, or says why not
+            log.info("memory tier: could not prepare the next slot (%s: %s)", type(e).__name__, str(e)[:200])
 
 
 def _save_into(engine: Any, snap: SnapshotEngine, root: str, tag: str, client_state: dict[str, Any]) -> None:
