@@ -237,6 +237,18 @@ class Keeper:
         with self.lock:
             self.complete = (attempt, step)
 
+    def set_aside(self, attempt: str, step: int) -> int:
+        """A rank failed to load this snapshot for a reason in the snapshot itself: it is listed no
+        more (the next restart resumes from the next-newest complete one, or storage), its slots are
+        reused. Returns how many shards were set aside here."""
+        with self.lock:
+            if self.complete == (attempt, step):
+                self.complete = None
+            gone = [s for slots in self.slots.values() for s in slots if s is not None and s.held == (attempt, step)]
+            for s in gone:
+                s.held = None
+            return len(gone)
+
     def put(self, attempt: str, step: int, rank: int, facts: dict[str, Any], record: dict[str, Any],
             block: list[Any], prune_below: int | None = None) -> str | None:
         """Keep a peer node's rank's shard (its `record` and its block, `[a reference or the array]`):

@@ -449,6 +449,36 @@ def staged(plan: Plan, names: Iterable[str]) -> Iterator[Found]:
     yield Found(root, held, plan.state, {f"{step_tag}/{name}": len(data) for name, data in got.items()})
 
 
+class ShardLost(CheckpointError):
+    """Every copy of a shard went while a restore read it: the snapshot may be sound, its copies are not."""
+
+
+def unloadable(error: BaseException) -> bool:
+    """Whether a failed load from memory says the snapshot itself does not load (DeepSpeed refused
+    its states, a structure did not unpickle): then it is set aside (`set_aside`), or every restart
+    would choose it again, fail again and spend the job's restarts. Not for a copy that went while
+    it was read (a keeper or its node lost, a call timed out, a segment gone): the snapshot is kept,
+    and the next restart lists what is still complete."""
+    import ray
+
+    return not isinstance(error, ShardLost | TimeoutError | ConnectionError | OSError | ray.exceptions.RayError)
+
+
+def set_aside(plan: Plan) -> int:
+    """Have every keeper holding a shard of `plan` list it no more; returns how many shards were set aside."""
+    import ray
+
+    calls = []
+    for name in sorted({n for holders in plan.holders.values() for n in holders}):
+        with contextlib.suppress(ValueError):  # a keeper gone with its node: nothing to set aside there
+            calls.append(ray.get_actor(name, namespace=keeper.NAMESPACE).set_aside.remote(plan.attempt, plan.step))
+    gone = 0
+    for call in calls:
+        with contextlib.suppress(Exception):
+            gone += int(ray.get(call, timeout=LIST_TIMEOUT_S))
+    return gone
+
+
 def _states(plan: Plan, names: list[str]) -> tuple[dict[str, Any], dict[str, int]]:
     """The states of the files `names` of the snapshot `plan` (each tensor a copy, nothing aliasing a
     segment a later snapshot reuses) and their bytes, each from a keeper holding its shard, this
@@ -473,7 +503,7 @@ def _states(plan: Plan, names: list[str]) -> tuple[dict[str, Any], dict[str, int
                 states.update(got)
                 break
         else:
-            raise CheckpointError(f"the in-memory snapshot of step {plan.step} lost rank {shard}'s shard "
+            raise ShardLost(f"the in-memory snapshot of step {plan.step} lost rank {shard}'s shard "
                                   "while it was being restored; the next attempt resumes from what is complete")
     return states, {n: plan.files()[n] for n in names}
 

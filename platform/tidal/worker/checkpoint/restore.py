@@ -108,10 +108,13 @@ def restore(engine: Any, found: Found, how: Route) -> TrainState:
     there (tidal.worker.checkpoint.fetch): never the storage folder, whatever the filesystem."""
     state = TrainState.from_saved(found.state)
     if how.memory is not None:  # the memory tier's snapshot, from the keepers: nothing read from storage
-        if how.load is Load.AS_SAVED:
-            memory.load(engine, how.memory, _dp_rank(engine))
-        else:
-            _by_range_from_memory(engine, how.load, how.memory)
+        try:
+            if how.load is Load.AS_SAVED:
+                memory.load(engine, how.memory, _dp_rank(engine))
+            else:
+                _by_range_from_memory(engine, how.load, how.memory)
+        except Exception as e:
+            raise _memory_load_failed(how.memory, e) from e
         return state
     step_tag = tag(state.step)
     if how.load in (Load.RANGE_ZERO12, Load.RANGE_ZERO3):
@@ -148,6 +151,19 @@ def restore(engine: Any, found: Found, how: Route) -> TrainState:
     if share is not None:
         _untie_steps(engine)
     return state
+
+
+def _memory_load_failed(plan: route.Plan, error: Exception) -> Exception:
+    """What a failed load of the memory snapshot `plan` raises: a snapshot that does not load is set
+    aside in the keepers first (`memory.unloadable`), so the next attempt resumes from the
+    next-newest complete snapshot or storage instead of failing on it again; a copy lost while it
+    was read leaves it listed (it is no longer complete, or it loads on the next attempt)."""
+    if not memory.unloadable(error):
+        return error
+    gone = memory.set_aside(plan)
+    return CheckpointError(f"the in-memory snapshot of step {plan.step} did not load ({type(error).__name__}: "
+                           f"{str(error)[:300]}); set aside ({gone} shard(s)): the next attempt resumes from the "
+                           "next-newest complete snapshot or storage")
 
 
 def _cut(engine: Any, load: Load, old_world: int) -> repartition.Cut:
