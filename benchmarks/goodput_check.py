@@ -1,7 +1,11 @@
 """The platform's goodput account (tidal/goodput, read from the job's MLflow run) beside a benchmark's
 own external accounting: the chaos benchmarks report both, for every job they run, and whether they
 agree (the account's buckets sum to the benchmark's wall time within 1% of it; its effective time,
-the step time of first executions over its wall time, within 1 point of the benchmark's)."""
+the step time of first executions over its wall time, within 1 point of the benchmark's).
+
+Both read the job's own `step_time_s` and the buckets sum to the wall by construction, so this checks
+the account's arithmetic and its ends, not where each second went: that is held against the harness's
+own clock, bucket by bucket, by tidal/testing/timeline.py (`markdown_rows`, beside these rows)."""
 
 from __future__ import annotations
 
