@@ -35,7 +35,10 @@ def _members(job: str) -> dict[int, int] | None:
 @pytest.mark.parametrize("lost", [1, 0])
 def test_a_killed_rank_is_replaced_in_place_while_the_other_keeps_its_process(tmp_path, capfd, lost):
     holds = StepHolds(13)
-    spec = holds.spec(memory_spec(tmp_path, f"in-place-{lost}").with_overrides({"failure.replace_in_place": True}))
+    # a persistent checkpoint before the kill (10) and after (20, 30, 40): the re-formed group's saves are a new
+    # attempt of their own; a save that hangs ends the group after 60 s (the test then fails on the pids)
+    spec = holds.spec(memory_spec(tmp_path, f"in-place-{lost}").with_overrides(
+        {"failure.replace_in_place": True, "checkpoint.every_steps": 10, "failure.phase_timeout_s": 60}))
     seen: dict[str, dict[int, int]] = {}
 
     def kill_rank() -> None:
