@@ -48,10 +48,16 @@ def actor_name(job: str, generation: int) -> str:
 
 
 def peer_lost(e: BaseException) -> bool:
-    """Whether `e` means another rank's process or node went away (and nothing else went wrong)."""
+    """Whether `e` means another rank's process or node went away (and nothing else went wrong): a
+    collective's transport closed (gloo's or NCCL's own words, from torch.distributed), or Ray's
+    report barrier reset for a worker it replaces. A user's error that merely says "Connection reset
+    by peer" (its own download, say) is not one: it raises as before."""
     if type(e).__name__ == BARRIER_RESET:
         return True
-    return isinstance(e, RuntimeError) and not isinstance(e, RendezvousError) and bool(PEER_LOST.search(str(e)))
+    text = str(e)
+    transport = "gloo" in text or "NCCL" in text or "c10d" in text or type(e).__module__.startswith("torch")
+    return (isinstance(e, RuntimeError) and not isinstance(e, RendezvousError) and transport
+            and bool(PEER_LOST.search(text)))
 
 
 class Rendezvous:
