@@ -42,6 +42,9 @@ from tidal import gil
 BEAT_S = 1.0  # how often a rank beats and reads its peer's counter
 HOST = 0  # the rank whose process runs the store
 FRESH_BEATS = 2  # a read older than this many beats (and a second) means this rank itself stalled
+# failure.replace_in_place: the generation of the group this process is in (worker/health/rendezvous.py
+# sets it), which names the group's counters here and its hang folder (worker/health/hang.py)
+GENERATION_ENV = "TIDAL_GROUP_GENERATION"
 
 
 
@@ -81,7 +84,7 @@ def group_store(deadline_s: float) -> Any:
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                           timeout=timedelta(seconds=deadline_s), wait_for_workers=False)
     # failure.replace_in_place: the store is the rendezvous's, shared by the group's generations (rendezvous.py)
-    generation = os.environ.get("TIDAL_GROUP_GENERATION", "")
+    generation = os.environ.get(GENERATION_ENV, "")
     return dist.PrefixStore(f"tidal-pulse-{os.environ['MASTER_PORT']}{generation and '-gen' + generation}", store)
 
 

@@ -25,10 +25,10 @@ from typing import Any
 
 from tidal.tracking.quiet import PEER_LOST
 from tidal.worker.health import rounds
+from tidal.worker.health.heartbeat import GENERATION_ENV
 
 NAMESPACE = "tidal-rendezvous"
 PREFIX = "tidal-rendezvous-"
-GENERATION_ENV = "TIDAL_GROUP_GENERATION"  # the generation this process's group is (heartbeat, hang court)
 POLL_S = 0.05
 # How long a rank waits for the others in a generation: Ray Train's replacement worker starting (its
 # process, imports, train context) under load; past it the group restarts as without the switch.
