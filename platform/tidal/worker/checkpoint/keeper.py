@@ -113,6 +113,7 @@ class Keeper:
         self.reserve = int(total * RESERVE_SHARE)
         self.slots: dict[int, list[Slot | None]] = {}  # rank -> its two slots
         self.complete: tuple[str, int] | None = None  # the newest snapshot a rank or a restore said is complete
+        self.attempt: str | None = None  # the attempt (worker group) whose ranks here committed last
         self.lock = threading.Lock()  # the slot table: four calls run at once
         self.touched = time.time()
         self.seen = time.monotonic()  # the expiry's clock: a wall clock stepped forward would end a live job's keeper
@@ -219,6 +220,7 @@ class Keeper:
             if slot is None or segment.read_stamp(slot.mm) != expected or int(record["total"]) > slot.size:
                 return f"the snapshot of step {step} was not found whole in its segment on node {self.node_id[:8]}"
             slot.held, slot.facts, slot.record, slot.stamp = (attempt, step), {**facts, "held_on": self.node_id}, record, expected
+            self.attempt = attempt
         if forward:
             self.forwards.put((forward, (attempt, step, rank, index, prune_below)))
         return None
@@ -258,6 +260,10 @@ class Keeper:
 
         _yield_to_training()
         self.touch()
+        if self.attempt is not None and attempt != self.attempt:
+            # An earlier group's copy that arrived after this node's ranks of a newer one committed:
+            # its rank may now live here and write the same slot.
+            return f"a copy of an earlier attempt's snapshot of step {step}, not kept"
         data = block[0]
         if isinstance(data, ray.ObjectRef):
             data = ray.get(data, timeout=FORWARD_TIMEOUT_S)
