@@ -54,10 +54,11 @@ MARK_LINES = (("restart", re.compile(r"^\[tidal\] restart (\d+):")),
               ("summary", re.compile(r"^\[tidal\] goodput [\d.]+% of")))
 TRACE_POLL_S = 0.1  # the trace is read this often: a step's record is seen at most this late
 NEW_LIFE_S = 0.5  # a record seen this long after a kill is a new group's (a restart takes seconds)
-# Each log step's own work (the metrics' collective, writing the event) lies inside the harness's step
-# intervals, where the ledger books it `other`: the harness cannot see it apart. Measured on the chaos
-# job (2026-12-07): 0.4 s over 84 step executions, 3% of a step; a tenth of the steps' time allows for load.
-LOG_WORK_FRAC = 0.10
+# Each log step's own work (the loss's collective, the trace, emitting the event) lies inside the harness's
+# step intervals, where the ledger books it `other`: the harness cannot see it apart. Measured 2026-12-07
+# (the ledger's `other` less the harness's detection and end): 3-10% of a step interval in process at loads
+# of 15-29, 14% for the combined job at 29-42. The rows it touches allow up to half an interval.
+LOG_WORK_MAX = 0.5
 
 
 @dataclass
@@ -192,6 +193,7 @@ class Seen:
     blind_s: float = 0.0  # their gaps, last step to the new life's start: start-up, resize or `other` to the ledger
     saves: int = 0
     unlogged: int = 0  # step runs at a group's end never logged (their events went with the group)
+    end_unseen: float = 0.0  # no summary line: from the last line seen to the job's end, where the account ended
 
 
 def lives_of(t: Timeline) -> list[list[tuple[float, int]]]:
@@ -233,6 +235,8 @@ def observed(t: Timeline) -> Seen:
     seen.delay, seen.spread = _delay(t)
     summary = [w for w, kind, _ in t.marks if kind == "summary"]
     end = summary[0] if summary else t.ended
+    if not summary:  # its line lost (a slow tracker's last lines): the account ended after the last one seen
+        seen.end_unseen = max(0.0, t.ended - max([w for w, _ in t.prints] + [w for w, *_ in t.marks], default=t.ended))
     seen.wall = end - t.launched
     lives = logged(lives_of(t), t.prints)
     seen.lives = len(lives)
@@ -334,40 +338,44 @@ def _g(ledger: dict[str, float], *buckets: str) -> float:
 
 
 def compare(seen: Seen, ledger: dict[str, float]) -> list[dict[str, Any]]:
-    """Per bucket: the harness's figure, the ledger's, the tolerance and whether it held (`ok`). `kind`: "equal" (within the tolerance either way), "at least" (the ledger's
-    may exceed the harness's: it holds more than the harness sees), "at most" (the harness's holds
-    more than the ledger's bucket), "between" (the harness's, up to the gaps of starts it saw no
-    failure line for more)."""
-    # One boundary read off the console: its delay's spread; off the trace: its poll; a step's own
-    # length taken as the mean: the jitter. Measured on this run, so a loaded machine widens them.
-    edge = seen.spread + 2 * TRACE_POLL_S + seen.jitter
-    starts = seen.lives + seen.blind
-    log_work = LOG_WORK_FRAC * (seen.first + seen.replayed)
+    """Per bucket: the harness's figure, the ledger's, how far below (`below`) and above (`above`) it the
+    ledger's may be, and whether it was (`ok`)."""
+    # A boundary read off the trace: its poll, and a step's own length taken as the mean (the jitter); one
+    # read off a console line (a failure, the summary): that line's delay, as far as it strays from the
+    # console's (its spread). Measured on this run, so a loaded machine widens them.
+    step_edge, line_edge = 2 * TRACE_POLL_S + seen.jitter, seen.spread + TRACE_POLL_S
+    starts, stops = seen.lives + seen.blind, seen.faults + seen.blind
+    work = LOG_WORK_MAX * (seen.first + seen.replayed)  # the log steps' own work: in `other` to the ledger
+    lines = line_edge * (seen.faults + 1) + step_edge  # the failures' lines, the summary's, the last step
     rows = [
-        ("wall: launch to the summary line", seen.wall, _g(ledger, "wall"), "equal", edge + 1.0, ""),
+        ("wall: launch to the account's end", seen.wall, _g(ledger, "wall"), line_edge + 1.0 + seen.end_unseen,
+         line_edge + 1.0, "no summary line: the driver's exit, which the account ends before" if seen.end_unseen else ""),
         ("start-up + restore + resize", seen.startup, _g(ledger, "queue", "startup", "restore", "resize_preemption"),
-         "between", 2 * edge * starts, "restore not told apart: no line marks where a restore begins"),
-        ("steps trained again", float(seen.replayed_steps), ledger.get("goodput_replayed_steps", 0.0), "equal",
-         float(seen.faults + seen.blind), "a count"),
-        ("replayed", seen.replayed, _g(ledger, "replayed"), "equal",
-         edge * (seen.faults + seen.blind) + LOG_WORK_FRAC * seen.replayed, ""),
-        ("hang (detection past the threshold)", seen.hang, _g(ledger, "hang"), "equal", edge * seen.faults + 0.5, ""),
-        ("other: detection + the end (+ log steps' work)", seen.detection + seen.end, _g(ledger, "other"), "between",
-         edge * (seen.faults + 1) + 1.0 + log_work, "a driver's loss: the time to its next launch is `other`"),
+         step_edge * starts + line_edge * seen.faults, step_edge * starts + line_edge * seen.faults + seen.blind_s,
+         "restore not told apart: no line marks where it begins"),
+        ("steps trained again", float(seen.replayed_steps), ledger.get("goodput_replayed_steps", 0.0),
+         float(stops), float(stops), "a count"),
+        ("replayed", seen.replayed, _g(ledger, "replayed"), step_edge * stops + LOG_WORK_MAX * seen.replayed,
+         step_edge * stops, "the log steps' work in them is `other` to the ledger"),
+        ("hang (detection past the threshold)", seen.hang, _g(ledger, "hang"), line_edge * seen.faults + 0.5,
+         line_edge * seen.faults + 0.5, ""),
+        ("other: at least detection + the end", seen.detection + seen.end, _g(ledger, "other"),
+         lines + 1.0 + seen.end_unseen, lines + 1.0 + seen.blind_s + work, "and the log steps' work"),
         ("checkpoint stall + post-save slowdown", seen.checkpoint,
-         _g(ledger, "checkpoint_stall", "post_save_slowdown"), "equal",
-         2 * seen.jitter * math.sqrt(max(seen.saves, 1)) + TRACE_POLL_S * seen.saves, "the saves' excess"),
-        ("productive + data, straggler, eval", seen.first, _g(ledger, "productive", "data_wait", "straggler_wait", "eval"),
-         "equal", edge + 1.0 + log_work, "not told apart"),
+         _g(ledger, "checkpoint_stall", "post_save_slowdown"),
+         *[2 * seen.jitter * math.sqrt(max(seen.saves, 1)) + TRACE_POLL_S * seen.saves] * 2, "the saves' excess"),
+        ("productive + data, straggler, eval: at most first runs", seen.first,
+         _g(ledger, "productive", "data_wait", "straggler_wait", "eval"), step_edge * starts + 1.0 + work,
+         step_edge * starts + 1.0, "less the log steps' work"),
+        ("productive, waits in steps and other together", seen.first + seen.detection + seen.end,
+         _g(ledger, "productive", "data_wait", "straggler_wait", "eval", "other"),
+         lines + 1.0 + seen.end_unseen, lines + 1.0 + seen.blind_s, ""),
     ]
     out = []
-    for name, harness, theirs, kind, within, note in rows:
+    for name, harness, theirs, below, above, note in rows:
         off = theirs - harness
-        ok = {"equal": abs(off) <= within, "at least": off >= -within, "at most": off <= within,
-              # a start with no failure line: its gap may be the ledger's start-up, resize or `other`
-              "between": -within <= off <= seen.blind_s + within}[kind]
-        out.append({"bucket": name, "harness": harness, "ledger": theirs, "off": off, "kind": kind,
-                    "within": within, "ok": ok, "note": note})
+        out.append({"bucket": name, "harness": harness, "ledger": theirs, "off": off, "below": below,
+                    "above": above, "ok": -below <= off <= above, "note": note})
     return out
 
 
@@ -382,9 +390,7 @@ def markdown_rows(name: str, t: Timeline, ledger: dict[str, float], note: str = 
            f"{seen.delay:.2f} s behind the trace (spread {seen.spread:.2f} s){note} |\n")
     for row in compare(seen, ledger):
         unit = "" if row["bucket"] == "steps trained again" else " s"
-        sign = {"equal": "±", "at least": "ledger ≥ harness −", "at most": "ledger ≤ harness +",
-                "between": f"up to {seen.blind_s:.1f} s of starts with no failure line more, ±"}[row["kind"]]
         out += (f"| {name}, {row['bucket']}: harness / ledger | {row['harness']:.1f}{unit} / {row['ledger']:.1f}{unit}: "
-                f"**{row['off']:+.1f}** ({'held' if row['ok'] else 'NOT held'}: {sign} {row['within']:.1f})"
+                f"**{row['off']:+.1f}** ({'held' if row['ok'] else 'NOT held'}: -{row['below']:.1f} to +{row['above']:.1f})"
                 f"{'; ' + row['note'] if row['note'] else ''} |\n")
     return out
