@@ -1,5 +1,6 @@
 """Chaos: three worker kills at seeded random times; the job finishes with an undisturbed run's losses
-(stored: tests/assets/losses/chaos-undisturbed.json, `python -m tests.golden chaos-undisturbed`).
+(stored: tests/assets/losses/chaos-undisturbed.json, `python -m tests.golden chaos-undisturbed`), and its goodput
+account books each bucket as the harness's own clock saw it (tidal/testing/timeline.py).
 (`python -m benchmarks.chaos` runs five, and one every 2 minutes of wall time, against an undisturbed run it makes.)"""
 
 from __future__ import annotations
