@@ -56,7 +56,8 @@ restarts, checkpoints and logging all count as lost time. The platform's own acc
 def report(r: dict[str, Any], command: str) -> str:
     return f"""Command: `{command}` ({time.strftime('%Y-%m-%d')}, 2-core CPU machine, one local Ray instance)
 
-A {r['steps']}-step job (tiny GPT, ZeRO-2, 2 workers, checkpoint every {r['every_steps']} steps) while a seeded
+A {r['steps']}-step job (tiny GPT, ZeRO-2, 2 workers, checkpoint every {r['every_steps']} steps; the memory tier off, so
+restores read storage: `chaos_spec`) while a seeded
 injector SIGKILLs a random Ray Train worker process at spread-out steps. Node loss, preemption and regrowth are
 exercised by `tests/test_elastic.py`; a frozen worker (SIGSTOP) and a rank blocked in its step by `tests/test_hang.py` (see Hangs below).
 
