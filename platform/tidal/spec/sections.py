@@ -278,10 +278,10 @@ class MemorySpec(Part):
     peer: bool = Field(True, description="also keep each snapshot on the next node of the group, so a node's loss "
                        "keeps it (no copy when the group runs on one node)")
     max_gb: float | None = Field(
-        None, gt=0.0, description="host memory one node's keeper may hold, in GiB (its ranks' snapshots and the peer "
-        "copies it keeps: up to about 2 snapshots of each); a snapshot over it, or one that would leave under 10% of "
-        "the node's memory free, is refused (said once) and restarts use the previous one or storage. Default: half "
-        "the node's memory"
+        None, gt=0.0, description="host memory one node's keeper may hold, in GiB (two reused shared-memory slots "
+        "for each of its ranks and of the ranks whose peer copies it keeps); a slot over it, or one that would leave "
+        "under 10% of the node's (or pod's) memory free, is refused (said once) and restarts use the previous "
+        "snapshot or storage. Default: half the node's memory"
     )
 
 
