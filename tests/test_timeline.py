@@ -118,6 +118,17 @@ def test_without_the_summary_line_the_account_ended_between_the_last_line_and_th
     assert not next(r for r in compare(seen, {**agreeing(), "goodput_wall_s": 50.0}) if r["bucket"].startswith("wall"))["ok"]
 
 
+def test_a_job_found_complete_by_a_driver_started_again_ends_its_account_at_its_last_event():
+    """The driver was killed while it closed (waiting for MLflow) and started again: the new one found the job
+    complete and printed the summary, whose account ends at the job's last event, before that line."""
+    t = killed_once()
+    t.marks = [m for m in t.marks if m[1] != "summary"]
+    t.marks += [(75.0, "complete", 20), (76.0, "summary", 0)]
+    seen = observed(t)
+    assert (seen.wall, seen.end_unseen) == (76.0, 76.0 - 57.0)
+    assert all(r["ok"] for r in compare(seen, agreeing()))
+
+
 def test_the_comparison_holds_a_ledger_that_books_right():
     rows = compare(observed(killed_once()), agreeing())
     assert [r["bucket"] for r in rows if not r["ok"]] == []
@@ -167,8 +178,10 @@ def test_the_lines_are_timed_as_they_pass_through_stdout(monkeypatch):
         now[0] = 101.5
         sys.stdout.write("ep 2/20 | loss 4.9\n(RayTrainWorker pid=1) step 3/20\n[tidal] restart 1: restarting\n")
         sys.stdout.write("[tidal] resumed from checkpoint_000000001 at step 1/20\n[tidal] goodput 9.1% of 1m02s\n")
+        sys.stdout.write("[tidal] job 'x' is already complete at step 20 (checkpoint_000000020; train.steps is 20)\n")
     assert t.prints == [(100.0, 1), (101.5, 2)]
-    assert t.marks == [(100.0, "checkpoint", 1), (101.5, "restart", 1), (101.5, "resumed", 1), (101.5, "summary", 0)]
+    assert t.marks == [(100.0, "checkpoint", 1), (101.5, "restart", 1), (101.5, "resumed", 1), (101.5, "summary", 0),
+                       (101.5, "complete", 20)]
     assert "[tidal] step 2/20 | loss 4.9" in out.getvalue(), "everything still reaches the real stdout"
 
 

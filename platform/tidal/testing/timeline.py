@@ -51,7 +51,8 @@ STEP_LINE = re.compile(r"^\[tidal\] step (\d+)/\d+")
 MARK_LINES = (("restart", re.compile(r"^\[tidal\] restart (\d+):")),
               ("resumed", re.compile(r"^\[tidal\] resumed from .* at step (\d+)/")),
               ("checkpoint", re.compile(r"^\[tidal\] checkpoint at step (\d+):")),
-              ("summary", re.compile(r"^\[tidal\] goodput [\d.]+% of")))
+              ("summary", re.compile(r"^\[tidal\] goodput [\d.]+% of")),
+              ("complete", re.compile(r"^\[tidal\] job .* is already complete at step (\d+)")))
 TRACE_POLL_S = 0.1  # the trace is read this often: a step's record is seen at most this late
 NEW_LIFE_S = 0.5  # a record seen this long after a kill is a new group's (a restart takes seconds)
 # Each log step's own work (the loss's collective, the trace, emitting the event) lies inside the harness's
@@ -237,6 +238,10 @@ def observed(t: Timeline) -> Seen:
     end = summary[0] if summary else t.ended
     if not summary:  # its line lost (a slow tracker's last lines): the account ended after the last one seen
         seen.end_unseen = max(0.0, t.ended - max([w for w, _ in t.prints] + [w for w, *_ in t.marks], default=t.ended))
+    elif any(kind == "complete" for _, kind, _ in t.marks):
+        # a driver started again after the last step (its first was killed while it closed) found the job complete:
+        # the account ends at the job's last event (docs/reliability.md), somewhere after the last step
+        seen.end_unseen = max(0.0, end - max((w for w, _ in t.trace), default=end))
     seen.wall = end - t.launched
     lives = logged(lives_of(t), t.prints)
     seen.lives = len(lives)
