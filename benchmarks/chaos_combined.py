@@ -66,8 +66,9 @@ from tidal.worker.checkpoint.repartition import COPIES
 DOC = Path(__file__).resolve().parents[1] / "docs" / "reliability.md"
 SECTION = "Combined faults"
 KINDS = ("worker", "worker mid-save", "node", "resize restore", "driver", "tracker", "mlflow")
-# The faults that stop training (the harness's clock counts their gap as lost); the tracker's and
-# MLflow's only hold the console's lines back, which that clock cannot tell from lost time.
+# The faults that stop training: the harness's clock (tidal/testing/timeline.py) splits a group where one
+# landed between two of its steps; the tracker's and MLflow's only hold the console's lines back, which
+# widens the tolerance of the rows a console line bounds (the steps are timed by the loss trace).
 STOPS_TRAINING = ("worker", "worker mid-save", "node", "resize restore", "driver")
 WRITE_DELAY_S = 0.5  # each rank's write pauses this long before its manifest: room to kill mid-save
 
@@ -362,7 +363,7 @@ def _ledger_rows(client: Any, spec: JobSpec, ref: dict[str, Any], got: dict[str,
         out += goodput_check.rows(name, g, goodput_check.agreement(g, use, run["wall_s"]))
         if run.get("timeline") is not None and g:  # against the harness's own clock, not the same step times
             out += markdown_rows(name, run["timeline"], g,
-                                 "; the tracker's and MLflow's faults hold lines back, read as lost")
+                                 "; the driver's console lags under load: the rows its lines bound are loose")
     return out.rstrip("\n")
 
 
