@@ -381,7 +381,7 @@ class FailureSpec(Part):
         "snapshot (checkpoint.memory; else the newest checkpoint) and re-form the group with the replacement "
         "through a rendezvous the driver hosts. Anything else (a resize, a lost node without room, a hang, an "
         "error while re-forming) restarts the whole group as when off. Each replacement counts against max_restarts. "
-        "Checked on CPU (gloo) with ZeRO-2 only: off by default (docs/reliability.md)"
+        "Checked on CPU (gloo) with ZeRO-2 only, refused with ZeRO-3: off by default (docs/reliability.md)"
     )
     straggler_ratio: float = Field(
         1.5, ge=0.0, description="warn when one rank's time outside collectives is this many times the median "
