@@ -46,7 +46,7 @@ from tidal.worker.health.decide import (
     # failure.replace_in_place: the lost rank alone is replaced, the others re-form the group with it
     (LostWorker(world=4, in_place=True), Decision("replace", 4)),
     (LostWorker(world=1, in_place=True), Decision("restart", 1)),  # no survivor to keep
-    (LostWorker(world=2, in_place=True, reforming=True), Decision("restart", 2)),  # lost again while re-forming
+    (LostWorker(world=2, in_place=True, reforming=True), Decision("restart", 2)),  # lost again before a step
     (Hang(world=4), Decision("restart", 4)),
 ])
 def test_every_fault_and_signal_has_one_answer_and_a_size(signal, decision):

@@ -41,14 +41,19 @@ def train_loop(config: dict[str, Any]) -> None:
         group.form()
     s = _opened(config, group)
     warm = Spares(s.spec.failure.warm_spares, s.spec.scaling.cpus_per_worker)  # this node's warm spares, refilled after the first step
+    reformed_at: int | None = None  # the step this rank resumed at when it last re-formed in place
     while True:
         try:
             _train(s, warm)
             break
         except Exception as e:
-            if group is None or not _replaced_in_place(s, e):
+            # Lost again before this rank trained a step of the re-formed group: the fault may be this
+            # process's own state (a replacement that fails on meeting it), which only a full restart clears.
+            reforming = reformed_at is not None and s.state.step <= reformed_at
+            if group is None or not _replaced_in_place(s, e, reforming):
                 raise  # Ray Train restarts the whole group (or, for a lost worker, replaces it and we re-form)
             s = _reform(config, s, group)
+            reformed_at = s.state.step
     if s.directive is not None:
         s.directive.close()
     s.events.drain()  # the last checkpoint's event and notes reach storage before this process ends
@@ -71,9 +76,9 @@ def _opened(config: dict[str, Any], group: rendezvous.Member | None) -> Session:
     return s
 
 
-def _replaced_in_place(s: Session, e: BaseException) -> bool:
+def _replaced_in_place(s: Session, e: BaseException, reforming: bool) -> bool:
     """Whether `e` is a lost peer that this rank's group replaces in place (worker/health/decide.py)."""
-    return rendezvous.peer_lost(e) and decide(LostWorker(s.world, in_place=True)).action == "replace"
+    return rendezvous.peer_lost(e) and decide(LostWorker(s.world, True, reforming)).action == "replace"
 
 
 def _reform(config: dict[str, Any], s: Session, group: rendezvous.Member) -> Session:
@@ -88,7 +93,7 @@ def _reform(config: dict[str, Any], s: Session, group: rendezvous.Member) -> Ses
     # which held while every group had new processes: without this the survivor skipped the id's
     # collective at the next save and the ranks hung in mismatched collectives)
     save._ATTEMPT = None
-    # A second loss in here raises as it is: decide(LostWorker(..., reforming=True)) restarts the group.
+    # A loss in here raises as it is: Ray Train restarts the group (as decide does for one while re-forming).
     group.form(s.state.step)
     return _opened(config, group)
 

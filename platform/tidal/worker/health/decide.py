@@ -79,7 +79,8 @@ class NodeBack:
 @dataclass(frozen=True)
 class LostWorker:
     """A worker's process died (or its node went), seen by a rank whose collective lost it. `in_place`:
-    failure.replace_in_place; `reforming`: that rank was already re-forming the group after a loss."""
+    failure.replace_in_place; `reforming`: that rank re-formed the group after a loss and has trained no
+    step in it since (the fault may be its own process's state: a replacement failing on meeting it)."""
 
     world: int
     in_place: bool = False
