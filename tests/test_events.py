@@ -3,6 +3,8 @@ every kind by its type."""
 
 from __future__ import annotations
 
+import pytest
+
 from tidal.storage import RunDir
 from tidal.tracking.buffer import MetricsBuffer
 from tidal.tracking.console import Console
@@ -56,3 +58,24 @@ def test_the_console_reads_each_kind_and_skips_unknown_ones(capsys):
     ]
     assert parse({"kind": "metrics", "step": 1, "values": {}}) == StepMetrics(1, {})
     assert isinstance(parse({"kind": "failure", "step": 1, "failures": {}}), WorkersFailed)
+
+
+def test_a_worker_replaced_alone_is_not_announced_as_a_group_restart():
+    """failure.replace_in_place: Ray Train replaces the lost worker alone and the survivors keep their
+    processes; the console said the worker group restarts from the latest complete checkpoint."""
+    line = Console(10).line(WorkersFailed(13, {"1": "gone"}, restarts=1, reported=13, in_place=True))
+    assert "restart 1: replacing rank(s) 1 alone" in line and "restarting the worker group" not in line, line
+
+
+@pytest.mark.parametrize("in_place, workers, failed, alone", [
+    (True, 2, 1, True),  # one of two lost: Ray Train replaces it in its bundle
+    (True, 4, 3, True),
+    (True, 2, 2, False),  # every worker failed: Ray Train restarts the group
+    (True, (1, 2), 1, False),  # an elastic group: Ray Train 2.60 replaces only at a fixed size
+    (True, 1, 1, False),  # a group of one has no survivor
+    (False, 2, 1, False),  # the switch off: the group restarts
+])
+def test_which_failures_ray_train_replaces_alone(in_place, workers, failed, alone):
+    from tidal.launch.callbacks import replaced_alone
+
+    assert replaced_alone(in_place, workers, failed) is alone

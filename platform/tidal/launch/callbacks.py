@@ -17,6 +17,7 @@ from tidal.spec.job import JobSpec
 from tidal.storage import RunDir
 from tidal.tracking.emitter import Emitter
 from tidal.tracking.quiet import PEER_LOST, quiet_controller
+from tidal.worker.health.decide import LostWorker, decide
 
 log = logging.getLogger("tidal")
 
@@ -30,6 +31,7 @@ class FailureNotifier(UserCallback):
         self.last_mistake: str | None = None  # the user's mistake the last attempt ended with (recovery.signature)
         # Ray Train's FailureConfig(max_failures=...): the failure past it is not restarted (-1: no limit)
         self.max_restarts, self.failures = spec.failure.max_restarts, 0
+        self.in_place = spec.failure.replace_in_place
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Unpickled in Ray Train's controller: lower its chatter there (tracking/quiet.py), which
@@ -47,8 +49,18 @@ class FailureNotifier(UserCallback):
         self.failures += not any(getattr(getattr(e, "health_check_failure", e), "preempted", False) for e in worker_exceptions.values())
         final = 0 <= self.max_restarts < self.failures  # Ray Train gives up: no "restart N" to announce
         events = Emitter(self.storage, self.name)
-        events.failed({r: failure_line(e) for r, e in worker_exceptions.items()}, final=final)
+        events.failed({r: failure_line(e) for r, e in worker_exceptions.items()}, final=final,
+                      in_place=not final and self.in_place and replaced_alone(
+                          True, run_context.scaling_config.num_workers, len(worker_exceptions)))
         events.drain(timeout_s=10.0)  # a storage outage must not hold up Ray's restart
+
+
+def replaced_alone(in_place: bool, workers: int | tuple[int, int], failed: int) -> bool:
+    """Whether Ray Train replaces the `failed` workers alone: failure.replace_in_place's decision for a
+    lost worker (worker/health/decide.py), and some of the group's fixed size left (Ray Train 2.60
+    restarts the whole group when every worker failed, or when the group changes size)."""
+    return (isinstance(workers, int) and 0 < failed < workers
+            and decide(LostWorker(workers, in_place=in_place)).action == "replace")
 
 
 def failure_line(e: BaseException) -> str:

@@ -103,6 +103,11 @@ class Console:
             limit = "used up" if self.max_restarts is None else self.max_restarts
             lines.append(f"the worker group failed again after {e.restarts:.0f} restart(s) (failure.max_restarts "
                          f"{limit}): Ray Train gives up on it")
+        elif e.in_place:
+            ranks = ", ".join(sorted(e.failures, key=int))
+            lines.append(f"restart {e.restarts:.0f}: replacing rank(s) {ranks} alone (failure.replace_in_place); the "
+                         f"other ranks keep their processes and roll back to the newest complete snapshot "
+                         f"(last step reached: {e.reported})")
         else:
             lines.append(f"restart {e.restarts:.0f}: restarting the worker group from the latest complete "
                          f"checkpoint (last step reached: {e.reported})")

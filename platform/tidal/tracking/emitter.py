@@ -38,7 +38,7 @@ log = logging.getLogger("tidal")
 NOT_METRICS = ("step", "preempted")
 LEDGER_FIELDS: dict[type[Event], tuple[str, ...]] = {StepMetrics: ("replay",), CheckpointSaved: ("replay",),
                                                      Resumed: ("lost",), WorkersFailed: ("restarts", "reported")}
-ONLY_WHEN_SET: dict[type[Event], tuple[str, ...]] = {WorkersFailed: ("final",)}
+ONLY_WHEN_SET: dict[type[Event], tuple[str, ...]] = {WorkersFailed: ("final", "in_place")}
 
 
 def metric_values(m: dict[str, Any]) -> dict[str, float]:
@@ -79,8 +79,8 @@ class Emitter:
     def say(self, message: str, step: int = 0) -> None:
         self._emit(Note(step, message))
 
-    def failed(self, failures: dict[int, str], step: int = 0, final: bool = False) -> None:
-        self._emit(WorkersFailed(step, {str(r): why for r, why in failures.items()}, final))
+    def failed(self, failures: dict[int, str], step: int = 0, final: bool = False, in_place: bool = False) -> None:
+        self._emit(WorkersFailed(step, {str(r): why for r, why in failures.items()}, final, in_place=in_place))
 
     def hang_found(self, step: int, folder: str, culprits: list[int], text: str, stalled_s: float = 0.0) -> None:
         self._emit(HangFound(step, folder, culprits, text, stalled_s))

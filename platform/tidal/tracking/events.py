@@ -69,7 +69,8 @@ class Note(Event):
 @dataclass(frozen=True)
 class WorkersFailed(Event):
     """Workers that failed (rank -> why); `final`: the failure that used up failure.max_restarts, after
-    which Ray Train restarts nothing. The ledger adds the restart count and the step reached."""
+    which Ray Train restarts nothing; `in_place`: Ray Train replaces them alone and the other ranks
+    keep their processes (failure.replace_in_place). The ledger adds the restart count and the step reached."""
 
     KIND: ClassVar[str] = "failure"
     step: int
@@ -77,6 +78,7 @@ class WorkersFailed(Event):
     final: bool = False
     restarts: float = 0
     reported: int = 0
+    in_place: bool = False
 
 
 @dataclass(frozen=True)
