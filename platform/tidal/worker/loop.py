@@ -88,11 +88,9 @@ def _reform(config: dict[str, Any], s: Session, group: rendezvous.Member) -> Ses
     raises: Ray Train's full restart takes over, as without failure.replace_in_place."""
     _close(s)
     group.dissolve()
-    # The re-formed group is a new attempt of the job's saves: its first save draws a new attempt id and
-    # clears the folders of steps it will write again (checkpoint/save.py caches the id per process,
-    # which held while every group had new processes: without this the survivor skipped the id's
-    # collective at the next save and the ranks hung in mismatched collectives)
-    save._ATTEMPT = None
+    # The re-formed group is a new attempt of the job's saves (without this the survivor skipped the attempt
+    # id's collective at the next save while the replacement ran it, and the ranks hung in mismatched collectives)
+    save.new_attempt()
     # A loss in here raises as it is: Ray Train restarts the group (as decide does for one while re-forming).
     group.form(s.state.step)
     return _opened(config, group)

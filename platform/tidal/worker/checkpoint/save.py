@@ -225,6 +225,13 @@ def _attempt(storage: Any, run_path: str, step: int) -> str:
     return _ATTEMPT
 
 
+def new_attempt() -> None:
+    """The next save draws a new attempt id (a collective) and clears the steps it will write again: for a
+    group re-formed in this process (failure.replace_in_place), where the cached id is the old group's."""
+    global _ATTEMPT
+    _ATTEMPT = None
+
+
 def _writer() -> StorageWriter:
     """One writer per worker process; a restarted worker group starts new processes."""
     global _WRITER
