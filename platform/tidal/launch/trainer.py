@@ -97,7 +97,6 @@ def _run_holding(spec: JobSpec, restart: bool, mlflow_tags: dict[str, str] | Non
     if restart and (aside := run_dir.set_aside()):
         print(f"[tidal] --restart: the previous run's folder is kept as {aside}", flush=True)
     _check_vocab(spec)
-    check_in_place(spec)
     found = find_resume_point(spec, condemn_truncated=True)  # refuses an incompatible resume before any worker starts
     job = run_dir.read_json(JOB_FILE) or {}
     if job.get("fingerprint") != spec.fingerprint_hash():
@@ -339,16 +338,6 @@ def _check_vocab(spec: JobSpec) -> None:
     if size > spec.model.vocab_size:
         raise SpecError([("model.vocab_size", f"{spec.model.vocab_size} is below the {size} tokens of data.tokenizer "
                           f"({spec.data.tokenizer}); set model.vocab_size: {size} or more")])
-
-
-def check_in_place(spec: JobSpec) -> None:
-    """failure.replace_in_place rebuilds a survivor's engine in its own process: with ZeRO-3 the rebuilt
-    engine numbers its parameters unlike the replacement's new process, and ZeRO-3's first step fails on
-    every rank (seen on DeepSpeed 0.19; each retry failed again until max_restarts ran out)."""
-    if spec.failure.replace_in_place and spec.parallelism.zero_stage == 3:
-        raise SpecError([("failure.replace_in_place", "is not supported with parallelism.zero_stage: 3 yet (a "
-                          "survivor's rebuilt ZeRO-3 engine disagrees with the replacement's); use zero_stage 1 or "
-                          "2, or set failure.replace_in_place: false")])
 
 
 def _close_tracker(spec: JobSpec, tracker: Any, ok: bool, t0: float, pump: ConsolePump,

@@ -55,6 +55,12 @@ def consistency_problems(spec: JobSpec) -> list[tuple[str, str]]:
     if spec.data.streaming and par.pipeline_stages > 1:
         problems.append(("data.streaming", "pipeline stages of one replica must read the same samples, which a "
                          "sharded stream cannot give; set data.streaming false"))
+    if spec.failure.replace_in_place and par.zero_stage == 3:
+        # A survivor's ZeRO-3 engine rebuilt in its own process numbers its parameters unlike the
+        # replacement's new process, and ZeRO-3's first step fails on every rank (DeepSpeed 0.19)
+        problems.append(("failure.replace_in_place", "is not supported with parallelism.zero_stage: 3 yet (a "
+                         "survivor's rebuilt ZeRO-3 engine disagrees with the replacement's); use zero_stage 1 or "
+                         "2, or set failure.replace_in_place: false"))
     if par.offload_optimizer != "none" and par.zero_stage == 0:
         problems.append(("parallelism.offload_optimizer", "needs parallelism.zero_stage 1, 2 or 3"))
     if par.offload_params != "none" and par.zero_stage != 3:
