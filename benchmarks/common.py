@@ -214,6 +214,24 @@ class Job:
         wait_for(f"{n} trace records of the job (see {self.log})", lambda: self.steps_done() >= n, timeout_s, every=0.5)
 
 
+def child_run(module: str, mark: str, kind: str, folder: Path) -> tuple[dict[str, Any], str]:
+    """`python -m <module> --child <kind> <folder>`: one measured run in a process of its own (as a user's
+    `tidal run` is, with its own Ray); the result it printed after `mark`, and its whole output."""
+    folder.mkdir(parents=True)
+    proc = subprocess.run([sys.executable, "-m", module, "--child", kind, str(folder)],
+                          capture_output=True, text=True, timeout=900, cwd=ROOT,
+                          env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"})
+    for line in proc.stdout.splitlines():
+        if line.startswith(mark):
+            return json.loads(line[len(mark):]), proc.stdout
+    raise RuntimeError(f"{kind} run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+
+
+def first_step_after(loss_trace: Path, t: float) -> float:
+    """Seconds from `t` to the first step rank 0's loss trace holds after it."""
+    return min(r["ts"] for r in read_trace(loss_trace) if r["ts"] > t) - t
+
+
 def pairs_main(doc: str | None, section: str, prefix: str, run: Callable[[int, Path], Any],
                report: Callable[[Any, int], str]) -> None:
     """The command line of a benchmark of alternating pairs: `run(pairs, tmp)` in a temporary folder,

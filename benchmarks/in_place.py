@@ -15,14 +15,20 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import ROOT, median, paired_rounds, pairs_main, read_trace
+from benchmarks.common import (
+    child_run,
+    first_step_after,
+    median,
+    paired_rounds,
+    pairs_main,
+    read_trace,
+)
 from tidal.testing.processes import wait_for
 
 SECTION = "A worker kill: replaced in place against the full restart"
@@ -64,21 +70,14 @@ def child(kind: str, folder: Path) -> dict[str, Any]:
     injector.start()
     tidal.run(spec)
     injector.join(timeout=10)
-    kill_at = out["kill"]
-    out["kill_to_step_s"] = min(r["ts"] for r in read_trace(loss_trace) if r["ts"] > kill_at) - kill_at
+    out["kill_to_step_s"] = first_step_after(loss_trace, out["kill"])
     out["survivor_kept"] = any(out.pop("kept", []))
     return out
 
 
 def one(kind: str, folder: Path) -> dict[str, Any]:
-    folder.mkdir(parents=True)
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.in_place", "--child", kind, str(folder)],
-                          capture_output=True, text=True, timeout=900, cwd=ROOT,
-                          env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"})
-    for line in proc.stdout.splitlines():
-        if line.startswith(MARK):
-            return {**json.loads(line[len(MARK):]), "replaced_in_place": "replaced in place" in proc.stdout}
-    raise RuntimeError(f"{kind} run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    result, output = child_run("benchmarks.in_place", MARK, kind, folder)
+    return {**result, "replaced_in_place": "replaced in place" in output}
 
 
 def run(pairs: int, tmp: Path) -> list[dict[str, Any]]:

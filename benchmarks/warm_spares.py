@@ -25,7 +25,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import ROOT, median, paired_rounds, pairs_main, read_trace, write_spec
+from benchmarks.common import (
+    ROOT,
+    child_run,
+    first_step_after,
+    median,
+    paired_rounds,
+    pairs_main,
+    read_trace,
+    write_spec,
+)
 from tidal.testing.processes import wait_for
 
 SECTION = "Warm spares: a worker kill and the first start"
@@ -76,7 +85,7 @@ def child(kind: str, folder: Path) -> dict[str, Any]:
     tidal.run(spec)
     injector.join(timeout=10)
     kill_at = out["kill"]
-    out["kill_to_step_s"] = min(r["ts"] for r in read_trace(loss_trace) if r["ts"] > kill_at) - kill_at
+    out["kill_to_step_s"] = first_step_after(loss_trace, kill_at)
     starts = [json.loads(line) for line in (folder / "starts").read_text().splitlines()]
     out["restarted_warm"] = [s["warm"] and s["process_started"] < kill_at
                              for s in starts if "pid" in s and s["train_started"] > kill_at]
@@ -84,14 +93,7 @@ def child(kind: str, folder: Path) -> dict[str, Any]:
 
 
 def one(kind: str, folder: Path) -> dict[str, Any]:
-    folder.mkdir(parents=True)
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.warm_spares", "--child", kind, str(folder)],
-                          capture_output=True, text=True, timeout=900, cwd=ROOT,
-                          env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"})
-    for line in proc.stdout.splitlines():
-        if line.startswith(MARK):
-            return json.loads(line[len(MARK):])
-    raise RuntimeError(f"{kind} run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return child_run("benchmarks.warm_spares", MARK, kind, folder)[0]
 
 
 def quickstart(kind: str, folder: Path) -> dict[str, float]:
