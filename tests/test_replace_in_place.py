@@ -61,6 +61,9 @@ def test_a_killed_rank_is_replaced_in_place_while_the_other_keeps_its_process(tm
     assert after[kept] == before[kept], f"rank {kept}'s process changed: the whole group restarted\n{out[-3000:]}"
     assert after[lost] != before[lost]
     assert f"rank {lost} lost after step 13: replaced in place (generation 2)" in out, out[-3000:]
+    # the controller's failure line says what Ray Train does: not "restarting the worker group"
+    assert f"restart 1: replacing rank(s) {lost} alone (failure.replace_in_place)" in out, out[-3000:]
+    assert "restarting the worker group" not in out, out[-3000:]
     (where, step, _), = resumes(out)
     assert where.startswith("the in-memory snapshot held on node") and 12 <= step <= 13, out[-3000:]
     assert_undisturbed_losses(tmp_path, spec, result)
