@@ -156,8 +156,7 @@ class Tier:
         for i, ref in enumerate(refs):
             if ref is not None:
                 with contextlib.suppress(OSError):
-                    mm, block = segment.mapped(ref)
-                    self.maps[i] = (ref, mm, torch.from_numpy(block))
+                    self.maps[i] = _slot(ref)
         self.pending: Pending | None = None
         self.complete: int | None = None  # the newest snapshot this group agreed is held by every rank
         self.said: set[str] = set()
@@ -238,8 +237,7 @@ class Tier:
                 return f"this node's keeper failed: {type(e).__name__}: {str(e)[:200]}"
             if isinstance(ref, str):
                 return ref
-            mm, block = segment.mapped(ref)
-            mapped = self.maps[pending.slot] = (ref, mm, torch.from_numpy(block))
+            mapped = self.maps[pending.slot] = _slot(ref)
         _, mm, block = mapped
         segment.write_stamp(mm, 0)  # torn until stamped again: neither listed nor served meanwhile
         threads = torch.get_num_threads()
@@ -360,10 +358,15 @@ class Tier:
         try:
             ref = ray.get(self.own.make.remote(self.rank, other, size), timeout=CALL_TIMEOUT_S)
             if not isinstance(ref, str):
-                mm, block = segment.mapped(ref)
-                self.maps[other] = (ref, mm, torch.from_numpy(block))
+                self.maps[other] = _slot(ref)
         except Exception as e:  # noqa: BLE001 - the next snapshot makes it itself, or says why not
             log.info("memory tier: could not prepare the next slot (%s: %s)", type(e).__name__, str(e)[:200])
+
+
+def _slot(ref: segment.Ref) -> tuple[segment.Ref, Any, torch.Tensor]:
+    """One of this rank's slots, mapped here: its reference, the map, and its data block as a tensor."""
+    mm, block = segment.mapped(ref)
+    return ref, mm, torch.from_numpy(block)
 
 
 def _save_into(engine: Any, snap: SnapshotEngine, root: str, tag: str, client_state: dict[str, Any]) -> None:
