@@ -37,7 +37,7 @@ from tidal.exclusive import create_exclusive
 from tidal.storage import RunDir
 from tidal.worker.health import stacks
 from tidal.worker.health.decide import AVOID_AFTER
-from tidal.worker.health.heartbeat import GENERATION_ENV, Pulse
+from tidal.worker.health.heartbeat import Pulse, generation_suffix
 from tidal.worker.health.nodes import avoid_hung_node
 from tidal.worker.health.watchdog import ARM_AFTER, Deadline, StepWatchdog
 
@@ -119,10 +119,8 @@ def explain(world: int, answers: Mapping[int, Answer]) -> Verdict:
 def group_key() -> str:
     """The same on every rank of one worker group, new for the next: Ray Train sets the
     process group's rendezvous address per group (ray/train/torch/config.py)."""
-    key = f"port{os.environ.get('MASTER_PORT', '0')}-{os.environ.get('MASTER_ADDR', 'local').replace(':', '_')}"
-    # failure.replace_in_place: one rendezvous store for every generation of the group (worker/health/rendezvous.py)
-    generation = os.environ.get(GENERATION_ENV)
-    return f"{key}-gen{generation}" if generation else key
+    return (f"port{os.environ.get('MASTER_PORT', '0')}-{os.environ.get('MASTER_ADDR', 'local').replace(':', '_')}"
+            f"{generation_suffix()}")
 
 
 def _hang_count(nodes: dict[str, Any], culprits: list[Answer]) -> tuple[dict[str, Any], list[Answer]]:

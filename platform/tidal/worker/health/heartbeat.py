@@ -47,6 +47,13 @@ FRESH_BEATS = 2  # a read older than this many beats (and a second) means this r
 GENERATION_ENV = "TIDAL_GROUP_GENERATION"
 
 
+def generation_suffix() -> str:
+    """`-gen<N>` in a group formed through the rendezvous (one store for all its generations: each
+    names its own keys), "" in a group Ray Train formed (a store of its own)."""
+    generation = os.environ.get(GENERATION_ENV)
+    return f"-gen{generation}" if generation else ""
+
+
 
 @dataclass(frozen=True)
 class Seen:
@@ -83,9 +90,7 @@ def group_store(deadline_s: float) -> Any:
 
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                           timeout=timedelta(seconds=deadline_s), wait_for_workers=False)
-    # failure.replace_in_place: the store is the rendezvous's, shared by the group's generations (rendezvous.py)
-    generation = os.environ.get(GENERATION_ENV, "")
-    return dist.PrefixStore(f"tidal-pulse-{os.environ['MASTER_PORT']}{generation and '-gen' + generation}", store)
+    return dist.PrefixStore(f"tidal-pulse-{os.environ['MASTER_PORT']}{generation_suffix()}", store)
 
 
 class Pulse:
