@@ -40,7 +40,6 @@ MARK = "IN-PLACE-RESULT "
 def child(kind: str, folder: Path) -> dict[str, Any]:
     """One kill run, in this process (started by `one` as a child)."""
     import tidal
-    from tests.slow_step import slow_env
     from tidal.testing.chaos import chaos_spec
     from tidal.testing.processes import kill, our_processes
     from tidal.worker.metrics import LOSS_TRACE_ENV
@@ -51,7 +50,7 @@ def child(kind: str, folder: Path) -> dict[str, Any]:
     spec = chaos_spec(folder, kind, STEPS, 10, memory_every=5)
     spec = spec.with_overrides({
         "failure.replace_in_place": kind == "in_place", "train.step_fn": "tests.slow_step:step",
-        "worker_env": {**spec.worker_env, **slow_env(0.05, slow)}})
+        "worker_env": {**spec.worker_env, "TIDAL_TEST_STEP_S": "0.05", "TIDAL_TEST_HOLD": str(slow)}})
     loss_trace = Path(spec.worker_env[LOSS_TRACE_ENV])
     out: dict[str, Any] = {}
 

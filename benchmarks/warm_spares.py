@@ -48,7 +48,6 @@ def child(kind: str, folder: Path) -> dict[str, Any]:
     import ray
 
     import tidal
-    from tests.slow_step import slow_env
     from tidal.testing.chaos import chaos_spec
     from tidal.testing.processes import kill, our_processes
     from tidal.testing.spares import memory_mib, warm_spares
@@ -61,7 +60,8 @@ def child(kind: str, folder: Path) -> dict[str, Any]:
     spec = chaos_spec(folder, kind, STEPS, 10)
     spec = spec.with_overrides({
         "failure.warm_spares": wanted(2, None, idle_cpus=1) if kind == "spares" else 0, "train.step_fn": "tests.slow_step:step",
-        "worker_env": {**spec.worker_env, TRACE_ENV: str(folder / "starts"), **slow_env(0.05, slow)}})
+        "worker_env": {**spec.worker_env, TRACE_ENV: str(folder / "starts"), "TIDAL_TEST_STEP_S": "0.05",
+                       "TIDAL_TEST_HOLD": str(slow)}})
     loss_trace = Path(spec.worker_env[LOSS_TRACE_ENV])
     out: dict[str, Any] = {}
 
