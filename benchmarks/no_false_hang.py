@@ -6,7 +6,11 @@ platform itself recorded: hangs declared (the MLflow run's `hangs/` artifacts an
 account's hang bucket; both must be 0), restarts and resizes, checkpoints and evaluations, and the
 slowest step against the deadline's floor.
 
-    python -m benchmarks.no_false_hang [--minutes 30] [--d-model 768] [--layers 6]
+    python -m benchmarks.no_false_hang [--minutes 30] [--d-model 768] [--layers 6] [--in-place]
+
+With --in-place, the same job with failure.replace_in_place on (its rendezvous, the job's own process
+group across Ray's replica groups, and the heartbeat's defaults): the node's loss is then a lost rank
+without room at the job's size, which the spec says restarts the group smaller, and the return grows it.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ def soak_spec(tmp: Path, args: argparse.Namespace, steps: int, name: str = "no-f
         checkpoint={"every_steps": args.every, "keep": 2, "storage": str(tmp / "runs")},
         eval={"every_steps": args.eval_every, "batches": 2},
         tracking={"uri": prepared_store(tmp / "mlflow.db"), "experiment": "soak"},
+        failure={"replace_in_place": args.in_place},
     )
 
 
@@ -94,6 +99,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 "goodput": m.get("goodput"), **out}
 
 
+IN_PLACE = (" and `failure.replace_in_place: true` (the job's own process group through the driver's rendezvous, "
+            "the per-rank heartbeat at its defaults)")
+
+
 def changes(r: dict[str, Any]) -> str:
     if "lost_at_s" not in r:
         return "the job ended before its node was to go"
@@ -109,14 +118,15 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--every", type=int, default=100, help="checkpoint.every_steps")
     ap.add_argument("--eval-every", type=int, default=50, help="eval.every_steps")
+    ap.add_argument("--in-place", action="store_true", help="failure.replace_in_place on (off: the spec's default)")
     ap.add_argument("--no-doc", action="store_true")
     args = ap.parse_args()
     r = measure(args)
     body = f"""Command: `python -m benchmarks.no_false_hang --minutes {args.minutes:g} --steps {args.steps} --d-model {args.d_model} --layers {args.layers} \\
---every {args.every} --eval-every {args.eval_every}` ({time.strftime('%Y-%m-%d')}, 2-core CPU machine; a Ray cluster of a
+--every {args.every} --eval-every {args.eval_every}{' --in-place' if args.in_place else ''}` ({time.strftime('%Y-%m-%d')}, 2-core CPU machine; a Ray cluster of a
 head and two 1-CPU raylets, `ray.cluster_utils.Cluster`)
 
-A {r['wall_s'] / 60:.1f}-minute job (GPT d{args.d_model}, {args.layers} layers, ZeRO-2, 1-2 workers elastic, {r['steps']} steps) with the spec's failure defaults (the adaptive step deadline), a checkpoint every {args.every} steps
+A {r['wall_s'] / 60:.1f}-minute job (GPT d{args.d_model}, {args.layers} layers, ZeRO-2, 1-2 workers elastic, {r['steps']} steps) with the spec's failure defaults (the adaptive step deadline){IN_PLACE if args.in_place else ''}, a checkpoint every {args.every} steps
 ({r['checkpoint_gb']:.2f} GB each), an evaluation every {args.eval_every}; {changes(r)}.
 
 | measure | value |
@@ -129,7 +139,7 @@ A {r['wall_s'] / 60:.1f}-minute job (GPT d{args.d_model}, {args.layers} layers, 
 """
     print(body)
     if not args.no_doc:
-        update_doc("No false hang: a long healthy run", body)
+        update_doc("No false hang: a long healthy run" + (", failure.replace_in_place on" if args.in_place else ""), body)
 
 
 if __name__ == "__main__":
