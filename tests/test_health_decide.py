@@ -48,6 +48,12 @@ from tidal.worker.health.decide import (
     (LostWorker(world=1, in_place=True), Decision("restart", 1)),  # no survivor to keep
     (LostWorker(world=2, in_place=True, reforming=True), Decision("restart", 2)),  # lost again before a step
     (Hang(world=4), Decision("restart", 4)),
+    # failure.replace_in_place: a hang whose culprits were all silent and are ended is a lost worker's
+    (Hang(world=4, in_place=True, ended=True), Decision("replace", 4)),
+    (Hang(world=4, in_place=False, ended=True), Decision("restart", 4)),  # the switch off: as before
+    (Hang(world=4, in_place=True, ended=False), Decision("restart", 4)),  # a rank alive but stuck, or not ended
+    (Hang(world=4, in_place=True, ended=True, node_due=True), Decision("restart", 4)),  # its node may be avoided
+    (Hang(world=1, in_place=True, ended=True), Decision("restart", 1)),  # no survivor to keep
 ])
 def test_every_fault_and_signal_has_one_answer_and_a_size(signal, decision):
     assert decide(signal) == decision

@@ -7,11 +7,12 @@ group's size after it, and the next state of the group's record of an avoided no
 (worker/health/avoidance.py, which writes it). The callers carry it out: rank 0 at its log step
 (worker/health/nodes.py; worker/loop.py for admission's word), the hang court
 (worker/health/hang.py), Ray Train for a lost worker or a hang (it restarts the group, or replaces
-the lost worker alone: worker/loop.py re-forms the survivors).
+the lost worker alone: worker/loop.py re-forms the survivors; for a hang, once the court ended its
+silent culprits).
 
 Actions: `wait` (train on at the size), `restart` (the group restarts at `size`: larger, or the
 same after a fault), `shrink` (restarts smaller; 0 suspends the job), `avoid_node` (restarts at
-`size` without a node), `replace` (failure.replace_in_place: the lost rank is replaced alone, the others keep
+`size` without a node), `replace` (failure.replace_in_place: the lost rank, or a hang's silent culprit once ended, is replaced alone, the others keep
 their processes and re-form the group with it, worker/health/rendezvous.py; anything that goes wrong there
 restarts the group).
 """
@@ -89,9 +90,14 @@ class LostWorker:
 
 @dataclass(frozen=True)
 class Hang:
-    """The watchdog found the group hung."""
+    """The watchdog found the group hung. `in_place`: failure.replace_in_place; `ended`: every culprit was
+    silent (its heartbeat stopped) and its process is now ended, so Ray Train sees lost workers it can
+    replace alone; `node_due`: a culprit's node reached the hangs that may avoid it (only a restart does)."""
 
     world: int
+    in_place: bool = False
+    ended: bool = False
+    node_due: bool = False
 
 
 Signal = Admission | SlowNode | HungNode | HungNodeInGroup | NodeBack | LostWorker | Hang
@@ -131,6 +137,10 @@ def decide(signal: Signal) -> Decision:
             return Decision("restart", max_workers, "return")
         case LostWorker(world, in_place, reforming) if in_place and not reforming and world > 1:
             # Ray Train replaces the lost worker alone (same size, its bundle); the survivors re-form with it
+            return Decision("replace", world)
+        case Hang(world, in_place, ended, node_due) if in_place and ended and not node_due and world > 1:
+            # The culprits' processes are gone as a killed worker's: the live ranks, whose collective lost
+            # them, re-form in place. A rank alive but stuck cannot be: its training thread never raises.
             return Decision("replace", world)
         case LostWorker(world) | Hang(world):
             return Decision("restart", world)  # Ray Train restarts the group from the last checkpoint
