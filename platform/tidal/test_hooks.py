@@ -12,6 +12,8 @@ exist. None is for users: they may change or go without notice. Their values:
   keepers (worker/checkpoint/memory.py).
 - MEMORY_LOAD_PAUSE `MARKER@S`: the first rank to restore from memory creates the file MARKER and
   waits S seconds before fetching (worker/checkpoint/memory.py), for a kill inside a restore.
+- EVENT_WRITE_DELAY `S:STEP`: rank 0's writer of the event log pauses S seconds before each event of a step
+  up to STEP (tracking/emitter.py), so the log lags behind training when a fault lands.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ HOLD_AFTER_STEP = "TIDAL_TEST_HOLD_AFTER_STEP"
 CHECKPOINT_WRITE_DELAY = "TIDAL_TEST_CHECKPOINT_WRITE_DELAY_S"
 MEMORY_SNAPSHOT_DELAY = "TIDAL_TEST_MEMORY_SNAPSHOT_DELAY_S"
 MEMORY_LOAD_PAUSE = "TIDAL_TEST_MEMORY_LOAD_PAUSE"
-HOOKS = (HOLD_AFTER_STEP, CHECKPOINT_WRITE_DELAY, MEMORY_SNAPSHOT_DELAY, MEMORY_LOAD_PAUSE)
+EVENT_WRITE_DELAY = "TIDAL_TEST_EVENT_WRITE_DELAY_S"
+HOOKS = (HOLD_AFTER_STEP, CHECKPOINT_WRITE_DELAY, MEMORY_SNAPSHOT_DELAY, MEMORY_LOAD_PAUSE, EVENT_WRITE_DELAY)
 
 
 def read(hook: str) -> str:

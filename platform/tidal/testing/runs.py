@@ -110,6 +110,12 @@ class StepHolds:
     def release(self, step: int) -> None:
         Path(hold.released(self.base, step)).touch()
 
+    def pid(self, step: int, timeout: float = 10) -> int:
+        """The process of rank 0 that holds after `step` (its marker is created, then its pid written)."""
+        return wait_for(f"rank 0's pid after step {step}",
+                        lambda: int(text) if (text := Path(hold.marked(self.base, step)).read_text()) else None,
+                        timeout, every=0.02)
+
 
 def wait_for_world_size(spec: JobSpec, size: int, timeout: float = 180) -> None:
     """Block until the job's latest logged `world_size` is `size` (an elastic group shrunk or grown)."""

@@ -18,6 +18,7 @@ import threading
 import time
 from typing import Any
 
+from tidal import test_hooks
 from tidal.lease import LeaseCheck
 from tidal.redact import redact_text
 from tidal.storage import RunDir
@@ -58,6 +59,7 @@ class Emitter:
         self.queue: queue.Queue[dict[str, Any]] = queue.Queue()
         self.done = threading.Condition()
         self.emitted = self.written = 0  # events so far, and how many of the first are durable (in order)
+        self.delay = _write_delay(test_hooks.read(test_hooks.EVENT_WRITE_DELAY))  # tests only: a lagging log
         threading.Thread(target=self._write_loop, name="tidal-events", daemon=True).start()
 
     # --- what workers say ---------------------------------------------------------------
@@ -122,6 +124,8 @@ class Emitter:
         while True:
             event = self.queue.get()
             warned = False
+            if self.delay[0] and int(event.get("step", 0)) <= self.delay[1]:
+                time.sleep(self.delay[0])
             while self.fence is None or self.fence.current():
                 try:
                     self.buffer.append(event)
@@ -135,3 +139,9 @@ class Emitter:
             with self.done:
                 self.written += 1
                 self.done.notify_all()
+
+
+def _write_delay(value: str) -> tuple[float, int]:
+    """test_hooks.EVENT_WRITE_DELAY's `S:STEP`: (seconds, up to which step); (0, 0) when unset."""
+    seconds, _, step = value.partition(":")
+    return (float(seconds), int(step)) if seconds and step else (0.0, 0)

@@ -5,7 +5,7 @@ Why: a test that watches MLflow for step N and then kills a worker lands its kil
 later, by the tracker's batching and the process scan; on a fast machine the tiny test job trains
 past the next checkpoint in that time, and the test's premise (steps to replay, a snapshot newer
 than the checkpoint) is gone. `TIDAL_TEST_HOLD_AFTER_STEP="<step>[,<step>...]@<base>"` makes rank 0
-create `marked(<base>, step)` once that step is done and wait, at most `HOLD_S`, until
+create `marked(<base>, step)` (holding its pid) once that step is done and wait, at most `HOLD_S`, until
 `released(<base>, step)` exists (the other ranks wait in the next step's collective). The marker is
 created exclusively: a later worker group that replays the step does not hold again.
 tidal.testing.runs.StepHolds is the tests' side."""
@@ -40,8 +40,8 @@ def before_step(rank: int, step: int) -> None:
     if str(step - 1) not in after.split(","):
         return
     try:
-        with open(marked(base, step - 1), "x"):
-            pass
+        with open(marked(base, step - 1), "x") as f:
+            f.write(str(os.getpid()))  # the held rank 0's process: a test may kill it
     except FileExistsError:
         return  # held once already: a replay of this step after a restart trains on
     deadline = time.monotonic() + HOLD_S

@@ -268,13 +268,21 @@ def _save(s: Session, p: plan.StepPlan, metrics: dict[str, Any]) -> None:
             s.backlog_said = True  # once per worker group: the cause does not change
 
 
+# How long a memory snapshot's hand-over waits for rank 0's events up to its step (they are written in
+# milliseconds; storage that lags longer costs the snapshot, not training: the next one joins this wait).
+LOGGED_WAIT_S = 5.0
+
+
 def _snapshot_to_memory(s: Session, step: int) -> None:
     """checkpoint.memory: every rank's state to its node's and a peer's memory, every few steps
     (a collective; after the step's checkpoint and evaluation, so it holds what they changed)."""
     if s.memory is None or not s.memory.due(step) or step == s.cadence.last:
         return
+    # Rank 0's events up to this step must be in the job's log before the snapshot is complete (as before a
+    # checkpoint's, `_save`), waited for off the training thread and not long: a log that lags keeps the previous one.
+    logged = partial(s.events.wait_written, s.events.mark(), LOGGED_WAIT_S) if s.rank == 0 else None
     with s.watchdog.phase("save"):
-        s.memory.snapshot(s.engine, s.state, s.written_by, lambda line: s.events.say(line, step))
+        s.memory.snapshot(s.engine, s.state, s.written_by, lambda line: s.events.say(line, step), logged)
     s.blocked_s += s.memory.take_stall()  # training waited for it: the checkpoint stall of the next log step
 
 

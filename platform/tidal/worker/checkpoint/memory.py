@@ -51,7 +51,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -111,6 +111,8 @@ class Pending:
     stall_s: float = 0.0  # training waited this long for it
     everyone: list[tuple[Any, ...]] | None = None  # what every rank said of it (`Tier._gathered`)
     hand_over_s: float = 0.0  # its hand-over ran this long beside training
+    # Rank 0's: whether its events up to this step are in the job's log (waits a while for them)
+    logged: Callable[[], bool] | None = None
 
 
 class Tier:
@@ -189,11 +191,13 @@ class Tier:
         s, self.stall_s = self.stall_s, 0.0
         return s
 
-    def snapshot(self, engine: Any, state: Any, written_by: Any, say: Any) -> None:
+    def snapshot(self, engine: Any, state: Any, written_by: Any, say: Any,
+                 logged: Callable[[], bool] | None = None) -> None:
         """Snapshot this rank's state at `state.step` (all ranks together: a collective): DeepSpeed's
         own save hands over what it would write, each tensor is copied once straight into this
         rank's slot on its node's keeper (a shared-memory segment), and a small record of the
-        layout is committed to the keeper off the training thread."""
+        layout is committed to the keeper off the training thread. `logged` (rank 0's): whether
+        the job's event log holds every step up to this one; a snapshot it does not is never committed."""
         t0, cpu0 = time.perf_counter(), time.thread_time()
         self._agree_previous(say, state.step)
         step = state.step
@@ -210,7 +214,7 @@ class Tier:
         facts = {"world_size": self.world, "zero_stage": int(written_by.zero_stage),
                  "fingerprint": self.spec.fingerprint_hash(), "node": self.node,
                  "state": saved_state if self.rank == 0 else None}
-        pending = Pending(step, slot=1 - self.kept if self.kept is not None else 0)
+        pending = Pending(step, slot=1 - self.kept if self.kept is not None else 0, logged=logged)
         pending.error = self._write(pending, planned)
         self.pending = pending
         pending.stall_s = time.perf_counter() - t0
@@ -324,6 +328,10 @@ class Tier:
             if delay := write_delay(test_hooks.read(DELAY_ENV), self.rank, pending.step):
                 time.sleep(delay)
             args = (self.attempt, pending.step, self.rank, pending.slot, facts, record, prune_below, self.peer_name)
+            # A complete snapshot is a resume point: no step before it is trained again, so one whose
+            # metrics were still in rank 0's process would lose them with it (as a checkpoint would: _save)
+            if pending.error is None and pending.logged is not None and not pending.logged():
+                pending.error = f"the job's event log did not yet hold every step up to {pending.step}"
             try:
                 if pending.error is None:
                     pending.error = ray.get(self.own.commit.remote(*args), timeout=CALL_TIMEOUT_S)
