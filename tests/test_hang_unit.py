@@ -309,3 +309,142 @@ def test_only_a_ray_train_worker_is_ended():
         for p in (other, worker):
             p.kill()
             p.wait()
+
+
+def in_place(cs: list[HangCourt]) -> list[HangCourt]:
+    for c in cs:
+        c.in_place = True  # failure.replace_in_place
+    return cs
+
+
+def test_with_replace_in_place_a_silent_culprit_ended_is_replaced_and_every_live_rank_keeps_its_process(tmp_path):
+    """issue 75: a stopped rank, once its stacks are saved and its process ended, is a lost worker Ray Train
+    replaces alone; the verdict says so, and the answering rank reads it there instead of exiting."""
+    ended: list = []
+    cs, events = courts(tmp_path, 3, ended=ended)
+    c0, c1, c2 = in_place(cs)
+    said: list[str] = []
+    declared = threading.Thread(target=lambda: said.append(c0.declare(57, "watchdog: rank 1 gave no heartbeat", 6.0, [1])))
+    declared.start()
+    wait_for("rank 2 to answer the declaration", lambda: c2.answer_if_declared(57), 10, every=0.05)
+    declared.join()
+    assert "hang after step 57: rank 1 on node 10.0.0.1" in said[0] and "stacks are in" in said[0], said[0]
+    assert ended == [("node1", os.getpid())] and len(events.found) == 1
+    assert RunDir(str(tmp_path / "runs"), "job").read_json("tidal-hangs/g1/verdict.json")["action"] == "replace"
+    assert c0.replacing, "the declaring rank lives on"
+    assert c2.wait_for_verdict() == "" and c2.replacing, "the answering rank lives on too"
+
+
+@pytest.mark.parametrize("end", [lambda node_id, pid: "no such process here (FileNotFoundError)",
+                                 lambda node_id, pid: 1 / 0])
+def test_a_silent_culprit_not_ended_restarts_the_group_as_before(tmp_path, end):
+    cs, _ = courts(tmp_path, 2, answer_s=0.05)
+    c0, _c1 = in_place(cs)
+    c0.end = end
+    assert "rank 1 on node 10.0.0.1" in c0.declare(7, "hung", 6.0, [1])
+    assert not c0.replacing
+    assert RunDir(str(tmp_path / "runs"), "job").read_json("tidal-hangs/g1/verdict.json")["action"] == "restart"
+
+
+def test_a_culprit_alive_but_stuck_restarts_the_group_and_is_not_ended(tmp_path):
+    """Every rank answers (a rank wedged in its own code answers from its watchdog's thread): its training
+    thread would never raise the lost peer's error, so only a restart ends the hang."""
+    ended: list = []
+    cs, _ = courts(tmp_path, 2, ended=ended)
+    c0, c1 = in_place(cs)
+    said: list[str] = []
+    threads = [threading.Thread(target=lambda c=c: said.append(c.declare(9, f"rank {c.rank} hung"))) for c in (c0, c1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert "stopped answering" not in "".join(said) and ended == []
+    assert not c0.replacing and not c1.replacing
+
+
+def test_without_the_switch_a_silent_culprit_is_ended_and_the_group_restarts(tmp_path):
+    ended: list = []
+    (c0, _c1), _ = courts(tmp_path, 2, answer_s=0.05, ended=ended)
+    c0.declare(7, "hung", 6.0, [1])
+    assert ended == [("node1", os.getpid())] and not c0.replacing
+    assert RunDir(str(tmp_path / "runs"), "job").read_json("tidal-hangs/g1/verdict.json")["action"] == "restart"
+
+
+class ReplacingCourt:
+    """A court whose verdict replaces the culprit in place (what HangCourt decides with the switch on)."""
+
+    trainer = None
+    replacing = False
+
+    def __init__(self) -> None:
+        self.declared: list[str] = []
+
+    def armed(self) -> None:
+        pass
+
+    def answer_if_declared(self, step: int) -> bool:
+        return False
+
+    def wait_for_verdict(self) -> str:
+        return ""
+
+    def declare(self, step: int, said: str, stalled_s: float = 0.0, silent=()) -> str:
+        self.declared.append(said)
+        self.replacing = True
+        return f"hang after step {step}: rank 1 stopped answering"
+
+
+class SilentPeer:
+    deadline_s = 5.0
+    ended = closed = False
+
+    def silent(self) -> list[int]:
+        return [1]
+
+    def declared(self) -> bool:
+        return False
+
+    def announce(self) -> None:
+        pass
+
+    def end(self) -> None:
+        self.ended = True
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class Lines:
+    def __init__(self) -> None:
+        self.said: list[str] = []
+
+    def say(self, message: str, step: int = 0) -> None:
+        self.said.append(message)
+
+    def drain(self, timeout_s: float | None = None) -> bool:
+        return True
+
+
+def test_a_rank_whose_hang_is_replaced_in_place_stands_by_and_exits_only_if_it_never_re_forms(monkeypatch):
+    """The watching rank declares once, says the hang and the replacement, and neither exits nor declares
+    again while its training thread re-forms the group (its deadlines run on meanwhile); a thread that never
+    re-forms (which closes the watchdog) is ended as for any hang."""
+    from tidal.worker.health import watchdog as wd
+
+    exits: list[str | None] = []
+    monkeypatch.setattr(wd, "POLL_S", 0.02)
+    monkeypatch.setattr(wd.StepWatchdog, "_exit", lambda self, said: exits.append(said))
+    court, pulse, lines = ReplacingCourt(), SilentPeer(), Lines()
+    dog = wd.StepWatchdog(0.05, 0, lines, court=court, pulse=pulse).opened()  # type: ignore[arg-type]
+    dog.beat(13)
+    try:
+        wait_for("the hang declared", lambda: court.declared, 10, every=0.02)
+        time.sleep(0.3)  # many step deadlines
+        assert exits == [] and len(court.declared) == 1 and pulse.ended
+        assert lines.said == ["hang after step 13: rank 1 stopped answering; the silent rank(s) ended and replaced "
+                              "in place (failure.replace_in_place): the other ranks keep their processes"]
+        dog.standing_by -= wd.REFORM_S  # the training thread never re-formed
+        wait_for("the rank to exit", lambda: exits, 10, every=0.02)
+        assert "did not re-form the group in 60s" in exits[0]
+    finally:
+        dog.close()

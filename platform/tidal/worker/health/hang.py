@@ -36,7 +36,7 @@ from typing import Any
 from tidal.exclusive import create_exclusive
 from tidal.storage import RunDir
 from tidal.worker.health import stacks
-from tidal.worker.health.decide import AVOID_AFTER
+from tidal.worker.health.decide import AVOID_AFTER, Hang, decide
 from tidal.worker.health.heartbeat import Pulse, generation_suffix
 from tidal.worker.health.nodes import avoid_hung_node
 from tidal.worker.health.watchdog import ARM_AFTER, Deadline, StepWatchdog
@@ -145,7 +145,8 @@ class HangCourt:
                  here: Callable[[], tuple[str, str]] | None = None,
                  inspect: Callable[[str, int], dict[str, Any]] = stacks.inspect_on_node,
                  end: Callable[[str, int], str] = stacks.end_on_node,
-                 on_culprit_node: Callable[[Answer, int, int], str] | None = None) -> None:
+                 on_culprit_node: Callable[[Answer, int, int], str] | None = None, in_place: bool = False) -> None:
+        """`in_place`: failure.replace_in_place (a hang whose silent culprits are ended is a replacement)."""
         self.run = RunDir(storage, name)
         self.rank, self.world, self.events = rank, world, events
         self.group = group or group_key()
@@ -159,6 +160,8 @@ class HangCourt:
         self.answered = False
         self.looked = 0.0
         self.trainer: int | None = None  # the training thread (StepWatchdog.beat's caller): the one whose stack counts
+        self.in_place = in_place
+        self.replacing = False  # the verdict replaces the culprits in place: this rank lives on (decide's `replace`)
 
     def _path(self, rel: str) -> str:
         return f"{self.run.path}/{self.dir}/{rel}"
@@ -219,13 +222,14 @@ class HangCourt:
         self.answered = True
 
     def wait_for_verdict(self) -> str:
-        """An answering rank waits for the declaring rank's verdict (its exit ends the group);
-        if none comes, it exits itself with a line of its own."""
+        """An answering rank waits for the declaring rank's verdict (its exit ends the group; a replace
+        in place, `replacing`, keeps this rank's process); if none comes, it exits itself with a line of its own."""
         until = time.monotonic() + self.verdict_s
         while time.monotonic() < until:
             try:
-                if self._read("verdict.json") is not None:
-                    return ""  # the declaring rank says it; this rank only ends
+                if (verdict := self._read("verdict.json")) is not None:
+                    self.replacing = verdict.get("action") == "replace"
+                    return ""  # the declaring rank says it
             except (OSError, ValueError):  # being written: look again
                 pass
             time.sleep(0.2)
@@ -260,25 +264,32 @@ class HangCourt:
         line = f"hang after step {step}: {verdict.line}"
         folder = f"{self.run.path}/{self.dir}"
         culprits = [answers[r] for r in verdict.culprits]
-        avoid = self._count(culprits)
+        avoid, due = self._count(culprits)
+        # A replace needs the culprits gone before it is decided; without the switch they are ended after
+        # the verdict is written, as before (a survivor's collective raises at their end: Ray restarts the group).
+        ended = self.in_place and self._end_silent(culprits)
+        action = decide(Hang(self.world, self.in_place, ended, due)).action
+        self.replacing = action == "replace"
         self.run.write_json(f"{self.dir}/verdict.json", {"text": line, "culprits": list(verdict.culprits),
                                                          "why": verdict.why, "step": step, "detected": said,
-                                                         "at": time.time()})
+                                                         "action": action, "at": time.time()})
         self.events.hang_found(step, self.dir, list(verdict.culprits), line, stalled_s)
-        self._end_silent(culprits)
+        if not self.in_place:
+            self._end_silent(culprits)
         return (f"{line} ({said.removeprefix('watchdog: ')}); every rank's stacks are in the MLflow run's "
                 f"artifacts (hangs/{self.group}/) and in {folder}" + (f"; {avoid}" if avoid else ""))
 
-    def _end_silent(self, culprits: list[Answer]) -> None:
+    def _end_silent(self, culprits: list[Answer]) -> bool:
         """End the culprits that stopped answering, once their stacks are saved: Ray's teardown of the
-        group gives each worker 5 s to shut down, which a stopped process never does."""
+        group gives each worker 5 s to shut down, which a stopped process never does. Whether every
+        culprit was silent and is ended (Ray Train then sees lost workers: decide's Hang.ended)."""
         ended = [a for a in culprits if a.silent and a.node_id and a.pid]
         if not ended:
-            return
+            return False
         # A failure stays in its future, unraised: Ray's teardown ends the process anyway, 5 s later.
         with ThreadPoolExecutor(len(ended), thread_name_prefix="tidal-hang-end") as pool:
-            for a in ended:
-                pool.submit(self.end, a.node_id, a.pid)
+            futures = [pool.submit(self.end, a.node_id, a.pid) for a in ended]
+        return len(ended) == len(culprits) and all(f.exception() is None and f.result() == "ended" for f in futures)
 
     def _collect(self, silent: Sequence[int] = ()) -> dict[int, Answer]:
         """The ranks' answers, awaited `answer_s` at most, and not at all from the `silent` ones."""
@@ -331,18 +342,19 @@ class HangCourt:
                                                             "at": time.time()})
         return Answer(r, a.node, a.node_id, a.pid, silent=True, state=state)
 
-    def _count(self, culprits: list[Answer]) -> str | None:
-        """Count this hang against its culprits' nodes; a node at AVOID_AFTER hangs is avoided."""
+    def _count(self, culprits: list[Answer]) -> tuple[str | None, bool]:
+        """Count this hang against its culprits' nodes; a node at AVOID_AFTER hangs is avoided. The line
+        said of it, and whether a node reached that count (only a restart can avoid it)."""
         nodes, due = _hang_count(self.run.read_json(NODES_FILE) or {}, culprits)
         self.run.write_json(NODES_FILE, nodes)
         if self.on_culprit_node is None:
-            return None
+            return None, bool(due)
         on_node = {a.node_id: 0 for a in due}
         for r in range(self.world):  # how many of the group's ranks each such node holds
             info = self._read(f"rank-{r}.json") or {}
             if info.get("node_id") in on_node:
                 on_node[info["node_id"]] += 1
-        return "; ".join(self.on_culprit_node(a, AVOID_AFTER, on_node[a.node_id]) for a in due) or None
+        return "; ".join(self.on_culprit_node(a, AVOID_AFTER, on_node[a.node_id]) for a in due) or None, bool(due)
 
 
 def _ray_here() -> tuple[str, str]:
@@ -360,7 +372,8 @@ def watchdog(spec: Any, rank: int, world: int, events: Any) -> StepWatchdog:
     def avoid(a: Answer, hangs: int, on_node: int) -> str:
         return avoid_hung_node(spec, world, a.rank, a.node, a.node_id, hangs, on_node, a.step)
 
-    court = HangCourt(spec.checkpoint.storage, spec.name, rank, world, events, on_culprit_node=avoid)
+    court = HangCourt(spec.checkpoint.storage, spec.name, rank, world, events, on_culprit_node=avoid,
+                      in_place=f.replace_in_place)
     pulse = Pulse(rank, world, f.heartbeat_timeout_s) if world > 1 and f.heartbeat_timeout_s > 0 else None
     return StepWatchdog(Deadline(f.step_timeout_s, f.step_timeout_multiple, f.step_timeout_floor_s), rank, events,
                         f.phase_timeout_s, court=court, pulse=pulse)

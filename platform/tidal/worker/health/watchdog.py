@@ -42,6 +42,10 @@ POLL_S = 1.0  # how often the watchdog looks; what it looks at is in memory (a h
 # this: torch's process-group timeout (30 min by default) would end a collective that waits longer
 # without a word, where Tidal names who stopped and saves the stacks.
 START_MAX_S = 1500.0
+# A hang replaced in place: how long this rank's training thread may take to raise the lost peer's error
+# and re-form (which closes this watchdog) before the rank exits as for any hang. Its collective raises in
+# milliseconds once the culprit's process is ended; a thread that never does would hang the job unguarded.
+REFORM_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,7 @@ class Court(Protocol):
     """Who explains a hang before the watchdog ends its process (worker/health/hang.HangCourt)."""
 
     trainer: int | None  # the training thread's ident: the one whose stack counts
+    replacing: bool  # the last verdict replaces the hang's culprits in place: this rank lives on
 
     def armed(self) -> None: ...
     def answer_if_declared(self, step: int) -> bool: ...
@@ -124,6 +129,7 @@ class StepWatchdog:
         self.step = 0
         self.pulse = pulse
         self.closed = False
+        self.standing_by: float | None = None  # when a verdict to replace in place came (monotonic)
         if self.rule.fixed_s != 0 or pulse is not None:
             threading.Thread(target=self._watch, name="tidal-watchdog", daemon=True).start()
 
@@ -195,6 +201,11 @@ class StepWatchdog:
                     said = True
 
     def _look(self) -> None:
+        if self.standing_by is not None:  # the group re-forms in place: its deadlines are no longer this group's
+            if time.monotonic() - self.standing_by > REFORM_S:
+                self._exit(f"watchdog: rank {self.rank} did not re-form the group in {REFORM_S:g}s after a hang's "
+                           "in-place replacement (failure.replace_in_place)")
+            return
         phase = self.current  # read once: the training thread changes it
         deadline, now, last = self.deadline(), time.monotonic(), self.last_beat
         what = hung(now, last, deadline, phase)
@@ -210,7 +221,8 @@ class StepWatchdog:
             # A heartbeat's hang is declared in seconds: its flag says so at once.
             overdue = since > limit / 2 or (pulse is not None and pulse.declared())
             if what is None and overdue and self.court.answer_if_declared(self.step):
-                self._exit(self.court.wait_for_verdict())
+                self._carry_out(self.court.wait_for_verdict())
+                return
         if what is None and silent and pulse is not None:
             what = "heartbeat"
             names = f"rank {silent[0]}" if len(silent) == 1 else "ranks " + ", ".join(map(str, silent))
@@ -219,7 +231,8 @@ class StepWatchdog:
             pulse.announce()  # every live rank answers at its next beat
             if self.court is not None:
                 said = self.court.declare(self.step, said, now - (last or now), silent)
-            self._exit(said)
+            self._carry_out(said)
+            return
         if what is None:
             return
         if phase is not None:
@@ -231,7 +244,27 @@ class StepWatchdog:
         if self.court is not None:
             stalled = now - (phase.started if phase is not None else last or now)
             said = self.court.declare(self.step, said, stalled)  # "": another rank declared and says it
-        self._exit(said)
+        self._carry_out(said)
+
+    def _carry_out(self, said: str | None) -> None:
+        """The court's verdict: exit (Ray restarts the group), or, when it replaces the culprits in place,
+        stand by for the re-forming (`_stand_by`)."""
+        if self.court is not None and self.court.replacing:
+            self._stand_by(said)
+        else:
+            self._exit(said)
+
+    def _stand_by(self, said: str | None) -> None:
+        """The hang's culprits are ended and replaced alone (worker/health/decide.py): this rank keeps its
+        process. Its training thread, blocked in a collective with them, raises the lost peer's error and
+        re-forms the group (worker/loop.py), which closes this watchdog; until then nothing is judged (the
+        step or phase deadline runs on while the group re-forms), for REFORM_S at most."""
+        if said:
+            self.events.say(f"{said}; the silent rank(s) ended and replaced in place (failure.replace_in_place): the "
+                            "other ranks keep their processes", self.step)
+        self.standing_by = time.monotonic()
+        if self.pulse is not None:
+            self.pulse.end()  # the ended culprit's beat stays silent: no second hang
 
     def _exit(self, said: str | None) -> None:
         if said:
