@@ -20,8 +20,8 @@ from tidal.worker.health.rendezvous import NAMESPACE, PREFIX
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local")]
 
 
-def _members(job: str) -> dict[int, int] | None:
-    """rank -> pid of the newest generation formed through the job's rendezvous (None: none yet)."""
+def group_members(job: str, world: int = 2) -> dict[int, int] | None:
+    """rank -> pid of the newest generation of `world` ranks formed through the job's rendezvous (None: none yet)."""
     import ray
 
     names = [e["name"] for e in ray.util.list_named_actors(all_namespaces=True)
@@ -29,7 +29,7 @@ def _members(job: str) -> dict[int, int] | None:
     if not names:
         return None
     members = ray.get(ray.get_actor(names[0], namespace=NAMESPACE).members.remote())
-    return members if len(members) == 2 else None
+    return members if len(members) == world else None
 
 
 @pytest.mark.parametrize("lost", [1, 0])
@@ -43,10 +43,10 @@ def test_a_killed_rank_is_replaced_in_place_while_the_other_keeps_its_process(tm
 
     def kill_rank() -> None:
         holds.wait(13)
-        before = seen["before"] = wait_for("the group's ranks", lambda: _members(spec.name), 60)
+        before = seen["before"] = wait_for("the group's ranks", lambda: group_members(spec.name), 60)
         kill(psutil.Process(before[lost]))
         holds.release(13)
-        seen["after"] = wait_for(f"rank {lost} replaced", lambda: m if (m := _members(spec.name)) and
+        seen["after"] = wait_for(f"rank {lost} replaced", lambda: m if (m := group_members(spec.name)) and
                                  m[lost] != before[lost] else None, 300)
 
     killer = threading.Thread(target=kill_rank, daemon=True)
@@ -66,6 +66,10 @@ def test_a_killed_rank_is_replaced_in_place_while_the_other_keeps_its_process(tm
     assert "restarting the worker group" not in out, out[-3000:]
     (where, step, _), = resumes(out)
     assert where.startswith("the in-memory snapshot held on node") and 12 <= step <= 13, out[-3000:]
+    # the survivor rolls back from the copy it holds mapped in its own process, no keeper asked for its shard;
+    # only the replacement reads the keeper's segment
+    assert f"rank {kept} from its own copy" in out, out[-3000:]
+    assert f"rank {lost} from this node's keeper" in out, out[-3000:]
     assert_undisturbed_losses(tmp_path, spec, result)
     # Ray Train merges every worker's files into one checkpoint with replica groups too: storage can resume it
     last = [p.name for p in tmp_path.rglob("global_step40/*")]

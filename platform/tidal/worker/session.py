@@ -159,14 +159,15 @@ def open_session(config: dict[str, Any]) -> Session:
         directive=Directive(seat["job"], world) if seat and rank == 0 else None,
         launched_max=seat.get("launched_max"), lease=lease, auto=auto,
     )
-    session.memory = _memory_tier(spec, rank, world, events, generation)
+    session.memory = _memory_tier(spec, rank, world, events, generation, state.step)
     if rank == 0:
         events.started(state.step, world, time.time() - began, restore_s)
     return session
 
 
-def _memory_tier(spec: JobSpec, rank: int, world: int, events: Emitter, generation: int) -> Any:
-    """checkpoint.memory's snapshots for this group (a collective), or None without it."""
+def _memory_tier(spec: JobSpec, rank: int, world: int, events: Emitter, generation: int, step: int) -> Any:
+    """checkpoint.memory's snapshots for this group (a collective), or None without it; rank 0 says
+    where the group's ranks restored from, when from memory (a survivor: its own copy)."""
     if spec.checkpoint.memory is None:
         return None
     from tidal.worker.checkpoint import memory
@@ -175,7 +176,7 @@ def _memory_tier(spec: JobSpec, rank: int, world: int, events: Emitter, generati
         if rank == 0:
             events.say(f"checkpoint.memory is off for this job: {why}")
         return None
-    return memory.Tier(spec, rank, world, generation)
+    return memory.Tier(spec, rank, world, generation, lambda line: events.say(line, step))
 
 
 def _batches(spec: JobSpec, config: dict[str, Any], engine: Any, rank: int, world: int,

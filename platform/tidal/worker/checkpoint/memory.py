@@ -31,7 +31,9 @@ snapshot is complete), and the one resume decision (tidal.worker.checkpoint.rest
 `route.from_memory`) takes the newest of that and the newest complete checkpoint in storage. At
 the world size that wrote it each rank rebuilds the files it loads (its own partition, and the
 model states, as from storage) from a keeper holding them: on its own node by mapping the
-segment, from another node through that keeper (Ray's object store), and DeepSpeed's own loader
+segment, from another node through that keeper (Ray's object store); a rank whose process wrote
+its shard (a survivor re-formed in place, failure.replace_in_place) reads it from the slot it still
+holds mapped (`OwnCopy`: no keeper asked, its stamp checked as the keeper's is). DeepSpeed's own loader
 takes the rebuilt states as objects (`safe_load.safe_loading`'s `served`): nothing is read from
 storage or disk, and nothing unpickled but each file's small structure. Each tensor is a copy: a
 later snapshot reuses the segment. At another size (`staged`) a rank rebuilds the shards its new
@@ -99,6 +101,24 @@ def supported(spec: JobSpec) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class OwnCopy:
+    """A shard this process wrote into one of its slots, still mapped here: its stamp, its layout
+    record, the map and its block. A surviving rank's rollback reads it with no keeper call."""
+
+    stamp: int
+    record: dict[str, Any]
+    mm: Any
+    block: torch.Tensor
+
+
+# This process's own shards, by slot: outlive the Tier that wrote them, as the process outlives a
+# group re-formed in place, so that its next session's restore finds them (`_own_copy`).
+_own: dict[int, OwnCopy] = {}
+# Where this process's last restore from memory read each shard, for the next Tier's line (`Tier.__init__`).
+_restored: list[str] = []
+
+
 @dataclass
 class Pending:
     """This rank's snapshot being handed to the keepers."""
@@ -118,9 +138,10 @@ class Pending:
 class Tier:
     """One worker's side of the memory tier, opened once per worker group (a collective)."""
 
-    def __init__(self, spec: JobSpec, rank: int, world: int, generation: int = 0) -> None:
+    def __init__(self, spec: JobSpec, rank: int, world: int, generation: int = 0, say: Any = None) -> None:
         """`generation`: the lease generation of this group's driver (tidal/lease.py), part of the
-        keepers' owner: a newer driver of the job has keepers of its own."""
+        keepers' owner: a newer driver of the job has keepers of its own. `say`: a line for the
+        person watching (rank 0's), where this group's ranks restored from memory from."""
         import ray
 
         mem = spec.checkpoint.memory
@@ -133,8 +154,12 @@ class Tier:
         self.step_s: float | None = None  # auto: this rank's recent step time
         self.ticked: float | None = None
         node = ray.get_runtime_context().get_node_id()
-        nodes: list[Any] = [None] * world
-        dist.all_gather_object(nodes, node)  # where every rank runs: the ring of the group's nodes
+        gathered: list[Any] = [None] * world
+        # where every rank runs (the ring of the group's nodes), and where its restore read from memory
+        dist.all_gather_object(gathered, (node, restored_from()))
+        nodes = [g[0] for g in gathered]
+        if rank == 0 and say is not None and any(g[1] for g in gathered):
+            say("restored from memory: " + "; ".join(f"rank {r} from {g[1]}" for r, g in enumerate(gathered) if g[1]))
         ring = sorted(set(nodes))
         self.node = node
         self.peer_node = ring[(ring.index(node) + 1) % len(ring)] if mem.peer and len(ring) > 1 else None
@@ -235,6 +260,7 @@ class Tier:
         mapped = self.maps[pending.slot]
         if mapped is None or mapped[0].size < planned.total:
             self.maps[pending.slot] = None  # the old map goes before a larger segment is made
+            _own.pop(pending.slot, None)
             try:
                 ref = ray.get(self.own.make.remote(self.rank, pending.slot, planned.total), timeout=CALL_TIMEOUT_S)
             except Exception as e:  # noqa: BLE001 - the keeper is gone or stuck: this shard is not held
@@ -243,6 +269,7 @@ class Tier:
                 return ref
             mapped = self.maps[pending.slot] = _slot(ref)
         _, mm, block = mapped
+        _own.pop(pending.slot, None)
         segment.write_stamp(mm, 0)  # torn until stamped again: neither listed nor served meanwhile
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # a copy is memory-bound: a second thread only fights training's other core
@@ -250,7 +277,9 @@ class Tier:
             flat_state.write(planned, block)
         finally:
             torch.set_num_threads(threads)
-        segment.write_stamp(mm, segment.stamp(self.attempt, pending.step, self.rank))
+        stamped = segment.stamp(self.attempt, pending.step, self.rank)
+        segment.write_stamp(mm, stamped)
+        _own[pending.slot] = OwnCopy(stamped, planned.record, mm, block)
         return None
 
     def _agree_previous(self, say: Any, step: int) -> None:
@@ -501,7 +530,12 @@ def _states(plan: Plan, names: list[str]) -> tuple[dict[str, Any], dict[str, int
     for n in names:
         by_shard.setdefault(next(r for r, files in plan.shards.items() if n in files), []).append(n)
     states: dict[str, Any] = {}
+    sources: set[str] = set()
     for shard, wanted in sorted(by_shard.items()):
+        if (own := _own_copy(plan, shard, wanted)) is not None:
+            states.update(own)
+            sources.add("its own copy")
+            continue
         options = sorted(plan.holders[shard].items(), key=lambda kv: kv[1] != node)  # this node's keeper first
         for name, where in options:
             try:
@@ -512,11 +546,38 @@ def _states(plan: Plan, names: list[str]) -> tuple[dict[str, Any], dict[str, int
                 continue
             if got is not None:
                 states.update(got)
+                sources.add("this node's keeper" if where == node else f"the keeper of node {where[:8]}")
                 break
         else:
             raise ShardLost(f"the in-memory snapshot of step {plan.step} lost rank {shard}'s shard "
                                   "while it was being restored; the next attempt resumes from what is complete")
+    _restored[:] = sorted(sources)
     return states, {n: plan.files()[n] for n in names}
+
+
+def restored_from() -> str | None:
+    """Where this process's last restore from memory read its shards ("its own copy", "this node's
+    keeper", ...), once: None if it has not restored from memory since the last call."""
+    said = " and ".join(_restored) or None
+    _restored.clear()
+    return said
+
+
+def _own_copy(plan: Plan, shard: int, names: list[str]) -> dict[str, Any] | None:
+    """The files `names` of `shard` of the snapshot `plan` from a slot this process wrote and still
+    maps (a survivor's rollback): only where its stamp is the plan's (that attempt, step and rank),
+    checked before and after the copy out, as a keeper's is; None sends the read to the keepers."""
+    want = segment.stamp(plan.attempt, plan.step, shard)
+    for own in list(_own.values()):
+        try:
+            if own.stamp != want or segment.read_stamp(own.mm) != want or not set(names) <= own.record["files"].keys():
+                continue
+            out = {n: flat_state.read(own.record, n, own.block) for n in names}
+            if segment.read_stamp(own.mm) == want:
+                return out
+        except (ValueError, OSError):  # its map was closed: the keeper's copy serves
+            continue
+    return None
 
 
 def _mapped(actor: Any, plan: Plan, shard: int, names: list[str]) -> dict[str, Any] | None:
