@@ -56,6 +56,14 @@ def test_the_newest_formed_generation_names_its_processes_and_the_ranks_it_repla
     assert r.replaced == (), "a group of another size is a restart, not a replacement"
 
 
+def test_a_generation_with_every_rank_in_a_new_process_replaced_nobody_in_place():
+    """Ray Train restarted every process (a hang, or a survivor lost while it re-formed and then replaced
+    too): no rank kept its process, so rank 0 must not say that ranks were replaced in place."""
+    r, _ = _run([(0, 2, "11:a"), (1, 2, "12:b"), (1, 2, "13:c"), (0, 2, "14:d")])
+    assert r.last == {0: "14:d", 1: "13:c"}
+    assert r.replaced == ()
+
+
 @pytest.mark.parametrize(("rank", "world"), [(2, 2), (-1, 2), (0, 0)])
 def test_a_rank_outside_the_group_is_refused(rank, world):
     with pytest.raises(ValueError, match=f"rank {rank} cannot join a group of {world}"):

@@ -27,7 +27,7 @@ class Rounds:
     formed: tuple[int, ...] = ()  # the generations formed, oldest first
     last: dict[int, str] = field(default_factory=dict)  # the newest formed generation's rank -> token
     reached: int = 0  # the newest step a rank joining the forming generation had trained
-    replaced: tuple[int, ...] = ()  # the ranks the newest formed generation has in new processes
+    replaced: tuple[int, ...] = ()  # the ranks the newest formed generation has in new processes, beside kept ones
     lost_after: int = 0  # the newest step trained before it formed (the `reached` of its joins)
 
 
@@ -44,8 +44,11 @@ def join(r: Rounds, rank: int, world: int, token: str, step: int = 0) -> tuple[R
     gen, reached = r.forming, max(r.reached if r.members else 0, step)
     if len(members) < world:
         return dataclasses.replace(r, world=world, members=tuple(sorted(members.items())), reached=reached), gen
-    # the ranks in new processes, once a group of this size formed before (the first forms all new)
+    # the ranks in new processes, once a group of this size formed before (the first forms all new); none
+    # when every rank is new: no process was kept, so nothing was replaced in place (a full restart, or a
+    # survivor lost while it re-formed and replaced too)
     replaced = tuple(k for k, t in sorted(members.items()) if r.last.get(k) != t) if len(r.last) == world else ()
+    replaced = replaced if len(replaced) < world else ()
     return Rounds(forming=gen + 1, formed=(*r.formed, gen)[-16:], last=members, replaced=replaced,
                   lost_after=reached), gen
 
