@@ -263,7 +263,8 @@ def _save(s: Session, p: plan.StepPlan, metrics: dict[str, Any]) -> None:
     if s.rank == 0:
         s.events.checkpointed(p.step, saved)
         if not s.backlog_said and (note := save.ray_backlog(
-                saved["checkpoint_ray_held_s"], s.spec.checkpoint.every_steps, os.environ.get(HEALTH_CHECK_INTERVAL))):
+                saved["checkpoint_ray_held_s"], s.spec.checkpoint.every_steps, os.environ.get(HEALTH_CHECK_INTERVAL),
+                save.period_s())):
             s.events.say(note, p.step)
             s.backlog_said = True  # once per worker group: the cause does not change
 

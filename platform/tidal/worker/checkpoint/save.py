@@ -111,8 +111,10 @@ def save(engine: Any, state: TrainState, written_by: Provenance, metrics: dict[s
     this rank's snapshot time, time training was blocked (including the wait for the previous
     write) and the state's bytes.
     """
+    global _SAVED_AT, _PERIOD_S
     rank = dist.get_rank()
     t0 = time.perf_counter()
+    _PERIOD_S, _SAVED_AT = (t0 - _SAVED_AT if _SAVED_AT is not None else None), t0
     writer = _writer()
     waited = writer.wait()  # at most one save in flight: also frees the buffers for reuse
     local = Path(tempfile.mkdtemp(prefix="tidal-ckpt-"))  # only the few small files land here
@@ -166,10 +168,16 @@ def save(engine: Any, state: TrainState, written_by: Provenance, metrics: dict[s
             "checkpoint_ray_held_s": writer.ray_held()}
 
 
-def ray_backlog(held_s: float, every_steps: int, interval_s: str | None) -> str | None:
+# The share of the time between two saves that writes may wait for Ray Train before it is worth a warning:
+# below it, the wait is Ray's controller being slow at a poll (a loaded machine), not saves outpacing it.
+BACKLOG_SHARE = 0.05
+
+
+def ray_backlog(held_s: float, every_steps: int, interval_s: str | None, period_s: float | None = None) -> str | None:
     """A warning when checkpoint writes waited for Ray Train to take earlier reports (it takes one
-    per worker per poll, see tidal.launch.recovery): training then waits for Ray, not storage."""
-    if held_s < 0.1:
+    per worker per poll, see tidal.launch.recovery): training then waits for Ray, not storage.
+    `period_s`: seconds since this rank's previous save (None: the group's first)."""
+    if held_s < 0.1 or (period_s is not None and held_s < BACKLOG_SHARE * period_s):
         return None
     return (f"WARNING: checkpoints come faster than Ray Train takes their reports (one per "
             f"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S = {interval_s or 2} s): writes waited {held_s:.2f} s for Ray "
@@ -189,7 +197,14 @@ def gate_waited() -> float:
     return _WRITER.gate_waited() if _WRITER is not None else 0.0
 
 
+def period_s() -> float | None:
+    """Seconds between this process's last two saves (None: one save so far): `ray_backlog`'s yardstick."""
+    return _PERIOD_S
+
+
 _WRITER: StorageWriter | None = None
+_SAVED_AT: float | None = None  # time.perf_counter() of this process's last save
+_PERIOD_S: float | None = None
 _ATTEMPT: str | None = None
 _FENCE: LeaseCheck | None = None
 
