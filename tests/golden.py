@@ -100,6 +100,10 @@ def _stream_windows(tmp: Path) -> dict[str, list[str]]:
     return {str(step): windows for step, windows in step_batches(tmp / "steady", 2, 1, STEPS).items()}
 
 
+# tests/test_replace_in_place_combined.py's undisturbed run at three workers (two of them lost at once there)
+THREE = {"train.steps": 24, "train.global_batch": 48, "checkpoint.every_steps": 10, "scaling.min_workers": 3,
+         "scaling.max_workers": 3, "scaling.cpus_per_worker": 0.5}
+
 REFERENCES: dict[str, Callable[[Path], JobSpec]] = {
     "reshard-zero2": _reshard(2),
     "async-checkpoint-undisturbed": _tiny("undisturbed", **{
@@ -119,6 +123,7 @@ REFERENCES: dict[str, Callable[[Path], JobSpec]] = {
     "chaos-undisturbed": lambda tmp: chaos_spec(tmp, "undisturbed", 120, 10),  # tests/test_chaos.py's
     "stream-undisturbed": _stream_steady,
     "user-code-steady": _user_code_steady,
+    "in-place-three": _tiny("three", **THREE),
 }
 # What a reference keeps beside its losses, read from the folder it trained in: key -> how.
 RECORDED: dict[str, dict[str, Callable[[Path], Any]]] = {"stream-undisturbed": {"windows": _stream_windows}}

@@ -1,7 +1,7 @@
 """failure.replace_in_place with faults combined (issue 75: "faults combine in production"), through Ray
 Train and real DeepSpeed engines on gloo with the memory tier on: a rank lost while a persistent
 checkpoint is half written, while a memory snapshot is being handed over, or the replacement lost
-inside its restore. Each job finishes with the undisturbed run's losses, every step logged once,
+inside its restore, or two ranks at once. Each job finishes with the undisturbed run's losses, every step logged once,
 and no partial checkpoint or snapshot as its resume point; where the group re-forms in place the
 survivor keeps its process, and where the path cannot hold (a loss inside the re-formed group's
 restore) Ray Train's full restart takes over and the console says so."""
@@ -16,12 +16,14 @@ import psutil
 import pytest
 
 import tidal
+from tests.conftest import metric_history, tiny_spec
+from tests.golden import THREE, reference_losses
 from tests.memory_jobs import assert_undisturbed_losses, memory_spec, resumes
 from tests.test_replace_in_place import group_members
 from tidal.storage import STATE_FILE, RunDir, check_complete, checkpoint_dir_name
 from tidal.testing.processes import kill, wait_for
 from tidal.testing.runs import StepHolds
-from tidal.worker.checkpoint import keeper
+from tidal.worker.checkpoint import fetch, keeper
 from tidal.worker.checkpoint.memory import DELAY_ENV, LOAD_PAUSE_ENV
 from tidal.worker.checkpoint.snapshot import WRITE_DELAY_ENV
 
@@ -158,3 +160,40 @@ def test_the_replacement_lost_inside_its_restore_falls_back_to_new_processes_for
     assert "replaced in place (generation" not in out, out[-3000:]
     got = resumes(out)
     assert got and all(w.startswith("the in-memory snapshot held on node") and s == 12 for w, s, _ in got), out[-3000:]
+
+
+def test_two_ranks_lost_at_once_are_replaced_in_place_together(tmp_path, capfd):
+    """Three workers of half a CPU each; ranks 1 and 2 are killed together after step 13. Rank 0 keeps its
+    process, the group re-forms once with both replacements, from the memory snapshot of step 12."""
+    holds = StepHolds(13)
+    spec = holds.spec(tiny_spec(tmp_path, name="in-place-two", **{
+        **THREE, **IN_PLACE, "checkpoint.memory.every_steps": 3}, worker_env={fetch.CACHE_ENV: str(tmp_path / "cache")}))
+    seen: dict[str, dict[int, int]] = {}
+
+    def kill_two() -> None:
+        holds.wait(13)
+        before = seen["before"] = wait_for("the group's ranks", lambda: group_members(spec.name, 3), 60)
+        for rank in (1, 2):
+            kill(psutil.Process(before[rank]))
+        holds.release(13)
+        seen["after"] = wait_for("ranks 1 and 2 replaced", lambda: m if (m := replaced(spec.name, 1, before)) and
+                                 m[2] != before[2] else None, 300)
+
+    killer = threading.Thread(target=kill_two, daemon=True)
+    killer.start()
+    result = tidal.run(spec)
+    killer.join(timeout=5)
+    out = capfd.readouterr().out
+
+    assert result.error is None, f"{result.error}\n{out[-3000:]}"
+    expected = reference_losses("in-place-three", tiny_spec(tmp_path, name="three", **THREE))
+    got = metric_history(spec, result.mlflow_run_id, "loss")
+    assert sorted(got) == list(range(1, 25)), "every step logged exactly once"
+    for step in expected:
+        assert got[step] == pytest.approx(expected[step], rel=1e-4), step
+    before, after = seen["before"], seen["after"]
+    assert after[0] == before[0], f"rank 0's process changed: the whole group restarted\n{out[-3000:]}"
+    assert "ranks 1, 2 lost after step 13: replaced in place (generation 2)" in out, out[-3000:]
+    assert RESTART not in out, out[-3000:]
+    (where, step, _), = resumes(out)
+    assert where.startswith("the in-memory snapshot held on node") and step == 12, out[-3000:]

@@ -310,3 +310,41 @@ def replica_group_config(backend: str) -> Any:
             return _ReplicaGroups
 
     return _ReplicaGroupConfig(backend=backend)
+
+
+# Ray Train 2.60's replacement of one replica group asks every other group still marked active to clear
+# its result queue (WorkerGroup._replace_replica_group_impl): a second group lost at the same time is
+# still marked active, its dead actor's ActorDiedError ends the run as a controller error that Ray does
+# not retry, and the job failed when two ranks were lost at once. Shut down first, a failing group is
+# skipped there (and its own replacement's shutdown is a no-op: ReplicaGroup.shutdown is idempotent).
+# Patched on WorkerGroup, a plain class: the controller is an actor, whose class Ray copies its methods
+# into when it starts it, so a patch of TrainController's methods would not reach the running one.
+REPLACE_TOGETHER = (("ray.train.v2._internal.execution.worker_group.worker_group", "WorkerGroup", "replace_replica_group"),
+                    ("ray.train.v2._internal.execution.worker_group.worker_group", "WorkerGroup", "get_latest_poll_status"),
+                    ("ray.train.v2._internal.execution.worker_group.worker_group", "WorkerGroup", "get_replica_groups"),
+                    ("ray.train.v2._internal.execution.worker_group.execution_group", "ReplicaGroup", "shutdown"))
+
+
+def replace_lost_groups_together() -> None:
+    """Have Ray Train's worker group shut down every failing replica group before it replaces one (see
+    REPLACE_TOGETHER), so that several workers lost at once are each replaced alone. Call in the
+    controller's process (tidal.launch.callbacks.FailureNotifier, once unpickled there); idempotent."""
+    from ray.train.v2._internal.execution.worker_group.worker_group import WorkerGroup
+
+    replace = WorkerGroup.replace_replica_group
+    if getattr(replace, "tidal_together", False):
+        return
+
+    def replace_replica_group(self: Any, replica_group_index: int) -> None:
+        status, groups = self.get_latest_poll_status(), self.get_replica_groups() or []
+        # once per poll: the controller replaces its failing groups one after another, and a group
+        # replaced already is a new one that the same poll still names
+        if status is not None and getattr(self, "_tidal_shut_for", None) is not status:
+            self._tidal_shut_for = status
+            for index in sorted(status.failing_replica_group_indices):
+                if index != replica_group_index and index < len(groups):
+                    groups[index].shutdown()
+        replace(self, replica_group_index)
+
+    replace_replica_group.tidal_together = True  # type: ignore[attr-defined]
+    WorkerGroup.replace_replica_group = replace_replica_group

@@ -12,7 +12,11 @@ from ray.train import UserCallback
 
 from tidal.eval_best import spared
 from tidal.launch.recovery import not_retried, signature
-from tidal.ray_private import recompute_reserved_resources, worker_error
+from tidal.ray_private import (
+    recompute_reserved_resources,
+    replace_lost_groups_together,
+    worker_error,
+)
 from tidal.spec.job import JobSpec
 from tidal.storage import RunDir
 from tidal.tracking.emitter import Emitter
@@ -38,6 +42,8 @@ class FailureNotifier(UserCallback):
         the setup hook does only when Tidal itself connected to Ray."""
         self.__dict__.update(state)
         quiet_controller()
+        if self.in_place:  # several ranks lost at once are replaced alone too (ray_private: Ray 2.60 failed the run)
+            replace_lost_groups_together()
 
     def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
         errors = {r: worker_error(e) for r, e in worker_exceptions.items()}
