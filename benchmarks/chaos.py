@@ -7,12 +7,17 @@ times. Reports faults injected and survived, steps lost per fault, and effective
         # a fault every 2 minutes of wall time, no reference run; a section of docs/benchmarks.md
     python -m benchmarks.chaos --fault-every-s 120 --steps 2000 --every 50 --memory-pairs 4 [--memory-every 5]
         # the same with the memory tier on and off, in alternating pairs; a section of docs/benchmarks.md
+    python -m benchmarks.chaos --fault-every-s 45 --steps 1500 --every 50 --in-place-pairs 4 [--memory-every 10]
+        # failure.replace_in_place on and off, in alternating pairs, against the same job with no fault
+        # (and its losses, bit for bit); a section of docs/benchmarks.md
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import statistics
 import tempfile
 import time
@@ -23,7 +28,7 @@ from typing import Any
 import ray
 
 from benchmarks import goodput_check
-from benchmarks.common import paired_rounds, update_doc
+from benchmarks.common import in_turn, paired_rounds, update_doc
 from tidal.testing.chaos import run_chaos, run_periodic
 from tidal.testing.timeline import markdown_rows
 
@@ -144,6 +149,95 @@ Medians: **{med['memory']:.1%}** with the memory tier, {med['storage']:.1%} with
 """
 
 
+IN_PLACE_KINDS = ("in_place", "restart")
+
+
+def _lost_s(g: dict[str, float]) -> float:
+    """The ledger's seconds not productive: every bucket but productive, as it booked them."""
+    return g.get("goodput_wall_s", 0.0) - g.get("goodput_productive_s", 0.0)
+
+
+def in_place_run(tmp: Path, args: argparse.Namespace, seed: int, in_place: bool,
+                 expected: dict[int, float] | None, period_s: float | None) -> dict[str, Any]:
+    """One periodic run (no fault with `period_s` None) and what the platform's ledger said of it."""
+    r = run_periodic(tmp, period_s, args.steps, args.every, seed, args.memory_every, in_place, expected)
+    g = goodput_check.ledger(r["uri"], r["run_id"])
+    r.update(effective=r["useful_s"] / r["training_wall_s"], ledger=g, lost_s=_lost_s(g),
+             costs=goodput_check.fault_costs(r["uri"], r["run_id"]),
+             agree=goodput_check.agreement(g, r["useful_s"], r["wall_s"]))
+    return r
+
+
+def in_place_pairs(args: argparse.Namespace) -> str:
+    """The periodic job with failure.replace_in_place on and off, alternating, beside the same job with
+    no fault (run first: its losses are the ones every execution of every step must equal, bit for
+    bit). Per fault, the ledger's cost (goodput_check.fault_costs)."""
+    with tempfile.TemporaryDirectory() as d:
+        ref = in_place_run(Path(d), args, args.seed, False, None, None)
+    expected = dict(ref["lives"])
+    print(f"no fault: effective {ref['effective']:.1%}, the ledger's goodput {ref['ledger'].get('goodput', 0):.1%}, "
+          f"not productive {ref['lost_s']:.1f} s, wall {ref['wall_s']:.0f} s", flush=True)
+
+    def measure(i: int, kind: str) -> dict[str, Any]:
+        with tempfile.TemporaryDirectory() as d:
+            r = in_place_run(Path(d), args, args.seed + i, kind == "in_place", expected, args.fault_every_s)
+        r.pop("lives")
+        return {kind: r}
+
+    rounds = paired_rounds(
+        args.in_place_pairs, IN_PLACE_KINDS, measure,
+        lambda r: {"gain": r["in_place"]["effective"] - r["restart"]["effective"]},
+        lambda i, r: f"pair {i + 1}: " + "; ".join(
+            f"{k} {r[k]['effective']:.1%}, {len(r[k]['faults'])} faults at {r[k]['faults']}, ledger {r[k]['costs']} s "
+            f"a fault, kill to progress {r[k]['recovery_s']} s, survivors kept {r[k]['survivors_kept']}, "
+            f"{r[k]['loss_mismatches']} losses off, steps once {r[k]['steps_done']}" for k in IN_PLACE_KINDS))
+    return in_place_report(args, ref, rounds)
+
+
+def _kept(r: dict[str, Any]) -> str:
+    k = r["survivors_kept"]
+    return f"{sum(k)} of {len(k)}" if len(k) == len(r["faults"]) else f"{sum(k)} of {len(k)} ({len(r['faults'])} kills)"
+
+
+def in_place_report(args: argparse.Namespace, ref: dict[str, Any], rounds: list[dict[str, Any]]) -> str:
+    rows = "\n".join(
+        f"| {i + 1} | {k.replace('_', ' ')} | {len(r[k]['faults'])} | {', '.join(f'{x:g}' for x in r[k]['costs'])} | "
+        f"{', '.join(f'{x:g}' for x in r[k]['recovery_s'])} | {_kept(r[k])} | {r[k]['effective']:.1%} | "
+        f"{r[k]['ledger'].get('goodput', 0):.1%} | {r[k]['steps_lost']} | {r[k]['loss_mismatches']} of "
+        f"{r[k]['executions']} | {'yes' if r[k]['steps_done'] else 'NO'} |"
+        for i, r in enumerate(rounds) for k in in_turn(i, *IN_PLACE_KINDS))
+    med = {k: {"cost_s": statistics.median([c for r in rounds for c in r[k]["costs"]] or [math.nan]),
+               "effective": statistics.median(r[k]["effective"] for r in rounds)} for k in IN_PLACE_KINDS}
+    cmd = (f"python -m benchmarks.chaos --fault-every-s {args.fault_every_s:g} --steps {args.steps} --every {args.every} "
+           f"--in-place-pairs {args.in_place_pairs} --memory-every {args.memory_every} --seed {args.seed}")
+    return f"""Command: `{cmd}` ({time.strftime('%Y-%m-%d')}, {os.cpu_count()}-core CPU machine, one local Ray instance,
+**the machine shared with other work**: load average {os.getloadavg()[0]:.1f} at the end)
+
+The periodic chaos job ({args.steps} steps, tiny GPT d64 L2, ZeRO-2, 2 workers, log every step, a checkpoint every
+{args.every} steps, a memory snapshot every {args.memory_every}) with a Ray Train worker SIGKILLed every
+{args.fault_every_s:g} s of wall time from its first step (pair i's victims drawn with seed {args.seed} + i),
+`failure.replace_in_place` on (in place) and off (Ray Train's full restart), alternating which goes first, after the
+same job with no fault (the switch off): its effective time {ref['effective']:.1%}, the ledger's goodput
+{ref['ledger'].get('goodput', 0):.1%}, {ref['lost_s']:.1f} s not productive in {ref['wall_s']:.0f} s.
+
+Per fault, the ledger's cost: the growth of the job's own account's seconds not productive (its running
+`goodput_so_far` and `goodput_so_far_wall_s`) from the last step before the fault to the first past it, less an
+ordinary step's (`benchmarks.goodput_check.fault_costs`). Kill to progress:
+from the kill to the first step past the highest logged before it (MLflow's timestamps). Survivors kept: kills after
+which every other worker's pid was still there once rank 0 traced a step after the kill. Losses: every execution of
+every step (replays included, rank 0's loss trace) against the undisturbed run's, counted if not bit for bit equal.
+Effective: useful step time (each step once, MLflow) over the wall time from the first step to the last.
+
+| pair | kind | faults | ledger's cost per fault | kill to progress, s | survivors kept | effective | ledger's goodput | steps replayed | losses off | every step once |
+|---|---|---|---|---|---|---|---|---|---|---|
+{rows}
+
+Medians: per fault (every fault of the side) **{med['in_place']['cost_s']:.1f} s in place, {med['restart']['cost_s']:.1f} s full
+restart**; effective time (over the pairs) **{med['in_place']['effective']:.1%} / {med['restart']['effective']:.1%}** against
+{ref['effective']:.1%} with no fault.
+"""
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--faults", type=int, default=5)
@@ -158,8 +252,21 @@ def main() -> None:
     ap.add_argument("--memory-every", type=int, default=5, help="checkpoint.memory.every_steps of --memory-pairs")
     ap.add_argument("--keep", type=Path, default=None,
                     help="write the harness's timeline and the ledger's figures to this JSON file (--faults runs)")
+    ap.add_argument("--in-place-pairs", type=int, default=0,
+                    help="with --fault-every-s: this many alternating pairs, failure.replace_in_place on and off, "
+                    "after the same job with no fault")
     args = ap.parse_args()
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    if args.in_place_pairs:
+        try:
+            body = in_place_pairs(args)
+        finally:
+            ray.shutdown()
+        print(body)
+        if not args.no_doc:
+            update_doc("Effective training time under a periodic worker kill: replaced in place against the full restart",
+                       body)
+        return
     if args.memory_pairs:
         try:
             body = memory_pairs(args)

@@ -10,6 +10,7 @@ own clock, bucket by bucket, by tidal/testing/timeline.py (`markdown_rows`, besi
 from __future__ import annotations
 
 import math
+import statistics
 from typing import Any
 
 from tidal.goodput.account import BUCKETS
@@ -63,3 +64,25 @@ def said(a: dict[str, Any]) -> str:
     if "sum_s" not in a:
         return a["why"]
     return f"{a['sum_off_frac']:.2%}; {a['effective_off_points']:+.2f} pt"
+
+
+def fault_costs(uri: str, run_id: str) -> list[float]:
+    """Per fault, the seconds the platform's account lost to it: its running figures (`goodput_so_far`,
+    productive over wall, and `goodput_so_far_wall_s`, logged with each step's first execution) give the
+    seconds not productive at each step; a fault's cost is their growth from the last step before it to
+    the first past it (the `restarts` metric counts up there: detection, start-up, restore, the steps
+    trained again), less an ordinary step's growth (the median: its logging). Two faults before any
+    progress share their interval's cost equally."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+
+    def hist(key: str) -> dict[int, float]:
+        return {m.step: m.value for m in client.get_metric_history(run_id, key)}
+
+    so_far, wall, restarts = hist("goodput_so_far"), hist("goodput_so_far_wall_s"), hist("restarts")
+    steps = sorted(set(so_far) & set(wall) & set(restarts))
+    lost = {s: wall[s] * (1 - so_far[s]) for s in steps}
+    grown = [(lost[b] - lost[a], int(restarts[b] - restarts[a])) for a, b in zip(steps, steps[1:], strict=False)]
+    ordinary = statistics.median([d for d, n in grown if n == 0] or [0.0])
+    return [round((d - ordinary) / n, 1) for d, n in grown if n > 0 for _ in range(n)]

@@ -6,6 +6,7 @@ The caller starts Ray (the harness runs jobs with `tidal.run`, which joins a run
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import threading
@@ -117,24 +118,37 @@ def run_chaos(tmp: Path, faults: int, steps: int, every: int, seed: int,
     }
 
 
-def run_periodic(tmp: Path, period_s: float, steps: int, every: int, seed: int,
-                 memory_every: int | None = None) -> dict[str, Any]:
+def run_periodic(tmp: Path, period_s: float | None, steps: int, every: int, seed: int,
+                 memory_every: int | None = None, in_place: bool = False,
+                 expected: dict[int, float] | None = None) -> dict[str, Any]:
     """The same job with a worker SIGKILLed every `period_s` of wall time from its first step
-    (the issue's "a fault every 2 minutes"); no reference run, since the job is long."""
-    spec = chaos_spec(tmp, "periodic", steps, every, memory_every)
+    (the issue's "a fault every 2 minutes"; None: no fault, the reference), with
+    failure.replace_in_place as `in_place`. Per kill, whether the other workers' processes were
+    still there once the job trained a step after it (`survivors_kept`); with `expected` (step ->
+    loss of an undisturbed run), every execution of every step, replays included, against it."""
+    spec = chaos_spec(tmp, "periodic" if period_s else "undisturbed", steps, every, memory_every)
+    spec = spec.with_overrides({"failure.replace_in_place": in_place})
+    trace = Path(spec.worker_env[LOSS_TRACE_ENV])
     rng = random.Random(seed)
     stop = threading.Event()
     kill_times: list[tuple[float, int]] = []
+    kept: list[bool] = []
 
     def inject() -> None:
         wait_for_step(spec, 1, timeout=600)
         run_id = job_run_id(spec, 60)
-        while not stop.wait(period_s):
+        due = time.time() + (period_s or 0)
+        while period_s and not stop.wait(max(0.0, due - time.time())):
             workers = _workers_within(our_processes, 60)
             if workers and not stop.is_set():
                 seen = _highest_step(spec, run_id)
-                kill(rng.choice(workers))
+                victim = rng.choice(workers)
+                others = {p.pid for p in workers if p.pid != victim.pid}
+                kill(victim)
                 kill_times.append((time.time(), seen))
+                due = kill_times[-1][0] + period_s  # the next kill on the clock, however long this one's recovery
+                if _stepped_after(trace, kill_times[-1][0], stop):
+                    kept.append(others <= {p.pid for p in our_processes("RayTrainWorker")})
 
     injector = threading.Thread(target=inject, daemon=True)
     t0 = time.time()
@@ -143,7 +157,25 @@ def run_periodic(tmp: Path, period_s: float, steps: int, every: int, seed: int,
     wall = time.time() - t0
     stop.set()
     injector.join(timeout=10)
-    return _periodic_summary(spec, result.mlflow_run_id, kill_times, wall, period_s, every)
+    out = _periodic_summary(spec, result.mlflow_run_id, kill_times, wall, period_s or 0.0, every)
+    lives = traced(spec)
+    out.update(survivors_kept=kept, executions=len(lives), lives=lives)
+    if expected is not None:  # bit for bit: any difference at all is counted
+        out["loss_mismatches"] = sum(1 for s, v in lives if v != expected.get(s))
+    return out
+
+
+def _stepped_after(trace: Path, t: float, stop: threading.Event, timeout_s: float = 300) -> bool:
+    """Whether rank 0's loss trace holds a step trained after `t` (the group trains again) before the
+    job ends or `timeout_s` passes."""
+    deadline = time.time() + timeout_s
+    while not stop.is_set() and time.time() < deadline:
+        for line in trace.read_text().splitlines() if trace.exists() else []:
+            with contextlib.suppress(ValueError):  # a line cut short by a kill mid-write
+                if json.loads(line)["ts"] > t:
+                    return True
+        stop.wait(0.2)
+    return False
 
 
 def _highest_step(spec: JobSpec, run_id: str) -> int:
