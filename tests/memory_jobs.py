@@ -1,17 +1,22 @@
 """The memory tier's test jobs (tests/test_memory_tier_e2e.py, tests/test_memory_tier_node_loss.py): the
 stored undisturbed run's job with persistent checkpoints every 20 steps and snapshots every few, the
-resume lines it prints, and its losses against the stored reference."""
+resume lines it prints, and its losses against the stored reference; and a one-rank process group and a
+snapshot held by a real keeper, for the tests of a restore's read from memory."""
 
 from __future__ import annotations
 
+import contextlib
 import re
+import socket
+from collections.abc import Iterator
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from tests.conftest import metric_history, tiny_spec
 from tests.golden import reference_losses
-from tidal.worker.checkpoint import fetch, flat_state
+from tidal.worker.checkpoint import fetch, flat_state, keeper
 
 LONG = {"train.steps": 40, "train.global_batch": 64}  # the stored undisturbed run's (tests/golden.py)
 RESUMED = re.compile(r"resumed from (.+?) at step (\d+)/\d+(?: \((\d+) step\(s\) to redo\))?")
@@ -41,3 +46,28 @@ def packed(files: dict) -> tuple[dict, list]:
     block = torch.zeros(planned.total, dtype=torch.uint8)
     flat_state.write(planned, block)
     return planned.record, [block.numpy()]
+
+
+@contextlib.contextmanager
+def one_rank_group() -> Iterator[None]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def hold(spec, step: int) -> None:
+    """A one-rank snapshot of `step` held by this node's keeper of the job."""
+    import ray
+
+    node = ray.get_runtime_context().get_node_id()
+    facts = {"world_size": 1, "zero_stage": 2, "fingerprint": spec.fingerprint_hash(), "node": node,
+             "state": {"step": step, "world_size": 1, "zero_stage": 2}}
+    files = {"mp_rank_00_model_states.pt": {"module": {"w": torch.full((4,), float(step))}},
+             "zero_pp_rank_0_mp_rank_00_optim_states.pt": {"o": torch.ones(3)}}
+    k = keeper.handle(keeper.Owner.of(spec, 0), node, None)
+    assert ray.get(k.put.remote("att", step, 0, facts, *packed(files))) is None

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.conftest import tiny_spec
-from tests.test_memory_set_aside import hold, one_rank_group
+from tests.memory_jobs import hold, one_rank_group
 from tidal.worker.checkpoint import flat_state, keeper, memory, segment
 from tidal.worker.checkpoint.memory import Pending, ShardLost
 

@@ -5,16 +5,10 @@ holding real segments, the restore's own path up to DeepSpeed's load."""
 
 from __future__ import annotations
 
-import contextlib
-import socket
-from collections.abc import Iterator
-
 import pytest
-import torch
-import torch.distributed as dist
 
 from tests.conftest import tiny_spec
-from tests.memory_jobs import packed
+from tests.memory_jobs import hold, one_rank_group
 from tidal.errors import CheckpointError
 from tidal.storage import Found
 from tidal.worker.checkpoint import keeper, memory, restore
@@ -36,31 +30,6 @@ class RefusingEngine:
     def load_checkpoint(self, folder: str, tag: str, **_: object) -> tuple[str, dict]:
         self.served.append(tag)
         raise RuntimeError("Error(s) in loading state_dict: size mismatch for w")
-
-
-@contextlib.contextmanager
-def one_rank_group() -> Iterator[None]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-def hold(spec, step: int) -> None:
-    """A one-rank snapshot of `step` held by this node's keeper of the job."""
-    import ray
-
-    node = ray.get_runtime_context().get_node_id()
-    facts = {"world_size": 1, "zero_stage": 2, "fingerprint": spec.fingerprint_hash(), "node": node,
-             "state": {"step": step, "world_size": 1, "zero_stage": 2}}
-    files = {"mp_rank_00_model_states.pt": {"module": {"w": torch.full((4,), float(step))}},
-             "zero_pp_rank_0_mp_rank_00_optim_states.pt": {"o": torch.ones(3)}}
-    k = keeper.handle(keeper.Owner.of(spec, 0), node, None)
-    assert ray.get(k.put.remote("att", step, 0, facts, *packed(files))) is None
 
 
 def test_a_snapshot_that_does_not_load_is_set_aside_and_the_next_restart_takes_the_one_before(tmp_path):
