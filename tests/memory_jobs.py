@@ -1,7 +1,8 @@
 """The memory tier's test jobs (tests/test_memory_tier_e2e.py, tests/test_memory_tier_node_loss.py): the
 stored undisturbed run's job with persistent checkpoints every 20 steps and snapshots every few, the
 resume lines it prints, and its losses against the stored reference; and a one-rank process group and a
-snapshot held by a real keeper, for the tests of a restore's read from memory."""
+snapshot held by a real keeper, for the tests of a restore's read from memory; the processes of a
+failure.replace_in_place job's group (`group_members`)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from tests.conftest import metric_history, tiny_spec
 from tests.golden import reference_losses
 from tidal.worker.checkpoint import fetch, flat_state, keeper
+from tidal.worker.health.rendezvous import NAMESPACE, PREFIX
 
 LONG = {"train.steps": 40, "train.global_batch": 64}  # the stored undisturbed run's (tests/golden.py)
 RESUMED = re.compile(r"resumed from (.+?) at step (\d+)/\d+(?: \((\d+) step\(s\) to redo\))?")
@@ -71,3 +73,15 @@ def hold(spec, step: int) -> None:
              "zero_pp_rank_0_mp_rank_00_optim_states.pt": {"o": torch.ones(3)}}
     k = keeper.handle(keeper.Owner.of(spec, 0), node, None)
     assert ray.get(k.put.remote("att", step, 0, facts, *packed(files))) is None
+
+
+def group_members(job: str, world: int = 2) -> dict[int, int] | None:
+    """rank -> pid of the newest generation of `world` ranks formed through the job's rendezvous (None: none yet)."""
+    import ray
+
+    names = [e["name"] for e in ray.util.list_named_actors(all_namespaces=True)
+             if e["namespace"] == NAMESPACE and e["name"].startswith(f"{PREFIX}{job}-")]
+    if not names:
+        return None
+    members = ray.get(ray.get_actor(names[0], namespace=NAMESPACE).members.remote())
+    return members if len(members) == world else None

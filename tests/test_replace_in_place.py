@@ -12,24 +12,11 @@ import psutil
 import pytest
 
 import tidal
-from tests.memory_jobs import assert_undisturbed_losses, memory_spec, resumes
+from tests.memory_jobs import assert_undisturbed_losses, group_members, memory_spec, resumes
 from tidal.testing.processes import kill, wait_for
 from tidal.testing.runs import StepHolds
-from tidal.worker.health.rendezvous import NAMESPACE, PREFIX
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local")]
-
-
-def group_members(job: str, world: int = 2) -> dict[int, int] | None:
-    """rank -> pid of the newest generation of `world` ranks formed through the job's rendezvous (None: none yet)."""
-    import ray
-
-    names = [e["name"] for e in ray.util.list_named_actors(all_namespaces=True)
-             if e["namespace"] == NAMESPACE and e["name"].startswith(f"{PREFIX}{job}-")]
-    if not names:
-        return None
-    members = ray.get(ray.get_actor(names[0], namespace=NAMESPACE).members.remote())
-    return members if len(members) == world else None
 
 
 @pytest.mark.parametrize("lost", [1, 0])

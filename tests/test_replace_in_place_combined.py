@@ -18,8 +18,7 @@ import pytest
 import tidal
 from tests.conftest import metric_history, tiny_spec
 from tests.golden import THREE, reference_losses
-from tests.memory_jobs import assert_undisturbed_losses, memory_spec, resumes
-from tests.test_replace_in_place import group_members
+from tests.memory_jobs import assert_undisturbed_losses, group_members, memory_spec, resumes
 from tidal.storage import STATE_FILE, RunDir, check_complete, checkpoint_dir_name
 from tidal.testing.processes import kill, wait_for
 from tidal.testing.runs import StepHolds
