@@ -12,7 +12,9 @@ SIGSTOP stops every thread; a wedged call holding the GIL stops every Python thr
 declaring rank reads it from outside, on its node (worker/health/stacks.py: py-spy, /proc). Then it
 writes the verdict (`explain`, a pure function), emits it (a console line, and a `HangFound`
 event the tracker turns into MLflow artifacts, tracking/artifacts.py) and exits; Ray restarts the
-group from its last complete checkpoint as after any fault. A node whose rank was found the
+group from its last complete checkpoint as after any fault. With failure.replace_in_place, culprits that
+stopped answering are ended first and, when decide (worker/health/decide.py) says `replace`, no live rank
+exits: their collectives lose the ended ranks and re-form in place (worker/loop.py), the verdict says so. A node whose rank was found the
 culprit of two hangs is avoided like a straggler's (worker/health/nodes.py, by the decision
 in worker/health/decide.py).
 

@@ -6,6 +6,8 @@ gloo/NCCL timeouts are long or absent. Ray only restarts a group when a worker d
 watchdog makes the stuck worker die: a daemon thread checks the time since the last finished
 step and calls os._exit, which no blocked C++ call can hold up. Before it exits, the group's
 hang is explained (worker/health/hang.py): which rank stopped, where the others wait, every rank's stacks.
+When the verdict replaces the hang's ended culprits in place (failure.replace_in_place), the rank does
+not exit: it stands by while its training thread re-forms the group (`_stand_by`).
 
 How long is too long adapts to the job by default (`step_deadline`): a multiple of its own
 slowest recent step, never under a floor, so a job of 0.1 s steps is found hung in about the
