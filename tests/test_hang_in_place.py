@@ -17,27 +17,13 @@ import psutil
 import pytest
 
 import tidal
-from tests.memory_jobs import assert_undisturbed_losses, memory_spec
+from tests.memory_jobs import assert_undisturbed_losses, group_members, memory_spec
 from tidal.testing.processes import kill, wait_for
 from tidal.testing.runs import StepHolds
-from tidal.worker.health.rendezvous import NAMESPACE, PREFIX
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local")]
 
 STOPPED = 1
-
-
-def group_members(job: str) -> dict[int, int] | None:
-    """rank -> pid of the newest 2-rank generation formed through the job's rendezvous (None: none yet); the
-    read tests/test_replace_in_place.py makes (a test module imports no other's)."""
-    import ray
-
-    names = [e["name"] for e in ray.util.list_named_actors(all_namespaces=True)
-             if e["namespace"] == NAMESPACE and e["name"].startswith(f"{PREFIX}{job}-")]
-    if not names:
-        return None
-    members = ray.get(ray.get_actor(names[0], namespace=NAMESPACE).members.remote())
-    return members if len(members) == 2 else None
 
 
 def test_a_stopped_rank_is_ended_and_replaced_in_place_while_the_other_keeps_its_process(tmp_path, capfd):
