@@ -102,9 +102,8 @@ def _close(s: Session) -> None:
     s.watchdog.close()
     if s.directive is not None:
         s.directive.close()
-    pending = s.memory.pending if s.memory is not None else None
-    if pending is not None and pending.thread is not None:
-        pending.thread.join(timeout=rendezvous.FORM_S)
+    if s.memory is not None:
+        s.memory.close(timeout=rendezvous.FORM_S)
     s.events.drain(timeout_s=10.0)
 
 

@@ -48,13 +48,15 @@ import contextlib
 import logging
 import math
 import os
+import queue
 import shutil
 import tempfile
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +84,7 @@ from tidal.worker.checkpoint.snapshot import LIVE, SnapshotEngine, write_delay
 
 log = logging.getLogger("tidal")
 
+SNAPSHOT_TAG = "snapshot"  # the tag folder DeepSpeed's save names its files under (a snapshot's step is in its state)
 CALL_TIMEOUT_S = 120.0  # a keeper that does not answer a put or a get within this is taken as lost
 LIST_TIMEOUT_S = 10.0
 # Fault injection for tests and benchmarks: seconds a rank's hand-over pauses before the keepers
@@ -125,7 +128,7 @@ class Pending:
 
     step: int
     slot: int = 0  # which of this rank's two segments on its node holds it
-    thread: threading.Thread | None = None
+    done: threading.Event = field(default_factory=threading.Event)  # its hand-over has ended
     error: str | None = None  # why its own node's keeper does not hold it
     peer_error: str | None = None  # why the peer's does not
     stall_s: float = 0.0  # training waited this long for it
@@ -133,6 +136,10 @@ class Pending:
     hand_over_s: float = 0.0  # its hand-over ran this long beside training
     # Rank 0's: whether its events up to this step are in the job's log (waits a while for them)
     logged: Callable[[], bool] | None = None
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for its hand-over to end (False: `timeout` passed first)."""
+        return self.done.wait(timeout)
 
 
 class Tier:
@@ -176,6 +183,16 @@ class Tier:
         self.faults, self.trained_since = int(box[0][2]) - 1, float(box[0][1])
         self.single_node = len(ring) == 1
         self.side = dist.new_group(backend="gloo")  # the hand-over threads' agreement: never the training's collectives
+        self.fingerprint = spec.fingerprint_hash()  # once: its pydantic dump costs a snapshot milliseconds
+        # DeepSpeed's few small files (a script) go to one folder for the tier's life, not one made and
+        # removed per snapshot: under load each folder's creation and removal cost the stall milliseconds.
+        self.root = Path(tempfile.mkdtemp(prefix="tidal-mem-"))
+        weakref.finalize(self, shutil.rmtree, self.root, True)
+        # One hand-over thread for the tier's life, fed each snapshot in turn: starting a thread per
+        # snapshot had training wait, under load, for the new thread to be scheduled (`Thread.start`).
+        self.handing: queue.Queue[tuple[Any, ...] | None] = queue.Queue()
+        threading.Thread(name="tidal-memory-snapshot", daemon=True, target=_hand_overs,
+                         args=(weakref.ref(self), self.handing)).start()
         # This rank's two slots on its node (a segment each, the keeper's), mapped here once: the
         # next snapshot goes to the one not holding the newest complete snapshot (`kept`).
         self.maps: list[tuple[segment.Ref, Any, torch.Tensor] | None] = [None, None]
@@ -226,18 +243,15 @@ class Tier:
         t0, cpu0 = time.perf_counter(), time.thread_time()
         self._agree_previous(say, state.step)
         step = state.step
-        root = Path(tempfile.mkdtemp(prefix="tidal-mem-"))  # DeepSpeed's few small files (latest, a script)
-        snap = SnapshotEngine(root, Buffers(), LIVE)  # the live state dicts: copied below, before training goes on
+        snap = SnapshotEngine(self.root, Buffers(), LIVE)  # the live state dicts: copied below, before training goes on
         saved_state = {**asdict(state), **asdict(written_by), "attempt": self.attempt}
-        try:
-            _save_into(engine, snap, str(root), f"global_step{step}",
-                       {"tidal": saved_state, "universal_checkpoint_info": {"universal_checkpoint_version": 0.4}})
-        finally:
-            shutil.rmtree(root, ignore_errors=True)
-        prefix = f"global_step{step}{os.sep}"
+        # One tag folder for every snapshot (its files' names, not their content, hold the tag): made once.
+        _save_into(engine, snap, str(self.root), SNAPSHOT_TAG,
+                   {"tidal": saved_state, "universal_checkpoint_info": {"universal_checkpoint_version": 0.4}})
+        prefix = f"{SNAPSHOT_TAG}{os.sep}"
         planned = flat_state.plan({rel.removeprefix(prefix): st for rel, st in snap.taken.items()})
         facts = {"world_size": self.world, "zero_stage": int(written_by.zero_stage),
-                 "fingerprint": self.spec.fingerprint_hash(), "node": self.node,
+                 "fingerprint": self.fingerprint, "node": self.node,
                  "state": saved_state if self.rank == 0 else None}
         pending = Pending(step, slot=1 - self.kept if self.kept is not None else 0, logged=logged)
         pending.error = self._write(pending, planned)
@@ -247,10 +261,15 @@ class Tier:
         # What it cost this rank, in its keeper's listing: wall time, and the training thread's CPU
         # time (what a loaded machine's other work does not inflate; benchmarks.memory_tier reads it).
         facts["stall_s"], facts["stall_cpu_s"] = pending.stall_s, time.thread_time() - cpu0
-        # Started whatever happened: every rank's hand-over ends in the same gather (on `side`).
-        pending.thread = threading.Thread(name="tidal-memory-snapshot", daemon=True, target=self._hand_over,
-                                          args=(pending, planned.record, facts, self.complete))
-        pending.thread.start()
+        # Handed over whatever happened: every rank's hand-over ends in the same gather (on `side`).
+        self.handing.put((pending, planned.record, facts, self.complete))
+
+    def close(self, timeout: float | None = None) -> None:
+        """End the tier's hand-over thread once the snapshot in flight is handed over (its keepers keep
+        it): a group re-formed in place opens a tier of its own in the same process."""
+        self.handing.put(None)
+        if self.pending is not None:
+            self.pending.join(timeout)
 
     def _write(self, pending: Pending, planned: flat_state.Planned) -> str | None:
         """Copy the planned state into this rank's slot `pending.slot` and stamp it; None, or why not
@@ -289,8 +308,8 @@ class Tier:
         thread (`_hand_over`); here it is joined, long done unless a rank's hand-over is slow. Under
         `auto`, every rank also takes the same next interval from what the ranks measured."""
         everyone: list[tuple[Any, ...]] = [(None, None, None, None, None, 0.0)] * self.world
-        if self.pending is not None and self.pending.thread is not None:
-            self.pending.thread.join()
+        if self.pending is not None:
+            self.pending.join()
             everyone = self.pending.everyone or everyone
         steps = {e[0] for e in everyone}
         if len(steps) == 1 and None not in steps and all(e[1] is None for e in everyone):
@@ -400,6 +419,20 @@ class Tier:
             log.info("memory tier: could not prepare the next slot (%s: %s)", type(e).__name__, str(e)[:200])
 
 
+def _hand_overs(tier: Any, handing: queue.Queue[tuple[Any, ...] | None]) -> None:
+    """A tier's hand-over thread: each snapshot's hand-over in turn, until the tier is closed or gone
+    (`tier`: a weak reference, so that the thread never keeps a dropped tier and its maps alive)."""
+    while (item := handing.get()) is not None:
+        pending = item[0]
+        try:
+            if (owner := tier()) is None:
+                return
+            owner._hand_over(*item)
+            del owner
+        finally:
+            pending.done.set()
+
+
 def _slot(ref: segment.Ref) -> tuple[segment.Ref, Any, torch.Tensor]:
     """One of this rank's slots, mapped here: its reference, the map, and its data block as a tensor."""
     mm, block = segment.mapped(ref)
@@ -413,6 +446,9 @@ def _save_into(engine: Any, snap: SnapshotEngine, root: str, tag: str, client_st
     file. Checked against DeepSpeed 0.19.8's `save_checkpoint`; a mixture-of-experts model takes the
     whole save, whose expert files are laid out another way."""
     before, engine.checkpoint_engine = engine.checkpoint_engine, snap
+    # DeepSpeed's recovery script is a file for a checkpoint's folder, which a snapshot has not: its
+    # copy (opening and writing a file on every snapshot) cost the stall milliseconds under load.
+    engine._copy_recovery_script = _no_script
     try:
         if getattr(engine, "has_moe_layers", False):
             engine.save_checkpoint(root, tag=tag, client_state=client_state)
@@ -426,6 +462,11 @@ def _save_into(engine: Any, snap: SnapshotEngine, root: str, tag: str, client_st
             engine.optimizer.checkpoint_event_epilogue()
     finally:
         engine.checkpoint_engine = before
+        del engine._copy_recovery_script  # DeepSpeed's own again, for the persistent checkpoints
+
+
+def _no_script(save_path: str) -> None:
+    """No recovery script beside a snapshot (`_save_into`)."""
 
 
 def newest_complete(spec: JobSpec, generation: int = 0) -> tuple[Held, Plan] | tuple[None, None]:
