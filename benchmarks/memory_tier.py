@@ -8,15 +8,18 @@ checkpoint file from storage (the node's restore cache).
     python -m benchmarks.memory_tier [--pairs 4] [--kill-at 90] [--every 50] [--memory-every 5]
     python -m benchmarks.memory_tier --stall-probe [--memory-every 5]   # one run: a snapshot's stall and
         # the next step's time against the other steps' (prints; the reading goes in docs/benchmarks.md by hand)
-    python -m benchmarks.memory_tier --stall-floor [--memory-every 5] [--large]   # training blocked per snapshot
-        # against one memory copy of the same state (rank 0's share) into a reused buffer, measured in the same
-        # invocation (--large: a ~1.5 GB state)
+    python -m benchmarks.memory_tier --stall-floor [--memory-every 5] [--large] [--zero 3]   # training blocked
+        # per snapshot against one memory copy of the same state (rank 0's share) into a reused buffer, measured in
+        # the same invocation (--large: a ~1.5 GB state; --zero: the ZeRO stage, 2 unless said)
     python -m benchmarks.memory_tier --stall-pairs --memory-every auto [--pairs 4] [--steps 110] [--every 50]
         # what the interval the tier chooses costs the quickstart-shaped job (its persistent checkpoints every
         # --every steps in both kinds, the bound of the chosen interval), against the tier off
     python -m benchmarks.memory_tier --stall-pairs [--pairs 4] [--memory-every 10] [--large]   # what the tier
         # costs training: the same job with snapshots and without, no fault, in alternating pairs (--large:
         # the node-loss rounds' ~1.5 GB state on two raylets, each snapshot copied to the peer's keeper too)
+    python -m benchmarks.memory_tier --rollback [--pairs 4] [--rollback-mib 512]   # a survivor's read of its
+        # shard at a rollback (failure.replace_in_place): from the slot it wrote and still maps, against through
+        # its node's keeper as a new process reads it, alternating, one process and one keeper
     python -m benchmarks.memory_tier --node-loss [--pairs 4] [--kill-at 17] [--every 10] [--memory-every 3]
         # a node lost at a ~1.5 GB state (GPT d1024, 8 layers): the group resumes at one worker from the
         # peer's copy in memory, or from storage (one raylet per simulated node)
@@ -59,7 +62,7 @@ def spec_for(tmp: Path, kind: str, i: int, args: argparse.Namespace) -> JobSpec:
         model=LARGE_MODEL if large else {"n_layer": 4, "n_head": 4, "d_model": 256, "vocab_size": 256, "seq_len": 64},
         train={"steps": args.steps, **(LARGE_TRAIN if large else {"micro_batch": 8, "global_batch": 32, "lr": 3e-4,
                                                                   "warmup_steps": 10, "log_every": 1})},
-        parallelism={"zero_stage": 2},
+        parallelism={"zero_stage": args.zero},
         scaling={"min_workers": 2, "max_workers": 2},
         checkpoint={"every_steps": args.every, "keep": 2, "storage": str(tmp / "runs")},
         failure={"max_restarts": 3},
@@ -185,8 +188,8 @@ def stall_floor(args: argparse.Namespace) -> None:
         assert result.error is None, result.error
         client = MlflowClient(spec.tracking.uri)
         blocked = {m.step: m.value for m in client.get_metric_history(result.mlflow_run_id, "checkpoint_blocked_max_s")}
-        rank0 = [p for p in Path(d, "runs").rglob(f"global_step{steps}/*.pt")
-                 if p.name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt")]
+        rank0 = [p for p in Path(d, "runs").rglob(f"global_step{steps}/*.pt")  # ZeRO-2's or ZeRO-3's rank 0 files
+                 if p.name == "mp_rank_00_model_states.pt" or p.name.startswith("zero_pp_rank_0_mp_rank_00_")]
         nbytes = sum(p.stat().st_size for p in rank0)
     floor, floor_cpu = one_copy_s(nbytes)
     snaps = [s for s in range(2 * every, steps - every + 1, every)  # past the first snapshots (segments made)
@@ -196,11 +199,12 @@ def stall_floor(args: argparse.Namespace) -> None:
     rows = "\n".join(f"| {s} | {b * 1000:.1f} | {b / floor:.2f} | {c * 1000:.1f} | {c / floor_cpu:.2f} |"
                      for s, b, c in zip(snaps, stalls, cpus, strict=True))
     shape = ("GPT d1024, 8 layers (about 1.5 GB of state)" if args.large else "the quickstart's shape (GPT d256, 4 layers)")
-    command = f"python -m benchmarks.memory_tier --stall-floor --memory-every {every}" + (" --large" if args.large else "")
+    command = (f"python -m benchmarks.memory_tier --stall-floor --memory-every {every}" + (" --large" if args.large else "")
+               + (f" --zero {args.zero}" if args.zero != 2 else ""))
     body = f"""Command: `{command}` \
 ({time.strftime('%Y-%m-%d')}, 2-core CPU machine shared with other work running at the same time, one local Ray instance)
 
-{shape[0].upper() + shape[1:]}, ZeRO-2, 2 workers, {steps} steps, a snapshot every {every} steps:
+{shape[0].upper() + shape[1:]}, ZeRO-{args.zero}, 2 workers, {steps} steps, a snapshot every {every} steps:
 the time training was blocked by each snapshot (the slowest rank's `checkpoint_blocked_max_s`, read at the step
 after it) and the CPU time its training thread spent in it (the slowest rank's, as each rank put it in its
 keeper's listing), against the floor measured in the same invocation right after the run: one copy of rank 0's
@@ -222,7 +226,75 @@ thread.
     print(body)
     if not args.no_doc:
         title = "Memory tier: training blocked per snapshot against one memory copy"
-        update_doc(title + (", at a 1.5 GB state" if args.large else ""), body)
+        update_doc(title + (", at a 1.5 GB state" if args.large else "") + (f", ZeRO-{args.zero}" if args.zero != 2 else ""),
+                   body)
+
+
+def rollback_pairs(args: argparse.Namespace) -> None:
+    """A survivor's read of its shard (`memory._states`, what its rollback's load is served) from its own
+    slot, against through its node's keeper (`where`, the segment mapped again), alternating; both copy
+    every tensor out. One rank (a one-process gloo group) holding `rollback_mib` MiB in 64 tensors."""
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    from tidal.worker.checkpoint import flat_state, keeper, memory
+    from tidal.worker.checkpoint.memory import Pending
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    with tempfile.TemporaryDirectory() as d:
+        spec = spec_for(Path(d), "memory", 0, args).resolved()
+        tier = memory.Tier(spec, 0, 1)
+        n = args.rollback_mib * 2**20 // 4 // 64
+        files = {"mp_rank_00_model_states.pt": {"module": {f"w{i}": torch.rand(n) for i in range(32)}},
+                 "zero_pp_rank_0_mp_rank_00_optim_states.pt": {"state": {i: torch.rand(n) for i in range(32)}}}
+        planned = flat_state.plan(files)
+        pending = Pending(3)
+        assert tier._write(pending, planned) is None
+        facts = {"world_size": 1, "zero_stage": 2, "fingerprint": spec.fingerprint_hash(), "node": tier.node,
+                 "state": {"step": 3, "world_size": 1, "zero_stage": 2, "attempt": tier.attempt}}
+        assert ray.get(tier.own.commit.remote(tier.attempt, 3, 0, pending.slot, facts, planned.record)) is None
+        _, plan = memory.newest_complete(spec)
+        own = dict(memory._own)
+
+        def read(_: int, kind: str) -> float:
+            memory._own.clear()
+            memory._own.update(own if kind == "own" else {})
+            t0 = time.perf_counter()
+            memory._states(plan, list(files))
+            took = time.perf_counter() - t0
+            assert memory.restored_from() == ("its own copy" if kind == "own" else "this node's keeper")
+            return took
+
+        rounds = paired_rounds(args.pairs, ("own", "keeper"), read, lambda r: {"ratio": r["own"] / r["keeper"]},
+                               lambda i, r: f"pair {i + 1}: own copy {r['own'] * 1000:.1f} ms, through the keeper "
+                                            f"{r['keeper'] * 1000:.1f} ms ({r['ratio']:.2f})")
+        keeper.remove(keeper.Owner.of(spec, 0))
+    dist.destroy_process_group()
+    rows = "\n".join(f"| {i + 1} | {r['own'] * 1000:.1f} | {r['keeper'] * 1000:.1f} | {r['ratio']:.2f} |"
+                     for i, r in enumerate(rounds))
+    median = statistics.median(r["ratio"] for r in rounds)
+    body = f"""Command: `python -m benchmarks.memory_tier --rollback --pairs {args.pairs} --rollback-mib {args.rollback_mib}` \
+({time.strftime('%Y-%m-%d')}, 2-core CPU machine shared with other work running at the same time, one local Ray instance)
+
+A surviving rank's read of its shard at a rollback in place (failure.replace_in_place): {args.rollback_mib} MiB in 64
+tensors, from the slot it wrote and still maps in its own process, against through its node's keeper (the
+keeper asked where the shard is, the segment mapped again) as a replacement process reads it; alternating,
+each pair in turn. Both copy every tensor out (a later snapshot reuses the slot).
+
+| pair | own copy (ms) | through the keeper (ms) | own / keeper |
+|---|---|---|---|
+{rows}
+
+Median own / keeper: **{median:.2f}**.
+"""
+    print(body)
+    if not args.no_doc:
+        update_doc("Memory tier: a survivor's rollback from its own copy", body)
 
 
 def first_timed(args: argparse.Namespace) -> int:
@@ -403,6 +475,9 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=50)
     ap.add_argument("--memory-every", type=lambda v: v if v == "auto" else int(v), default=5,
                     help="steps between snapshots, or auto (the interval the tier chooses)")
+    ap.add_argument("--zero", type=int, choices=(2, 3), default=2, help="the jobs' ZeRO stage (--stall-floor)")
+    ap.add_argument("--rollback", action="store_true", help="a survivor's read of its shard: own slot / keeper")
+    ap.add_argument("--rollback-mib", type=int, default=512)
     ap.add_argument("--no-doc", action="store_true")
     ap.add_argument("--stall-probe", action="store_true")
     ap.add_argument("--stall-pairs", action="store_true", help="throughput with snapshots / without, no fault")
@@ -424,6 +499,10 @@ def main() -> None:
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
     if args.stall_pairs:
         stall_pairs(args)
+        ray.shutdown()
+        return
+    if args.rollback:
+        rollback_pairs(args)
         ray.shutdown()
         return
     if args.stall_floor:
