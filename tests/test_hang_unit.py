@@ -382,6 +382,9 @@ class ReplacingCourt:
     def armed(self) -> None:
         pass
 
+    def stopped(self, silent):
+        return list(silent)
+
     def answer_if_declared(self, step: int) -> bool:
         return False
 
@@ -446,5 +449,40 @@ def test_a_rank_whose_hang_is_replaced_in_place_stands_by_and_exits_only_if_it_n
         dog.standing_by -= wd.REFORM_S  # the training thread never re-formed
         wait_for("the rank to exit", lambda: exits, 10, every=0.02)
         assert "did not re-form the group in 60s" in exits[0]
+    finally:
+        dog.close()
+
+
+def test_a_silent_rank_is_hung_by_its_heartbeat_only_when_its_process_is_stopped(tmp_path):
+    """Seen in a 67-minute run under load: a rank whose process ran (state R) but whose heartbeat thread got
+    no CPU for 5 s was declared hung and ended, and the job failed; a rank that died with its node was declared
+    hung too (a death is Ray Train's to see). Only a stopped process is a heartbeat's hang; anything else is
+    left to the step deadline, which a rank wedged holding the GIL still meets."""
+    states = {"R": "state R (running), wchan 0", "T": "state T (stopped), wchan do_signal_stop",
+              "t": "state t (tracing stop), wchan ptrace_stop", "gone": "no such process here (FileNotFoundError)"}
+    for seen, hung in [("R", False), ("T", True), ("t", True), ("gone", False), ("unreadable", False)]:
+        def state(node_id: str, pid: int, seen: str = seen) -> str:
+            if seen == "unreadable":
+                raise TimeoutError("the node's raylet did not answer")
+            return states[seen]
+
+        (c0, _c1), _ = courts(tmp_path / seen, 2)
+        c0.state = state
+        assert c0.stopped([1]) == ([1] if hung else []), seen
+
+
+def test_a_heartbeat_silence_whose_process_runs_is_not_declared(monkeypatch):
+    from tidal.worker.health import watchdog as wd
+
+    exits: list[str | None] = []
+    monkeypatch.setattr(wd, "POLL_S", 0.02)
+    monkeypatch.setattr(wd.StepWatchdog, "_exit", lambda self, said: exits.append(said))
+    court, pulse = ReplacingCourt(), SilentPeer()
+    court.stopped = lambda ranks: []  # rank 1's process runs: starved of CPU, not stopped
+    dog = wd.StepWatchdog(None, 0, Lines(), court=court, pulse=pulse).opened()  # type: ignore[arg-type]
+    dog.beat(13)
+    try:
+        time.sleep(0.3)  # many polls
+        assert court.declared == [] and exits == []
     finally:
         dog.close()

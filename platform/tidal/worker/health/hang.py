@@ -39,7 +39,7 @@ from tidal.exclusive import create_exclusive
 from tidal.storage import RunDir
 from tidal.worker.health import stacks
 from tidal.worker.health.decide import AVOID_AFTER, Hang, decide
-from tidal.worker.health.heartbeat import Pulse, generation_suffix
+from tidal.worker.health.heartbeat import Pulse, generation_suffix, stopped
 from tidal.worker.health.nodes import avoid_hung_node
 from tidal.worker.health.watchdog import ARM_AFTER, Deadline, StepWatchdog
 
@@ -51,6 +51,7 @@ VERDICT_S = 45.0  # how long an answering rank waits for the verdict before it e
 # ANSWER_S, so the answering ranks are still there when the verdict comes (read one after another, 30 s
 # each, they were not, and the explanation was lost).
 SILENT_READ_S = 30.0
+CONFIRM_EVERY_S = 2.0  # how often a watchdog reads its silent peers' processes while their beat stays unheard
 STALE_S = 5.0  # a file of this group's is at most this much older than the court's start (clocks, start order)
 
 
@@ -147,14 +148,17 @@ class HangCourt:
                  here: Callable[[], tuple[str, str]] | None = None,
                  inspect: Callable[[str, int], dict[str, Any]] = stacks.inspect_on_node,
                  end: Callable[[str, int], str] = stacks.end_on_node,
-                 on_culprit_node: Callable[[Answer, int, int], str] | None = None, in_place: bool = False) -> None:
-        """`in_place`: failure.replace_in_place (a hang whose silent culprits are ended is a replacement)."""
+                 on_culprit_node: Callable[[Answer, int, int], str] | None = None, in_place: bool = False,
+                 state: Callable[[str, int], str] = stacks.state_on_node) -> None:
+        """`in_place`: failure.replace_in_place (a hang whose silent culprits are ended is a replacement).
+        `state`: a process's kernel state on its node (a heartbeat's silence is a hang only when stopped)."""
         self.run = RunDir(storage, name)
         self.rank, self.world, self.events = rank, world, events
         self.group = group or group_key()
         self.dir = f"{HANG_DIR}/{self.group}"
         self.here = here or _ray_here
-        self.inspect, self.end, self.on_culprit_node = inspect, end, on_culprit_node
+        self.inspect, self.end, self.on_culprit_node, self.state = inspect, end, on_culprit_node, state
+        self.confirmed_at = 0.0  # when `stopped` last read the silent ranks' processes (monotonic)
         self.started = time.time()
         self.answer_s, self.look_every_s = ANSWER_S, 1.0
         self.verdict_s, self.silent_read_s = VERDICT_S, SILENT_READ_S
@@ -188,6 +192,24 @@ class HangCourt:
         self.run.write_json(f"{self.dir}/rank-{self.rank}.json", {"rank": self.rank, "node": node, "node_id": node_id,
                                                                   "pid": os.getpid(), "host": socket.gethostname(),
                                                                   "at": time.time()})
+
+    def stopped(self, silent: Sequence[int]) -> list[int]:
+        """The `silent` ranks (their heartbeat unheard) whose process is stopped on its node: only those are
+        a heartbeat's hang (heartbeat.stopped). Read at most every CONFIRM_EVERY_S (a Ray task per rank); a
+        rank that cannot be read is not stopped as far as this knows (the step deadline still guards it)."""
+        if time.monotonic() - self.confirmed_at < CONFIRM_EVERY_S:
+            return []
+        self.confirmed_at = time.monotonic()
+        out = []
+        for r in silent:
+            info = self._read(f"rank-{r}.json") or {}
+            node_id, pid = info.get("node_id"), stacks.plain_pid(info.get("pid"))
+            try:
+                if isinstance(node_id, str) and node_id and pid and stopped(self.state(node_id, pid)):
+                    out.append(r)
+            except Exception:  # noqa: BLE001 - a node gone, Ray busy: no hang declared on a guess
+                continue
+        return out
 
     def declaration(self) -> dict[str, Any] | None:
         return self._read("declared.json")  # a reused group key must not find the old hang

@@ -21,6 +21,10 @@ so first (tidal/gil.py): its watcher does not judge it meanwhile, and gives it a
 The store's host is named once a call to it has waited the whole deadline (a stopped host never
 answers); the asking thread's own stall is seen too, and it judges nothing then.
 
+A silence is a hang only once the silent rank's process is seen stopped on its node (`stopped`): under
+load a running process's beat went unheard for 5 s (a false hang that ended a healthy job), and a rank
+that died with its node was declared hung. Anything else is left to the step deadline.
+
 A rank that finds one silent raises the store's `hang` flag before declaring the hang (the court,
 worker/health/hang.py), so that every other live rank answers it at its next beat instead of when
 its own step deadline is half gone. Nothing is judged before the watching rank's first finished step
@@ -53,6 +57,14 @@ def generation_suffix() -> str:
     generation = os.environ.get(GENERATION_ENV)
     return f"-gen{generation}" if generation else ""
 
+
+
+def stopped(state: str) -> bool:
+    """Whether a silent rank's process, as its node's kernel shows it (stacks.process_state's text),
+    is stopped (SIGSTOP, a debugger): the one silence a heartbeat declares a hang. A process that runs
+    but whose beat got no CPU (a loaded node), or that is gone (Ray Train sees a death), is not; a rank
+    wedged holding the GIL is left to the step deadline, which the other ranks' waits still meet."""
+    return state.startswith(("state T", "state t"))
 
 
 @dataclass(frozen=True)

@@ -158,6 +158,19 @@ def inspect_on_node(node_id: str, pid: int, timeout_s: float = 30.0) -> dict[str
     return ray.get(task.remote(pid), timeout=timeout_s)
 
 
+def state_on_node(node_id: str, pid: int, timeout_s: float = 10.0) -> str:
+    """`process_state(pid)` on node `node_id`, through a Ray task placed there: the kernel's view
+    alone, without py-spy (a heartbeat's silence is confirmed by it before a hang is declared)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    if plain_pid(pid) is None:
+        raise ValueError(f"{pid!r} is not a process id")
+    task = ray.remote(num_cpus=0, max_retries=0)(process_state).options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False), name="tidal-read-silent-rank")
+    return ray.get(task.remote(pid), timeout=timeout_s)
+
+
 def end_process(pid: int, proc: Path = Path("/proc")) -> str:
     """SIGKILL process `pid` on this node, if it is a Ray Train worker (its command line says
     RayTrainWorker): a hung rank that stopped answering, ended so that Ray's teardown of the group does

@@ -105,6 +105,7 @@ class Court(Protocol):
     replacing: bool  # the last verdict replaces the hang's culprits in place: this rank lives on
 
     def armed(self) -> None: ...
+    def stopped(self, silent: Sequence[int]) -> list[int]: ...
     def answer_if_declared(self, step: int) -> bool: ...
     def wait_for_verdict(self) -> str: ...
     def declare(self, step: int, said: str, stalled_s: float = 0.0, silent: Sequence[int] = ()) -> str: ...
@@ -225,6 +226,8 @@ class StepWatchdog:
             if what is None and overdue and self.court.answer_if_declared(self.step):
                 self._carry_out(self.court.wait_for_verdict())
                 return
+        if what is None and silent and pulse is not None and self.court is not None:
+            silent = self.court.stopped(silent)  # a silence is a hang only where the process is stopped
         if what is None and silent and pulse is not None:
             what = "heartbeat"
             names = f"rank {silent[0]}" if len(silent) == 1 else "ranks " + ", ".join(map(str, silent))
