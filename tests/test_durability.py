@@ -61,3 +61,30 @@ def test_no_fsync_on_object_store(bucket, monkeypatch):
     fs.write_json(store, path, {"step": 3})
     assert fs.read_json(store, path) == {"step": 3}
     assert calls == []
+
+
+def test_two_threads_of_one_process_write_one_document_at_once(tmp_path):
+    """Seen at a job's clean end: the lease's renewal thread and the driver's release wrote the lease file at
+    once, both through `.<name>.<pid>.tmp`, and one rename found its temporary file renamed away by the other
+    ("could not renew job's lease ... Failed renaming ... .tmp"). Each write has a temporary file of its own."""
+    import threading
+
+    target = str(tmp_path / "lease.json")
+    local = pafs.LocalFileSystem()
+    errors: list[BaseException] = []
+
+    def writer(n: int) -> None:
+        for i in range(200):
+            try:
+                fs.write_json(local, target, {"writer": n, "i": i, "pad": "x" * 4096})
+            except BaseException as e:  # noqa: BLE001 - what the test looks for
+                errors.append(e)
+
+    threads = [threading.Thread(target=writer, args=(n,)) for n in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert json.loads((tmp_path / "lease.json").read_text())["i"] == 199
+    assert not list(tmp_path.glob(".*.tmp")), "a temporary file left behind"

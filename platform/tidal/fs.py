@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import threading
 import urllib.parse
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
@@ -132,7 +133,9 @@ def write_json(fs: pafs.FileSystem, path: str, data: Any, indent: int | None = 2
         with fs.open_output_stream(path) as f:
             f.write(blob)
         return
-    tmp = f"{parent}/.{path.rsplit('/', 1)[1]}.{os.getpid()}.tmp"
+    # One temporary file per write, not per process: two threads writing one document at once (a lease's
+    # renewal and its release) renamed each other's away when the name held the pid alone.
+    tmp = f"{parent}/.{path.rsplit('/', 1)[1]}.{os.getpid()}-{threading.get_ident()}.tmp"
     with fs.open_output_stream(tmp) as f:
         f.write(blob)
     if DURABLE:
