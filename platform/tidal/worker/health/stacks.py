@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -150,25 +150,15 @@ def _py_spy_dump(tool: str, pid: int, mode: str) -> str:
 def inspect_on_node(node_id: str, pid: int, timeout_s: float = 30.0) -> dict[str, Any]:
     """`inspect_process(pid)` on node `node_id`, through a Ray task placed there (a process's
     /proc and memory are readable on its own node only)."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    task = ray.remote(num_cpus=0, max_retries=0)(inspect_process).options(
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False), name="tidal-inspect-hung-rank")
-    return ray.get(task.remote(pid), timeout=timeout_s)
+    return _on_node(inspect_process, "tidal-inspect-hung-rank", node_id, pid, timeout_s)
 
 
 def state_on_node(node_id: str, pid: int, timeout_s: float = 10.0) -> str:
     """`process_state(pid)` on node `node_id`, through a Ray task placed there: the kernel's view
     alone, without py-spy (a heartbeat's silence is confirmed by it before a hang is declared)."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
     if plain_pid(pid) is None:
         raise ValueError(f"{pid!r} is not a process id")
-    task = ray.remote(num_cpus=0, max_retries=0)(process_state).options(
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False), name="tidal-read-silent-rank")
-    return ray.get(task.remote(pid), timeout=timeout_s)
+    return _on_node(process_state, "tidal-read-silent-rank", node_id, pid, timeout_s)
 
 
 def end_process(pid: int, proc: Path = Path("/proc")) -> str:
@@ -189,9 +179,14 @@ def end_process(pid: int, proc: Path = Path("/proc")) -> str:
 
 def end_on_node(node_id: str, pid: int, timeout_s: float = 10.0) -> str:
     """`end_process(pid)` on node `node_id`, through a Ray task placed there."""
+    return _on_node(end_process, "tidal-end-hung-rank", node_id, pid, timeout_s)
+
+
+def _on_node(fn: Callable[[int], Any], name: str, node_id: str, pid: int, timeout_s: float) -> Any:
+    """`fn(pid)` as a Ray task named `name` on node `node_id` (pinned: a process is seen on its own node only)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    task = ray.remote(num_cpus=0, max_retries=0)(end_process).options(
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False), name="tidal-end-hung-rank")
+    task = ray.remote(num_cpus=0, max_retries=0)(fn).options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False), name=name)
     return ray.get(task.remote(pid), timeout=timeout_s)
